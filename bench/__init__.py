@@ -1,0 +1,1 @@
+"""renderqueue benchmarks: `python -m bench all [--quick]`."""

@@ -1,0 +1,13 @@
+"""The C extension lives here because setuptools declares ext_modules in setup.py."""
+
+from setuptools import Extension, setup
+
+setup(
+    ext_modules=[
+        Extension(
+            "shm._atomics",
+            sources=["shm/_atomics.c"],
+            extra_compile_args=["-O2", "-std=c11"],
+        )
+    ]
+)

@@ -1,0 +1,93 @@
+"""The one interface both durable backends implement (SQLite now, PostgreSQL for clusters)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import msgspec
+
+from store.rows import Completion, FeedEvent, Route, Row, RowWrite
+
+
+class Cursor(msgspec.Struct, frozen=True):
+    """An opaque feed position. Only the backend that issued it reads `token`."""
+
+    token: str
+
+
+class FeedBatch(msgspec.Struct, frozen=True, kw_only=True):
+    events: list[FeedEvent]
+    cursor: Cursor  # the position after the last event; save it to resume there
+
+
+class CursorBelowFloor(Exception):
+    """The log below this cursor was pruned: replaying from it would be short."""
+
+
+class CursorAhead(Exception):
+    """The cursor is past the log's end (the sequence rolled back): resync fully."""
+
+
+class Subscription(Protocol):
+    """A consumer's open change feed. Not thread-safe; one reader."""
+
+    @property
+    def cursor(self) -> Cursor: ...
+
+    def poll(self, limit: int = 1000) -> FeedBatch:
+        """Events after the cursor in commit order, each carrying current state."""
+        ...
+
+    def wait(self, timeout_s: float) -> bool:
+        """Block until a commit may have happened (a hint) or the timeout passes."""
+        ...
+
+    def save(self) -> None:
+        """Persist the cursor for this consumer; pruning may remove what is below it."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class ScheduleStore(Protocol):
+    def write(self, upsert: Sequence[RowWrite] = (), delete: Sequence[str] = ()) -> None:
+        """All or nothing, in one transaction; each written row's version increases."""
+        ...
+
+    def complete(self, items: Sequence[Completion]) -> list[Row | None]:
+        """Apply render results in one transaction; returns each key's row afterwards."""
+        ...
+
+    def get(self, key: str) -> Row | None: ...
+
+    def get_many(self, keys: Sequence[str]) -> dict[str, Row]: ...
+
+    def walk(self, after: str | None, limit: int) -> list[Row]:
+        """Rows with key > after, by primary key, at most `limit`."""
+        ...
+
+    def count(self) -> int: ...
+
+    def routes(self) -> list[Route]: ...
+
+    def set_route(
+        self, route: str, *, default_cadence_s: int | None = None, paused: bool | None = None
+    ) -> Route: ...
+
+    def default_cadence_s(self) -> int: ...
+
+    def set_default_cadence_s(self, seconds: int) -> None: ...
+
+    def feed_head(self) -> Cursor:
+        """The position just after the last committed event."""
+        ...
+
+    def subscribe(self, consumer: str, cursor: Cursor | None = None) -> Subscription:
+        """Open the feed at `cursor` (or the consumer's saved cursor, or the head).
+
+        Raises CursorBelowFloor or CursorAhead rather than replaying short.
+        """
+        ...
+
+    def close(self) -> None: ...
