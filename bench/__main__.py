@@ -1,0 +1,208 @@
+"""The bench runner: `python -m bench all [--quick]` or `python -m bench <section> [--quick]`.
+
+Each section runs in its own process, so one section's memory and threads never
+bleed into the next one's figures. A section fails the run when it exits
+non-zero, writes no JSON, or leaves a promised row unmeasured without saying it
+is pending. `--quick` checks that every row is produced, never what it says.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+
+from bench import report
+
+SECTIONS = ("store", "shm", "keeper", "node", "peers", "churn")
+BENCH_DIR = Path(__file__).resolve().parent
+QUICK_TIMEOUT_S = 420
+FULL_TIMEOUT_S = 4 * 3600
+
+
+class SectionRun(msgspec.Struct, kw_only=True):
+    section: str
+    status: str  # ok | failed | not built yet | missing rows | timed out
+    elapsed_s: float = 0.0
+    returncode: int | None = None
+    gaps: list[str] = []
+    pending: dict[str, str] = {}
+    results: str = ""  # the section's JSON, relative to the repository
+    detail: str = ""
+
+
+class Summary(msgspec.Struct, kw_only=True):
+    quick: bool
+    command: str
+    started_at_ms: int
+    elapsed_s: float
+    ok: bool
+    sections: list[SectionRun]
+    machine: dict[str, str]
+
+
+def is_built(section: str) -> bool:
+    return (BENCH_DIR / f"{section}.py").is_file()
+
+
+def run_section(section: str, quick: bool, timeout_s: float) -> tuple[SectionRun, str]:
+    """Run one section in a child process; returns its record and its markdown."""
+    if not is_built(section):
+        report.progress(f"{section}: not built yet (no bench/{section}.py)")
+        return SectionRun(section=section, status="not built yet"), ""
+    path = report.results_path(section, quick)
+    # A stale file from an earlier run must never pass for this run's output.
+    path.unlink(missing_ok=True)
+    command = [sys.executable, "-m", f"bench.{section}", *(["--quick"] if quick else [])]
+    report.progress(f"{section}: running {' '.join(command[1:])}")
+    started = time.monotonic()
+    try:
+        # stderr is inherited so the section's progress shows live; stdout is its tables.
+        done = subprocess.run(
+            command,
+            cwd=BENCH_DIR.parent,
+            stdout=subprocess.PIPE,
+            text=True,
+            timeout=timeout_s,
+            env=os.environ.copy(),
+        )
+    except subprocess.TimeoutExpired as exc:
+        elapsed = round(time.monotonic() - started, 1)
+        out = exc.stdout if isinstance(exc.stdout, str) else ""
+        report.progress(f"{section}: TIMED OUT after {elapsed} s")
+        return SectionRun(section=section, status="timed out", elapsed_s=elapsed), out
+    elapsed = round(time.monotonic() - started, 1)
+    record = SectionRun(
+        section=section,
+        status="ok",
+        elapsed_s=elapsed,
+        returncode=done.returncode,
+        results=str(path.relative_to(BENCH_DIR.parent)),
+    )
+    stdout = done.stdout or ""
+    if stdout:
+        sys.stdout.write(stdout)
+        sys.stdout.flush()
+    if not path.is_file():
+        record.status = "failed"
+        record.detail = f"wrote no {record.results}"
+    else:
+        record, stdout = _check(record, path, stdout)
+    if done.returncode != 0 and record.status == "ok":
+        record.status = "failed"
+        record.detail = f"exit status {done.returncode}"
+    report.progress(f"{section}: {record.status} in {elapsed} s {record.detail}".rstrip())
+    return record, stdout
+
+
+def _check(record: SectionRun, path: Path, stdout: str) -> tuple[SectionRun, str]:
+    try:
+        result = report.load(path)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        # A section that writes its own JSON shape still ran; its rows cannot be checked.
+        record.detail = f"rows unchecked: {path.name} is not a bench.report result ({exc})"
+        if "|" not in stdout:
+            record.status = "missing rows"
+            record.gaps = ["printed no markdown table"]
+        return record, stdout
+    record.pending = dict(result.pending)
+    record.gaps = report.missing(result)
+    if not result.figures:
+        record.gaps.append("produced no rows")
+    if record.gaps:
+        record.status = "missing rows"
+        record.detail = f"{len(record.gaps)} promised figure(s) not produced"
+    return record, report.markdown(result)
+
+
+def write_summary(summary: Summary, tables: list[tuple[str, str]]) -> Path:
+    stem = "summary-quick" if summary.quick else "summary"
+    report.RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    json_path = report.RESULTS_DIR / f"{stem}.json"
+    json_path.write_bytes(msgspec.json.format(msgspec.json.encode(summary), indent=1))
+    lines = [
+        "# renderqueue benchmarks" + (" (quick)" if summary.quick else ""),
+        "",
+        f"Made by `{summary.command}` in {summary.elapsed_s:.0f} s on "
+        f"{summary.machine.get('cpus', '?')} CPUs ({summary.machine.get('platform', '')}), "
+        f"load {summary.machine.get('load_avg_1m', '?')} at the start. "
+        "Method and caveats: `bench/README.md`.",
+        "",
+        "| section | status | time (s) | note |",
+        "|---|---|---|---|",
+    ]
+    for run in summary.sections:
+        note = run.detail or ("; ".join(f"{k}: {v}" for k, v in run.pending.items()))
+        lines.append(f"| {run.section} | {run.status} | {run.elapsed_s:.0f} | {note} |")
+    lines.append("")
+    for run in summary.sections:
+        if run.gaps:
+            lines.append(f"Missing in {run.section}:")
+            lines.extend(f"- {gap}" for gap in run.gaps)
+            lines.append("")
+    for section, markdown in tables:
+        if markdown.strip():
+            lines += [f"## {section}", "", markdown.strip(), ""]
+    md_path = report.RESULTS_DIR / f"{stem}.md"
+    md_path.write_text("\n".join(lines))
+    return md_path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    parser.add_argument("section", help=f"'all' or one of: {', '.join(SECTIONS)}")
+    parser.add_argument("--quick", action="store_true", help="scaled down; checks rows only")
+    parser.add_argument("--timeout", type=float, default=None, help="per section, seconds")
+    args = parser.parse_args(argv)
+    quick: bool = args.quick
+    timeout_s = args.timeout or (QUICK_TIMEOUT_S if quick else FULL_TIMEOUT_S)
+    if args.section == "all":
+        sections: tuple[str, ...] = SECTIONS
+    elif args.section in SECTIONS or is_built(args.section):
+        sections = (args.section,)
+    else:
+        parser.error(f"no section {args.section!r}; known: {', '.join(SECTIONS)}")
+    started_ms = report.now_ms()
+    machine = report.machine_info()
+    runs: list[SectionRun] = []
+    tables: list[tuple[str, str]] = []
+    for position, section in enumerate(sections, 1):
+        report.progress(f"section {position}/{len(sections)}: {section}")
+        record, markdown = run_section(section, quick, timeout_s)
+        runs.append(record)
+        tables.append((section, markdown))
+    failed = [r for r in runs if r.status not in ("ok", "not built yet")]
+    command = "make bench-quick" if quick and args.section == "all" else "make bench"
+    if args.section != "all":
+        command = f".venv/bin/python -m bench {args.section}" + (" --quick" if quick else "")
+    summary = Summary(
+        quick=quick,
+        command=command,
+        started_at_ms=started_ms,
+        elapsed_s=round((report.now_ms() - started_ms) / 1000, 1),
+        ok=not failed,
+        sections=runs,
+        machine=machine,
+    )
+    if args.section == "all":
+        path = write_summary(summary, tables)
+        report.progress(f"summary: {path}")
+    for run in runs:
+        report.progress(f"  {run.section:8} {run.status:14} {run.elapsed_s:7.1f} s  {run.detail}")
+        for gap in run.gaps:
+            report.progress(f"      missing: {gap}")
+        for what, why in run.pending.items():
+            report.progress(f"      pending: {what}: {why}")
+    if failed:
+        report.progress(f"FAILED: {', '.join(r.section for r in failed)}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
