@@ -1,0 +1,130 @@
+"""The workload every peer gets, and the two faces a peer shows the harness.
+
+A `Peer` lives in the parent: it creates its tables, loads the rows, churns
+them and drops everything at the end. A `Claimant` lives in a claimant process
+(or in the parent for the growth probe): it claims due keys, pushing each one's
+due time to its lease's end, and completes them, rescheduling by cadence.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import uuid
+from collections.abc import Iterator
+from typing import Protocol
+
+import msgspec
+
+ROUTES = (("product", 3600), ("category", 21600), ("article", 86400), ("search", 604800))
+KEY_PREFIX = "https://shop.example.com/"
+DEFAULT_LEASE_MS = 15 * 60 * 1000  # outlives every arm, so no lease lapses mid-run
+PG_DSN = os.environ.get("RENDERQUEUE_TEST_PG", "postgresql://postgres@127.0.0.1:5432/test")
+REDIS_URL = os.environ.get("RENDERQUEUE_BENCH_REDIS", "redis://127.0.0.1:6379/0")
+
+
+class Workload(msgspec.Struct, frozen=True, kw_only=True):
+    """`rows` rows, `due_fraction` of them due at `now_ms`, the rest due within a cadence."""
+
+    rows: int
+    now_ms: int
+    due_fraction: float = 0.2
+    seed: int = 7
+
+
+class Rows(msgspec.Struct, kw_only=True):
+    """The workload's rows as columns (cheap to build and to hand to a bulk load)."""
+
+    keys: list[str]
+    routes: list[str]
+    cadences_s: list[int]
+    sitemaps: list[bool]
+    next_render_at: list[int]
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def chunks(self, size: int) -> Iterator[range]:
+        for start in range(0, len(self.keys), size):
+            yield range(start, min(start + size, len(self.keys)))
+
+
+def key_of(index: int) -> str:
+    route = ROUTES[index % len(ROUTES)][0]
+    return f"{KEY_PREFIX}{route}/{index:08d}-item"
+
+
+def due_at(rng: random.Random, now_ms: int, cadence_s: int, due_fraction: float) -> int:
+    """Due `due_fraction` of the time (up to a cadence late), else within the next cadence."""
+    return now_ms + int((rng.random() - due_fraction) * cadence_s * 1000)
+
+
+def generate(workload: Workload) -> Rows:
+    rng = random.Random(workload.seed)
+    rows = Rows(keys=[], routes=[], cadences_s=[], sitemaps=[], next_render_at=[])
+    for index in range(workload.rows):
+        route, cadence_s = ROUTES[index % len(ROUTES)]
+        rows.keys.append(key_of(index))
+        rows.routes.append(route)
+        rows.cadences_s.append(cadence_s)
+        rows.sitemaps.append(index % 3 == 0)
+        rows.next_render_at.append(due_at(rng, workload.now_ms, cadence_s, workload.due_fraction))
+    return rows
+
+
+def churn_plan(workload: Workload, rows: Rows, fraction: float) -> list[tuple[int, int]]:
+    """(row index, new due time) for `fraction` of the rows, keeping the due share."""
+    rng = random.Random(workload.seed + 1)
+    picked = rng.sample(range(len(rows)), int(len(rows) * fraction))
+    return [
+        (i, due_at(rng, workload.now_ms, rows.cadences_s[i], workload.due_fraction)) for i in picked
+    ]
+
+
+def due_count(rows: Rows, now_ms: int) -> int:
+    return sum(1 for due in rows.next_render_at if due <= now_ms)
+
+
+def unique_suffix() -> str:
+    return f"{os.getpid()}_{uuid.uuid4().hex[:8]}"
+
+
+def reachable(host: str, port: int) -> str | None:
+    """None when a TCP connection opens, else why it did not."""
+    try:
+        socket.create_connection((host, port), timeout=2).close()
+    except OSError as exc:
+        return f"{host}:{port} unreachable ({exc})"
+    return None
+
+
+class Spec(msgspec.Struct, frozen=True, kw_only=True):
+    """What a claimant process needs to connect to a loaded peer (picklable, small)."""
+
+    kind: str
+    params: dict[str, str] = {}
+
+
+class Claimant(Protocol):
+    def claim(self, n: int, now_ms: int, lease_ms: int) -> list[str]:
+        """Up to n due keys, most overdue first, each pushed to now_ms + lease_ms."""
+        ...
+
+    def complete(self, keys: list[str], now_ms: int) -> None:
+        """Each key rendered: due again one cadence from now."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class Peer(Protocol):
+    name: str
+
+    def load(self, rows: Rows) -> None: ...
+
+    def churn(self, rows: Rows, plan: list[tuple[int, int]]) -> None: ...
+
+    def spec(self) -> Spec: ...
+
+    def drop(self) -> None: ...
