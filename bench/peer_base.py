@@ -50,9 +50,19 @@ class Rows(msgspec.Struct, kw_only=True):
             yield range(start, min(start + size, len(self.keys)))
 
 
+SLUGS = (
+    "organic-cotton-crew-neck-t-shirt",
+    "stainless-steel-water-bottle-750ml",
+    "wireless-noise-cancelling-headphones",
+    "handmade-ceramic-coffee-mug-set",
+    "waterproof-hiking-boots-women",
+)
+
+
 def key_of(index: int) -> str:
+    """A realistic URL of 70 to 90 bytes: `https://shop.example.com/<route>/<slug>-<id>`."""
     route = ROUTES[index % len(ROUTES)][0]
-    return f"{KEY_PREFIX}{route}/{index:08d}-item"
+    return f"{KEY_PREFIX}{route}/{SLUGS[index % len(SLUGS)]}-{index:08d}"
 
 
 def due_at(rng: random.Random, now_ms: int, cadence_s: int, due_fraction: float) -> int:

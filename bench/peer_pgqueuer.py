@@ -18,8 +18,9 @@ from typing import Any
 
 import psycopg
 from pgqueuer.adapters.persistence import qb
-from pgqueuer.adapters.persistence.queries import EntrypointExecutionParameter, Queries
+from pgqueuer.adapters.persistence.queries import Queries
 from pgqueuer.domain.settings import DBSettings
+from pgqueuer.ports.repository import EntrypointExecutionParameter
 
 from bench.peer_base import PG_DSN, ROUTES, Rows, Spec, unique_suffix
 
