@@ -1,0 +1,163 @@
+"""`renderqueue fleet`: a render fleet against one node, running a command per key or
+simulating renders, with live progress and a graceful stop on SIGINT / SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import socket
+import sys
+from collections.abc import Callable
+
+import msgspec
+
+from fleet.client import AsyncFleetClient
+from fleet.progress import ProgressPrinter, progress_line
+from fleet.renderers import CommandRenderer, Renderer, SimulatedRenderer
+from fleet.runner import FleetConfig, FleetRunner
+
+TOKEN_ENV = "RENDERQUEUE_FLEET_TOKEN"
+ADMIN_TOKEN_ENV = "RENDERQUEUE_ADMIN_TOKEN"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="renderqueue fleet",
+        description="Claim due keys from a node, render them, report back.",
+    )
+    parser.add_argument(
+        "--node", required=True, help="the node's base URL, e.g. http://127.0.0.1:8080"
+    )
+    parser.add_argument("--concurrency", type=int, default=8, help="renders at once (default 8)")
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument(
+        "--exec",
+        dest="command",
+        metavar='"CMD {key}"',
+        help="run CMD per key ({key}, {route} substituted; no shell): exit 0 rendered, "
+        "--gone-exit gone, anything else failed",
+    )
+    mode.add_argument("--simulate", action="store_true", help="pretend to render (demos, load)")
+    parser.add_argument("--render-ms", type=float, default=800.0, help="simulated mean render time")
+    parser.add_argument(
+        "--failure-rate", type=float, default=0.02, help="simulated failure probability"
+    )
+    parser.add_argument("--seed", type=int, default=None, help="simulation random seed")
+    parser.add_argument("--gone-exit", type=int, default=10, help="exit status meaning gone (10)")
+    parser.add_argument(
+        "--render-timeout", type=float, default=120.0, help="kill a command after S seconds"
+    )
+    parser.add_argument("--token", default=None, help=f"fleet token (default ${TOKEN_ENV})")
+    parser.add_argument(
+        "--admin-token",
+        default=None,
+        help=f"token for queue-state in the progress view (default ${ADMIN_TOKEN_ENV}, "
+        "else the fleet token)",
+    )
+    parser.add_argument("--worker", default=None, help="worker name (default host-pid)")
+    parser.add_argument("--lease-s", type=int, default=300, help="lease length, 5..3600 (300)")
+    parser.add_argument("--wait-s", type=int, default=10, help="claim long-poll, 0..30 (10)")
+    parser.add_argument("--grace-s", type=float, default=30.0, help="stop's grace period (30)")
+    parser.add_argument("--duration", type=float, default=None, help="stop after S seconds")
+    parser.add_argument(
+        "--progress-every", type=float, default=None, help="seconds between progress lines"
+    )
+    parser.add_argument(
+        "--stats-json", action="store_true", help="print the final statistics as JSON"
+    )
+    parser.add_argument("--quiet", action="store_true", help="no per-failure lines")
+    return parser
+
+
+def _renderer(args: argparse.Namespace) -> Renderer:
+    if args.simulate:
+        import random
+
+        return SimulatedRenderer(
+            mean_ms=args.render_ms,
+            failure_rate=args.failure_rate,
+            rng=random.Random(args.seed),
+        )
+    return CommandRenderer(args.command, timeout_s=args.render_timeout, gone_exit=args.gone_exit)
+
+
+async def _run(args: argparse.Namespace, renderer: Renderer, printer: ProgressPrinter) -> int:
+    token = args.token or os.environ.get(TOKEN_ENV)
+    admin_token = args.admin_token or os.environ.get(ADMIN_TOKEN_ENV)
+    config = FleetConfig(
+        concurrency=args.concurrency,
+        lease_s=args.lease_s,
+        wait_s=args.wait_s,
+        grace_s=args.grace_s,
+    )
+    worker = args.worker or f"{socket.gethostname()}-{os.getpid()}"
+    client = AsyncFleetClient(
+        args.node.rstrip("/"),
+        token=token,
+        admin_token=admin_token,
+        worker=worker,
+        max_connections=max(8, min(args.concurrency, 64) + 4),
+    )
+    log = _quiet(printer.log) if args.quiet else printer.log
+    runner = FleetRunner(client, renderer, config, log=log)
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, runner.request_stop)
+    printer.log(
+        f"fleet {worker}: {args.concurrency} at once against {args.node} "
+        f"({'simulated' if args.simulate else args.command}); Ctrl-C stops gracefully"
+    )
+    display = asyncio.create_task(
+        printer.run(lambda: progress_line(runner.statistics(), runner.node_view))
+    )
+    timer = None
+    if args.duration is not None:
+        timer = loop.call_later(args.duration, runner.request_stop)
+    try:
+        stats = await runner.run()
+    finally:
+        display.cancel()
+        if timer is not None:
+            timer.cancel()
+        await client.aclose()
+    printer.finish("stopped: " + progress_line(stats, runner.node_view))
+    if args.stats_json:
+        sys.stdout.write(msgspec.json.encode(stats).decode() + "\n")
+        sys.stdout.flush()
+    if stats.fatal:
+        printer.log(f"error: {stats.fatal}")
+        return 1
+    return 0
+
+
+def _quiet(log: Callable[[str], None]) -> Callable[[str], None]:
+    """Keep the stop and fatal lines, drop the per-render failure lines."""
+
+    def filtered(message: str) -> None:
+        if not message.startswith("failed "):
+            log(message)
+
+    return filtered
+
+
+def main(argv: list[str]) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.concurrency < 1:
+        parser.error("--concurrency must be at least 1")
+    if not 5 <= args.lease_s <= 3600:
+        parser.error("--lease-s must be within 5..3600")
+    if not 0 <= args.wait_s <= 30:
+        parser.error("--wait-s must be within 0..30")
+    try:
+        renderer = _renderer(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    printer = ProgressPrinter(sys.stdout, every_s=args.progress_every)
+    return asyncio.run(_run(args, renderer, printer))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

@@ -1,0 +1,130 @@
+"""What a fleet does with a lease: run a command for it, or pretend to (for demos and load).
+
+A renderer is `async (lease) -> RenderResult`. Cancelling it (a lost lease, the end
+of a stop's grace period) must stop the work: the command renderer kills its
+process group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import os
+import random
+import shlex
+import signal
+from collections.abc import Awaitable, Callable
+
+import msgspec
+
+from fleet.messages import Lease, Outcome
+
+KILL_GRACE_S = 2.0
+STDERR_TAIL_BYTES = 2_000
+
+
+class RenderResult(msgspec.Struct, frozen=True, kw_only=True):
+    outcome: Outcome
+    detail: str = ""  # for a failure: exit status, the tail of stderr, the exception
+
+
+Renderer = Callable[[Lease], Awaitable[RenderResult]]
+
+
+class SimulatedRenderer:
+    """Render times drawn from a log-normal distribution with the given mean (a render
+    farm's shape: most near the median, a long tail), failing with probability p."""
+
+    def __init__(
+        self,
+        *,
+        mean_ms: float = 800.0,
+        failure_rate: float = 0.02,
+        sigma: float = 0.5,
+        rng: random.Random | None = None,
+    ) -> None:
+        if mean_ms < 0 or not 0.0 <= failure_rate <= 1.0:
+            raise ValueError("mean_ms must be >= 0 and failure_rate within [0, 1]")
+        self.mean_ms = mean_ms
+        self.failure_rate = failure_rate
+        self._sigma = sigma
+        # a log-normal's mean is exp(mu + sigma^2 / 2)
+        self._mu = math.log(mean_ms) - sigma * sigma / 2 if mean_ms > 0 else 0.0
+        self._rng = rng or random.Random()
+
+    def draw_ms(self) -> float:
+        if self.mean_ms <= 0:
+            return 0.0
+        return self._rng.lognormvariate(self._mu, self._sigma)
+
+    async def __call__(self, lease: Lease) -> RenderResult:
+        await asyncio.sleep(self.draw_ms() / 1000)
+        if self._rng.random() < self.failure_rate:
+            return RenderResult(outcome="failed", detail="simulated failure")
+        return RenderResult(outcome="rendered")
+
+
+def command_arguments(template: str, lease: Lease) -> list[str]:
+    """The template split shell-style, then {key} / {route} substituted per argument.
+
+    No shell ever sees the key: a URL from a sitemap is untrusted text, and as one
+    argv element it cannot become a second command.
+    """
+    arguments = shlex.split(template)
+    if not arguments:
+        raise ValueError("the --exec command is empty")
+    return [arg.replace("{key}", lease.key).replace("{route}", lease.route) for arg in arguments]
+
+
+class CommandRenderer:
+    """Runs a command per key; exit 0 is rendered, `gone_exit` is gone, else failed."""
+
+    def __init__(
+        self, template: str, *, timeout_s: float = 120.0, gone_exit: int | None = 10
+    ) -> None:
+        if "{key}" not in template:
+            raise ValueError('the --exec command must contain {key}, e.g. "render.sh {key}"')
+        shlex.split(template)  # raises ValueError on unbalanced quotes, before any claim
+        self.template = template
+        self.timeout_s = timeout_s
+        self.gone_exit = gone_exit
+
+    async def __call__(self, lease: Lease) -> RenderResult:
+        process = await asyncio.create_subprocess_exec(
+            *command_arguments(self.template, lease),
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE,
+            start_new_session=True,  # its own process group, so a kill reaches its children
+        )
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                _, stderr = await process.communicate()
+        except TimeoutError:
+            await _kill(process)
+            return RenderResult(outcome="failed", detail=f"timed out after {self.timeout_s:g} s")
+        except asyncio.CancelledError:
+            await _kill(process)
+            raise
+        status = process.returncode
+        if status == 0:
+            return RenderResult(outcome="rendered")
+        if self.gone_exit is not None and status == self.gone_exit:
+            return RenderResult(outcome="gone")
+        tail = stderr[-STDERR_TAIL_BYTES:].decode("utf-8", "replace").strip()
+        return RenderResult(outcome="failed", detail=f"exit {status}: {tail}".strip(": "))
+
+
+async def _kill(process: asyncio.subprocess.Process) -> None:
+    if process.returncode is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGTERM)
+    try:
+        async with asyncio.timeout(KILL_GRACE_S):
+            await process.wait()
+    except TimeoutError:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        await process.wait()
