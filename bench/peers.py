@@ -372,8 +372,13 @@ def factories(only: set[str] | None) -> tuple[dict[str, PeerFactory], dict[str, 
     else:
         made[REDIS] = peer_redis.RedisPeer
     if only:
-        made = {name: f for name, f in made.items() if name in only}
+        made = {name: f for name, f in made.items() if selected(name, only)}
     return made, pending
+
+
+def selected(name: str, only: set[str]) -> bool:
+    """`--only` matches a peer's name or a part of it, ignoring case ("redis", "sqlite")."""
+    return any(part.lower() in name.lower() for part in only)
 
 
 def _host_port(url: str, default_port: int) -> tuple[str, int]:
@@ -495,9 +500,7 @@ def main(argv: list[str] | None = None) -> int:
             failures.append(f"{name}: {message}")
             runs[name] = PeerRun(name=name, error=message)
     result.figures = figures({k: v for k, v in runs.items() if not v.error}, config)
-    measured = {OURS, *(name for name in PEER_ORDER if name != OURS)}
-    if only:
-        measured &= only
+    measured = {name for name in PEER_ORDER if not only or selected(name, only)}
     result.promised = [f.key for f in result.figures]
     for name in PEER_ORDER:
         if name not in measured and name not in result.pending:
