@@ -1,1 +1,40 @@
-"""renderqueue: store."""
+"""renderqueue's durable side: the schedule table and its exact change feed.
+
+`open_store(url)` picks the backend; `store.base` is the interface both backends
+implement, `store.rows` the records that cross it.
+"""
+
+from store.base import Cursor, CursorAhead, CursorBelowFloor, FeedBatch, ScheduleStore, Subscription
+from store.errors import SchemaTooNew, StoreBusy, StoreError
+from store.rows import (
+    Completion,
+    FeedEvent,
+    Route,
+    RouteEvent,
+    Row,
+    RowEvent,
+    RowWrite,
+    SettingsEvent,
+)
+from store.url import open_store
+
+__all__ = [
+    "Completion",
+    "Cursor",
+    "CursorAhead",
+    "CursorBelowFloor",
+    "FeedBatch",
+    "FeedEvent",
+    "Route",
+    "RouteEvent",
+    "Row",
+    "RowEvent",
+    "RowWrite",
+    "ScheduleStore",
+    "SchemaTooNew",
+    "SettingsEvent",
+    "StoreBusy",
+    "StoreError",
+    "Subscription",
+    "open_store",
+]

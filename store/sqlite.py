@@ -1,0 +1,471 @@
+"""SqliteStore: the embedded durable schedule (stdlib sqlite3, WAL) and its exact change feed.
+
+Thread-safety: one SqliteStore may be shared by the threads of one process;
+each thread gets its own connection (threading.local), so the keeper thread
+and HTTP handlers never share one. Use a store only in the process that
+opened it (open another after a fork or in a spawned child). A Subscription
+has a connection of its own and serves one reader.
+
+Writes are all or nothing: every batch is one BEGIN IMMEDIATE transaction,
+retried whole while other writers hold the lock (see sqlite_conn). After each
+commit the writer posts the registered consumers' semaphores (see wake).
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TypeVar
+
+import msgspec
+
+from store import sqlite_sql as sql
+from store.base import Cursor
+from store.errors import StoreError
+from store.rows import Completion, Route, Row, RowWrite
+from store.schema import KIND_ROW, migrate, schema_version
+from store.sqlite_conn import Retry, configure, connect
+from store.sqlite_feed import (
+    SqliteSubscription,
+    Verdict,
+    cursor_token,
+    head,
+    judge,
+    parse_cursor,
+    raise_for,
+)
+from store.validate import (
+    check_cadence,
+    check_completions,
+    check_consumer,
+    check_deletes,
+    check_key,
+    check_route_name,
+    check_upserts,
+)
+from store.wake import WakePoster, WakeStatistics, new_wake_name, unlink, wake_prefix
+
+T = TypeVar("T")
+
+DEFAULT_BUSY_TIMEOUT_S = 30.0
+PRUNE_CHUNK = 20_000
+
+
+class StoreStatistics(msgspec.Struct, frozen=True, kw_only=True):
+    path: str
+    schema_version: int
+    rows: int
+    routes: int
+    log_rows: int
+    floor: int  # every log entry at or above it is present
+    head: int  # the last committed log entry
+    consumers: int
+    lowest_consumer_seq: int | None  # pruning never passes it
+    resyncs: int  # cursors found ahead of the log (rolled back), all processes, ever
+    transactions: int  # write transactions committed through this object
+    rows_written: int
+    busy_retries: int  # transactions retried because another writer held the lock
+    pruned: int  # log entries this object removed
+    wake: WakeStatistics
+
+
+class _ThreadState:
+    def __init__(self, conn: sqlite3.Connection, busy_timeout_s: float) -> None:
+        self.conn = conn
+        self.retry = Retry(busy_timeout_s)
+        self.transactions = 0
+        self.rows_written = 0
+        self.last_commit_ns = 0
+
+
+class SqliteStore:
+    """The SQLite backend of `store.base.ScheduleStore`."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        wake_name: str | None = None,
+        busy_timeout_s: float = DEFAULT_BUSY_TIMEOUT_S,
+    ) -> None:
+        text = os.fspath(path)
+        if not text or text == ":memory:" or text.startswith("file:"):
+            raise ValueError(f"SqliteStore needs a database file path, got {text!r}")
+        self.path = Path(text)
+        self.busy_timeout_s = busy_timeout_s
+        self._wake_prefix = wake_prefix(self.path, wake_name)
+        self._pid = os.getpid()
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._states: list[_ThreadState] = []
+        self._poster = WakePoster()
+        self._pruned = 0
+        self._closed = False
+        state = self._state()  # opens, migrates, and refuses a newer schema now
+        self._schema_version = state.retry.call("open", lambda: schema_version(state.conn))
+
+    # -- connections ---------------------------------------------------------------------
+
+    def _state(self) -> _ThreadState:
+        state: _ThreadState | None = getattr(self._local, "state", None)
+        if state is not None:
+            return state
+        if self._closed:
+            raise StoreError(f"the store at {self.path} is closed")
+        if os.getpid() != self._pid:
+            raise StoreError(
+                f"this SqliteStore for {self.path} was opened in process {self._pid}; "
+                "open a new one in each process"
+            )
+        conn = connect(self.path)
+        retry = Retry(self.busy_timeout_s)
+        try:
+            retry.call("open", lambda: configure(conn))
+            retry.call("open", lambda: migrate(conn, str(self.path)))
+        except BaseException:
+            conn.close()
+            raise
+        state = _ThreadState(conn, self.busy_timeout_s)
+        state.retry.retries = retry.retries
+        self._local.state = state
+        with self._lock:
+            self._states.append(state)
+        return state
+
+    def _read(self, what: str, body: Callable[[sqlite3.Connection], T]) -> T:
+        state = self._state()
+        return state.retry.call(what, lambda: body(state.conn))
+
+    def _write(
+        self, what: str, body: Callable[[sqlite3.Connection], T], *, rows: int, logged: bool
+    ) -> T:
+        state = self._state()
+        result = state.retry.transaction(state.conn, what, body, write=True)
+        state.last_commit_ns = time.monotonic_ns()
+        state.transactions += 1
+        state.rows_written += rows
+        if logged:
+            self._wake(state)
+        return result
+
+    def _wake(self, state: _ThreadState) -> None:
+        if self._poster.due():
+            try:
+                names = [n for (n,) in state.conn.execute(sql.WAKE_NAMES)]
+            except sqlite3.OperationalError:
+                names = None  # busy: keep the old list; a wake-up is only a hint
+            if names is not None:
+                self._poster.refresh(names)
+        self._poster.post()
+
+    @property
+    def last_commit_ns(self) -> int:
+        """time.monotonic_ns() just after this thread's last commit (for lag measurements)."""
+        return self._state().last_commit_ns
+
+    # -- the schedule --------------------------------------------------------------------
+
+    def write(self, upsert: Sequence[RowWrite] = (), delete: Sequence[str] = ()) -> None:
+        check_upserts(upsert)
+        check_deletes(delete, upsert)
+        if not upsert and not delete:
+            return
+        params = [
+            (r.key, r.route, r.cadence_s, 1 if r.sitemap else 0, r.next_render_at) for r in upsert
+        ]
+        gone = [(key,) for key in delete]
+
+        def body(conn: sqlite3.Connection) -> None:
+            if len(params) == 1:
+                conn.execute(sql.UPSERT, params[0])
+            elif params:
+                conn.executemany(sql.UPSERT, params)
+            if gone:
+                conn.executemany(sql.DELETE, gone)
+
+        self._write("write", body, rows=len(params) + len(gone), logged=True)
+
+    def complete(self, items: Sequence[Completion]) -> list[Row | None]:
+        check_completions(items)
+        if not items:
+            return []
+
+        def body(conn: sqlite3.Connection) -> list[Row | None]:
+            out: list[Row | None] = []
+            for item in items:
+                if item.outcome == "gone":
+                    conn.execute(sql.DELETE, (item.key,))
+                    out.append(None)
+                    continue
+                if item.outcome == "rendered":
+                    params = {
+                        "key": item.key,
+                        "now": item.now,
+                        "next_render_at": item.next_render_at,
+                    }
+                    found = conn.execute(sql.COMPLETE_RENDERED, params).fetchall()
+                else:
+                    found = conn.execute(sql.COMPLETE_FAILED, {"key": item.key}).fetchall()
+                out.append(sql.row_from(found[0]) if found else None)
+            return out
+
+        return self._write("complete", body, rows=len(items), logged=True)
+
+    def get(self, key: str) -> Row | None:
+        check_key(key)
+        found = self._read("get", lambda conn: conn.execute(sql.GET, (key,)).fetchone())
+        return None if found is None else sql.row_from(found)
+
+    def get_many(self, keys: Sequence[str]) -> dict[str, Row]:
+        if isinstance(keys, str):
+            raise ValueError("get_many: expected a sequence of keys, got one string")
+        for index, key in enumerate(keys):
+            check_key(key, what="get_many", index=index)
+        if not keys:
+            return {}
+        wanted = msgspec.json.encode(list(keys)).decode()
+        found = self._read(
+            "get_many", lambda conn: conn.execute(sql.GET_MANY, (wanted,)).fetchall()
+        )
+        return {values[0]: sql.row_from(values) for values in found}
+
+    def walk(self, after: str | None, limit: int) -> list[Row]:
+        if limit < 1:
+            raise ValueError(f"walk: limit must be at least 1, got {limit}")
+        if after is None:
+            found = self._read("walk", lambda c: c.execute(sql.WALK_FIRST, (limit,)).fetchall())
+        else:
+            found = self._read(
+                "walk", lambda c: c.execute(sql.WALK_AFTER, (after, limit)).fetchall()
+            )
+        return [sql.row_from(values) for values in found]
+
+    def count(self) -> int:
+        return int(
+            self._read(
+                "count", lambda c: c.execute("SELECT count(*) FROM render_schedule")
+            ).fetchone()[0]
+        )
+
+    # -- routes and the global default ---------------------------------------------------
+
+    def routes(self) -> list[Route]:
+        found = self._read("routes", lambda c: c.execute(sql.ROUTES).fetchall())
+        return [sql.route_from(values) for values in found]
+
+    def set_route(
+        self,
+        route: str,
+        *,
+        default_cadence_s: int | None = None,
+        paused: bool | None = None,
+        clear_default_cadence: bool = False,
+    ) -> Route:
+        """Create or change a route. None leaves a field as it is (a new route: no default
+        cadence, not paused); `clear_default_cadence` sends the route back to the global default.
+        """
+        check_route_name(route)
+        check_cadence(default_cadence_s, where="default_cadence_s", optional=True)
+        if paused is not None and not isinstance(paused, bool):
+            raise ValueError(f"paused: must be true or false, got {paused!r}")
+        if clear_default_cadence and default_cadence_s is not None:
+            raise ValueError("default_cadence_s: cannot both set and clear it")
+        params = {
+            "route": route,
+            "cadence": default_cadence_s,
+            "set_cadence": 1 if (default_cadence_s is not None or clear_default_cadence) else 0,
+            "paused": None if paused is None else int(paused),
+        }
+        found = self._write(
+            "set_route",
+            lambda conn: conn.execute(sql.SET_ROUTE, params).fetchall(),
+            rows=1,
+            logged=True,
+        )
+        return sql.route_from(found[0])
+
+    def default_cadence_s(self) -> int:
+        return int(
+            self._read("default", lambda c: c.execute(sql.GET_DEFAULT_CADENCE)).fetchone()[0]
+        )
+
+    def set_default_cadence_s(self, seconds: int) -> None:
+        check_cadence(seconds, where="default_cadence_s", optional=False)
+        self._write(
+            "set_default_cadence_s",
+            lambda conn: conn.execute(sql.SET_DEFAULT_CADENCE, (seconds,)),
+            rows=1,
+            logged=True,
+        )
+
+    # -- the change feed -----------------------------------------------------------------
+
+    def feed_head(self) -> Cursor:
+        seq, stamp = self._state().retry.transaction(
+            self._state().conn, "feed_head", head, write=False
+        )
+        return cursor_token(seq, stamp)
+
+    def subscribe(self, consumer: str, cursor: Cursor | None = None) -> SqliteSubscription:
+        """Open the feed at `cursor`, else at the consumer's saved cursor, else at the head.
+
+        Registers the consumer at that position, so pruning keeps what it has not read.
+        Raises CursorBelowFloor or CursorAhead (counted as a resync) instead of replaying short.
+        """
+        check_consumer(consumer)
+        start = None if cursor is None else parse_cursor(cursor)
+
+        def body(conn: sqlite3.Connection) -> tuple[Verdict, str, int, int, str]:
+            saved = conn.execute(sql.CONSUMER, (consumer,)).fetchone()
+            if start is not None:
+                seq, stamp = start
+            elif saved is not None:
+                seq, stamp = int(saved[0]), int(saved[1])
+            else:
+                seq, stamp = head(conn)
+            verdict, reason = judge(conn, seq, stamp)
+            if verdict == "ahead":
+                conn.execute("UPDATE feed_state SET resyncs = resyncs + 1 WHERE id = 1")
+            if verdict != "ok":
+                return verdict, reason, seq, stamp, ""
+            wake = str(saved[2]) if saved is not None else new_wake_name(self._wake_prefix)
+            now_ms = time.time_ns() // 1_000_000
+            conn.execute(sql.SAVE_CONSUMER, (consumer, seq, stamp, wake, now_ms))
+            return verdict, reason, seq, stamp, wake
+
+        verdict, reason, seq, stamp, wake = self._write("subscribe", body, rows=0, logged=False)
+        if verdict != "ok":
+            raise_for(verdict, reason, consumer)
+        return SqliteSubscription(
+            path=self.path,
+            consumer=consumer,
+            seq=seq,
+            stamp=stamp,
+            wake_name=wake,
+            busy_timeout_s=self.busy_timeout_s,
+        )
+
+    def consumers(self) -> dict[str, Cursor]:
+        """Every registered consumer's saved cursor."""
+        found = self._read(
+            "consumers",
+            lambda c: c.execute("SELECT consumer, seq, stamp FROM feed_consumers").fetchall(),
+        )
+        return {name: cursor_token(int(seq), int(stamp)) for name, seq, stamp in found}
+
+    def drop_consumer(self, consumer: str) -> bool:
+        """Unregister a consumer (pruning stops waiting for it) and remove its semaphore."""
+        check_consumer(consumer)
+
+        def body(conn: sqlite3.Connection) -> str | None:
+            found = conn.execute(sql.CONSUMER, (consumer,)).fetchone()
+            conn.execute("DELETE FROM feed_consumers WHERE consumer = ?", (consumer,))
+            return None if found is None else str(found[2])
+
+        wake = self._write("drop_consumer", body, rows=0, logged=False)
+        if wake is not None:
+            unlink(wake)
+        return wake is not None
+
+    def prune(self, chunk: int = PRUNE_CHUNK) -> int:
+        """Remove log entries every registered consumer has passed; returns how many.
+
+        The floor is raised (and committed) first, so a cursor below it is refused
+        before anything it needs is gone; then entries below the floor go, a chunk
+        per transaction so writers wait at most one chunk. The entry at the floor
+        stays: it lets a cursor there prove it belongs to this log.
+        """
+        if chunk < 1:
+            raise ValueError(f"prune: chunk must be at least 1, got {chunk}")
+
+        def raise_floor(conn: sqlite3.Connection) -> int:
+            last, _ = head(conn)
+            lowest = conn.execute("SELECT min(seq) FROM feed_consumers").fetchone()[0]
+            target = last if lowest is None else min(int(lowest), last)
+            conn.execute("UPDATE feed_state SET floor = max(floor, ?) WHERE id = 1", (target,))
+            return int(conn.execute(sql.FLOOR).fetchone()[0])
+
+        floor = self._write("prune", raise_floor, rows=0, logged=False)
+        removed = 0
+        while True:
+
+            def delete_chunk(conn: sqlite3.Connection) -> int:
+                lowest = conn.execute("SELECT min(seq) FROM change_log").fetchone()[0]
+                if lowest is None or lowest >= floor:
+                    return 0
+                bound = min(floor, int(lowest) + chunk)
+                return conn.execute("DELETE FROM change_log WHERE seq < ?", (bound,)).rowcount
+
+            done = self._write("prune", delete_chunk, rows=0, logged=False)
+            if done == 0:
+                break
+            removed += done
+        with self._lock:
+            self._pruned += removed
+        return removed
+
+    # -- upkeep --------------------------------------------------------------------------
+
+    def statistics(self) -> StoreStatistics:
+        def body(conn: sqlite3.Connection) -> tuple[int, ...]:
+            def one(query: str) -> int:
+                value = conn.execute(query).fetchone()[0]
+                return -1 if value is None else int(value)
+
+            return (
+                one("SELECT count(*) FROM render_schedule"),
+                one("SELECT count(*) FROM routes"),
+                one("SELECT count(*) FROM change_log"),
+                one(sql.FLOOR),
+                one(sql.HEAD),
+                one("SELECT count(*) FROM feed_consumers"),
+                one("SELECT min(seq) FROM feed_consumers"),
+                one("SELECT resyncs FROM feed_state WHERE id = 1"),
+            )
+
+        state = self._state()
+        rows, routes, log_rows, floor, last, consumers, lowest, resyncs = state.retry.transaction(
+            state.conn, "statistics", body, write=False
+        )
+        with self._lock:
+            states = list(self._states)
+        return StoreStatistics(
+            path=str(self.path),
+            schema_version=self._schema_version,
+            rows=rows,
+            routes=routes,
+            log_rows=log_rows,
+            floor=floor,
+            head=last,
+            consumers=consumers,
+            lowest_consumer_seq=None if lowest < 0 else lowest,
+            resyncs=resyncs,
+            transactions=sum(s.transactions for s in states),
+            rows_written=sum(s.rows_written for s in states),
+            busy_retries=sum(s.retry.retries for s in states),
+            pruned=self._pruned,
+            wake=self._poster.statistics(),
+        )
+
+    def close(self) -> None:
+        """Close every thread's connection; the object is unusable afterwards."""
+        with self._lock:
+            self._closed = True
+            states, self._states = self._states, []
+        for state in states:
+            state.conn.close()
+        self._local = threading.local()
+        self._poster.close()
+
+    def __enter__(self) -> SqliteStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+assert KIND_ROW == 0  # the triggers in store.schema write row entries as kind 0

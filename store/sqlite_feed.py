@@ -1,0 +1,262 @@
+"""The SQLite change feed: a consumer's cursor over the trigger-filled `change_log`.
+
+A poll reads the log after the cursor and, in the same snapshot, the current
+state of every key it names, so each event is state, not a delta. Several log
+entries for one key in a batch become one event (the latest state), placed at
+the key's last entry. The cursor is `seq` plus the entry's random `stamp`:
+a cursor whose entry now carries another stamp, or whose seq is past the log's
+head, belongs to a log that was rolled back (a power loss under
+synchronous=NORMAL) and is refused as CursorAhead, which calls for a resync.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import time
+from typing import Any, Literal
+
+import msgspec
+import posix_ipc
+
+from store import sqlite_sql as sql
+from store.base import Cursor, CursorAhead, CursorBelowFloor, FeedBatch
+from store.rows import FeedEvent, Route, RouteEvent, RowEvent, SettingsEvent
+from store.schema import DEFAULT_CADENCE_S, KIND_ROUTE, KIND_ROW, KIND_SETTINGS
+from store.sqlite_conn import Retry, configure, connect
+from store.wake import WakeWaiter
+
+_TOKEN_PREFIX = "sqlite"
+FALLBACK_POLL_S = 0.004  # data_version is checked this often while no post arrives
+
+Verdict = Literal["ok", "below", "ahead"]
+
+
+def cursor_token(seq: int, stamp: int) -> Cursor:
+    return Cursor(token=f"{_TOKEN_PREFIX}:{seq}:{stamp}")
+
+
+def parse_cursor(cursor: Cursor) -> tuple[int, int]:
+    parts = cursor.token.split(":") if isinstance(cursor, Cursor) else []
+    if len(parts) != 3 or parts[0] != _TOKEN_PREFIX:
+        raise ValueError(f"cursor {cursor!r} was not issued by a SQLite store")
+    try:
+        seq, stamp = int(parts[1]), int(parts[2])
+    except ValueError:
+        raise ValueError(f"cursor {cursor!r} is malformed") from None
+    if seq < 0:
+        raise ValueError(f"cursor {cursor!r} is malformed")
+    return seq, stamp
+
+
+def head(conn: sqlite3.Connection) -> tuple[int, int]:
+    seq = int(conn.execute(sql.HEAD).fetchone()[0])
+    if seq == 0:
+        return 0, 0
+    found = conn.execute(sql.STAMP_AT, (seq,)).fetchone()
+    return seq, int(found[0]) if found else 0
+
+
+def judge(conn: sqlite3.Connection, seq: int, stamp: int) -> tuple[Verdict, str]:
+    """Whether the log can replay exactly from (seq, stamp); run inside a transaction."""
+    last, _ = head(conn)
+    floor = int(conn.execute(sql.FLOOR).fetchone()[0])
+    if seq > last:
+        return "ahead", f"cursor seq {seq} is past the change log's head {last}"
+    if seq < floor:
+        return "below", f"cursor seq {seq} is below the change log's pruned floor {floor}"
+    if seq > 0:
+        found = conn.execute(sql.STAMP_AT, (seq,)).fetchone()
+        if found is None:
+            return "below", f"the change log no longer holds cursor seq {seq} (floor {floor})"
+        if int(found[0]) != stamp:
+            return "ahead", f"the change log's entry {seq} is not the one the cursor passed"
+    return "ok", ""
+
+
+class SubscriptionStatistics(msgspec.Struct, frozen=True, kw_only=True):
+    consumer: str
+    seq: int  # the cursor's position: the last log entry delivered
+    saved_seq: int  # the position last saved for pruning and restarts
+    polls: int
+    events: int
+    log_entries: int
+    coalesced: int  # log entries folded into a later event for the same key
+    woken: int  # waits ended by a writer's post
+    noticed: int  # waits ended by PRAGMA data_version (no post arrived)
+    timeouts: int
+    wake: str  # the semaphore's name; "" when this consumer polls data_version only
+    busy_retries: int
+
+
+class SqliteSubscription:
+    """One consumer's open feed, on its own connection. Not thread-safe: one reader."""
+
+    def __init__(
+        self,
+        *,
+        path: str | os.PathLike[str],
+        consumer: str,
+        seq: int,
+        stamp: int,
+        wake_name: str,
+        busy_timeout_s: float,
+    ) -> None:
+        self.consumer = consumer
+        self._seq = seq
+        self._stamp = stamp
+        self._saved_seq = seq
+        self._wake_name = wake_name
+        self._retry = Retry(busy_timeout_s)
+        self._conn = connect(path)
+        self._retry.call("subscribe", lambda: configure(self._conn))
+        self._waiter: WakeWaiter | None
+        try:
+            self._waiter = WakeWaiter(wake_name)
+        except (posix_ipc.Error, OSError):
+            self._waiter = None  # no semaphores here: data_version polling alone
+        self._seen_version = self._data_version()
+        self._polls = self._events = self._entries = self._coalesced = 0
+        self._woken = self._noticed = self._timeouts = 0
+        self._closed = False
+
+    @property
+    def cursor(self) -> Cursor:
+        return cursor_token(self._seq, self._stamp)
+
+    def _data_version(self) -> int:
+        return int(
+            self._retry.call("wait", lambda: self._conn.execute("PRAGMA data_version")).fetchone()[
+                0
+            ]
+        )
+
+    def poll(self, limit: int = 1000) -> FeedBatch:
+        if limit < 1:
+            raise ValueError(f"limit must be at least 1, got {limit}")
+        if self._closed:
+            raise ValueError(f"subscription {self.consumer!r} is closed")
+        # Both before the snapshot: a commit after this point makes the next wait() return.
+        if self._waiter is not None:
+            self._waiter.clear()
+        self._seen_version = self._data_version()
+        after = self._seq
+        found = self._retry.transaction(
+            self._conn, "poll", lambda conn: self._read(conn, after, limit), write=False
+        )
+        if isinstance(found, str):
+            raise CursorBelowFloor(f"consumer {self.consumer!r}: {found}; resync (walk)")
+        records, routes, default_cadence_s = found
+        self._polls += 1
+        if not records:
+            return FeedBatch(events=[], cursor=self.cursor)
+        events: dict[tuple[int, str], FeedEvent] = {}
+        for record in records:
+            kind, key = record[1], record[2]
+            slot = (kind, key)
+            if slot in events:
+                del events[slot]  # re-inserted below: the event sits at its key's last entry
+                self._coalesced += 1
+            if kind == KIND_ROW:
+                row = None if record[4] is None else sql.row_from((key, *record[4:]))
+                events[slot] = RowEvent(key=key, row=row)
+            elif kind == KIND_ROUTE:
+                events[slot] = RouteEvent(route=routes.get(key) or Route(route=key))
+            elif kind == KIND_SETTINGS:
+                events[slot] = SettingsEvent(default_cadence_s=default_cadence_s)
+        last = records[-1]
+        self._seq, self._stamp = int(last[0]), int(last[3])
+        self._entries += len(records)
+        self._events += len(events)
+        return FeedBatch(events=list(events.values()), cursor=self.cursor)
+
+    def _read(
+        self, conn: sqlite3.Connection, after: int, limit: int
+    ) -> str | tuple[list[Any], dict[str, Route], int]:
+        floor = int(conn.execute(sql.FLOOR).fetchone()[0])
+        if after < floor:
+            return f"cursor seq {after} is below the change log's pruned floor {floor}"
+        records = conn.execute(sql.POLL, (after, limit)).fetchall()
+        route_names = [r[2] for r in records if r[1] == KIND_ROUTE]
+        routes: dict[str, Route] = {}
+        if route_names:
+            names = msgspec.json.encode(sorted(set(route_names))).decode()
+            for values in conn.execute(sql.ROUTES_NAMED, (names,)):
+                route = sql.route_from(values)
+                routes[route.route] = route
+        default_cadence_s = DEFAULT_CADENCE_S
+        if any(r[1] == KIND_SETTINGS for r in records):
+            default_cadence_s = int(conn.execute(sql.GET_DEFAULT_CADENCE).fetchone()[0])
+        return records, routes, default_cadence_s
+
+    def wait(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + max(0.0, timeout_s)
+        while True:
+            if self._data_version() != self._seen_version:
+                self._noticed += 1
+                return True
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self._timeouts += 1
+                return False
+            slice_s = min(remaining, FALLBACK_POLL_S)
+            if self._waiter is None:
+                time.sleep(slice_s)
+            elif self._waiter.wait(slice_s):
+                self._woken += 1
+                return True
+
+    def save(self) -> None:
+        seq, stamp = self._seq, self._stamp
+        saved_at = time.time_ns() // 1_000_000
+        params = (self.consumer, seq, stamp, self._wake_name, saved_at)
+        self._retry.transaction(
+            self._conn,
+            "save cursor",
+            lambda conn: conn.execute(sql.SAVE_CONSUMER, params),
+            write=True,
+        )
+        self._saved_seq = seq
+
+    def statistics(self) -> SubscriptionStatistics:
+        return SubscriptionStatistics(
+            consumer=self.consumer,
+            seq=self._seq,
+            saved_seq=self._saved_seq,
+            polls=self._polls,
+            events=self._events,
+            log_entries=self._entries,
+            coalesced=self._coalesced,
+            woken=self._woken,
+            noticed=self._noticed,
+            timeouts=self._timeouts,
+            wake=self._wake_name if self._waiter is not None else "",
+            busy_retries=self._retry.retries,
+        )
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._waiter is not None:
+            self._waiter.close()
+        self._conn.close()
+
+    def __enter__(self) -> SqliteSubscription:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def raise_for(verdict: Verdict, reason: str, consumer: str) -> None:
+    if verdict == "below":
+        raise CursorBelowFloor(
+            f"consumer {consumer!r}: {reason}; replay would be short. Resync: subscribe at "
+            "feed_head() and walk the table."
+        )
+    if verdict == "ahead":
+        raise CursorAhead(
+            f"consumer {consumer!r}: {reason} (the log was rolled back, e.g. by a power loss); "
+            "resync: subscribe at feed_head() and walk the table."
+        )

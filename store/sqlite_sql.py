@@ -1,0 +1,126 @@
+"""The statements SqliteStore runs, and rows decoded from their results."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from store.rows import Route, Row
+from store.schema import DEFAULT_CADENCE_S, DEFAULT_CADENCE_SETTING, NEXT_SEQ
+
+ROW_COLUMNS = (
+    "key, route, cadence_s, sitemap, next_render_at, last_rendered_at, last_outcome, version"
+)
+
+
+def row_from(values: tuple[Any, ...] | Any) -> Row:
+    key, route, cadence_s, sitemap, next_render_at, last_rendered_at, last_outcome, version = values
+    return Row(
+        key=key,
+        route=route,
+        cadence_s=cadence_s,
+        sitemap=bool(sitemap),
+        next_render_at=next_render_at,
+        last_rendered_at=last_rendered_at,
+        last_outcome=last_outcome,
+        version=version,
+    )
+
+
+def route_from(values: tuple[Any, ...] | Any) -> Route:
+    name, default_cadence_s, paused = values
+    return Route(route=name, default_cadence_s=default_cadence_s, paused=bool(paused))
+
+
+UPSERT = f"""
+INSERT INTO render_schedule (key, route, cadence_s, sitemap, next_render_at, version)
+VALUES (?, ?, ?, ?, ?, {NEXT_SEQ})
+ON CONFLICT (key) DO UPDATE SET
+    route = excluded.route,
+    cadence_s = excluded.cadence_s,
+    sitemap = excluded.sitemap,
+    next_render_at = excluded.next_render_at,
+    version = excluded.version
+"""
+
+DELETE = "DELETE FROM render_schedule WHERE key = ?"
+
+GET = f"SELECT {ROW_COLUMNS} FROM render_schedule WHERE key = ?"
+
+GET_MANY = f"""
+SELECT {ROW_COLUMNS} FROM render_schedule
+WHERE key IN (SELECT value FROM json_each(?))
+"""
+
+WALK_FIRST = f"SELECT {ROW_COLUMNS} FROM render_schedule ORDER BY key LIMIT ?"
+WALK_AFTER = f"SELECT {ROW_COLUMNS} FROM render_schedule WHERE key > ? ORDER BY key LIMIT ?"
+
+GLOBAL_CADENCE = (
+    f"coalesce((SELECT value FROM settings WHERE name = '{DEFAULT_CADENCE_SETTING}'), "
+    f"{DEFAULT_CADENCE_S})"
+)
+
+COMPLETE_RENDERED = f"""
+UPDATE render_schedule SET
+    last_rendered_at = :now,
+    last_outcome = 'rendered',
+    next_render_at = coalesce(:next_render_at, :now + 1000 * coalesce(
+        cadence_s,
+        (SELECT default_cadence_s FROM routes WHERE routes.route = render_schedule.route),
+        {GLOBAL_CADENCE})),
+    version = {NEXT_SEQ}
+WHERE key = :key
+RETURNING {ROW_COLUMNS}
+"""
+
+# A failure keeps the row due: next_render_at and last_rendered_at stay as they were.
+COMPLETE_FAILED = f"""
+UPDATE render_schedule SET last_outcome = 'failed', version = {NEXT_SEQ}
+WHERE key = :key
+RETURNING {ROW_COLUMNS}
+"""
+
+ROUTES = "SELECT route, default_cadence_s, paused FROM routes ORDER BY route"
+ROUTES_NAMED = (
+    "SELECT route, default_cadence_s, paused FROM routes "
+    "WHERE route IN (SELECT value FROM json_each(?))"
+)
+
+SET_ROUTE = """
+INSERT INTO routes (route, default_cadence_s, paused)
+VALUES (:route, :cadence, coalesce(:paused, 0))
+ON CONFLICT (route) DO UPDATE SET
+    default_cadence_s = CASE WHEN :set_cadence THEN :cadence ELSE default_cadence_s END,
+    paused = coalesce(:paused, paused)
+RETURNING route, default_cadence_s, paused
+"""
+
+GET_DEFAULT_CADENCE = f"SELECT {GLOBAL_CADENCE}"
+
+SET_DEFAULT_CADENCE = f"""
+INSERT INTO settings (name, value) VALUES ('{DEFAULT_CADENCE_SETTING}', ?)
+ON CONFLICT (name) DO UPDATE SET value = excluded.value
+"""
+
+HEAD = "SELECT coalesce((SELECT seq FROM sqlite_sequence WHERE name = 'change_log'), 0)"
+FLOOR = "SELECT floor FROM feed_state WHERE id = 1"
+STAMP_AT = "SELECT stamp FROM change_log WHERE seq = ?"
+
+# One statement reads the log after a cursor and each row it names, in one snapshot.
+POLL = """
+SELECT l.seq, l.kind, l.key, l.stamp,
+       r.route, r.cadence_s, r.sitemap, r.next_render_at, r.last_rendered_at,
+       r.last_outcome, r.version
+FROM change_log AS l
+LEFT JOIN render_schedule AS r ON l.kind = 0 AND r.key = l.key
+WHERE l.seq > ?
+ORDER BY l.seq
+LIMIT ?
+"""
+
+CONSUMER = "SELECT seq, stamp, wake FROM feed_consumers WHERE consumer = ?"
+SAVE_CONSUMER = """
+INSERT INTO feed_consumers (consumer, seq, stamp, wake, saved_at) VALUES (?, ?, ?, ?, ?)
+ON CONFLICT (consumer) DO UPDATE SET
+    seq = excluded.seq, stamp = excluded.stamp, wake = excluded.wake, saved_at = excluded.saved_at
+"""
+WAKE_NAMES = "SELECT wake FROM feed_consumers"

@@ -1,0 +1,120 @@
+"""Input checks at the store's boundary: a bad field is a ValueError naming the field and the row.
+
+Every check runs before a transaction opens, so a batch with one bad row writes nothing.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+from store.rows import MAX_KEY_BYTES, Completion, RowWrite
+
+ROUTE_NAME = re.compile(r"[a-z0-9][a-z0-9_.-]{0,63}")
+OUTCOMES = frozenset(("rendered", "failed", "gone"))
+MAX_CONSUMER_CHARS = 200
+
+
+def _where(what: str, index: int | None, key: object) -> str:
+    if index is None:
+        return what
+    shown = repr(key)
+    if len(shown) > 80:
+        shown = shown[:77] + "..."
+    return f"{what}[{index}] (key {shown})"
+
+
+def is_int(value: object) -> bool:
+    """An int that is not a bool: True is not a time or a cadence."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_key(key: object, *, what: str = "key", index: int | None = None) -> str:
+    where = _where(what, index, key)
+    if not isinstance(key, str):
+        raise ValueError(f"{where}: key must be a string, got {type(key).__name__}")
+    if not key:
+        raise ValueError(f"{where}: key is empty")
+    try:
+        size = len(key.encode("utf-8"))
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{where}: key is not valid UTF-8 ({exc.reason})") from None
+    if size > MAX_KEY_BYTES:
+        raise ValueError(f"{where}: key is {size} UTF-8 bytes, over the {MAX_KEY_BYTES} limit")
+    return key
+
+
+def check_route_name(route: object, *, where: str = "route") -> str:
+    if not isinstance(route, str) or ROUTE_NAME.fullmatch(route) is None:
+        raise ValueError(
+            f"{where}: route name {route!r} must match {ROUTE_NAME.pattern} "
+            "(lower-case letters, digits, '_', '.', '-'; at most 64)"
+        )
+    return route
+
+
+def check_cadence(value: object, *, where: str, optional: bool) -> int | None:
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{where}: must be a positive whole number of seconds, got {value!r}")
+    return value
+
+
+def check_time(value: object, *, where: str, optional: bool = False) -> int | None:
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{where}: must be integer epoch milliseconds, got {value!r}")
+    return value
+
+
+def check_upserts(rows: Sequence[RowWrite]) -> None:
+    for index, row in enumerate(rows):
+        if not isinstance(row, RowWrite):
+            raise ValueError(f"upsert[{index}]: expected a RowWrite, got {type(row).__name__}")
+        check_key(row.key, what="upsert", index=index)
+        where = _where("upsert", index, row.key)
+        check_route_name(row.route, where=f"{where}: route")
+        check_cadence(row.cadence_s, where=f"{where}: cadence_s", optional=True)
+        check_time(row.next_render_at, where=f"{where}: next_render_at")
+        if not isinstance(row.sitemap, bool):
+            raise ValueError(f"{where}: sitemap must be true or false, got {row.sitemap!r}")
+
+
+def check_deletes(keys: Sequence[str], upserted: Sequence[RowWrite]) -> None:
+    if isinstance(keys, str):
+        raise ValueError("delete: expected a sequence of keys, got one string")
+    for index, key in enumerate(keys):
+        check_key(key, what="delete", index=index)
+    if keys and upserted:
+        both = set(keys).intersection(row.key for row in upserted)
+        if both:
+            shown = sorted(both)[:3]
+            raise ValueError(
+                f"delete: {len(both)} key(s) also in upsert of the same batch "
+                f"(e.g. {shown!r}); the intended end state is ambiguous"
+            )
+
+
+def check_completions(items: Sequence[Completion]) -> None:
+    for index, item in enumerate(items):
+        if not isinstance(item, Completion):
+            raise ValueError(f"completion[{index}]: expected a Completion, got {type(item)}")
+        check_key(item.key, what="completion", index=index)
+        where = _where("completion", index, item.key)
+        if item.outcome not in OUTCOMES:
+            raise ValueError(
+                f"{where}: outcome {item.outcome!r} is not one of {', '.join(sorted(OUTCOMES))}"
+            )
+        check_time(item.now, where=f"{where}: now")
+        check_time(item.next_render_at, where=f"{where}: next_render_at", optional=True)
+
+
+def check_consumer(name: object) -> str:
+    if not isinstance(name, str) or not name or len(name) > MAX_CONSUMER_CHARS:
+        raise ValueError(
+            f"consumer: name must be a non-empty string of at most {MAX_CONSUMER_CHARS} "
+            f"characters, got {name!r}"
+        )
+    return name
