@@ -1,0 +1,122 @@
+"""Settings: file < environment < flags, validated with errors that name the setting."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from workers.config import ConfigError, Settings, is_loopback_host, load_settings
+
+ADMIN = "a" * 32
+FLEET = "f" * 32
+
+
+def write_toml(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "node.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_defaults_listen_on_loopback_without_tokens() -> None:
+    settings = load_settings(environ={})
+    assert settings == Settings()
+    assert settings.host == "127.0.0.1"
+    assert not settings.auth_enabled
+
+
+def test_precedence_file_then_environment_then_flags(tmp_path: Path) -> None:
+    config = write_toml(tmp_path, 'port = 9001\nworkers = 3\ndb = "from-file.sqlite"\n')
+    environ = {"RENDERQUEUE_PORT": "9002", "RENDERQUEUE_DB": "from-env.sqlite"}
+    settings = load_settings(config_file=config, environ=environ, flags={"db": "from-flag.sqlite"})
+    assert settings.workers == 3  # only the file says
+    assert settings.port == 9002  # the environment beats the file
+    assert settings.db == "from-flag.sqlite"  # a flag beats both
+
+
+def test_config_file_named_by_the_environment(tmp_path: Path) -> None:
+    config = write_toml(tmp_path, "[renderqueue]\nworkers = 5\n")
+    assert load_settings(environ={"RENDERQUEUE_CONFIG": config}).workers == 5
+
+
+@pytest.mark.parametrize(
+    ("environ", "flags", "setting", "source"),
+    [
+        ({"RENDERQUEUE_PORT": "eighty"}, {}, "port", "RENDERQUEUE_PORT"),
+        ({}, {"port": "70000"}, "port", "--port"),
+        ({}, {"workers": "0"}, "workers", "--workers"),
+        ({"RENDERQUEUE_MAX_BODY_BYTES": "12"}, {}, "max_body_bytes", "RENDERQUEUE_MAX_BODY_BYTES"),
+        ({"RENDERQUEUE_ADMIN_TOKEN": "short"}, {}, "admin_token", "RENDERQUEUE_ADMIN_TOKEN"),
+        ({"RENDERQUEUE_LOG_LEVEL": "loud"}, {}, "log_level", "RENDERQUEUE_LOG_LEVEL"),
+    ],
+)
+def test_a_bad_value_names_its_setting_and_source(
+    environ: dict[str, str], flags: dict[str, str], setting: str, source: str
+) -> None:
+    with pytest.raises(ConfigError) as raised:
+        load_settings(environ=environ, flags=flags)
+    assert raised.value.setting == setting
+    assert raised.value.source == source
+    assert f"`{setting}`" in str(raised.value)
+
+
+def test_unknown_setting_in_file_is_named(tmp_path: Path) -> None:
+    config = write_toml(tmp_path, "prot = 80\n")
+    with pytest.raises(ConfigError, match="`prot`"):
+        load_settings(config_file=config, environ={})
+
+
+def test_unparseable_file_is_reported(tmp_path: Path) -> None:
+    config = write_toml(tmp_path, "port = [\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_settings(config_file=config, environ={})
+
+
+def test_refuses_a_public_host_without_tokens() -> None:
+    with pytest.raises(ConfigError) as raised:
+        load_settings(environ={}, flags={"host": "0.0.0.0"})
+    assert raised.value.setting == "host"
+    assert "RENDERQUEUE_ADMIN_TOKEN" in str(raised.value)
+
+
+def test_public_host_with_tokens_is_allowed() -> None:
+    environ = {"RENDERQUEUE_ADMIN_TOKEN": ADMIN, "RENDERQUEUE_FLEET_TOKEN": FLEET}
+    settings = load_settings(environ=environ, flags={"host": "0.0.0.0"})
+    assert settings.auth_enabled and not settings.is_loopback
+
+
+def test_fleet_token_alone_is_refused() -> None:
+    with pytest.raises(ConfigError) as raised:
+        load_settings(environ={"RENDERQUEUE_FLEET_TOKEN": FLEET})
+    assert raised.value.setting == "admin_token"
+
+
+def test_identical_tokens_are_refused() -> None:
+    environ = {"RENDERQUEUE_ADMIN_TOKEN": ADMIN, "RENDERQUEUE_FLEET_TOKEN": ADMIN}
+    with pytest.raises(ConfigError, match="must differ"):
+        load_settings(environ=environ)
+
+
+@pytest.mark.parametrize(
+    ("host", "loopback"),
+    [
+        ("127.0.0.1", True),
+        ("127.8.0.1", True),
+        ("::1", True),
+        ("[::1]", True),
+        ("localhost", True),
+        ("0.0.0.0", False),
+        ("10.1.2.3", False),
+        ("example.com", False),
+    ],
+)
+def test_loopback_detection(host: str, loopback: bool) -> None:
+    assert is_loopback_host(host) is loopback
+
+
+def test_store_url_resolves_a_path(tmp_path: Path) -> None:
+    settings = load_settings(environ={}, flags={"db": str(tmp_path / "x.sqlite")})
+    assert settings.store_url() == f"sqlite:///{tmp_path / 'x.sqlite'}"
+    assert load_settings(environ={}, flags={"db": "postgresql://h/db"}).store_url() == (
+        "postgresql://h/db"
+    )

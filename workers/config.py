@@ -1,0 +1,188 @@
+"""A node's settings: a TOML file, then `RENDERQUEUE_*` environment variables, then flags.
+
+Each later source overrides the earlier ones, setting by setting. Every value is validated
+once, here, and an error names the setting and where its value came from, so an operator
+can fix the right line.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+ENV_PREFIX = "RENDERQUEUE_"
+LOOPBACK_NAMES = frozenset({"localhost", "ip6-localhost", "ip6-loopback"})
+
+Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
+Positive = Annotated[int, msgspec.Meta(ge=1)]
+Token = Annotated[str, msgspec.Meta(min_length=16, max_length=512)]
+Name = Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
+
+
+class ConfigError(ValueError):
+    """A setting is missing, malformed or contradicts another; the message names it."""
+
+    def __init__(self, setting: str, message: str, source: str | None = None) -> None:
+        where = f" (from {source})" if source else ""
+        super().__init__(f"setting `{setting}`{where}: {message}")
+        self.setting = setting
+        self.source = source
+
+
+class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Everything `renderqueue serve` needs. Field names are the TOML keys; the environment
+    variable is `RENDERQUEUE_` + the name in upper case, the flag `--` + it with dashes."""
+
+    db: str = "var/renderqueue.sqlite"  # a SQLite path, or a store URL (postgresql://...)
+    host: str = "127.0.0.1"
+    port: Port = 8080
+    workers: Annotated[int, msgspec.Meta(ge=1, le=64)] = 2
+    fleet_token: Token | None = None
+    admin_token: Token | None = None
+    # Past this many bytes a request body is refused with 413 before it is parsed.
+    max_body_bytes: Annotated[int, msgspec.Meta(ge=1024, le=256 * 1024 * 1024)] = 4 * 1024 * 1024
+    # Names the shared-memory segments; the default derives from the db and the port so a
+    # crashed run's segments are found (and replaced) by the next run of the same node.
+    instance: Name | None = None
+    node: Name | None = None  # this node's name in a cluster; the host name by default
+    graceful_timeout_s: Annotated[float, msgspec.Meta(ge=0, le=3600)] = 30.0
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    access_log: bool = False
+    lease_slots: Annotated[int, msgspec.Meta(ge=1024, le=1 << 26)] = 1 << 20
+    ring_entries: Annotated[int, msgspec.Meta(ge=16, le=1 << 20)] = 8192
+    # Worker 0 hosts the keeper thread; a shorter GIL switch interval there bounds how long
+    # the keeper can delay a claim in the same process (see bench/node.py).
+    keeper_switch_interval_ms: Annotated[float, msgspec.Meta(ge=0.1, le=100)] = 1.0
+    keeper: dict[str, Any] = {}  # passed to keeper.config.KeeperConfig
+
+    @property
+    def auth_enabled(self) -> bool:
+        return self.admin_token is not None
+
+    @property
+    def is_loopback(self) -> bool:
+        return is_loopback_host(self.host)
+
+    def store_url(self) -> str:
+        if "://" in self.db:
+            return self.db
+        return "sqlite:///" + str(Path(self.db).expanduser().resolve())
+
+
+def is_loopback_host(host: str) -> bool:
+    if host.lower() in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+FIELD_NAMES: tuple[str, ...] = Settings.__struct_fields__
+
+
+def env_name(field: str) -> str:
+    return ENV_PREFIX + field.upper()
+
+
+def flag_name(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
+def read_toml(path: str | os.PathLike[str]) -> dict[str, Any]:
+    try:
+        with open(path, "rb") as file:
+            data = tomllib.load(file)
+    except FileNotFoundError as exc:
+        raise ConfigError("config", f"no such file: {path}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError("config", f"{path} is not valid TOML: {exc}") from exc
+    # A [renderqueue] table is accepted too, so the settings can live in a shared file.
+    table = data.get("renderqueue", data)
+    if not isinstance(table, dict):
+        raise ConfigError("renderqueue", "must be a table", str(path))
+    return dict(table)
+
+
+def load_settings(
+    *,
+    config_file: str | None = None,
+    environ: Mapping[str, str] | None = None,
+    flags: Mapping[str, Any] | None = None,
+) -> Settings:
+    """Merge file < environment < flags and validate; raises ConfigError naming the setting."""
+    environ = os.environ if environ is None else environ
+    config_file = config_file or environ.get(ENV_PREFIX + "CONFIG") or None
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    if config_file:
+        for name, value in read_toml(config_file).items():
+            if name not in FIELD_NAMES:
+                raise ConfigError(name, "unknown setting", str(config_file))
+            values[name] = value
+            sources[name] = str(config_file)
+    for name in FIELD_NAMES:
+        if name == "keeper":
+            continue
+        raw = environ.get(env_name(name))
+        if raw is not None and raw != "":
+            values[name] = raw
+            sources[name] = env_name(name)
+    for name, value in (flags or {}).items():
+        if value is None:
+            continue
+        if name not in FIELD_NAMES:
+            raise ConfigError(name, "unknown setting", flag_name(name))
+        values[name] = value
+        sources[name] = flag_name(name)
+    try:
+        settings = msgspec.convert(values, Settings, strict=False)
+    except msgspec.ValidationError as exc:
+        name, message = _split_validation_error(str(exc))
+        raise ConfigError(name, message, sources.get(name.split(".")[0])) from exc
+    _check_consistency(settings, sources)
+    return settings
+
+
+def _split_validation_error(message: str) -> tuple[str, str]:
+    text, _, path = message.partition(" - at `$.")
+    if path:
+        return path.rstrip("`"), text
+    if text.startswith("Object contains unknown field `"):
+        return text.split("`")[1], "unknown setting"
+    return "config", text
+
+
+def _check_consistency(settings: Settings, sources: Mapping[str, str]) -> None:
+    if settings.fleet_token is not None and settings.admin_token is None:
+        # A fleet token alone would leave every admin endpoint open.
+        raise ConfigError(
+            "admin_token",
+            "must be set when fleet_token is (set RENDERQUEUE_ADMIN_TOKEN)",
+            sources.get("fleet_token"),
+        )
+    if settings.fleet_token is not None and settings.fleet_token == settings.admin_token:
+        raise ConfigError("fleet_token", "must differ from admin_token", sources.get("fleet_token"))
+    if not settings.auth_enabled and not settings.is_loopback:
+        raise ConfigError(
+            "host",
+            f"{settings.host!r} is beyond loopback and no tokens are set; set "
+            "RENDERQUEUE_ADMIN_TOKEN (and RENDERQUEUE_FLEET_TOKEN) or listen on 127.0.0.1",
+            sources.get("host"),
+        )
+    if settings.keeper:
+        try:
+            from keeper.config import KeeperConfig
+        except ImportError:
+            return
+        try:
+            msgspec.convert(settings.keeper, KeeperConfig, strict=False)
+        except msgspec.ValidationError as exc:
+            name, message = _split_validation_error(str(exc))
+            raise ConfigError("keeper." + name, message, sources.get("keeper")) from exc
