@@ -210,7 +210,7 @@ def _table_lines(result: SectionResult, figures: Sequence[Figure]) -> list[str]:
 def _cell(result: SectionResult, figure: Figure, column: str, value: float | None) -> str:
     if _present(value):
         return fmt(value)
-    if column in result.pending or figure.key in result.pending:
+    if column in result.pending or figure.key in result.pending or result.section in result.pending:
         return "pending"
     return "—"
 
