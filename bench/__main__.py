@@ -46,26 +46,29 @@ class Summary(msgspec.Struct, kw_only=True):
     machine: dict[str, str]
 
 
-def is_built(section: str) -> bool:
-    return (BENCH_DIR / f"{section}.py").is_file()
+def is_built(section: str, directory: Path = BENCH_DIR) -> bool:
+    return (directory / f"{section}.py").is_file()
 
 
-def run_section(section: str, quick: bool, timeout_s: float) -> tuple[SectionRun, str]:
+def run_section(
+    section: str, quick: bool, timeout_s: float, *, package: str = "bench", cwd: Path | None = None
+) -> tuple[SectionRun, str]:
     """Run one section in a child process; returns its record and its markdown."""
-    if not is_built(section):
+    cwd = cwd or BENCH_DIR.parent
+    if not is_built(section, cwd / package.replace(".", "/")):
         report.progress(f"{section}: not built yet (no bench/{section}.py)")
         return SectionRun(section=section, status="not built yet"), ""
     path = report.results_path(section, quick)
     # A stale file from an earlier run must never pass for this run's output.
     path.unlink(missing_ok=True)
-    command = [sys.executable, "-m", f"bench.{section}", *(["--quick"] if quick else [])]
+    command = [sys.executable, "-m", f"{package}.{section}", *(["--quick"] if quick else [])]
     report.progress(f"{section}: running {' '.join(command[1:])}")
     started = time.monotonic()
     try:
         # stderr is inherited so the section's progress shows live; stdout is its tables.
         done = subprocess.run(
             command,
-            cwd=BENCH_DIR.parent,
+            cwd=cwd,
             stdout=subprocess.PIPE,
             text=True,
             timeout=timeout_s,
@@ -82,7 +85,7 @@ def run_section(section: str, quick: bool, timeout_s: float) -> tuple[SectionRun
         status="ok",
         elapsed_s=elapsed,
         returncode=done.returncode,
-        results=str(path.relative_to(BENCH_DIR.parent)),
+        results=_shown(path),
     )
     stdout = done.stdout or ""
     if stdout:
@@ -98,6 +101,13 @@ def run_section(section: str, quick: bool, timeout_s: float) -> tuple[SectionRun
         record.detail = f"exit status {done.returncode}"
     report.progress(f"{section}: {record.status} in {elapsed} s {record.detail}".rstrip())
     return record, stdout
+
+
+def _shown(path: Path) -> str:
+    try:
+        return str(path.relative_to(BENCH_DIR.parent))
+    except ValueError:
+        return str(path)
 
 
 def _check(record: SectionRun, path: Path, stdout: str) -> tuple[SectionRun, str]:

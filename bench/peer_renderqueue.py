@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import report
-from bench.peer_base import Rows, Spec, unique_suffix
+from bench.peer_base import Claimant, Rows, Spec, unique_suffix
 
 OURS = "renderqueue"
 OURS_HTTP = "renderqueue HTTP"
@@ -382,7 +382,7 @@ class HttpClaimant:
         self.client.close()
 
 
-def open_renderqueue_claimant(spec: Spec) -> Any:
+def open_renderqueue_claimant(spec: Spec) -> Claimant:
     if spec.kind == "renderqueue-http":
         return HttpClaimant(spec.params)
     return InProcessClaimant(spec.params)
