@@ -187,6 +187,7 @@ class _Reader:
         self._seen: set[int] = set()
         self._visited: set[str] = set()
         self._children = 0
+        self.current: BinaryIO | None = None  # the document being read, for progress
 
     def read(self, raw: BinaryIO, *, location: str, depth: int = 0) -> None:
         try:
@@ -194,6 +195,7 @@ class _Reader:
         except BaseException:
             raw.close()
             raise
+        self.current = stream
         try:
             document = parse_document(stream, location=location)
             self._tally.sitemaps_read += 1
@@ -206,6 +208,7 @@ class _Reader:
                 self._read_children(refs, location=location, depth=depth)
         finally:
             self._tally.bytes_read += bytes_counted(stream)
+            self.current = None
             stream.close()
 
     def _read_children(self, refs: list[SitemapRef], *, location: str, depth: int) -> None:
@@ -366,14 +369,17 @@ def import_sitemap(
     tally = _Tally()
     spool = _Spool(limits.batch_rows)
 
+    reader: _Reader | None = None
+
     def report_progress(phase: str) -> None:
         if progress is not None:
+            current = reader.current if reader is not None else None
             progress(
                 ImportProgress(
                     phase=phase,
                     urls_seen=tally.urls_seen,
                     sitemaps_read=tally.sitemaps_read,
-                    bytes_read=tally.bytes_read,
+                    bytes_read=tally.bytes_read + (bytes_counted(current) if current else 0),
                     written=tally.imported + tally.updated,
                     to_write=spool.count,
                 )

@@ -30,6 +30,8 @@ from urllib.parse import urlsplit
 
 import msgspec
 
+from store.validate import check_route_name
+
 
 class RouteRulesError(ValueError):
     """The rules file cannot be used; the message names the rule and the problem."""
@@ -81,6 +83,13 @@ class _CompiledRule(msgspec.Struct, frozen=True):
     host: str | None
 
 
+def _valid_route(route: str, where: str) -> None:
+    try:
+        check_route_name(route, where=where)
+    except ValueError as exc:
+        raise RouteRulesError(str(exc)) from None
+
+
 def _valid_cadence(value: int | None, where: str) -> None:
     if value is not None and value <= 0:
         raise RouteRulesError(f"{where}: cadence_s must be a positive number of seconds")
@@ -94,8 +103,7 @@ class RouteRules:
         compiled: list[_CompiledRule] = []
         for number, rule in enumerate(spec.rules, start=1):
             where = f"rule {number} (route {rule.route!r})"
-            if not rule.route.strip():
-                raise RouteRulesError(f"rule {number}: route must be a non-empty name")
+            _valid_route(rule.route, f"rule {number}")
             if (rule.path is None) == (rule.regex is None):
                 raise RouteRulesError(f"{where}: give exactly one of path (a glob) or regex")
             _valid_cadence(rule.cadence_s, where)
@@ -107,8 +115,8 @@ class RouteRules:
             host = rule.host.lower() if rule.host else None
             compiled.append(_CompiledRule(rule, path, regex, host))
         _valid_cadence(spec.default_cadence_s, "default_cadence_s")
-        if spec.default_route is not None and not spec.default_route.strip():
-            raise RouteRulesError("default_route must be a non-empty name, or left out")
+        if spec.default_route is not None:
+            _valid_route(spec.default_route, "default_route")
         self._rules = compiled
 
     def match(self, url: str) -> RouteMatch | None:
