@@ -1,10 +1,1440 @@
-/* Placeholder module so the package builds; the shared-memory work replaces it
- * with C11 atomics on a buffer acquired once at attach. */
+/* C11 atomics on 8-byte words of a shared buffer, and the hot paths built on them.
+ *
+ * Python has no atomic operations on shared memory. Each object here acquires
+ * its buffer (an mmap of a POSIX shared memory segment) once, at construction,
+ * where bounds and alignment are checked; every operation after that is a
+ * METH_FASTCALL call doing a single C11 atomic on a word that is known to lie
+ * inside the buffer (an index compare stays per call: it costs a nanosecond and
+ * keeps a wrong index from becoming a wild write into shared memory).
+ * `release()` gives the buffer back so the owner can close the mmap without
+ * BufferError.
+ *
+ *   Words   load-acquire, store-release, fetch-add, compare-and-swap, and a
+ *           seqlock copy, on any 8-byte-aligned region.
+ *   Ring    the ready ring's claim: fetch-add on the active buffer's cursor,
+ *           copy, then check the buffer's generation (see shm/ring.py).
+ *   Leases  the lease table's grant / renew / complete / state / blocked mask /
+ *           sweep, each one call over the 8-slot probe window (shm/leases.py).
+ *
+ * Layout constants are exported (RING_LAYOUT, LEASE_LAYOUT, ...) so the Python
+ * side describes the same words rather than restating them.
+ */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
-static struct PyModuleDef atomics_module = {
-    PyModuleDef_HEAD_INIT, "_atomics", "C11 atomics on shared memory.", -1, NULL,
+#include <errno.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/types.h>
+#include <time.h>
+#include <unistd.h>
+
+typedef _Atomic uint64_t aword;
+
+_Static_assert(sizeof(aword) == 8, "8-byte atomic words");
+
+#define LOAD(p) atomic_load_explicit((p), memory_order_acquire)
+#define LOAD_SC(p) atomic_load_explicit((p), memory_order_seq_cst)
+#define STORE(p, v) atomic_store_explicit((p), (v), memory_order_release)
+
+static int
+cas_word(aword *p, uint64_t expected, uint64_t desired)
+{
+    return atomic_compare_exchange_strong_explicit(p, &expected, desired, memory_order_seq_cst,
+                                                   memory_order_seq_cst);
+}
+
+/* ------------------------------------------------------------------ buffers */
+
+/* Acquire a writable, contiguous buffer and check that [offset, offset+nbytes)
+ * lies inside it, 8-byte aligned. nbytes < 0 means "to the end". */
+static int
+acquire_region(PyObject *obj, Py_ssize_t offset, Py_ssize_t nbytes, Py_buffer *view, char **base,
+               Py_ssize_t *length)
+{
+    if (PyObject_GetBuffer(obj, view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+        return -1;
+    }
+    if (offset < 0 || offset > view->len) {
+        PyErr_Format(PyExc_ValueError, "offset %zd outside a buffer of %zd bytes", offset,
+                     view->len);
+        goto fail;
+    }
+    if (nbytes < 0) {
+        nbytes = view->len - offset;
+    }
+    if (nbytes > view->len - offset) {
+        PyErr_Format(PyExc_ValueError, "region of %zd bytes at %zd overruns a buffer of %zd bytes",
+                     nbytes, offset, view->len);
+        goto fail;
+    }
+    char *p = (char *)view->buf + offset;
+    if (((uintptr_t)p & 7u) != 0 || (nbytes & 7) != 0) {
+        PyErr_Format(PyExc_ValueError,
+                     "region at offset %zd (%zd bytes) is not 8-byte aligned; atomic words "
+                     "must never straddle a cache line",
+                     offset, nbytes);
+        goto fail;
+    }
+    *base = p;
+    *length = nbytes;
+    return 0;
+fail:
+    PyBuffer_Release(view);
+    return -1;
+}
+
+static int
+parse_u64(PyObject *o, uint64_t *out)
+{
+    /* Mask semantics: negative deltas wrap, which is what fetch_add wants. */
+    unsigned long long v = PyLong_AsUnsignedLongLongMask(o);
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) {
+        return -1;
+    }
+    *out = (uint64_t)v;
+    return 0;
+}
+
+static int
+parse_i64(PyObject *o, int64_t *out)
+{
+    long long v = PyLong_AsLongLong(o);
+    if (v == -1 && PyErr_Occurred()) {
+        return -1;
+    }
+    *out = (int64_t)v;
+    return 0;
+}
+
+static int
+check_nargs(const char *name, Py_ssize_t nargs, Py_ssize_t want)
+{
+    if (nargs != want) {
+        PyErr_Format(PyExc_TypeError, "%s() takes %zd arguments (%zd given)", name, want, nargs);
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *
+released_error(void)
+{
+    PyErr_SetString(PyExc_ValueError, "operation on a released shared-memory view");
+    return NULL;
+}
+
+/* A per-process counter stripe keeps statistics counters from bouncing one cache
+ * line between every process; statistics() sums the stripes. */
+#define STRIPES 16
+#define STRIPE_WORDS 16
+
+static uint64_t
+stripe_of_process(void)
+{
+    return (uint64_t)getpid() % STRIPES;
+}
+
+/* ==================================================================== Words */
+
+typedef struct {
+    PyObject_HEAD
+    Py_buffer view;
+    int held;
+    aword *words;
+    Py_ssize_t nwords;
+} WordsObject;
+
+static int
+Words_init(WordsObject *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"buffer", "offset", "nbytes", NULL};
+    PyObject *obj;
+    Py_ssize_t offset = 0, nbytes = -1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|nn", kwlist, &obj, &offset, &nbytes)) {
+        return -1;
+    }
+    if (self->held) {
+        PyBuffer_Release(&self->view);
+        self->held = 0;
+    }
+    char *base;
+    Py_ssize_t length;
+    if (acquire_region(obj, offset, nbytes, &self->view, &base, &length) < 0) {
+        return -1;
+    }
+    self->held = 1;
+    self->words = (aword *)base;
+    self->nwords = length / 8;
+    return 0;
+}
+
+static void
+Words_dealloc(WordsObject *self)
+{
+    if (self->held) {
+        PyBuffer_Release(&self->view);
+        self->held = 0;
+    }
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static inline aword *
+word_at(WordsObject *self, PyObject *index)
+{
+    if (!self->held) {
+        released_error();
+        return NULL;
+    }
+    Py_ssize_t i = PyLong_AsSsize_t(index);
+    if (i == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if ((size_t)i >= (size_t)self->nwords) {
+        PyErr_Format(PyExc_IndexError, "word %zd outside a region of %zd words", i, self->nwords);
+        return NULL;
+    }
+    return &self->words[i];
+}
+
+static PyObject *
+Words_load(WordsObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs("load", nargs, 1) < 0) return NULL;
+    aword *p = word_at(self, args[0]);
+    if (p == NULL) return NULL;
+    return PyLong_FromUnsignedLongLong(LOAD(p));
+}
+
+static PyObject *
+Words_store(WordsObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs("store", nargs, 2) < 0) return NULL;
+    aword *p = word_at(self, args[0]);
+    uint64_t v;
+    if (p == NULL || parse_u64(args[1], &v) < 0) return NULL;
+    STORE(p, v);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+Words_fetch_add(WordsObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs("fetch_add", nargs, 2) < 0) return NULL;
+    aword *p = word_at(self, args[0]);
+    uint64_t v;
+    if (p == NULL || parse_u64(args[1], &v) < 0) return NULL;
+    return PyLong_FromUnsignedLongLong(atomic_fetch_add_explicit(p, v, memory_order_seq_cst));
+}
+
+static PyObject *
+Words_cas(WordsObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs("cas", nargs, 3) < 0) return NULL;
+    aword *p = word_at(self, args[0]);
+    uint64_t expected, desired;
+    if (p == NULL || parse_u64(args[1], &expected) < 0 || parse_u64(args[2], &desired) < 0) {
+        return NULL;
+    }
+    return PyBool_FromLong(cas_word(p, expected, desired));
+}
+
+/* The seqlock writer's opening move: invalidate the sequence word, then fence so
+ * the data stores that follow cannot become visible before it. */
+static PyObject *
+Words_begin_write(WordsObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs("begin_write", nargs, 2) < 0) return NULL;
+    aword *p = word_at(self, args[0]);
+    uint64_t v;
+    if (p == NULL || parse_u64(args[1], &v) < 0) return NULL;
+    atomic_store_explicit(p, v, memory_order_relaxed);
+    atomic_thread_fence(memory_order_seq_cst);
+    Py_RETURN_NONE;
+}
+
+/* Seqlock read of one buffer: (seq, written_at, payload) or None when the copy
+ * was torn (sequence 0 = being written, or changed during the copy).
+ * args: seq_word, length_word, written_at_word, data_offset_bytes, capacity_bytes;
+ * the words and the data are relative to this region. */
+static PyObject *
+Words_seqlock_read(WordsObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs("seqlock_read", nargs, 5) < 0) return NULL;
+    aword *seq = word_at(self, args[0]);
+    if (seq == NULL) return NULL;
+    aword *len_w = word_at(self, args[1]);
+    if (len_w == NULL) return NULL;
+    aword *at_w = word_at(self, args[2]);
+    if (at_w == NULL) return NULL;
+    Py_ssize_t data_off = PyLong_AsSsize_t(args[3]);
+    if (data_off == -1 && PyErr_Occurred()) return NULL;
+    Py_ssize_t capacity = PyLong_AsSsize_t(args[4]);
+    if (capacity == -1 && PyErr_Occurred()) return NULL;
+    if (data_off < 0 || capacity < 0 || data_off > self->nwords * 8 ||
+        capacity > self->nwords * 8 - data_off) {
+        PyErr_SetString(PyExc_IndexError, "seqlock data outside the region");
+        return NULL;
+    }
+    uint64_t s1 = LOAD(seq);
+    if (s1 == 0) Py_RETURN_NONE;
+    uint64_t n = LOAD(len_w);
+    uint64_t at = LOAD(at_w);
+    if (n > (uint64_t)capacity) Py_RETURN_NONE; /* torn length: never copy past the buffer */
+    PyObject *payload = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)n);
+    if (payload == NULL) return NULL;
+    memcpy(PyBytes_AS_STRING(payload), (char *)self->words + data_off, (size_t)n);
+    atomic_thread_fence(memory_order_acquire);
+    uint64_t s2 = atomic_load_explicit(seq, memory_order_relaxed);
+    if (s1 != s2) {
+        Py_DECREF(payload);
+        Py_RETURN_NONE;
+    }
+    PyObject *out = Py_BuildValue("(KKN)", (unsigned long long)s1, (unsigned long long)at, payload);
+    return out;
+}
+
+static PyObject *
+Words_release(WordsObject *self, PyObject *Py_UNUSED(ignored))
+{
+    if (self->held) {
+        PyBuffer_Release(&self->view);
+        self->held = 0;
+        self->words = NULL;
+        self->nwords = 0;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+Words_len(WordsObject *self, void *Py_UNUSED(closure))
+{
+    return PyLong_FromSsize_t(self->held ? self->nwords : 0);
+}
+
+static PyObject *
+Words_released(WordsObject *self, void *Py_UNUSED(closure))
+{
+    return PyBool_FromLong(!self->held);
+}
+
+static PyMethodDef Words_methods[] = {
+    {"load", (PyCFunction)(void (*)(void))Words_load, METH_FASTCALL,
+     "load(i) -> int: load-acquire of word i."},
+    {"store", (PyCFunction)(void (*)(void))Words_store, METH_FASTCALL,
+     "store(i, value): store-release of word i."},
+    {"fetch_add", (PyCFunction)(void (*)(void))Words_fetch_add, METH_FASTCALL,
+     "fetch_add(i, delta) -> int: the old value (64-bit wrapping)."},
+    {"cas", (PyCFunction)(void (*)(void))Words_cas, METH_FASTCALL,
+     "cas(i, expected, desired) -> bool: compare-and-swap, sequentially consistent."},
+    {"begin_write", (PyCFunction)(void (*)(void))Words_begin_write, METH_FASTCALL,
+     "begin_write(i, value): seqlock writer's invalidating store, then a full fence."},
+    {"seqlock_read", (PyCFunction)(void (*)(void))Words_seqlock_read, METH_FASTCALL,
+     "seqlock_read(seq, length, written_at, data_offset, capacity) -> (seq, at, bytes) | None."},
+    {"release", (PyCFunction)Words_release, METH_NOARGS,
+     "Give the buffer back (idempotent); later operations raise ValueError."},
+    {NULL, NULL, 0, NULL},
 };
 
-PyMODINIT_FUNC PyInit__atomics(void) { return PyModule_Create(&atomics_module); }
+static PyGetSetDef Words_getset[] = {
+    {"nwords", (getter)Words_len, NULL, "words in the region (0 once released)", NULL},
+    {"released", (getter)Words_released, NULL, "True once release() ran", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject WordsType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "shm._atomics.Words",
+    .tp_basicsize = sizeof(WordsObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Words(buffer, offset=0, nbytes=-1): atomics on the 8-byte words of a region.",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Words_init,
+    .tp_dealloc = (destructor)Words_dealloc,
+    .tp_methods = Words_methods,
+    .tp_getset = Words_getset,
+};
+
+/* ===================================================================== Ring */
+
+/* Control block, in words. Hot words sit on cache lines of their own: the
+ * cursors take every claimant's fetch-add; the per-buffer descriptors are
+ * written once per publish and read by every claim. */
+enum {
+    RING_ACTIVE = 0,
+    RING_BUF0 = 8,   /* gen, count, published_at, arena_used */
+    RING_CURSOR0 = 16,
+    RING_BUF1 = 24,
+    RING_CURSOR1 = 32,
+    RING_GENERATION = 40, /* writer line: generation, entries published, publishes, truncated */
+    RING_PUBLISHED = 41,
+    RING_PUBLISHES = 42,
+    RING_TRUNCATED = 43,
+    RING_STRIPES = 48, /* STRIPES x STRIPE_WORDS claimant counters */
+    RING_CTRL_WORDS = RING_STRIPES + STRIPES * STRIPE_WORDS,
+};
+enum { BUF_GEN = 0, BUF_COUNT = 1, BUF_PUBLISHED_AT = 2, BUF_ARENA_USED = 3 };
+enum { RS_CLAIMED = 0, RS_CLAIM_CALLS = 1, RS_TORN = 2, RS_STALE = 3, RS_EMPTY = 4 };
+
+#define RING_KEY_MAX 2048
+#define RING_MAX_ATTEMPTS 64
+
+typedef struct {
+    int64_t due_at;
+    uint64_t key_hash;
+    uint32_t key_off;
+    uint32_t key_len;
+    uint32_t class_id;
+    uint32_t reserved;
+} ring_entry;
+
+_Static_assert(sizeof(ring_entry) == 32, "ring entry is 32 bytes");
+
+typedef struct {
+    PyObject_HEAD
+    Py_buffer view;
+    int held;
+    aword *ctrl;
+    char *entries; /* 2 x capacity entries */
+    char *arena;   /* 2 x arena_bytes */
+    uint64_t capacity;
+    uint64_t arena_bytes;
+    PyObject *factory;
+    aword *stripe;
+    ring_entry *scratch;
+    char *scratch_keys;
+    uint64_t scratch_cap;
+    uint64_t scratch_keys_cap;
+} RingObject;
+
+static int
+Ring_init(RingObject *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"buffer", "ctrl_offset", "entries_offset", "arena_offset",
+                             "capacity", "arena_bytes", "factory", NULL};
+    PyObject *obj, *factory;
+    Py_ssize_t ctrl_off, entries_off, arena_off, capacity, arena_bytes;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OnnnnnO", kwlist, &obj, &ctrl_off,
+                                     &entries_off, &arena_off, &capacity, &arena_bytes,
+                                     &factory)) {
+        return -1;
+    }
+    if (self->held) {
+        PyErr_SetString(PyExc_RuntimeError, "Ring is already initialised");
+        return -1;
+    }
+    if (capacity <= 0 || capacity > (Py_ssize_t)UINT32_MAX || arena_bytes <= 0 ||
+        arena_bytes > (Py_ssize_t)UINT32_MAX) {
+        PyErr_SetString(PyExc_ValueError, "ring capacity and arena must be in 1..2**32-1");
+        return -1;
+    }
+    char *base;
+    Py_ssize_t length;
+    if (acquire_region(obj, 0, -1, &self->view, &base, &length) < 0) return -1;
+    self->held = 1;
+    Py_ssize_t need_ctrl = ctrl_off + RING_CTRL_WORDS * 8;
+    Py_ssize_t need_entries = entries_off + 2 * capacity * (Py_ssize_t)sizeof(ring_entry);
+    Py_ssize_t need_arena = arena_off + 2 * arena_bytes;
+    if (ctrl_off < 0 || entries_off < 0 || arena_off < 0 || (ctrl_off & 63) ||
+        (entries_off & 7) || need_ctrl > length || need_entries > length || need_arena > length) {
+        PyErr_Format(PyExc_ValueError,
+                     "ring layout (ctrl %zd, entries %zd, arena %zd; capacity %zd, arena %zd "
+                     "bytes) does not fit a buffer of %zd bytes with aligned words",
+                     ctrl_off, entries_off, arena_off, capacity, arena_bytes, length);
+        PyBuffer_Release(&self->view);
+        self->held = 0;
+        return -1;
+    }
+    self->ctrl = (aword *)(base + ctrl_off);
+    self->entries = base + entries_off;
+    self->arena = base + arena_off;
+    self->capacity = (uint64_t)capacity;
+    self->arena_bytes = (uint64_t)arena_bytes;
+    Py_INCREF(factory);
+    self->factory = factory;
+    self->stripe = self->ctrl + RING_STRIPES + stripe_of_process() * STRIPE_WORDS;
+    return 0;
+}
+
+static void
+Ring_free_scratch(RingObject *self)
+{
+    PyMem_Free(self->scratch);
+    PyMem_Free(self->scratch_keys);
+    self->scratch = NULL;
+    self->scratch_keys = NULL;
+    self->scratch_cap = self->scratch_keys_cap = 0;
+}
+
+static void
+Ring_dealloc(RingObject *self)
+{
+    if (self->held) {
+        PyBuffer_Release(&self->view);
+        self->held = 0;
+    }
+    Py_CLEAR(self->factory);
+    Ring_free_scratch(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static inline aword *
+ring_buf(RingObject *self, uint64_t b)
+{
+    return self->ctrl + (b ? RING_BUF1 : RING_BUF0);
+}
+
+static inline aword *
+ring_cursor(RingObject *self, uint64_t b)
+{
+    return self->ctrl + (b ? RING_CURSOR1 : RING_CURSOR0);
+}
+
+static int
+Ring_reserve_scratch(RingObject *self, uint64_t n)
+{
+    if (n > self->scratch_cap) {
+        ring_entry *p = PyMem_Realloc(self->scratch, n * sizeof(ring_entry));
+        if (p == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        self->scratch = p;
+        self->scratch_cap = n;
+    }
+    return 0;
+}
+
+static int
+Ring_reserve_keys(RingObject *self, uint64_t n)
+{
+    if (n > self->scratch_keys_cap) {
+        char *p = PyMem_Realloc(self->scratch_keys, n ? n : 1);
+        if (p == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        self->scratch_keys = p;
+        self->scratch_keys_cap = n;
+    }
+    return 0;
+}
+
+/* claim(n) -> list of factory(key, due_at, class_id, key_hash).
+ *
+ * The cursor word packs (generation tag << 32 | index). A fetch-add returns the
+ * old word, so a claimant learns which generation its reservation belongs to:
+ * it copies the entries, then accepts them only if the buffer's generation
+ * equals that tag and did not change during the copy. A reservation made on a
+ * superseded generation is dropped (that generation is gone anyway); one made
+ * on the live generation is always honoured, because the writer resets the
+ * cursor only after the buffer's generation is final. */
+static PyObject *
+Ring_claim(RingObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs("claim", nargs, 1) < 0) return NULL;
+    if (!self->held) return released_error();
+    Py_ssize_t want = PyLong_AsSsize_t(args[0]);
+    if (want == -1 && PyErr_Occurred()) return NULL;
+    if (want <= 0) return PyList_New(0);
+    if ((uint64_t)want > self->capacity) want = (Py_ssize_t)self->capacity;
+    uint64_t n = (uint64_t)want;
+    atomic_fetch_add_explicit(&self->stripe[RS_CLAIM_CALLS], 1, memory_order_relaxed);
+    if (Ring_reserve_scratch(self, n) < 0) return NULL;
+
+    uint64_t got = 0, buffer = 0;
+    for (int attempt = 0; attempt < RING_MAX_ATTEMPTS; attempt++) {
+        uint64_t b = LOAD(&self->ctrl[RING_ACTIVE]) & 1u;
+        aword *desc = ring_buf(self, b);
+        aword *cursor = ring_cursor(self, b);
+        uint64_t g = LOAD(&desc[BUF_GEN]);
+        if (g == 0) {
+            if (LOAD(&self->ctrl[RING_GENERATION]) == 0) break; /* nothing published yet */
+            atomic_fetch_add_explicit(&self->stripe[RS_TORN], 1, memory_order_relaxed);
+            continue;
+        }
+        uint64_t count = LOAD(&desc[BUF_COUNT]);
+        uint64_t cur = LOAD(cursor);
+        if ((cur >> 32) == (g & 0xffffffffu) && (cur & 0xffffffffu) >= count) {
+            /* Drained: do not fetch-add, so an idle ring never runs its cursor up. */
+            if (LOAD(&desc[BUF_GEN]) == g && (LOAD(&self->ctrl[RING_ACTIVE]) & 1u) == b) break;
+            continue;
+        }
+        uint64_t old = atomic_fetch_add_explicit(cursor, n, memory_order_seq_cst);
+        uint64_t g1 = LOAD(&desc[BUF_GEN]);
+        uint64_t tag = old >> 32, idx = old & 0xffffffffu;
+        if (g1 == 0 || tag != (g1 & 0xffffffffu)) {
+            atomic_fetch_add_explicit(&self->stripe[RS_STALE], 1, memory_order_relaxed);
+            continue;
+        }
+        count = LOAD(&desc[BUF_COUNT]);
+        if (count > self->capacity) count = self->capacity; /* torn; rejected below */
+        if (idx >= count) {
+            if (LOAD(&desc[BUF_GEN]) == g1) break;
+            continue;
+        }
+        uint64_t end = idx + n < count ? idx + n : count;
+        got = end - idx;
+        const ring_entry *src = (const ring_entry *)(self->entries + b * self->capacity *
+                                                                       sizeof(ring_entry));
+        memcpy(self->scratch, src + idx, got * sizeof(ring_entry));
+        uint64_t key_bytes = 0;
+        int bad = 0;
+        for (uint64_t i = 0; i < got; i++) {
+            const ring_entry *e = &self->scratch[i];
+            if (e->key_len > RING_KEY_MAX ||
+                (uint64_t)e->key_off + e->key_len > self->arena_bytes) {
+                bad = 1; /* only a torn copy can look like this; the check keeps memcpy inside */
+                break;
+            }
+            key_bytes += e->key_len;
+        }
+        if (!bad) {
+            if (Ring_reserve_keys(self, key_bytes) < 0) return NULL;
+            const char *arena = self->arena + b * self->arena_bytes;
+            char *dst = self->scratch_keys;
+            for (uint64_t i = 0; i < got; i++) {
+                const ring_entry *e = &self->scratch[i];
+                memcpy(dst, arena + e->key_off, e->key_len);
+                dst += e->key_len;
+            }
+        }
+        atomic_thread_fence(memory_order_acquire);
+        uint64_t g2 = atomic_load_explicit(&desc[BUF_GEN], memory_order_relaxed);
+        if (g2 != g1 || bad) {
+            atomic_fetch_add_explicit(&self->stripe[RS_TORN], 1, memory_order_relaxed);
+            got = 0;
+            continue;
+        }
+        buffer = b;
+        break;
+    }
+    (void)buffer;
+    if (got == 0) {
+        atomic_fetch_add_explicit(&self->stripe[RS_EMPTY], 1, memory_order_relaxed);
+        return PyList_New(0);
+    }
+    atomic_fetch_add_explicit(&self->stripe[RS_CLAIMED], got, memory_order_relaxed);
+    PyObject *out = PyList_New((Py_ssize_t)got);
+    if (out == NULL) return NULL;
+    const char *kp = self->scratch_keys;
+    for (uint64_t i = 0; i < got; i++) {
+        const ring_entry *e = &self->scratch[i];
+        PyObject *fields[4];
+        fields[0] = PyBytes_FromStringAndSize(kp, e->key_len);
+        fields[1] = PyLong_FromLongLong(e->due_at);
+        fields[2] = PyLong_FromUnsignedLong(e->class_id);
+        fields[3] = PyLong_FromUnsignedLongLong(e->key_hash);
+        kp += e->key_len;
+        PyObject *item = NULL;
+        if (fields[0] && fields[1] && fields[2] && fields[3]) {
+            item = PyObject_Vectorcall(self->factory, fields, 4, NULL);
+        }
+        for (int f = 0; f < 4; f++) Py_XDECREF(fields[f]);
+        if (item == NULL) {
+            Py_DECREF(out);
+            return NULL;
+        }
+        PyList_SET_ITEM(out, (Py_ssize_t)i, item);
+    }
+    if (self->scratch_cap > 4096) Ring_free_scratch(self); /* do not pin a huge batch's memory */
+    return out;
+}
+
+static PyObject *
+Ring_remaining(RingObject *self, PyObject *Py_UNUSED(ignored))
+{
+    if (!self->held) return released_error();
+    for (int attempt = 0; attempt < RING_MAX_ATTEMPTS; attempt++) {
+        uint64_t b = LOAD(&self->ctrl[RING_ACTIVE]) & 1u;
+        aword *desc = ring_buf(self, b);
+        uint64_t g = LOAD(&desc[BUF_GEN]);
+        if (g == 0) {
+            if (LOAD(&self->ctrl[RING_GENERATION]) == 0) return PyLong_FromLong(0);
+            continue;
+        }
+        uint64_t count = LOAD(&desc[BUF_COUNT]);
+        uint64_t cur = LOAD(ring_cursor(self, b));
+        if (LOAD(&desc[BUF_GEN]) != g) continue;
+        if ((cur >> 32) != (g & 0xffffffffu)) continue;
+        uint64_t idx = cur & 0xffffffffu;
+        return PyLong_FromUnsignedLongLong(idx >= count ? 0 : count - idx);
+    }
+    return PyLong_FromLong(0);
+}
+
+static PyObject *
+Ring_release(RingObject *self, PyObject *Py_UNUSED(ignored))
+{
+    if (self->held) {
+        PyBuffer_Release(&self->view);
+        self->held = 0;
+        self->ctrl = NULL;
+        self->entries = self->arena = NULL;
+    }
+    Ring_free_scratch(self);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef Ring_methods[] = {
+    {"claim", (PyCFunction)(void (*)(void))Ring_claim, METH_FASTCALL,
+     "claim(n) -> list: up to n entries of the active buffer, in order, each to one claimant."},
+    {"remaining", (PyCFunction)Ring_remaining, METH_NOARGS,
+     "remaining() -> int: unclaimed entries in the active buffer."},
+    {"release", (PyCFunction)Ring_release, METH_NOARGS, "Give the buffer back (idempotent)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject RingType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "shm._atomics.Ring",
+    .tp_basicsize = sizeof(RingObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Ring(buffer, ctrl_offset, entries_offset, arena_offset, capacity, arena_bytes, "
+              "factory): the ready ring's claim path.",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Ring_init,
+    .tp_dealloc = (destructor)Ring_dealloc,
+    .tp_methods = Ring_methods,
+};
+
+/* =================================================================== Leases */
+
+/* Slot: key hash (0 = empty), state word, hold word, spare. The state word is
+ * the only word a grant, renew, complete or settle changes, always by CAS:
+ *   bits 0-1  phase: FREE, LEASED, HELD, REMOVING
+ *   bits 2-5  misses (saturating at 15)
+ *   bits 6-21 token (16 bits, never 0 once granted)
+ *   bits 22-63 time in epoch ms (42 bits, to year 2109): LEASED -> expiry,
+ *             HELD -> hold end, else 0.
+ * The hold word, written by the grant's winner, is (token << 48 | hold_ms): how
+ * long the key is held back if this lease expires with no result. */
+enum { PH_FREE = 0, PH_LEASED = 1, PH_HELD = 2, PH_REMOVING = 3 };
+#define W_PHASE(w) ((w) & 3u)
+#define W_MISSES(w) (((w) >> 2) & 15u)
+#define W_TOKEN(w) (((w) >> 6) & 0xffffu)
+#define W_TIME(w) ((w) >> 22)
+#define W_MAKE(ph, m, tok, t)                                                                  \
+    ((uint64_t)(ph) | ((uint64_t)(m) << 2) | ((uint64_t)(tok) << 6) | ((uint64_t)(t) << 22))
+#define TIME_MAX ((((uint64_t)1) << 42) - 1)
+#define HOLD_MASK ((((uint64_t)1) << 48) - 1)
+#define MISSES_MAX 15u
+#define PROBE 8
+#define SLOT_WORDS 4
+enum { SLOT_KEY = 0, SLOT_STATE = 1, SLOT_HOLD = 2 };
+
+enum {
+    LEASE_SWEEPER = 0,  /* pid of the process sweeping, 0 when none */
+    LEASE_STRIPES = 8,  /* STRIPES x STRIPE_WORDS counters */
+    LEASE_CTRL_WORDS = LEASE_STRIPES + STRIPES * STRIPE_WORDS,
+};
+enum {
+    LS_GRANTS = 0,
+    LS_RENEWALS = 1,
+    LS_COMPLETIONS = 2,
+    LS_EXPIRIES = 3,
+    LS_HOLD_EVENTS = 4,
+    LS_REFUSED_TAKEN = 5,
+    LS_REFUSED_HELD = 6,
+    LS_REFUSED_PROBE_FULL = 7,
+    LS_INSERTS = 8,
+    LS_RECLAIMED = 9,
+    LS_CONFLICTS = 10,
+    LS_STALE_TOKENS = 11,
+    LS_SWEEPS = 12,
+};
+enum { GRANTED = 0, REFUSED_TAKEN = 1, REFUSED_HELD = 2, REFUSED_PROBE_FULL = 3 };
+#define LEASE_MAX_ATTEMPTS 256
+
+typedef struct {
+    PyObject_HEAD
+    Py_buffer view;
+    int held;
+    aword *ctrl;
+    aword *slots;
+    uint64_t capacity;
+    aword *stripe;
+    uint64_t rng;
+} LeasesObject;
+
+static int
+Leases_init(LeasesObject *self, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"buffer", "ctrl_offset", "slots_offset", "capacity", NULL};
+    PyObject *obj;
+    Py_ssize_t ctrl_off, slots_off, capacity;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "Onnn", kwlist, &obj, &ctrl_off, &slots_off,
+                                     &capacity)) {
+        return -1;
+    }
+    if (self->held) {
+        PyErr_SetString(PyExc_RuntimeError, "Leases is already initialised");
+        return -1;
+    }
+    if (capacity < PROBE || capacity > ((Py_ssize_t)1 << 32)) {
+        PyErr_Format(PyExc_ValueError, "lease table capacity must be in %d..2**32", PROBE);
+        return -1;
+    }
+    char *base;
+    Py_ssize_t length;
+    if (acquire_region(obj, 0, -1, &self->view, &base, &length) < 0) return -1;
+    self->held = 1;
+    if (ctrl_off < 0 || slots_off < 0 || (ctrl_off & 63) || (slots_off & 63) ||
+        ctrl_off + LEASE_CTRL_WORDS * 8 > length ||
+        slots_off + capacity * SLOT_WORDS * 8 > length) {
+        PyErr_Format(PyExc_ValueError,
+                     "lease layout (ctrl %zd, slots %zd, capacity %zd) does not fit a buffer of "
+                     "%zd bytes with aligned words",
+                     ctrl_off, slots_off, capacity, length);
+        PyBuffer_Release(&self->view);
+        self->held = 0;
+        return -1;
+    }
+    self->ctrl = (aword *)(base + ctrl_off);
+    self->slots = (aword *)(base + slots_off);
+    self->capacity = (uint64_t)capacity;
+    self->stripe = self->ctrl + LEASE_STRIPES + stripe_of_process() * STRIPE_WORDS;
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    self->rng = ((uint64_t)getpid() << 32) ^ (uint64_t)ts.tv_nsec ^ (uint64_t)(uintptr_t)self ^
+                0x9e3779b97f4a7c15ull;
+    return 0;
+}
+
+static void
+Leases_dealloc(LeasesObject *self)
+{
+    if (self->held) {
+        PyBuffer_Release(&self->view);
+        self->held = 0;
+    }
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static inline void
+bump(LeasesObject *self, int which, uint64_t n)
+{
+    atomic_fetch_add_explicit(&self->stripe[which], n, memory_order_relaxed);
+}
+
+static inline uint64_t
+window_start(LeasesObject *self, uint64_t h)
+{
+    return (uint64_t)(((unsigned __int128)h * self->capacity) >> 64);
+}
+
+static inline uint64_t
+slot_at(LeasesObject *self, uint64_t start, int i)
+{
+    uint64_t s = start + (uint64_t)i;
+    return s >= self->capacity ? s - self->capacity : s;
+}
+
+static inline aword *
+slot_word(LeasesObject *self, uint64_t s, int which)
+{
+    return &self->slots[s * SLOT_WORDS + which];
+}
+
+static uint64_t
+next_token(LeasesObject *self, uint64_t w)
+{
+    uint64_t tok;
+    if (w == 0) {
+        /* A fresh slot starts from a random token, so a token from the slot's
+         * previous key (before a sweep) is unlikely to match the new one. */
+        uint64_t x = self->rng;
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        self->rng = x;
+        tok = x & 0xffffu;
+    } else {
+        tok = (W_TOKEN(w) + 1) & 0xffffu;
+    }
+    return tok ? tok : 1;
+}
+
+static uint64_t
+hold_if_missed(uint64_t misses, uint64_t lease_ms, uint64_t cadence_ms)
+{
+    uint64_t m = misses + 1 > MISSES_MAX ? MISSES_MAX : misses + 1;
+    uint64_t hold = (lease_ms > (HOLD_MASK >> m)) ? HOLD_MASK : (lease_ms << m);
+    if (hold > cadence_ms) hold = cadence_ms;
+    return hold & HOLD_MASK;
+}
+
+/* The hold an expired, unanswered lease earns: from the hold word if the grant's
+ * winner got to write it (it always does unless killed between two stores). */
+static uint64_t
+settled_hold(LeasesObject *self, uint64_t s, uint64_t w)
+{
+    uint64_t p = LOAD_SC(slot_word(self, s, SLOT_HOLD));
+    return (p >> 48) == W_TOKEN(w) ? (p & HOLD_MASK) : 0;
+}
+
+static uint64_t
+settled_word(LeasesObject *self, uint64_t s, uint64_t w)
+{
+    uint64_t m = W_MISSES(w) + 1 > MISSES_MAX ? MISSES_MAX : W_MISSES(w) + 1;
+    uint64_t until = W_TIME(w) + settled_hold(self, s, w);
+    if (until > TIME_MAX) until = TIME_MAX;
+    return W_MAKE(PH_HELD, m, W_TOKEN(w), until);
+}
+
+/* LEASED with expiry <= now and no result: record the miss and start the hold. */
+static void
+settle(LeasesObject *self, uint64_t s, uint64_t w)
+{
+    uint64_t nw = settled_word(self, s, w);
+    if (cas_word(slot_word(self, s, SLOT_STATE), w, nw)) {
+        bump(self, LS_EXPIRIES, 1);
+        if (W_TIME(nw) > W_TIME(w)) bump(self, LS_HOLD_EVENTS, 1);
+    }
+}
+
+static int
+parse_time(PyObject *o, uint64_t *out, const char *what)
+{
+    int64_t v;
+    if (parse_i64(o, &v) < 0) return -1;
+    if (v < 0 || (uint64_t)v > TIME_MAX) {
+        PyErr_Format(PyExc_ValueError, "%s %lld ms is outside 0..2**42", what, (long long)v);
+        return -1;
+    }
+    *out = (uint64_t)v;
+    return 0;
+}
+
+static int
+parse_hash(PyObject *o, uint64_t *out)
+{
+    if (parse_u64(o, out) < 0) return -1;
+    if (*out == 0) {
+        PyErr_SetString(PyExc_ValueError, "key hash 0 marks an empty slot; use shm.key_hash()");
+        return -1;
+    }
+    return 0;
+}
+
+/* What the window says about a key, read-only: its slots are every non-REMOVING
+ * slot whose key word equals the hash. */
+typedef struct {
+    int n;
+    uint64_t slot[PROBE];
+    uint64_t word[PROBE];
+    int64_t empty; /* first empty slot, -1 if none */
+} probe_t;
+
+static void
+probe(LeasesObject *self, uint64_t h, probe_t *p)
+{
+    uint64_t start = window_start(self, h);
+    p->n = 0;
+    p->empty = -1;
+    for (int i = 0; i < PROBE; i++) {
+        uint64_t s = slot_at(self, start, i);
+        uint64_t k = LOAD_SC(slot_word(self, s, SLOT_KEY));
+        if (k == h) {
+            uint64_t w = LOAD_SC(slot_word(self, s, SLOT_STATE));
+            if (W_PHASE(w) == PH_REMOVING) continue;
+            p->slot[p->n] = s;
+            p->word[p->n] = w;
+            p->n++;
+        } else if (k == 0 && p->empty < 0) {
+            p->empty = (int64_t)s;
+        }
+    }
+}
+
+/* grant(key_hash, now_ms, lease_ms, cadence_ms) -> (code, token, until)
+ *
+ * Duplicates: two claimants inserting one key at the same moment can land in two
+ * slots (a sweep may empty a slot between their scans). Grants go to the first
+ * of a key's slots, and after a winning CAS the winner re-reads the key's other
+ * slots: if one holds a live lease it reverts its own and retries. Of two racing
+ * winners at least one sees the other (both CAS before they re-read, all
+ * sequentially consistent), so at most one grant survives; a reverted grant was
+ * never returned. */
+static PyObject *
+Leases_grant(LeasesObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs("grant", nargs, 4) < 0) return NULL;
+    if (!self->held) return released_error();
+    uint64_t h, now, lease_ms, cadence_ms;
+    if (parse_hash(args[0], &h) < 0 || parse_time(args[1], &now, "now") < 0 ||
+        parse_time(args[2], &lease_ms, "lease") < 0 ||
+        parse_time(args[3], &cadence_ms, "cadence") < 0) {
+        return NULL;
+    }
+    if (lease_ms == 0 || now + lease_ms > TIME_MAX) {
+        PyErr_SetString(PyExc_ValueError, "lease_ms must be positive and now + lease in range");
+        return NULL;
+    }
+    probe_t p;
+    for (int attempt = 0; attempt < LEASE_MAX_ATTEMPTS; attempt++) {
+        probe(self, h, &p);
+        uint64_t taken_until = 0, held_until = 0;
+        int settled = 0;
+        for (int i = 0; i < p.n; i++) {
+            uint64_t w = p.word[i];
+            if (W_PHASE(w) == PH_LEASED) {
+                if (W_TIME(w) > now) {
+                    if (W_TIME(w) > taken_until) taken_until = W_TIME(w);
+                } else {
+                    settle(self, p.slot[i], w);
+                    settled = 1;
+                }
+            } else if (W_PHASE(w) == PH_HELD && W_TIME(w) > now) {
+                if (W_TIME(w) > held_until) held_until = W_TIME(w);
+            }
+        }
+        if (settled) continue;
+        if (taken_until) {
+            bump(self, LS_REFUSED_TAKEN, 1);
+            return Py_BuildValue("(iKK)", REFUSED_TAKEN, 0ull, (unsigned long long)taken_until);
+        }
+        if (held_until) {
+            bump(self, LS_REFUSED_HELD, 1);
+            return Py_BuildValue("(iKK)", REFUSED_HELD, 0ull, (unsigned long long)held_until);
+        }
+        uint64_t s, w;
+        if (p.n == 0) {
+            if (p.empty < 0) {
+                bump(self, LS_REFUSED_PROBE_FULL, 1);
+                return Py_BuildValue("(iKK)", REFUSED_PROBE_FULL, 0ull, 0ull);
+            }
+            s = (uint64_t)p.empty;
+            if (!cas_word(slot_word(self, s, SLOT_KEY), 0, h)) continue;
+            bump(self, LS_INSERTS, 1);
+            w = LOAD_SC(slot_word(self, s, SLOT_STATE));
+            if (W_PHASE(w) == PH_REMOVING) continue; /* the sweep finishing this slot resets it */
+        } else {
+            s = p.slot[0];
+            w = p.word[0];
+        }
+        uint64_t tok = next_token(self, w);
+        uint64_t expires = now + lease_ms;
+        uint64_t nw = W_MAKE(PH_LEASED, W_MISSES(w), tok, expires);
+        if (!cas_word(slot_word(self, s, SLOT_STATE), w, nw)) continue;
+        STORE(slot_word(self, s, SLOT_HOLD),
+              (tok << 48) | hold_if_missed(W_MISSES(w), lease_ms, cadence_ms));
+        /* Verify: no other slot of this key holds a live lease. */
+        uint64_t start = window_start(self, h);
+        int conflict = 0;
+        for (int i = 0; i < PROBE && !conflict; i++) {
+            uint64_t o = slot_at(self, start, i);
+            if (o == s || LOAD_SC(slot_word(self, o, SLOT_KEY)) != h) continue;
+            uint64_t ow = LOAD_SC(slot_word(self, o, SLOT_STATE));
+            if (W_PHASE(ow) == PH_LEASED && W_TIME(ow) > now) conflict = 1;
+        }
+        if (conflict) {
+            cas_word(slot_word(self, s, SLOT_STATE), nw, w);
+            bump(self, LS_CONFLICTS, 1);
+            continue;
+        }
+        bump(self, LS_GRANTS, 1);
+        return Py_BuildValue("(iKK)", GRANTED, (unsigned long long)((s << 16) | tok),
+                             (unsigned long long)expires);
+    }
+    /* Only a storm of concurrent changes to this one window gets here. */
+    bump(self, LS_REFUSED_TAKEN, 1);
+    return Py_BuildValue("(iKK)", REFUSED_TAKEN, 0ull, (unsigned long long)now);
+}
+
+/* The slot a token names, if its key is still this hash and its lease is live. */
+static int
+token_slot(LeasesObject *self, PyObject *const *args, uint64_t *h, uint64_t *s, uint64_t *tok,
+           uint64_t *now)
+{
+    uint64_t token;
+    if (parse_hash(args[0], h) < 0 || parse_u64(args[1], &token) < 0 ||
+        parse_time(args[2], now, "now") < 0) {
+        return -1;
+    }
+    *s = token >> 16;
+    *tok = token & 0xffffu;
+    if (*s >= self->capacity || *tok == 0) return 0;
+    return LOAD_SC(slot_word(self, *s, SLOT_KEY)) == *h;
+}
+
+static inline int
+live_with(uint64_t w, uint64_t tok, uint64_t now)
+{
+    return W_PHASE(w) == PH_LEASED && W_TOKEN(w) == tok && W_TIME(w) > now;
+}
+
+static PyObject *
+Leases_holds(LeasesObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs("holds", nargs, 3) < 0) return NULL;
+    if (!self->held) return released_error();
+    uint64_t h, s, tok, now;
+    int r = token_slot(self, args, &h, &s, &tok, &now);
+    if (r < 0) return NULL;
+    if (r == 0) Py_RETURN_FALSE;
+    return PyBool_FromLong(live_with(LOAD_SC(slot_word(self, s, SLOT_STATE)), tok, now));
+}
+
+/* renew(h, token, now, lease_ms) -> new expiry or -1 */
+static PyObject *
+Leases_renew(LeasesObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs("renew", nargs, 4) < 0) return NULL;
+    if (!self->held) return released_error();
+    uint64_t h, s, tok, now, lease_ms;
+    int r = token_slot(self, args, &h, &s, &tok, &now);
+    if (r < 0 || parse_time(args[3], &lease_ms, "lease") < 0) return NULL;
+    if (lease_ms == 0 || now + lease_ms > TIME_MAX) {
+        PyErr_SetString(PyExc_ValueError, "lease_ms must be positive and now + lease in range");
+        return NULL;
+    }
+    for (int attempt = 0; r == 1 && attempt < LEASE_MAX_ATTEMPTS; attempt++) {
+        uint64_t w = LOAD_SC(slot_word(self, s, SLOT_STATE));
+        if (!live_with(w, tok, now)) break;
+        uint64_t nw = W_MAKE(PH_LEASED, W_MISSES(w), tok, now + lease_ms);
+        if (cas_word(slot_word(self, s, SLOT_STATE), w, nw)) {
+            bump(self, LS_RENEWALS, 1);
+            return PyLong_FromUnsignedLongLong(now + lease_ms);
+        }
+    }
+    bump(self, LS_STALE_TOKENS, 1);
+    return PyLong_FromLong(-1);
+}
+
+static PyObject *
+Leases_complete(LeasesObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs("complete", nargs, 3) < 0) return NULL;
+    if (!self->held) return released_error();
+    uint64_t h, s, tok, now;
+    int r = token_slot(self, args, &h, &s, &tok, &now);
+    if (r < 0) return NULL;
+    for (int attempt = 0; r == 1 && attempt < LEASE_MAX_ATTEMPTS; attempt++) {
+        uint64_t w = LOAD_SC(slot_word(self, s, SLOT_STATE));
+        if (!live_with(w, tok, now)) break;
+        /* A result ends the lease and forgives the misses. */
+        if (cas_word(slot_word(self, s, SLOT_STATE), w, W_MAKE(PH_FREE, 0, tok, 0))) {
+            bump(self, LS_COMPLETIONS, 1);
+            Py_RETURN_TRUE;
+        }
+    }
+    bump(self, LS_STALE_TOKENS, 1);
+    Py_RETURN_FALSE;
+}
+
+typedef struct {
+    int leased, held;
+    uint64_t lease_expires_at, held_until, misses;
+} keystate_t;
+
+/* Read-only view of a key: an expired lease with no result reads as the hold it
+ * will become once a grant or sweep settles it. */
+static void
+key_state(LeasesObject *self, uint64_t h, uint64_t now, keystate_t *ks)
+{
+    probe_t p;
+    probe(self, h, &p);
+    memset(ks, 0, sizeof(*ks));
+    for (int i = 0; i < p.n; i++) {
+        uint64_t w = p.word[i];
+        if (W_PHASE(w) == PH_LEASED && W_TIME(w) <= now) w = settled_word(self, p.slot[i], w);
+        uint64_t t = W_TIME(w);
+        if (W_MISSES(w) > ks->misses) ks->misses = W_MISSES(w);
+        if (W_PHASE(w) == PH_LEASED) {
+            ks->leased = 1;
+            if (t > ks->lease_expires_at) ks->lease_expires_at = t;
+        } else if (W_PHASE(w) == PH_HELD) {
+            if (t > now) ks->held = 1;
+            if (t > ks->held_until) ks->held_until = t;
+        }
+    }
+}
+
+static PyObject *
+Leases_state(LeasesObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs("state", nargs, 2) < 0) return NULL;
+    if (!self->held) return released_error();
+    uint64_t h, now;
+    if (parse_hash(args[0], &h) < 0 || parse_time(args[1], &now, "now") < 0) return NULL;
+    keystate_t ks;
+    key_state(self, h, now, &ks);
+    return Py_BuildValue("(OKOKK)", ks.leased ? Py_True : Py_False,
+                         (unsigned long long)ks.lease_expires_at, ks.held ? Py_True : Py_False,
+                         (unsigned long long)ks.held_until, (unsigned long long)ks.misses);
+}
+
+/* blocked_mask(hashes, out, now): out[i] = 1 if hashes[i] is leased or held now.
+ * hashes: contiguous uint64 buffer; out: writable contiguous uint8/bool buffer. */
+static PyObject *
+Leases_blocked_mask(LeasesObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs("blocked_mask", nargs, 3) < 0) return NULL;
+    if (!self->held) return released_error();
+    uint64_t now;
+    if (parse_time(args[2], &now, "now") < 0) return NULL;
+    Py_buffer in, out;
+    if (PyObject_GetBuffer(args[0], &in, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    if (PyObject_GetBuffer(args[1], &out, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&in);
+        return NULL;
+    }
+    Py_ssize_t n = in.len / 8;
+    if ((in.len & 7) || out.len != n || ((uintptr_t)in.buf & 7u)) {
+        PyBuffer_Release(&in);
+        PyBuffer_Release(&out);
+        PyErr_SetString(PyExc_ValueError, "blocked_mask wants aligned uint64 hashes and one "
+                                          "byte of output per hash");
+        return NULL;
+    }
+    const uint64_t *hs = in.buf;
+    unsigned char *o = out.buf;
+    Py_ssize_t blocked = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        keystate_t ks;
+        o[i] = 0;
+        if (hs[i] == 0) continue;
+        key_state(self, hs[i], now, &ks);
+        if ((ks.leased && ks.lease_expires_at > now) || ks.held) {
+            o[i] = 1;
+            blocked++;
+        }
+    }
+    PyBuffer_Release(&in);
+    PyBuffer_Release(&out);
+    return PyLong_FromSsize_t(blocked);
+}
+
+static int
+process_alive(uint64_t pid)
+{
+    if (pid == 0 || pid > (uint64_t)INT32_MAX) return 0;
+    if (kill((pid_t)pid, 0) == 0) return 1;
+    return errno != ESRCH;
+}
+
+static void
+remove_slot(LeasesObject *self, uint64_t s, uint64_t k)
+{
+    /* REMOVING first: no grant can start on the slot after that, so clearing the
+     * key cannot orphan a lease. Only the elected sweeper leaves REMOVING. */
+    cas_word(slot_word(self, s, SLOT_KEY), k, 0);
+    cas_word(slot_word(self, s, SLOT_STATE), W_MAKE(PH_REMOVING, 0, 0, 0), 0);
+}
+
+/* sweep(now, keep_misses_ms) -> reclaimed slots, or -1 if another live process is
+ * sweeping. Settles expired leases; reclaims FREE slots and holds that ended
+ * keep_misses_ms ago; finishes removals a dead sweeper left half done. */
+static PyObject *
+Leases_sweep(LeasesObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs("sweep", nargs, 2) < 0) return NULL;
+    if (!self->held) return released_error();
+    uint64_t now, keep;
+    if (parse_time(args[0], &now, "now") < 0 || parse_time(args[1], &keep, "keep") < 0) {
+        return NULL;
+    }
+    uint64_t me = (uint64_t)getpid();
+    aword *sweeper = &self->ctrl[LEASE_SWEEPER];
+    uint64_t owner = LOAD_SC(sweeper);
+    if (owner != me) {
+        if (owner != 0 && process_alive(owner)) return PyLong_FromLong(-1);
+        if (!cas_word(sweeper, owner, me)) return PyLong_FromLong(-1);
+    }
+    bump(self, LS_SWEEPS, 1);
+    uint64_t removing = W_MAKE(PH_REMOVING, 0, 0, 0);
+    long reclaimed = 0;
+    for (uint64_t s = 0; s < self->capacity; s++) {
+        aword *kw = slot_word(self, s, SLOT_KEY);
+        aword *sw = slot_word(self, s, SLOT_STATE);
+        uint64_t k = LOAD_SC(kw);
+        uint64_t w = LOAD_SC(sw);
+        if (W_PHASE(w) == PH_REMOVING) {
+            remove_slot(self, s, k);
+            reclaimed++;
+            continue;
+        }
+        if (k == 0) continue;
+        if (W_PHASE(w) == PH_LEASED && W_TIME(w) <= now) {
+            settle(self, s, w);
+            w = LOAD_SC(sw);
+        }
+        int dead = W_PHASE(w) == PH_FREE ||
+                   (W_PHASE(w) == PH_HELD && W_TIME(w) + keep <= now);
+        if (dead && cas_word(sw, w, removing)) {
+            remove_slot(self, s, k);
+            reclaimed++;
+        }
+    }
+    cas_word(sweeper, me, 0);
+    bump(self, LS_RECLAIMED, (uint64_t)reclaimed);
+    return PyLong_FromLong(reclaimed);
+}
+
+/* census(now) -> (occupied, live, held, expired_unsettled, removing) */
+static PyObject *
+Leases_census(LeasesObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs("census", nargs, 1) < 0) return NULL;
+    if (!self->held) return released_error();
+    uint64_t now;
+    if (parse_time(args[0], &now, "now") < 0) return NULL;
+    uint64_t occupied = 0, live = 0, held = 0, expired = 0, removing = 0;
+    for (uint64_t s = 0; s < self->capacity; s++) {
+        uint64_t k = LOAD(slot_word(self, s, SLOT_KEY));
+        uint64_t w = LOAD(slot_word(self, s, SLOT_STATE));
+        if (W_PHASE(w) == PH_REMOVING) {
+            removing++;
+            continue;
+        }
+        if (k == 0) continue;
+        occupied++;
+        if (W_PHASE(w) == PH_LEASED) {
+            if (W_TIME(w) > now) {
+                live++;
+            } else {
+                expired++;
+                if (W_TIME(settled_word(self, s, w)) > now) held++;
+            }
+        } else if (W_PHASE(w) == PH_HELD && W_TIME(w) > now) {
+            held++;
+        }
+    }
+    return Py_BuildValue("(KKKKK)", (unsigned long long)occupied, (unsigned long long)live,
+                         (unsigned long long)held, (unsigned long long)expired,
+                         (unsigned long long)removing);
+}
+
+static PyObject *
+Leases_release(LeasesObject *self, PyObject *Py_UNUSED(ignored))
+{
+    if (self->held) {
+        PyBuffer_Release(&self->view);
+        self->held = 0;
+        self->ctrl = self->slots = NULL;
+    }
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef Leases_methods[] = {
+    {"grant", (PyCFunction)(void (*)(void))Leases_grant, METH_FASTCALL,
+     "grant(key_hash, now, lease_ms, cadence_ms) -> (code, token, until)."},
+    {"holds", (PyCFunction)(void (*)(void))Leases_holds, METH_FASTCALL,
+     "holds(key_hash, token, now) -> bool."},
+    {"renew", (PyCFunction)(void (*)(void))Leases_renew, METH_FASTCALL,
+     "renew(key_hash, token, now, lease_ms) -> new expiry, or -1."},
+    {"complete", (PyCFunction)(void (*)(void))Leases_complete, METH_FASTCALL,
+     "complete(key_hash, token, now) -> bool."},
+    {"state", (PyCFunction)(void (*)(void))Leases_state, METH_FASTCALL,
+     "state(key_hash, now) -> (leased, lease_expires_at, held, held_until, misses)."},
+    {"blocked_mask", (PyCFunction)(void (*)(void))Leases_blocked_mask, METH_FASTCALL,
+     "blocked_mask(hashes_u64, out_u8, now) -> number blocked."},
+    {"sweep", (PyCFunction)(void (*)(void))Leases_sweep, METH_FASTCALL,
+     "sweep(now, keep_misses_ms) -> reclaimed, or -1 if another process is sweeping."},
+    {"census", (PyCFunction)(void (*)(void))Leases_census, METH_FASTCALL,
+     "census(now) -> (occupied, live, held, expired_unsettled, removing)."},
+    {"release", (PyCFunction)Leases_release, METH_NOARGS, "Give the buffer back (idempotent)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject LeasesType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "shm._atomics.Leases",
+    .tp_basicsize = sizeof(LeasesObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Leases(buffer, ctrl_offset, slots_offset, capacity): the lease table's hot paths.",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Leases_init,
+    .tp_dealloc = (destructor)Leases_dealloc,
+    .tp_methods = Leases_methods,
+};
+
+/* =================================================================== module */
+
+static int
+add_layout(PyObject *m, const char *name, const char *const *keys, const long *values, int n)
+{
+    PyObject *d = PyDict_New();
+    if (d == NULL) return -1;
+    for (int i = 0; i < n; i++) {
+        PyObject *v = PyLong_FromLong(values[i]);
+        if (v == NULL || PyDict_SetItemString(d, keys[i], v) < 0) {
+            Py_XDECREF(v);
+            Py_DECREF(d);
+            return -1;
+        }
+        Py_DECREF(v);
+    }
+    return PyModule_AddObject(m, name, d) < 0 ? (Py_DECREF(d), -1) : 0;
+}
+
+static struct PyModuleDef atomics_module = {
+    PyModuleDef_HEAD_INIT, "_atomics", "C11 atomics on shared memory, and the hot paths on them.",
+    -1, NULL,
+};
+
+PyMODINIT_FUNC
+PyInit__atomics(void)
+{
+    if (PyType_Ready(&WordsType) < 0 || PyType_Ready(&RingType) < 0 ||
+        PyType_Ready(&LeasesType) < 0) {
+        return NULL;
+    }
+    PyObject *m = PyModule_Create(&atomics_module);
+    if (m == NULL) return NULL;
+    Py_INCREF(&WordsType);
+    Py_INCREF(&RingType);
+    Py_INCREF(&LeasesType);
+    if (PyModule_AddObject(m, "Words", (PyObject *)&WordsType) < 0 ||
+        PyModule_AddObject(m, "Ring", (PyObject *)&RingType) < 0 ||
+        PyModule_AddObject(m, "Leases", (PyObject *)&LeasesType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    static const char *const ring_keys[] = {
+        "active", "buf0", "cursor0", "buf1", "cursor1", "generation", "published",
+        "publishes", "truncated", "stripes", "ctrl_words", "buf_gen", "buf_count",
+        "buf_published_at", "buf_arena_used", "s_claimed", "s_claim_calls", "s_torn",
+        "s_stale", "s_empty", "entry_size", "entry_due_at", "entry_key_hash", "entry_key_off",
+        "entry_key_len", "entry_class_id", "key_max",
+    };
+    static const long ring_values[] = {
+        RING_ACTIVE, RING_BUF0, RING_CURSOR0, RING_BUF1, RING_CURSOR1, RING_GENERATION,
+        RING_PUBLISHED, RING_PUBLISHES, RING_TRUNCATED, RING_STRIPES, RING_CTRL_WORDS, BUF_GEN,
+        BUF_COUNT, BUF_PUBLISHED_AT, BUF_ARENA_USED, RS_CLAIMED, RS_CLAIM_CALLS, RS_TORN,
+        RS_STALE, RS_EMPTY, (long)sizeof(ring_entry), (long)offsetof(ring_entry, due_at),
+        (long)offsetof(ring_entry, key_hash), (long)offsetof(ring_entry, key_off),
+        (long)offsetof(ring_entry, key_len), (long)offsetof(ring_entry, class_id), RING_KEY_MAX,
+    };
+    static const char *const lease_keys[] = {
+        "sweeper", "stripes", "ctrl_words", "slot_words", "probe", "s_grants", "s_renewals",
+        "s_completions", "s_expiries", "s_hold_events", "s_refused_taken", "s_refused_held",
+        "s_refused_probe_full", "s_inserts", "s_reclaimed", "s_conflicts", "s_stale_tokens",
+        "s_sweeps", "granted", "refused_taken", "refused_held", "refused_probe_full",
+        "misses_max",
+    };
+    static const long lease_values[] = {
+        LEASE_SWEEPER, LEASE_STRIPES, LEASE_CTRL_WORDS, SLOT_WORDS, PROBE, LS_GRANTS,
+        LS_RENEWALS, LS_COMPLETIONS, LS_EXPIRIES, LS_HOLD_EVENTS, LS_REFUSED_TAKEN,
+        LS_REFUSED_HELD, LS_REFUSED_PROBE_FULL, LS_INSERTS, LS_RECLAIMED, LS_CONFLICTS,
+        LS_STALE_TOKENS, LS_SWEEPS, GRANTED, REFUSED_TAKEN, REFUSED_HELD, REFUSED_PROBE_FULL,
+        MISSES_MAX,
+    };
+    _Static_assert(sizeof(ring_keys) / sizeof(ring_keys[0]) ==
+                       sizeof(ring_values) / sizeof(ring_values[0]),
+                   "ring layout table");
+    _Static_assert(sizeof(lease_keys) / sizeof(lease_keys[0]) ==
+                       sizeof(lease_values) / sizeof(lease_values[0]),
+                   "lease layout table");
+    if (add_layout(m, "RING_LAYOUT", ring_keys, ring_values,
+                   (int)(sizeof(ring_values) / sizeof(ring_values[0]))) < 0 ||
+        add_layout(m, "LEASE_LAYOUT", lease_keys, lease_values,
+                   (int)(sizeof(lease_values) / sizeof(lease_values[0]))) < 0 ||
+        PyModule_AddIntConstant(m, "STRIPES", STRIPES) < 0 ||
+        PyModule_AddIntConstant(m, "STRIPE_WORDS", STRIPE_WORDS) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,227 @@
+"""The lease table: exclusive grants and hold-back state, shared by every worker.
+
+Fixed capacity, open addressing, a bounded window of 8 slots starting at the
+key hash's position. No mutex: every change is a compare-and-swap on one
+slot's 64-bit state word, done in C (`shm._atomics.Leases`) so a grant is one
+call over the whole window.
+
+A slot is (key hash, state, hold, spare), 32 bytes (`SLOT`). The state word
+packs phase (free, leased, held, removing), misses, a 16-bit token and a time
+(lease expiry or hold end, epoch ms), so the decision "is this key's lease
+live?" and the change "grant it" are the same word:
+
+- **Grant** reads the window; a live lease refuses (`taken`), a hold refuses
+  (`held`), a window with neither the key nor an empty slot refuses
+  (`probe_full`, which can happen well below 100% occupancy). Otherwise one CAS
+  takes the key's slot (inserting the key first by CAS on an empty slot's key
+  word). Exactly one claimant wins while a lease is live. Two claimants that
+  insert the same key at the same moment can land in two slots; the winner of a
+  grant re-reads the key's other slots and backs off if one holds a live lease,
+  which makes at most one of two racing grants survive.
+- **Tokens** fence renew and complete: the token names the slot and the grant
+  (slot index << 16 | 16-bit counter). A stale token matches nothing live and
+  changes nothing.
+- **Hold-back**: a lease that expires with no result (noticed lazily, at grant
+  or sweep) raises the key's misses and holds the key back from its expiry for
+  min(2**misses * lease, cadence): 2 lease lengths, then 4, 8, ... capped at
+  the cadence. `complete` (a result: rendered, failed, gone) resets the misses.
+  `state` and `blocked_mask` read an expired, unanswered lease as the hold it
+  will become, without writing.
+- **Sweep** (one process at a time, elected by a CAS on a pid word; a dead
+  sweeper's claim is taken over) settles expired leases and reclaims free slots
+  and holds that ended `keep_misses_ms` ago. It moves a slot to `removing` by
+  CAS before clearing its key, so it can never break a live lease: a grant
+  racing it loses its CAS and retries elsewhere.
+
+A claimant SIGKILLed at any point leaves at worst a lease that expires on time,
+or an inserted key with no lease, which the next sweep reclaims.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+import numpy as np
+
+from shm._atomics import LEASE_LAYOUT, STRIPE_WORDS, STRIPES, Leases, Words
+from shm.segment import HEADER_BYTES, Segment, align
+from shm.segment import now_ms as wall_clock_ms
+
+KIND = "lease_table"
+PROBE_WINDOW = LEASE_LAYOUT["probe"]
+SLOT = np.dtype([("key_hash", "<u8"), ("state", "<u8"), ("hold", "<u8"), ("reserved", "<u8")])
+assert SLOT.itemsize == LEASE_LAYOUT["slot_words"] * 8
+# Misses and holds older than this are forgotten by the sweep.
+KEEP_MISSES_MS = 3_600_000
+
+_CTRL = HEADER_BYTES
+_STRIPES = _CTRL // 8 + LEASE_LAYOUT["stripes"]
+_SLOTS = align(_CTRL + LEASE_LAYOUT["ctrl_words"] * 8)
+_REASONS: dict[int, Literal["taken", "held", "probe_full"]] = {
+    LEASE_LAYOUT["refused_taken"]: "taken",
+    LEASE_LAYOUT["refused_held"]: "held",
+    LEASE_LAYOUT["refused_probe_full"]: "probe_full",
+}
+_GRANTED = LEASE_LAYOUT["granted"]
+
+
+def table_size(capacity: int, _extra: int = 0) -> int:
+    return align(_SLOTS + capacity * SLOT.itemsize)
+
+
+class Grant(msgspec.Struct, frozen=True):
+    key_hash: int
+    token: int
+    expires_at: int
+
+
+class Refusal(msgspec.Struct, frozen=True):
+    reason: Literal["taken", "held", "probe_full"]
+    until: int  # lease expiry or hold end; 0 for probe_full
+
+
+class KeyLeaseState(msgspec.Struct, frozen=True):
+    leased: bool
+    lease_expires_at: int
+    held: bool
+    held_until: int
+    misses: int
+
+
+class LeaseStatistics(msgspec.Struct, frozen=True):
+    capacity: int
+    occupied: int
+    occupancy: float
+    live_leases: int
+    held_keys: int  # distinct keys held back now
+    expired_unanswered: int  # expired with no result, not yet settled by a grant or sweep
+    grants: int
+    renewals: int
+    completions: int
+    expiries: int
+    hold_events: int  # the seed's claim_wedged: each expiry that started a hold
+    refusals_taken: int
+    refusals_held: int
+    refusals_probe_full: int
+    stale_tokens: int  # renew/complete refused: the token's lease is not live
+    inserts: int
+    reclaimed: int
+    conflicts: int  # grants reverted because a duplicate slot held a live lease
+    sweeps: int
+
+
+class LeaseTable:
+    """Use `create` (the owner) or `attach` (any spawned process)."""
+
+    def __init__(self, segment: Segment) -> None:
+        self._segment = segment
+        self.name = segment.name
+        self.capacity = segment.capacity
+        self._words = segment.register(Words(segment.mmap))
+        self._c = segment.register(Leases(segment.mmap, _CTRL, _SLOTS, self.capacity))
+
+    @classmethod
+    def create(cls, name: str, capacity: int = 1 << 16) -> LeaseTable:
+        if not PROBE_WINDOW <= capacity <= 2**32:
+            raise ValueError(f"lease table capacity must be in {PROBE_WINDOW}..2**32")
+        return cls(Segment.create(name, KIND, table_size(capacity), capacity, 0, SLOT.itemsize))
+
+    @classmethod
+    def attach(cls, name: str) -> LeaseTable:
+        return cls(Segment.attach(name, KIND, SLOT.itemsize, table_size))
+
+    # -------------------------------------------------------------- claim path
+
+    def grant(self, key_hash: int, now_ms: int, lease_ms: int, cadence_ms: int) -> Grant | Refusal:
+        """An exclusive lease on the key until now + lease_ms, or why not."""
+        code, token, until = self._c.grant(key_hash, now_ms, lease_ms, cadence_ms)
+        if code == _GRANTED:
+            return Grant(key_hash=key_hash, token=token, expires_at=until)
+        return Refusal(reason=_REASONS[code], until=until)
+
+    def holds(self, key_hash: int, token: int, now_ms: int) -> bool:
+        """True while the token's lease is live."""
+        return bool(self._c.holds(key_hash, token, now_ms))
+
+    def renew(self, key_hash: int, token: int, now_ms: int, lease_ms: int) -> int | None:
+        """Move the lease's expiry to now + lease_ms; None (nothing changed) if not held."""
+        expires: int = self._c.renew(key_hash, token, now_ms, lease_ms)
+        return None if expires < 0 else expires
+
+    def complete(self, key_hash: int, token: int, now_ms: int) -> bool:
+        """A result for the key: end the lease and reset its misses. False if not held."""
+        return bool(self._c.complete(key_hash, token, now_ms))
+
+    # ------------------------------------------------------------------ keeper
+
+    def state(self, key_hash: int, now_ms: int) -> KeyLeaseState:
+        leased, expires, held, held_until, misses = self._c.state(key_hash, now_ms)
+        return KeyLeaseState(
+            leased=leased,
+            lease_expires_at=expires,
+            held=held,
+            held_until=held_until,
+            misses=misses,
+        )
+
+    def blocked_mask(self, key_hashes: np.ndarray, now_ms: int) -> np.ndarray:
+        """For each hash, True if the key is leased or held now (one C call)."""
+        hashes = np.ascontiguousarray(key_hashes, dtype=np.uint64)
+        out = np.zeros(hashes.shape[0], dtype=np.bool_)
+        self._c.blocked_mask(hashes, out, now_ms)
+        return out
+
+    def sweep(self, now_ms: int, keep_misses_ms: int = KEEP_MISSES_MS) -> int:
+        """Reclaim dead slots; never breaks a live lease. 0 if another process is sweeping."""
+        reclaimed: int = self._c.sweep(now_ms, keep_misses_ms)
+        return max(reclaimed, 0)
+
+    def statistics(self, now_ms: int | None = None) -> LeaseStatistics:
+        now = now_ms if now_ms is not None else wall_clock_ms()
+        occupied, live, held, expired, _removing = self._c.census(now)
+        sums = [0] * STRIPE_WORDS
+        for stripe in range(STRIPES):
+            base = _STRIPES + stripe * STRIPE_WORDS
+            for i in range(STRIPE_WORDS):
+                sums[i] += self._words.load(base + i)
+
+        def total(name: str) -> int:
+            return sums[LEASE_LAYOUT[f"s_{name}"]]
+
+        return LeaseStatistics(
+            capacity=self.capacity,
+            occupied=occupied,
+            occupancy=occupied / self.capacity,
+            live_leases=live,
+            held_keys=held,
+            expired_unanswered=expired,
+            grants=total("grants"),
+            renewals=total("renewals"),
+            completions=total("completions"),
+            expiries=total("expiries"),
+            hold_events=total("hold_events"),
+            refusals_taken=total("refused_taken"),
+            refusals_held=total("refused_held"),
+            refusals_probe_full=total("refused_probe_full"),
+            stale_tokens=total("stale_tokens"),
+            inserts=total("inserts"),
+            reclaimed=total("reclaimed"),
+            conflicts=total("conflicts"),
+            sweeps=total("sweeps"),
+        )
+
+    # ----------------------------------------------------------------- closing
+
+    def close(self) -> None:
+        """Release the C views, then unmap. Idempotent; never raises BufferError."""
+        self._segment.close()
+
+    def unlink(self) -> None:
+        self._segment.unlink()
+
+    def __enter__(self) -> LeaseTable:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

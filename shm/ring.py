@@ -1,0 +1,259 @@
+"""The ready ring: the best few thousand claimable keys, republished every second.
+
+One writer (the keeper on worker 0) and any number of claimants in any process,
+with no mutex. The ring is a latch double buffer:
+
+- The writer fills the inactive buffer: it first zeroes that buffer's
+  generation word (with a fence, so no entry store can overtake it), writes the
+  entries and their keys into the buffer's key arena, stores the new generation,
+  resets the buffer's cursor to (generation << 32 | 0), and flips `active` with
+  a release store.
+- A claimant reads `active`, fetch-adds n on that buffer's cursor, copies the
+  entries it reserved, then checks the buffer's generation. The old cursor word
+  names the generation the reservation was made in, so a claimant that raced a
+  republish knows whether its entries are the live generation's (kept: they are
+  its alone) or a superseded one's (dropped: that set is gone anyway). A copy
+  during which the generation changed is torn and discarded, never acted on.
+
+So every entry of a generation is taken by at most one claimant, and, while the
+generation stays live, every entry is taken exactly once. A drained buffer is
+detected before the fetch-add, so idle polling never runs the cursor up.
+
+Entries are 32 bytes (`ENTRY`: due time, key hash, key offset and length in the
+arena, class id); keys are at most 2,048 bytes. A batch larger than the ring
+(entries or arena) is cut to the prefix that fits: publishing is in priority
+order, so the prefix is the best part, and the cut is counted in
+`statistics().truncated`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import msgspec
+import numpy as np
+
+from shm._atomics import RING_LAYOUT, STRIPE_WORDS, STRIPES, Ring, Words
+from shm.segment import HEADER_BYTES, Segment, align
+
+KIND = "ready_ring"
+KEY_MAX = RING_LAYOUT["key_max"]
+ENTRY = np.dtype(
+    {
+        "names": ["due_at", "key_hash", "key_off", "key_len", "class_id", "reserved"],
+        "formats": ["<i8", "<u8", "<u4", "<u4", "<u4", "<u4"],
+        "offsets": [
+            RING_LAYOUT["entry_due_at"],
+            RING_LAYOUT["entry_key_hash"],
+            RING_LAYOUT["entry_key_off"],
+            RING_LAYOUT["entry_key_len"],
+            RING_LAYOUT["entry_class_id"],
+            RING_LAYOUT["entry_class_id"] + 4,
+        ],
+        "itemsize": RING_LAYOUT["entry_size"],
+    }
+)
+
+_CTRL = HEADER_BYTES // 8  # control block starts right after the header, in words
+_ACTIVE = _CTRL + RING_LAYOUT["active"]
+_GENERATION = _CTRL + RING_LAYOUT["generation"]
+_PUBLISHED = _CTRL + RING_LAYOUT["published"]
+_PUBLISHES = _CTRL + RING_LAYOUT["publishes"]
+_TRUNCATED = _CTRL + RING_LAYOUT["truncated"]
+_STRIPES = _CTRL + RING_LAYOUT["stripes"]
+
+
+def _buf(b: int, field: str) -> int:
+    return _CTRL + RING_LAYOUT[f"buf{b}"] + RING_LAYOUT[f"buf_{field}"]
+
+
+def _cursor(b: int) -> int:
+    return _CTRL + RING_LAYOUT[f"cursor{b}"]
+
+
+def _offsets(capacity: int, arena_bytes: int) -> tuple[int, int, int]:
+    entries = align(HEADER_BYTES + RING_LAYOUT["ctrl_words"] * 8)
+    arena = align(entries + 2 * capacity * ENTRY.itemsize)
+    return entries, arena, align(arena + 2 * arena_bytes)
+
+
+def ring_size(capacity: int, arena_bytes: int) -> int:
+    return _offsets(capacity, arena_bytes)[2]
+
+
+class ReadyEntry(msgspec.Struct, frozen=True):
+    key: bytes
+    due_at: int
+    class_id: int
+    key_hash: int
+
+
+class RingStatistics(msgspec.Struct, frozen=True):
+    capacity: int
+    arena_bytes: int
+    generation: int
+    published_at: int
+    last_count: int
+    published: int
+    publishes: int
+    truncated: int
+    claimed: int
+    claim_calls: int
+    empty_claims: int
+    remaining: int
+    torn_retries: int
+    stale_reservations: int
+
+
+class ReadyRing:
+    """Use `create` (the owner) or `attach` (any spawned process)."""
+
+    def __init__(self, segment: Segment) -> None:
+        self._segment = segment
+        self.name = segment.name
+        self.capacity = segment.capacity
+        self.arena_bytes = segment.extra_size
+        self._entries_off, self._arena_off, _ = _offsets(self.capacity, self.arena_bytes)
+        self._words = segment.register(Words(segment.mmap))
+        self._ring = segment.register(
+            Ring(
+                segment.mmap,
+                HEADER_BYTES,
+                self._entries_off,
+                self._arena_off,
+                self.capacity,
+                self.arena_bytes,
+                ReadyEntry,
+            )
+        )
+
+    @classmethod
+    def create(cls, name: str, capacity: int = 8192, arena_bytes: int = 8192 * 256) -> ReadyRing:
+        if not 1 <= capacity < 2**32 or not 1 <= arena_bytes < 2**32:
+            raise ValueError("ring capacity and arena_bytes must be in 1..2**32-1")
+        segment = Segment.create(
+            name, KIND, ring_size(capacity, arena_bytes), capacity, arena_bytes, ENTRY.itemsize
+        )
+        return cls(segment)
+
+    @classmethod
+    def attach(cls, name: str) -> ReadyRing:
+        return cls(Segment.attach(name, KIND, ENTRY.itemsize, ring_size))
+
+    # ------------------------------------------------------------------ writer
+
+    def publish(
+        self,
+        keys: Sequence[bytes],
+        due_at: np.ndarray,
+        class_id: np.ndarray,
+        key_hash: np.ndarray,
+        now_ms: int,
+    ) -> int:
+        """Replace the ring's contents with these entries; returns the new generation.
+
+        Single writer. Entries past the ring's capacity or arena are cut off.
+        """
+        n_in = len(keys)
+        if not len(due_at) == len(class_id) == len(key_hash) == n_in:
+            raise ValueError(
+                f"publish: {n_in} keys but {len(due_at)} due times, {len(class_id)} class ids "
+                f"and {len(key_hash)} hashes"
+            )
+        lengths = np.fromiter((len(k) for k in keys), dtype=np.int64, count=n_in)
+        too_long = np.flatnonzero(lengths > KEY_MAX)
+        if too_long.size:
+            i = int(too_long[0])
+            raise ValueError(f"publish: key {i} is {int(lengths[i])} bytes; at most {KEY_MAX}")
+        ends = np.cumsum(lengths[: self.capacity])
+        n = int(np.searchsorted(ends, self.arena_bytes, side="right"))
+        words = self._words
+        mm = self._segment.mmap
+        b = 1 - (words.load(_ACTIVE) & 1)
+        words.begin_write(_buf(b, "gen"), 0)
+        entries = np.ndarray(
+            (n,),
+            dtype=ENTRY,
+            buffer=mm,
+            offset=self._entries_off + b * self.capacity * ENTRY.itemsize,
+        )
+        entries["due_at"] = due_at[:n]
+        entries["key_hash"] = key_hash[:n]
+        entries["class_id"] = class_id[:n]
+        entries["key_len"] = lengths[:n]
+        entries["key_off"] = ends[:n] - lengths[:n]
+        del entries
+        used = int(ends[n - 1]) if n else 0
+        start = self._arena_off + b * self.arena_bytes
+        mm[start : start + used] = b"".join(keys[:n])
+        words.store(_buf(b, "count"), n)
+        words.store(_buf(b, "published_at"), now_ms)
+        words.store(_buf(b, "arena_used"), used)
+        generation = words.load(_GENERATION) + 1
+        words.store(_buf(b, "gen"), generation)
+        words.store(_cursor(b), (generation & 0xFFFFFFFF) << 32)
+        words.store(_ACTIVE, b)
+        words.store(_GENERATION, generation)
+        self._segment.set_generation(generation)
+        words.fetch_add(_PUBLISHED, n)
+        words.fetch_add(_PUBLISHES, 1)
+        words.fetch_add(_TRUNCATED, n_in - n)
+        return int(generation)
+
+    # --------------------------------------------------------------- claimants
+
+    def claim(self, n: int) -> list[ReadyEntry]:
+        """Up to n entries, in published order, each taken by exactly one claimant."""
+        entries: list[ReadyEntry] = self._ring.claim(n)
+        return entries
+
+    @property
+    def generation(self) -> int:
+        return int(self._words.load(_GENERATION))
+
+    @property
+    def published_at(self) -> int:
+        return int(self._words.load(_buf(self._words.load(_ACTIVE) & 1, "published_at")))
+
+    def remaining(self) -> int:
+        return int(self._ring.remaining())
+
+    def statistics(self) -> RingStatistics:
+        words = self._words
+        sums = [0] * STRIPE_WORDS
+        for stripe in range(STRIPES):
+            base = _STRIPES + stripe * STRIPE_WORDS
+            for i in range(STRIPE_WORDS):
+                sums[i] += words.load(base + i)
+        active = words.load(_ACTIVE) & 1
+        return RingStatistics(
+            capacity=self.capacity,
+            arena_bytes=self.arena_bytes,
+            generation=int(words.load(_GENERATION)),
+            published_at=int(words.load(_buf(active, "published_at"))),
+            last_count=int(words.load(_buf(active, "count"))),
+            published=int(words.load(_PUBLISHED)),
+            publishes=int(words.load(_PUBLISHES)),
+            truncated=int(words.load(_TRUNCATED)),
+            claimed=sums[RING_LAYOUT["s_claimed"]],
+            claim_calls=sums[RING_LAYOUT["s_claim_calls"]],
+            empty_claims=sums[RING_LAYOUT["s_empty"]],
+            remaining=self.remaining(),
+            torn_retries=sums[RING_LAYOUT["s_torn"]],
+            stale_reservations=sums[RING_LAYOUT["s_stale"]],
+        )
+
+    # ------------------------------------------------------------------ closing
+
+    def close(self) -> None:
+        """Release the C views, then unmap. Idempotent; never raises BufferError."""
+        self._segment.close()
+
+    def unlink(self) -> None:
+        self._segment.unlink()
+
+    def __enter__(self) -> ReadyRing:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
