@@ -1,11 +1,14 @@
 """The SQLite schema and its versioned migrations.
 
 The change log is filled by triggers inside the writing transaction, so a write
-and its log entry commit together or not at all. `seq` is AUTOINCREMENT: with
-one writer at a time, seq order is commit order, and a committed seq is never
-reused (a rolled-back transaction takes its seqs back with it, unseen). Each
-entry carries a random `stamp` so a cursor can tell its entry from a different
-one that reused the seq after the log was rolled back by a power loss.
+and its log entry commit together or not at all. With one writer at a time, seq
+order is commit order. `seq` is the rowid (max + 1), not AUTOINCREMENT: pruning
+never removes the newest entry, so a committed seq is never reused all the same
+(a rolled-back transaction takes its seqs back with it, unseen), and each write
+skips AUTOINCREMENT's extra `sqlite_sequence` page, which measurably lengthened
+the put tail here. Each entry carries a random `stamp` so a cursor can tell its
+entry from a different one that reused the seq after the log was rolled back by
+a power loss.
 
 A row's `version` is the seq of the log entry its write made, so versions only
 grow, even across a delete and re-insert of the same key.
@@ -24,7 +27,7 @@ DEFAULT_CADENCE_SETTING = "default_cadence_s"
 DEFAULT_CADENCE_S = 86_400
 
 # The seq the next log entry will take, read inside the writing statement.
-NEXT_SEQ = "(SELECT coalesce((SELECT seq FROM sqlite_sequence WHERE name = 'change_log'), 0) + 1)"
+NEXT_SEQ = "(SELECT coalesce(max(seq), 0) + 1 FROM change_log)"
 
 _V1 = [
     """CREATE TABLE render_schedule (
@@ -47,7 +50,7 @@ _V1 = [
         value INTEGER NOT NULL
     ) WITHOUT ROWID""",
     """CREATE TABLE change_log (
-        seq INTEGER PRIMARY KEY AUTOINCREMENT,
+        seq INTEGER PRIMARY KEY,
         kind INTEGER NOT NULL,
         key TEXT NOT NULL,
         stamp INTEGER NOT NULL

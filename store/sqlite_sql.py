@@ -101,7 +101,7 @@ INSERT INTO settings (name, value) VALUES ('{DEFAULT_CADENCE_SETTING}', ?)
 ON CONFLICT (name) DO UPDATE SET value = excluded.value
 """
 
-HEAD = "SELECT coalesce((SELECT seq FROM sqlite_sequence WHERE name = 'change_log'), 0)"
+HEAD = "SELECT coalesce(max(seq), 0) FROM change_log"
 FLOOR = "SELECT floor FROM feed_state WHERE id = 1"
 STAMP_AT = "SELECT stamp FROM change_log WHERE seq = ?"
 

@@ -1,0 +1,288 @@
+"""SqliteStore on real files: writes, reads, completions, routes, atomicity, concurrency."""
+
+from __future__ import annotations
+
+import multiprocessing
+import random
+import sqlite3
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from store.errors import StoreError
+from store.rows import Completion, Route, Row, RowWrite
+from store.sqlite import SqliteStore
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[SqliteStore]:
+    opened = SqliteStore(tmp_path / "schedule.db")
+    yield opened
+    for name in opened.consumers():
+        opened.drop_consumer(name)
+    opened.close()
+
+
+def put(key: str, at: int = 1_000, **fields: object) -> RowWrite:
+    return RowWrite(key=key, route=str(fields.pop("route", "product")), next_render_at=at, **fields)  # type: ignore[arg-type]
+
+
+def log_size(store: SqliteStore) -> int:
+    return store.statistics().log_rows
+
+
+def test_upsert_get_and_versions(store: SqliteStore) -> None:
+    store.write([put("/a", 5, cadence_s=60, sitemap=True), put("/b", 6)])
+    a = store.get("/a")
+    assert a is not None
+    assert a == Row(
+        key="/a", route="product", cadence_s=60, sitemap=True, next_render_at=5, version=a.version
+    )
+    assert a.version >= 1 and a.last_rendered_at is None and a.last_outcome is None
+    first = store.get("/b")
+    assert first is not None
+    store.write([put("/b", 7)])
+    second = store.get("/b")
+    assert second is not None and second.next_render_at == 7
+    assert second.version > first.version
+    assert store.get("/missing") is None
+    assert store.count() == 2
+
+
+def test_versions_keep_rising_across_delete_and_reinsert(store: SqliteStore) -> None:
+    store.write([put("/a")])
+    before = store.get("/a")
+    store.write(delete=["/a"])
+    assert store.get("/a") is None
+    store.write([put("/a")])
+    after = store.get("/a")
+    assert before is not None and after is not None
+    assert after.version > before.version
+
+
+def test_each_write_of_a_row_in_one_batch_bumps_it(store: SqliteStore) -> None:
+    store.write([put("/a", 1), put("/a", 2), put("/b", 3)])
+    a, b = store.get("/a"), store.get("/b")
+    assert a is not None and b is not None
+    assert a.next_render_at == 2
+    assert b.version > a.version
+    assert log_size(store) == 3
+
+
+def test_get_many_and_walk(store: SqliteStore) -> None:
+    keys = [f"/k/{i:04d}" for i in range(250)]
+    shuffled = keys[:]
+    random.Random(1).shuffle(shuffled)
+    store.write([put(k) for k in shuffled])
+    wanted = ["/k/0003", "/k/0100", "/nope", "/k/0003", 'weird "quote\\']
+    found = store.get_many(wanted)
+    assert sorted(found) == ["/k/0003", "/k/0100"]
+    assert store.get_many([]) == {}
+    walked: list[str] = []
+    after = None
+    while True:
+        chunk = store.walk(after, 64)
+        walked += [row.key for row in chunk]
+        if len(chunk) < 64:
+            break
+        after = chunk[-1].key
+    assert walked == keys
+    assert [r.key for r in store.walk("/k/0247", 10)] == ["/k/0248", "/k/0249"]
+    assert store.walk("/k/0249", 10) == []
+
+
+def test_walk_orders_non_ascii_keys_like_python(store: SqliteStore) -> None:
+    keys = ["/z", "/é", "/e", "/日本", "/E", "/ü/1", "/€"]
+    store.write([put(k) for k in keys])
+    assert [r.key for r in store.walk(None, 100)] == sorted(keys)
+
+
+def test_a_batch_with_one_bad_row_writes_nothing(store: SqliteStore) -> None:
+    store.write([put("/keep")])
+    size = log_size(store)
+    with pytest.raises(ValueError, match=r"upsert\[2\].*cadence_s"):
+        store.write([put("/x1"), put("/x2"), put("/x3", cadence_s=0)], delete=["/keep"])
+    with pytest.raises(ValueError, match=r"delete\[0\].*empty"):
+        store.write([put("/x1")], delete=[""])
+    assert store.count() == 1 and store.get("/keep") is not None
+    assert log_size(store) == size
+
+
+def test_a_batch_failing_inside_the_transaction_writes_nothing(store: SqliteStore) -> None:
+    store.write([put("/keep")])
+    size = log_size(store)
+    # A failure only SQLite sees, after the first rows of the batch were written.
+    conn = sqlite3.connect(store.path)
+    conn.execute(
+        "CREATE TRIGGER refuse BEFORE INSERT ON render_schedule WHEN NEW.key = '/poison' "
+        "BEGIN SELECT RAISE(ABORT, 'poisoned'); END"
+    )
+    conn.commit()
+    conn.close()
+    with pytest.raises(sqlite3.IntegrityError, match="poisoned"):
+        store.write([put("/x1"), put("/x2"), put("/poison")], delete=["/keep"])
+    assert store.count() == 1 and store.get("/keep") is not None
+    assert log_size(store) == size
+    store.write([put("/x1")])  # the connection is usable afterwards
+    assert store.count() == 2
+
+
+def test_complete_rendered_uses_the_effective_cadence(store: SqliteStore) -> None:
+    store.write(
+        [
+            put("/own", 1, cadence_s=60),
+            put("/route", 1, route="article"),
+            put("/global", 1, route="other"),
+            put("/given", 1, cadence_s=60),
+        ]
+    )
+    store.set_route("article", default_cadence_s=3600)
+    now = 1_000_000
+    got = store.complete(
+        [
+            Completion(key="/own", outcome="rendered", now=now),
+            Completion(key="/route", outcome="rendered", now=now),
+            Completion(key="/global", outcome="rendered", now=now),
+            Completion(key="/given", outcome="rendered", now=now, next_render_at=42),
+        ]
+    )
+    assert [r.next_render_at if r else None for r in got] == [
+        now + 60_000,
+        now + 3_600_000,
+        now + 86_400_000,  # the global default when never set
+        42,
+    ]
+    assert all(r is not None and r.last_rendered_at == now for r in got)
+    assert all(r is not None and r.last_outcome == "rendered" for r in got)
+    assert got == [store.get(k) for k in ("/own", "/route", "/global", "/given")]
+    store.set_default_cadence_s(120)
+    (again,) = store.complete([Completion(key="/global", outcome="rendered", now=now)])
+    assert again is not None and again.next_render_at == now + 120_000
+
+
+def test_complete_failed_keeps_it_due_and_gone_deletes(store: SqliteStore) -> None:
+    store.write([put("/f", 500, cadence_s=60), put("/g", 500)])
+    before = store.get("/f")
+    failed, gone, missing = store.complete(
+        [
+            Completion(key="/f", outcome="failed", now=9_000),
+            Completion(key="/g", outcome="gone", now=9_000),
+            Completion(key="/nope", outcome="rendered", now=9_000),
+        ]
+    )
+    assert before is not None and failed is not None
+    assert failed.next_render_at == 500 and failed.last_rendered_at is None
+    assert failed.last_outcome == "failed" and failed.version > before.version
+    assert gone is None and store.get("/g") is None
+    assert missing is None and store.get("/nope") is None
+
+
+def test_a_bad_completion_changes_nothing(store: SqliteStore) -> None:
+    store.write([put("/a", 5)])
+    with pytest.raises(ValueError, match=r"completion\[1\]"):
+        store.complete(
+            [
+                Completion(key="/a", outcome="gone", now=1),
+                Completion(key="/a", outcome="rendered", now=1.5),  # type: ignore[arg-type]
+            ]
+        )
+    assert store.get("/a") is not None
+
+
+def test_routes_and_the_global_default(store: SqliteStore) -> None:
+    assert store.routes() == [] and store.default_cadence_s() == 86_400
+    assert store.set_route("product", default_cadence_s=600) == Route(
+        route="product", default_cadence_s=600, paused=False
+    )
+    assert store.set_route("product", paused=True) == Route(
+        route="product", default_cadence_s=600, paused=True
+    )
+    assert store.set_route("product", clear_default_cadence=True) == Route(
+        route="product", default_cadence_s=None, paused=True
+    )
+    store.set_route("article")
+    assert [r.route for r in store.routes()] == ["article", "product"]
+    store.set_default_cadence_s(3_600)
+    assert store.default_cadence_s() == 3_600
+    with pytest.raises(ValueError, match="route name"):
+        store.set_route("Bad Name")
+    with pytest.raises(ValueError, match="default_cadence_s"):
+        store.set_route("product", default_cadence_s=0)
+    with pytest.raises(ValueError, match="default_cadence_s"):
+        store.set_default_cadence_s(True)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="paused"):
+        store.set_route("product", paused=1)  # type: ignore[arg-type]
+
+
+def test_statistics(store: SqliteStore) -> None:
+    store.write([put(f"/{i}") for i in range(10)], [])
+    store.write(delete=["/3"])
+    stats = store.statistics()
+    assert (stats.rows, stats.log_rows, stats.head, stats.floor) == (9, 11, 11, 0)
+    assert (stats.transactions, stats.rows_written, stats.consumers) == (2, 11, 0)
+    assert stats.schema_version >= 1 and stats.lowest_consumer_seq is None
+
+
+def test_threads_share_one_store(store: SqliteStore) -> None:
+    errors: list[BaseException] = []
+
+    def work(n: int) -> None:
+        try:
+            for i in range(50):
+                store.write([put(f"/t{n}/{i}")])
+                assert store.get(f"/t{n}/{i}") is not None
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(n,)) for n in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    assert store.count() == 200
+    assert store.statistics().transactions == 200
+
+
+def test_a_closed_store_refuses_work(tmp_path: Path) -> None:
+    opened = SqliteStore(tmp_path / "s.db")
+    opened.close()
+    with pytest.raises(StoreError, match="closed"):
+        opened.get("/a")
+
+
+def test_paths_that_are_not_files_are_refused() -> None:
+    for bad in ("", ":memory:", "file:x.db?mode=memory"):
+        with pytest.raises(ValueError, match="file path"):
+            SqliteStore(bad)
+
+
+def _hammer(path: str, writer: int, batches: int) -> tuple[int, int]:
+    store = SqliteStore(path)
+    rng = random.Random(writer)
+    for i in range(batches):
+        size = rng.randint(1, 20)
+        store.write([put(f"/w{writer}/{i}/{j}", i) for j in range(size)])
+        if i % 3 == 0:
+            store.complete([Completion(key=f"/w{writer}/{i}/0", outcome="rendered", now=i)])
+    stats = store.statistics()
+    store.close()
+    return stats.rows_written, stats.busy_retries
+
+
+def test_writer_processes_never_see_database_is_locked(tmp_path: Path) -> None:
+    path = str(tmp_path / "s.db")
+    SqliteStore(path).close()
+    with multiprocessing.get_context("spawn").Pool(4) as pool:
+        results = pool.starmap(_hammer, [(path, w, 300) for w in range(4)])
+    store = SqliteStore(path)
+    expected_rows = 0
+    for w in range(4):
+        rng = random.Random(w)
+        expected_rows += sum(rng.randint(1, 20) for _ in range(300))
+    assert store.count() == expected_rows
+    # every write reached the log, in one unbroken sequence
+    assert store.statistics().head == sum(written for written, _ in results)
+    store.close()

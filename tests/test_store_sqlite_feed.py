@@ -1,0 +1,302 @@
+"""The SQLite change feed: exact, in commit order, state not deltas, and honest about gaps."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import sqlite3
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from store.base import Cursor, CursorAhead, CursorBelowFloor
+from store.rows import Completion, Route, RouteEvent, RowEvent, RowWrite, SettingsEvent
+from store.sqlite import SqliteStore
+from store.sqlite_feed import SqliteSubscription, parse_cursor
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[SqliteStore]:
+    opened = SqliteStore(tmp_path / "schedule.db")
+    yield opened
+    drop_all(opened)
+    opened.close()
+
+
+def drop_all(store: SqliteStore) -> None:
+    for name in store.consumers():
+        store.drop_consumer(name)
+
+
+def put(key: str, at: int = 1_000, route: str = "product") -> RowWrite:
+    return RowWrite(key=key, route=route, next_render_at=at)
+
+
+def keys_of(events: list[object]) -> list[str]:
+    return [e.key for e in events if isinstance(e, RowEvent)]
+
+
+def test_subscribing_at_the_head_sees_only_later_commits_in_order(store: SqliteStore) -> None:
+    store.write([put("/before")])
+    sub = store.subscribe("keeper")
+    store.write([put("/a", 1), put("/b", 2)])
+    store.write([put("/c", 3)], delete=["/before"])
+    batch = sub.poll()
+    assert keys_of(batch.events) == ["/a", "/b", "/c", "/before"]
+    rows = {e.key: e.row for e in batch.events if isinstance(e, RowEvent)}
+    assert rows["/before"] is None
+    assert rows["/a"] == store.get("/a") and rows["/c"] == store.get("/c")
+    assert sub.poll().events == []
+    assert batch.cursor == sub.cursor == store.feed_head()
+    sub.close()
+
+
+def test_events_carry_current_state_and_coalesce_per_batch(store: SqliteStore) -> None:
+    sub = store.subscribe("keeper")
+    store.write([put("/a", 1)])
+    store.write([put("/b", 1)])
+    store.write([put("/a", 2)])
+    store.write(delete=["/b"])
+    batch = sub.poll()
+    # /a's event sits at its last entry; each key appears once, with its state now.
+    assert keys_of(batch.events) == ["/a", "/b"]
+    a, b = batch.events
+    assert isinstance(a, RowEvent) and a.row is not None and a.row.next_render_at == 2
+    assert isinstance(b, RowEvent) and b.row is None
+    stats = sub.statistics()
+    assert (stats.log_entries, stats.events, stats.coalesced) == (4, 2, 2)
+    sub.close()
+
+
+def test_a_poll_limit_pages_through_the_log(store: SqliteStore) -> None:
+    sub = store.subscribe("keeper")
+    store.write([put(f"/{i:02d}") for i in range(25)])
+    seen: list[str] = []
+    for _ in range(3):
+        seen += keys_of(sub.poll(limit=10).events)
+    assert seen == [f"/{i:02d}" for i in range(25)]
+    assert sub.poll(limit=10).events == []
+    with pytest.raises(ValueError, match="limit"):
+        sub.poll(limit=0)
+    sub.close()
+
+
+def test_route_and_settings_changes_come_through_the_same_feed(store: SqliteStore) -> None:
+    sub = store.subscribe("keeper")
+    store.set_route("product", default_cadence_s=600)
+    store.write([put("/a")])
+    store.set_route("product", paused=True)
+    store.set_default_cadence_s(7_200)
+    batch = sub.poll()
+    assert batch.events[0] == RowEvent(key="/a", row=store.get("/a"))
+    assert batch.events[1] == RouteEvent(
+        route=Route(route="product", default_cadence_s=600, paused=True)
+    )
+    assert batch.events[2] == SettingsEvent(default_cadence_s=7_200)
+    sub.close()
+
+
+def test_completions_reach_the_feed(store: SqliteStore) -> None:
+    store.write([put("/a"), put("/b")])
+    sub = store.subscribe("keeper")
+    store.complete(
+        [
+            Completion(key="/a", outcome="rendered", now=5_000),
+            Completion(key="/b", outcome="gone", now=5_000),
+        ]
+    )
+    assert sub.poll().events == [
+        RowEvent(key="/a", row=store.get("/a")),
+        RowEvent(key="/b", row=None),
+    ]
+    sub.close()
+
+
+def test_a_consumer_resumes_from_its_saved_cursor_after_a_restart(tmp_path: Path) -> None:
+    path = tmp_path / "s.db"
+    store = SqliteStore(path)
+    sub = store.subscribe("keeper")
+    assert store.consumers() == {"keeper": sub.cursor}
+    store.write([put("/a")])
+    sub.poll()
+    sub.save()
+    store.write([put("/b")])  # committed while the consumer is away
+    sub.close()
+    store.close()
+
+    store = SqliteStore(path)
+    store.write([put("/c")])
+    again = store.subscribe("keeper")  # no cursor: the saved one
+    assert keys_of(again.poll().events) == ["/b", "/c"]
+    assert again.statistics().saved_seq < again.statistics().seq
+    again.close()
+    drop_all(store)
+    store.close()
+
+
+def test_pruning_keeps_what_a_registered_consumer_has_not_passed(store: SqliteStore) -> None:
+    slow = store.subscribe("slow")
+    fast = store.subscribe("fast")
+    store.write([put(f"/{i:03d}") for i in range(30)])
+    store.write([put(f"/{i:03d}") for i in range(30, 100)])
+    slow.poll(limit=30)
+    slow.save()  # slow has passed entries 1..30
+    fast.poll()
+    fast.save()  # fast has passed all 100
+    assert parse_cursor(slow.cursor)[0] == 30
+
+    assert store.prune() == 29  # entries 1..29; entry 30 stays as the floor's witness
+    stats = store.statistics()
+    assert (stats.floor, stats.log_rows, stats.lowest_consumer_seq) == (30, 71, 30)
+    assert keys_of(slow.poll().events) == [f"/{i:03d}" for i in range(30, 100)]
+    assert store.prune() == 0  # slow's saved cursor has not moved
+
+    # A cursor below the floor is refused, never replayed short.
+    with pytest.raises(CursorBelowFloor, match="below the change log's pruned floor 30"):
+        store.subscribe("late", Cursor(token="sqlite:10:0"))
+    with pytest.raises(CursorBelowFloor):
+        store.subscribe("late", Cursor(token="sqlite:0:0"))
+    assert "late" not in store.consumers()
+
+    # Unregistered, the slow consumer no longer holds the log back; its open feed now
+    # finds itself below the floor and says so.
+    store.drop_consumer("slow")
+    slow_again = store.subscribe("slow2", Cursor(token=f"sqlite:30:{_stamp(store, 30)}"))
+    store.drop_consumer("slow2")
+    assert store.prune() == 70
+    assert store.statistics().floor == 100
+    with pytest.raises(CursorBelowFloor):
+        slow_again.poll()
+    for sub in (slow, fast, slow_again):
+        sub.close()
+
+
+def _stamp(store: SqliteStore, seq: int) -> int:
+    conn = sqlite3.connect(store.path)
+    (stamp,) = conn.execute("SELECT stamp FROM change_log WHERE seq = ?", (seq,)).fetchone()
+    conn.close()
+    return int(stamp)
+
+
+def test_pruning_with_no_consumer_keeps_the_head(store: SqliteStore) -> None:
+    store.write([put(f"/{i}") for i in range(50)])
+    head = store.feed_head()
+    assert store.prune(chunk=7) == 49
+    stats = store.statistics()
+    assert (stats.floor, stats.head, stats.log_rows, stats.pruned) == (50, 50, 1, 49)
+    sub = store.subscribe("keeper", head)
+    store.write([put("/new")])
+    assert keys_of(sub.poll().events) == ["/new"]
+    sub.close()
+
+
+def _backup(path: Path, to: Path) -> None:
+    source, target = sqlite3.connect(path), sqlite3.connect(to)
+    source.backup(target)
+    source.close()
+    target.close()
+
+
+def _restore(copy: Path, path: Path) -> None:
+    """What a power loss under synchronous=NORMAL can leave: the file as of an earlier commit."""
+    for suffix in ("", "-wal", "-shm"):
+        Path(f"{path}{suffix}").unlink(missing_ok=True)
+    _backup(copy, path)
+
+
+def test_a_cursor_ahead_of_a_rolled_back_log_forces_a_counted_resync(tmp_path: Path) -> None:
+    path, copy = tmp_path / "s.db", tmp_path / "copy.db"
+    store = SqliteStore(path)
+    sub = store.subscribe("keeper")
+    store.write([put(f"/{i}") for i in range(10)])
+    _backup(path, copy)
+    store.write([put(f"/late{i}") for i in range(5)])
+    sub.poll()
+    held = sub.cursor  # the consumer kept it outside the database
+    sub.close()
+    drop_all(store)
+    store.close()
+
+    _restore(copy, path)
+    store = SqliteStore(path)
+    with pytest.raises(CursorAhead, match="past the change log's head 10"):
+        store.subscribe("keeper", held)
+    assert store.statistics().resyncs == 1
+
+    # Writes after the loss reuse seqs 11..20: the stamp tells the cursor's entry apart.
+    store.write([put(f"/new{i}") for i in range(10)])
+    with pytest.raises(CursorAhead, match="not the one the cursor passed"):
+        store.subscribe("keeper", held)
+    assert store.statistics().resyncs == 2
+    fresh = store.subscribe("keeper", store.feed_head())
+    fresh.close()
+    drop_all(store)
+    store.close()
+
+
+def test_foreign_cursors_are_refused(store: SqliteStore) -> None:
+    for token in ("pg:1:2", "sqlite:x:1", "sqlite:-1:0", "sqlite:1"):
+        with pytest.raises(ValueError, match="cursor"):
+            store.subscribe("keeper", Cursor(token=token))
+
+
+def test_wait_times_out_without_commits(store: SqliteStore) -> None:
+    sub = store.subscribe("keeper")
+    sub.poll()
+    assert sub.wait(0.03) is False
+    assert sub.statistics().timeouts == 1
+    sub.close()
+
+
+def _write_later(path: str, started: object, key: str) -> None:
+    store = SqliteStore(path)
+    started.wait(30)  # type: ignore[attr-defined]
+    time.sleep(0.05)
+    store.write([put(key)])
+    store.close()
+
+
+def test_a_commit_in_another_process_wakes_a_waiting_consumer(store: SqliteStore) -> None:
+    sub = store.subscribe("keeper")
+    context = multiprocessing.get_context("spawn")
+    started = context.Event()
+    child = context.Process(target=_write_later, args=(str(store.path), started, "/x"))
+    child.start()
+    sub.poll()
+    started.set()
+    assert sub.wait(60.0) is True
+    assert keys_of(sub.poll().events) == ["/x"]
+    stats = sub.statistics()
+    assert stats.woken + stats.noticed == 1 and stats.timeouts == 0
+    child.join(30)
+    assert child.exitcode == 0
+    sub.close()
+
+
+def test_data_version_polling_alone_still_wakes(store: SqliteStore) -> None:
+    sub = store.subscribe("keeper")
+    assert isinstance(sub, SqliteSubscription)
+    sub._waiter = None  # as on a system without POSIX semaphores
+    sub.poll()
+    context = multiprocessing.get_context("spawn")
+    started = context.Event()
+    child = context.Process(target=_write_later, args=(str(store.path), started, "/y"))
+    child.start()
+    started.set()
+    assert sub.wait(60.0) is True
+    assert sub.statistics().noticed == 1
+    assert keys_of(sub.poll().events) == ["/y"]
+    child.join(30)
+    sub.close()
+
+
+def test_drop_consumer_removes_its_semaphore(store: SqliteStore) -> None:
+    sub = store.subscribe("keeper")
+    name = sub.statistics().wake
+    assert name and os.path.exists(f"/dev/shm/sem.{name.lstrip('/')}")
+    sub.close()
+    assert store.drop_consumer("keeper") is True
+    assert not os.path.exists(f"/dev/shm/sem.{name.lstrip('/')}")
+    assert store.drop_consumer("keeper") is False
