@@ -44,9 +44,18 @@ class CappedReader(io.RawIOBase):
     drives the parser sees one exception type for a document that cannot be read.
     """
 
-    def __init__(self, inner: BinaryIO, limit: int, *, location: str, what: str) -> None:
+    def __init__(
+        self,
+        inner: BinaryIO,
+        limit: int,
+        *,
+        location: str,
+        what: str,
+        also_close: BinaryIO | None = None,
+    ) -> None:
         super().__init__()
         self._inner = inner
+        self._also_close = also_close  # GzipFile leaves the file it was given open
         self._limit = limit
         self._location = location
         self._what = what
@@ -78,6 +87,8 @@ class CappedReader(io.RawIOBase):
     def close(self) -> None:
         try:
             self._inner.close()
+            if self._also_close is not None:
+                self._also_close.close()
         finally:
             super().close()
 
@@ -156,7 +167,7 @@ def open_document(stream: BinaryIO, *, location: str, limits: SourceLimits) -> B
         what = "decompressed"
     else:
         what = "input"
-    capped = CappedReader(body, limits.max_bytes, location=location, what=what)
+    capped = CappedReader(body, limits.max_bytes, location=location, what=what, also_close=stream)
     return io.BufferedReader(capped, buffer_size=_READ_CHUNK)
 
 
