@@ -1,0 +1,171 @@
+"""The claim path, on any worker with no mutex, and the results and renewals that follow it.
+
+Claim: take ring entries in order -> point-read their rows -> skip any gone, no longer due
+or on a paused route -> grant an exclusive lease in the lease table, with the row's
+effective cadence as the hold cap. Completion: the lease must still be held by the token ->
+apply the result to the store -> release the lease. A stale token changes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from starlette.responses import Response
+
+from api.body import json_response
+from api.node import Node
+from api.problems import ApiError
+from api.schemas import (
+    ClaimRequest,
+    ClaimResponse,
+    CompletionsRequest,
+    ItemResult,
+    ItemResults,
+    Lease,
+    NodeStatus,
+    RenewRequest,
+    RenewResult,
+    RenewResults,
+)
+from shm import Grant, key_hash
+from store.rows import Completion
+
+LEASE_NOT_HELD = "lease_not_held"
+NOT_FOUND = "not_found"
+
+
+MAX_TOKEN = 2**64 - 1
+
+
+def parse_token(token: str) -> int | None:
+    """A token past 64 bits was never issued: it is simply not held."""
+    value = int(token)
+    return value if value <= MAX_TOKEN else None
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+def unready(node: Node) -> Response:
+    """The fleet's "not ready, retry in N s": plain JSON with a string `status` (a problem
+    document's `status` is the HTTP code, so this one body is not problem+json)."""
+    seconds = node.settings.retry_after_s
+    return json_response(
+        NodeStatus(
+            status="unready",
+            detail="the keeper has not published the queue yet; retry shortly",
+            retry_after_s=seconds,
+        ),
+        503,
+        headers={"Retry-After": str(seconds)},
+    )
+
+
+def grant_from_ring(node: Node, want: int, lease_ms: int) -> list[Lease]:
+    """Grant up to `want` leases from the published ring; fewer if the ring runs dry."""
+    granted: list[Lease] = []
+    while len(granted) < want:
+        entries = node.ring.claim(want - len(granted))
+        if not entries:
+            break
+        keys = [entry.key.decode() for entry in entries]
+        rows = node.store.get_many(keys)
+        now = now_ms()
+        for entry, key in zip(entries, keys, strict=True):
+            row = rows.get(key)
+            if row is None or row.next_render_at > now or node.routes.paused(row.route):
+                continue
+            cadence_s = node.routes.cadence_s(row)
+            outcome = node.leases.grant(entry.key_hash, now, lease_ms, cadence_s * 1000)
+            if not isinstance(outcome, Grant):
+                continue
+            granted.append(
+                Lease(
+                    key=key,
+                    token=str(outcome.token),
+                    route=row.route,
+                    due_at=row.next_render_at,
+                    lease_expires_at=outcome.expires_at,
+                    sitemap=row.sitemap,
+                    cadence_s=cadence_s,
+                )
+            )
+    return granted
+
+
+async def next_publish(node: Node, deadline: float) -> bool:
+    """Sleep until the ring's generation changes (True) or the deadline passes (False)."""
+    generation = node.ring.generation
+    while node.ring.generation == generation:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return False
+        await asyncio.sleep(min(node.settings.poll_interval_s, remaining))
+    return True
+
+
+async def claim(node: Node, request: ClaimRequest) -> ClaimResponse | Response:
+    if not node.ready():
+        return unready(node)
+    lease_ms = request.lease_s * 1000
+    deadline = time.monotonic() + request.wait_s
+    leases = grant_from_ring(node, request.max, lease_ms)
+    # Long poll: nothing was claimable, so wait for the keeper's next publish (a new ring
+    # generation) and try again, until something is granted or the wait is over.
+    while not leases and await next_publish(node, deadline):
+        leases = grant_from_ring(node, request.max, lease_ms)
+    return ClaimResponse(leases=leases, status="ready")
+
+
+def complete(node: Node, request: CompletionsRequest) -> ItemResults:
+    now = now_ms()
+    results: list[ItemResult | None] = [None] * len(request.items)
+    held: list[tuple[int, int, int]] = []  # (item index, key hash, token)
+    completions: list[Completion] = []
+    seen: set[str] = set()
+    for index, item in enumerate(request.items):
+        hashed = key_hash(item.key.encode())
+        token = parse_token(item.token)
+        # A key twice in one batch: the first result takes the lease, the second is stale.
+        if token is None or item.key in seen or not node.leases.holds(hashed, token, now):
+            results[index] = ItemResult(key=item.key, ok=False, error=LEASE_NOT_HELD)
+            continue
+        seen.add(item.key)
+        held.append((index, hashed, token))
+        completions.append(
+            Completion(
+                key=item.key, outcome=item.outcome, now=now, next_render_at=item.next_render_at
+            )
+        )
+    if completions:
+        try:
+            after = node.store.complete(completions)
+        except ValueError as exc:
+            raise ApiError(422, "Invalid completion", str(exc)) from None
+        for (index, hashed, token), completion, row in zip(held, completions, after, strict=True):
+            node.leases.complete(hashed, token, now)
+            if row is None and completion.outcome != "gone":
+                results[index] = ItemResult(key=completion.key, ok=False, error=NOT_FOUND)
+            else:
+                results[index] = ItemResult(key=completion.key, ok=True)
+    return ItemResults(results=[result for result in results if result is not None])
+
+
+def renew(node: Node, request: RenewRequest, default_lease_s: int = 300) -> RenewResults:
+    now = now_ms()
+    results: list[RenewResult] = []
+    for item in request.items:
+        lease_ms = (item.lease_s or default_lease_s) * 1000
+        token = parse_token(item.token)
+        expires_at = (
+            None
+            if token is None
+            else node.leases.renew(key_hash(item.key.encode()), token, now, lease_ms)
+        )
+        if expires_at is None:
+            results.append(RenewResult(key=item.key, ok=False, error=LEASE_NOT_HELD))
+        else:
+            results.append(RenewResult(key=item.key, ok=True, lease_expires_at=expires_at))
+    return RenewResults(results=results)

@@ -1,0 +1,47 @@
+"""What a worker hands the API: its settings and its handles on the node's shared state.
+
+One `Node` per worker process. Its store is used only from the event loop's thread: the
+calls are sub-millisecond point reads and short writes, and a thread-pool hop would cost
+more than the call itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import msgspec
+
+from api.routebook import RouteBook
+from shm import LeaseTable, ReadyRing, StateBuffer
+from store.base import ScheduleStore
+
+
+class ApiSettings(msgspec.Struct, frozen=True, kw_only=True):
+    node: str
+    instance: str
+    worker: int = 0
+    fleet_token: str | None = None
+    admin_token: str | None = None
+    max_body_bytes: int = 4 * 1024 * 1024
+    # A long poll re-checks the ring's generation this often; the keeper publishes about
+    # once a second, so 25 ms adds little latency and costs nothing measurable.
+    poll_interval_s: float = 0.025
+    retry_after_s: int = 1
+
+
+@dataclass(eq=False)
+class Node:
+    settings: ApiSettings
+    store: ScheduleStore
+    ring: ReadyRing
+    leases: LeaseTable
+    state: StateBuffer
+    supervisor_state: StateBuffer | None = None
+    routes: RouteBook = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.routes = RouteBook(self.store)
+
+    def ready(self) -> bool:
+        """Claims are granted only after the keeper's first publish into this node's ring."""
+        return self.ring.generation > 0 and self.ring.published_at > 0

@@ -1,0 +1,412 @@
+"""Real nodes for the api and workers tests, on free loopback ports.
+
+- `ThreadNode`: the API app on uvicorn in a thread of the test process, with real
+  segments, a real SQLite store and (optionally) a real keeper thread, as worker 0 runs
+  them. Fast to start; used for validation, auth, 503-before-publish and the fuzz test.
+- `NodeProcess`: `renderqueue serve` as a child process (the supervisor and its workers),
+  its JSON log read line by line; used for races, kills and signals.
+
+Names of segments and files carry the pid and a uuid: other test runs share the machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+import pytest
+import uvicorn
+
+from store.rows import RowWrite
+
+
+def _pieces_missing() -> str | None:
+    """The node stands on shm and the keeper; until they land its tests cannot run."""
+    try:
+        import shm
+
+        for name in ("ReadyRing", "LeaseTable", "StateBuffer", "key_hash", "segment_name"):
+            getattr(shm, name)
+        import keeper.runner
+        import keeper.state  # noqa: F401
+    except (ImportError, AttributeError) as exc:
+        return f"the node's pieces have not landed yet: {exc}"
+    return None
+
+
+if (_missing := _pieces_missing()) is not None:
+    pytest.skip(_missing, allow_module_level=True)
+
+REPO = Path(__file__).resolve().parent.parent
+ADMIN_TOKEN = "test-admin-token-" + "a" * 16
+FLEET_TOKEN = "test-fleet-token-" + "f" * 16
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+def unique(prefix: str = "t") -> str:
+    return f"{prefix}{os.getpid()}x{uuid.uuid4().hex[:8]}"
+
+
+def seed_rows(
+    db: Path | str,
+    count: int,
+    *,
+    due_share: float = 1.0,
+    route: str = "product",
+    cadence_s: int | None = 3600,
+    prefix: str = "https://shop.example/p/",
+    now: int | None = None,
+) -> list[str]:
+    """Write `count` rows; the first `due_share` of them due (spread over the last hour)."""
+    from store import open_store
+
+    now = now_ms() if now is None else now
+    keys = [f"{prefix}{i:07d}" for i in range(count)]
+    due_count = int(count * due_share)
+    store = open_store(str(db))
+    try:
+        for start in range(0, count, 5000):
+            batch = [
+                RowWrite(
+                    key=keys[i],
+                    route=route,
+                    cadence_s=cadence_s,
+                    sitemap=i % 3 == 0,
+                    next_render_at=(now - 1000 - (i * 7919) % 3_600_000)
+                    if i < due_count
+                    else now + 3_600_000 + i,
+                )
+                for i in range(start, min(count, start + 5000))
+            ]
+            store.write(upsert=batch)
+    finally:
+        store.close()
+    return keys
+
+
+def due_in_table(db: Path | str, now: int) -> int:
+    """Due rows counted the slow way, straight from the table."""
+    from store import open_store
+
+    store = open_store(str(db))
+    try:
+        due = 0
+        after: str | None = None
+        while True:
+            rows = store.walk(after, 5000)
+            if not rows:
+                return due
+            due += sum(1 for row in rows if row.next_render_at <= now)
+            after = rows[-1].key
+    finally:
+        store.close()
+
+
+def wait_for(
+    check: Callable[[], Any], timeout_s: float, what: str, interval_s: float = 0.05
+) -> Any:
+    deadline = time.monotonic() + timeout_s
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = check()
+        if last:
+            return last
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what} (last: {last!r})")
+
+
+def free_socket(host: str = "127.0.0.1") -> socket.socket:
+    # IPPROTO_TCP, not 0, or asyncio leaves Nagle on for accepted sockets (40 ms a reply).
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, 0))
+    sock.listen(256)
+    return sock
+
+
+class ThreadNode:
+    """The API on a free port in this process; `publish()` waits for the keeper's first."""
+
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        keeper: bool = True,
+        tokens: bool = False,
+        max_body_bytes: int = 64 * 1024,
+        keeper_config: dict[str, Any] | None = None,
+    ) -> None:
+        from api.app import create_app
+        from api.node import ApiSettings, Node
+        from store import open_store
+        from workers.segments import SegmentNames, Segments
+
+        self.dir = directory
+        self.db = directory / "node.sqlite"
+        self.instance = unique("ta")
+        self.segments = Segments.create(
+            SegmentNames.for_instance(self.instance), ring_entries=8192, lease_slots=1 << 16
+        )
+        self.store = open_store(str(self.db))
+        self.keeper_config = keeper_config or {}
+        self._keeper_stop = threading.Event()
+        self._keeper_thread: threading.Thread | None = None
+        self.keeper_error: BaseException | None = None
+        self.node = Node(
+            settings=ApiSettings(
+                node="test",
+                instance=self.instance,
+                worker=0,
+                fleet_token=FLEET_TOKEN if tokens else None,
+                admin_token=ADMIN_TOKEN if tokens else None,
+                max_body_bytes=max_body_bytes,
+            ),
+            store=self.store,
+            ring=self.segments.ring,
+            leases=self.segments.leases,
+            state=self.segments.state,
+            supervisor_state=self.segments.supervisor,
+        )
+        self.sock = free_socket()
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(
+            create_app(self.node),
+            http="h11",
+            loop="asyncio",
+            lifespan="off",
+            log_config=None,
+            access_log=False,
+        )
+        self.server = uvicorn.Server(config)
+        self._thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True
+        )
+        self._thread.start()
+        wait_for(lambda: self.server.started, 30, "the server to start")
+        if keeper:
+            self.start_keeper()
+
+    def start_keeper(self) -> None:
+        from keeper.config import KeeperConfig
+        from keeper.runner import Keeper
+        from store import open_store
+
+        config = msgspec.convert(self.keeper_config, KeeperConfig, strict=False)
+
+        def run() -> None:
+            store = open_store(str(self.db))
+            try:
+                Keeper(
+                    store,
+                    self.segments.ring,
+                    self.segments.leases,
+                    self.segments.state,
+                    config,
+                    node="test",
+                ).run(self._keeper_stop)
+            except BaseException as exc:
+                self.keeper_error = exc
+                raise
+            finally:
+                store.close()
+
+        self._keeper_thread = threading.Thread(target=run, name="keeper", daemon=True)
+        self._keeper_thread.start()
+
+    def wait_published(self, timeout_s: float = 30) -> None:
+        def published() -> bool:
+            if self.keeper_error is not None:
+                raise AssertionError(f"keeper failed: {self.keeper_error!r}")
+            return self.segments.ring.generation > 0
+
+        wait_for(published, timeout_s, "the keeper's first publish")
+
+    def client(self, token: str | None = None) -> httpx.Client:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        return httpx.Client(base_url=self.url, headers=headers, timeout=30)
+
+    def close(self) -> None:
+        self._keeper_stop.set()
+        if self._keeper_thread is not None:
+            self._keeper_thread.join(30)
+        self.server.should_exit = True
+        self._thread.join(30)
+        self.sock.close()
+        self.store.close()
+        self.segments.close()
+        self.segments.unlink()
+
+
+@contextlib.contextmanager
+def thread_node(directory: Path, **kwargs: Any) -> Iterator[ThreadNode]:
+    node = ThreadNode(directory, **kwargs)
+    try:
+        yield node
+    finally:
+        node.close()
+
+
+class NodeProcess:
+    """`renderqueue serve` in a child process; its JSON log lines are kept as events."""
+
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        workers: int = 2,
+        tokens: bool = False,
+        extra_args: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.dir = directory
+        self.db = directory / "node.sqlite"
+        self.instance = unique("tn")
+        self.workers = workers
+        self.tokens = tokens
+        self.extra_args = extra_args
+        self.env = dict(os.environ)
+        for name in list(self.env):
+            if name.startswith("RENDERQUEUE_"):
+                del self.env[name]
+        if tokens:
+            self.env["RENDERQUEUE_ADMIN_TOKEN"] = ADMIN_TOKEN
+            self.env["RENDERQUEUE_FLEET_TOKEN"] = FLEET_TOKEN
+        self.env.update(env or {})
+        self.events: list[dict[str, Any]] = []
+        self.lines: list[str] = []
+        self._changed = threading.Condition()
+        self.process: subprocess.Popen[bytes] | None = None
+        self.port = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, wait_ready: bool = True, timeout_s: float = 60) -> NodeProcess:
+        command = [
+            sys.executable,
+            "-m",
+            "workers.cli",
+            "serve",
+            "--db",
+            str(self.db),
+            "--port",
+            "0",
+            "--workers",
+            str(self.workers),
+            "--instance",
+            self.instance,
+            *self.extra_args,
+        ]
+        self.process = subprocess.Popen(
+            command, cwd=REPO, env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        )
+        threading.Thread(target=self._read_log, daemon=True).start()
+        listening = self.wait_event("listening", timeout_s=timeout_s)
+        self.port = int(listening["port"])
+        if wait_ready:
+            self.wait_event("node_ready", timeout_s=timeout_s)
+        return self
+
+    def _read_log(self) -> None:
+        assert self.process is not None and self.process.stderr is not None
+        for raw in self.process.stderr:
+            line = raw.decode(errors="replace").rstrip("\n")
+            try:
+                parsed = json.loads(line)
+            except ValueError:
+                parsed = None
+            with self._changed:
+                self.lines.append(line)
+                if isinstance(parsed, dict):
+                    self.events.append(parsed)
+                self._changed.notify_all()
+        with self._changed:
+            self._changed.notify_all()
+
+    def find_events(self, name: str, **fields: Any) -> list[dict[str, Any]]:
+        with self._changed:
+            return [
+                e
+                for e in self.events
+                if e.get("event") == name and all(e.get(k) == v for k, v in fields.items())
+            ]
+
+    def wait_event(
+        self, name: str, *, after: int = 0, timeout_s: float = 60, **fields: Any
+    ) -> dict[str, Any]:
+        """The first event `name` (with `fields`) beyond the first `after` such events."""
+        deadline = time.monotonic() + timeout_s
+        with self._changed:
+            while True:
+                found = [
+                    e
+                    for e in self.events
+                    if e.get("event") == name and all(e.get(k) == v for k, v in fields.items())
+                ]
+                if len(found) > after:
+                    return found[after]
+                remaining = deadline - time.monotonic()
+                exited = self.process is not None and self.process.poll() is not None
+                if remaining <= 0 or exited:
+                    tail = "\n".join(self.lines[-40:])
+                    state = f"exited {self.process.returncode}" if exited else "running"
+                    raise AssertionError(
+                        f"no {name} event {fields or ''} ({state}); log tail:\n{tail}"
+                    )
+                self._changed.wait(min(remaining, 0.2))
+
+    def worker_pid(self, index: int) -> int:
+        started = self.find_events("worker_started", worker=index)
+        assert started, f"worker {index} never started"
+        return int(started[-1]["pid"])
+
+    def client(self, token: str | None = None) -> httpx.Client:
+        if token is None and self.tokens:
+            token = ADMIN_TOKEN
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        return httpx.Client(base_url=self.url, headers=headers, timeout=30)
+
+    def signal(self, signum: int) -> None:
+        assert self.process is not None
+        self.process.send_signal(signum)
+
+    def wait(self, timeout_s: float = 60) -> int:
+        assert self.process is not None
+        return self.process.wait(timeout_s)
+
+    def stop(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(45)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(10)
+
+
+@contextlib.contextmanager
+def node_process(directory: Path, **kwargs: Any) -> Iterator[NodeProcess]:
+    node = NodeProcess(directory, **kwargs)
+    try:
+        yield node
+    finally:
+        node.stop()

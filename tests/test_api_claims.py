@@ -1,0 +1,268 @@
+"""The claim path over real HTTP: grants, completions, renewals, stale tokens, 503 before the
+first publish, long polls, and eight processes racing through two workers."""
+
+from __future__ import annotations
+
+import multiprocessing
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from node_harness import (
+    FLEET_TOKEN,
+    ThreadNode,
+    due_in_table,
+    node_process,
+    now_ms,
+    seed_rows,
+    thread_node,
+    wait_for,
+)
+
+
+def claim(client: httpx.Client, n: int, **extra: Any) -> httpx.Response:
+    return client.post("/v1/claims", json={"max": n, "worker": "test", **extra})
+
+
+def complete(client: httpx.Client, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    response = client.post("/v1/completions", json={"items": items})
+    assert response.status_code == 200, response.text
+    results: list[dict[str, Any]] = response.json()["results"]
+    return results
+
+
+def test_503_with_retry_after_before_the_first_publish(tmp_path: Path) -> None:
+    seed_rows(tmp_path / "node.sqlite", 10)
+    with thread_node(tmp_path, keeper=False) as node, node.client() as client:
+        response = claim(client, 5)
+        assert response.status_code == 503
+        assert response.headers["retry-after"] == "1"
+        assert response.json()["status"] == "unready"
+        assert client.get("/readyz").status_code == 503
+        # The same node grants once the keeper has published.
+        node.start_keeper()
+        node.wait_published()
+        response = claim(client, 5)
+        assert response.status_code == 200
+        assert response.json()["status"] == "ready"
+        assert len(response.json()["leases"]) == 5
+        assert client.get("/readyz").status_code == 200
+
+
+@pytest.fixture
+def live_node(tmp_path: Path) -> Any:
+    seed_rows(tmp_path / "node.sqlite", 40, due_share=0.5)
+    with thread_node(tmp_path) as node:
+        node.wait_published()
+        yield node
+
+
+def test_a_lease_carries_the_row_and_a_decimal_token(live_node: ThreadNode) -> None:
+    before = now_ms()
+    with live_node.client() as client:
+        leases = claim(client, 100, lease_s=60).json()["leases"]
+    # Only the 20 due rows are claimable, each granted once.
+    assert len(leases) == 20
+    assert len({lease["key"] for lease in leases}) == 20
+    for lease in leases:
+        assert set(lease) == {
+            "key",
+            "token",
+            "route",
+            "due_at",
+            "lease_expires_at",
+            "sitemap",
+            "cadence_s",
+        }
+        assert lease["token"].isdigit() and 0 < int(lease["token"]) < 2**64
+        assert lease["route"] == "product" and lease["cadence_s"] == 3600
+        assert lease["due_at"] <= before
+        assert before + 60_000 <= lease["lease_expires_at"] <= now_ms() + 60_000
+    # Most overdue first, within one class (same route, cadence and sitemap flag).
+    for flag in (True, False):
+        dues = [lease["due_at"] for lease in leases if lease["sitemap"] is flag]
+        assert dues == sorted(dues)
+
+
+def test_completions_apply_each_outcome(live_node: ThreadNode) -> None:
+    with live_node.client() as client:
+        leases = claim(client, 3).json()["leases"]
+        rendered, failed, gone = leases
+        stamp = now_ms()
+        results = complete(
+            client,
+            [
+                {"key": rendered["key"], "token": rendered["token"], "outcome": "rendered"},
+                {"key": failed["key"], "token": failed["token"], "outcome": "failed"},
+                {"key": gone["key"], "token": gone["token"], "outcome": "gone"},
+            ],
+        )
+        assert results == [
+            {"key": rendered["key"], "ok": True},
+            {"key": failed["key"], "ok": True},
+            {"key": gone["key"], "ok": True},
+        ]
+        row = client.get("/v1/schedule", params={"key": rendered["key"]}).json()
+        assert stamp + 3_600_000 <= row["next_render_at"] <= now_ms() + 3_600_000
+        assert row["last_outcome"] == "rendered"
+        row = client.get("/v1/schedule", params={"key": failed["key"]}).json()
+        assert row["next_render_at"] == failed["due_at"]  # still due
+        assert client.get("/v1/schedule", params={"key": gone["key"]}).status_code == 404
+
+
+def test_rendered_with_an_explicit_next_render_at(live_node: ThreadNode) -> None:
+    with live_node.client() as client:
+        (lease,) = claim(client, 1).json()["leases"]
+        when = now_ms() + 42_000
+        item = {"key": lease["key"], "token": lease["token"], "outcome": "rendered"}
+        assert complete(client, [{**item, "next_render_at": when}])[0]["ok"] is True
+        assert (
+            client.get("/v1/schedule", params={"key": lease["key"]}).json()["next_render_at"]
+            == when
+        )
+
+
+def test_stale_and_unknown_tokens_change_nothing(live_node: ThreadNode) -> None:
+    with live_node.client() as client:
+        (lease,) = claim(client, 1).json()["leases"]
+        row_before = client.get("/v1/schedule", params={"key": lease["key"]}).json()
+        wrong = str(int(lease["token"]) ^ 1)
+        results = complete(
+            client,
+            [
+                {"key": lease["key"], "token": wrong, "outcome": "rendered"},
+                {"key": "https://nowhere.example/", "token": lease["token"], "outcome": "gone"},
+                {"key": lease["key"], "token": "99999999999999999999", "outcome": "gone"},
+            ],
+        )
+        assert [r["error"] for r in results] == ["lease_not_held"] * 3
+        assert all(r["ok"] is False for r in results)
+        assert client.get("/v1/schedule", params={"key": lease["key"]}).json() == row_before
+        # The real token still holds the lease; once used, it is stale.
+        item = {"key": lease["key"], "token": lease["token"], "outcome": "failed"}
+        assert complete(client, [item]) == [{"key": lease["key"], "ok": True}]
+        assert complete(client, [item]) == [
+            {"key": lease["key"], "ok": False, "error": "lease_not_held"}
+        ]
+        # A key twice in one batch: only the first result counts.
+        (other,) = claim(client, 1).json()["leases"]
+        item = {"key": other["key"], "token": other["token"], "outcome": "rendered"}
+        assert [r["ok"] for r in complete(client, [item, item])] == [True, False]
+
+
+def test_renew_extends_only_a_held_lease(live_node: ThreadNode) -> None:
+    with live_node.client() as client:
+        (lease,) = claim(client, 1, lease_s=10).json()["leases"]
+        response = client.post(
+            "/v1/leases/renew",
+            json={
+                "items": [
+                    {"key": lease["key"], "token": lease["token"], "lease_s": 120},
+                    {"key": lease["key"], "token": str(int(lease["token"]) + 1)},
+                ]
+            },
+        )
+        assert response.status_code == 200
+        held, stale = response.json()["results"]
+        assert (
+            held["ok"] is True and held["lease_expires_at"] >= lease["lease_expires_at"] + 100_000
+        )
+        assert stale == {"key": lease["key"], "ok": False, "error": "lease_not_held"}
+
+
+def test_wait_s_long_polls_until_work_is_published(tmp_path: Path) -> None:
+    seed_rows(tmp_path / "node.sqlite", 5, due_share=0.0)
+    with thread_node(tmp_path) as node, node.client() as client:
+        node.wait_published()
+        assert claim(client, 5).json()["leases"] == []
+
+        def add_due_row() -> None:
+            time.sleep(0.5)
+            body = {"upsert": [{"key": "https://shop.example/new", "route": "product"}]}
+            assert client.post("/v1/schedule", json=body).status_code == 200
+
+        writer = threading.Thread(target=add_due_row)
+        writer.start()
+        leases = claim(client, 5, wait_s=20).json()["leases"]
+        writer.join()
+        assert [lease["key"] for lease in leases] == ["https://shop.example/new"]
+
+
+# --- eight processes racing through two workers ----------------------------------------
+
+
+def claimant(url: str, rounds_without_work: int, out: Any) -> None:
+    """Claim in batches until the node has nothing left; report every (key, token)."""
+    granted: list[tuple[str, str]] = []
+    idle = 0
+    with httpx.Client(
+        base_url=url, headers={"Authorization": f"Bearer {FLEET_TOKEN}"}, timeout=60
+    ) as client:
+        while idle < rounds_without_work:
+            response = client.post(
+                "/v1/claims", json={"max": 100, "worker": "racer", "lease_s": 600, "wait_s": 2}
+            )
+            response.raise_for_status()
+            leases = response.json()["leases"]
+            idle = 0 if leases else idle + 1
+            granted.extend((lease["key"], lease["token"]) for lease in leases)
+    out.put(granted)
+
+
+def completer(url: str, leases: list[tuple[str, str]], out: Any) -> None:
+    with httpx.Client(
+        base_url=url, headers={"Authorization": f"Bearer {FLEET_TOKEN}"}, timeout=60
+    ) as client:
+        ok = 0
+        for start in range(0, len(leases), 500):
+            items = [
+                {"key": key, "token": token, "outcome": "rendered"}
+                for key, token in leases[start : start + 500]
+            ]
+            response = client.post("/v1/completions", json={"items": items})
+            response.raise_for_status()
+            ok += sum(1 for result in response.json()["results"] if result["ok"])
+    out.put(ok)
+
+
+def test_eight_processes_race_and_no_key_is_granted_twice(tmp_path: Path) -> None:
+    total = 20_000
+    seed_rows(tmp_path / "node.sqlite", total + 500, due_share=total / (total + 500))
+    context = multiprocessing.get_context("spawn")
+    with node_process(tmp_path, workers=2, tokens=True) as node:
+        out = context.Queue()
+        racers = [context.Process(target=claimant, args=(node.url, 2, out)) for _ in range(8)]
+        for racer in racers:
+            racer.start()
+        batches = [out.get(timeout=240) for _ in racers]
+        for racer in racers:
+            racer.join(30)
+        granted = [pair for batch in batches for pair in batch]
+        keys = [key for key, _ in granted]
+        # Every due key once, and only due keys: none granted twice while leased.
+        assert len(keys) == len(set(keys))
+        assert len(keys) == total
+        # Both workers served claims (the kernel spreads connections over them).
+        with node.client() as admin:
+            overview = admin.get("/prerender_admin/overview").json()
+        assert overview["leases"]["live"] >= total
+
+        shares = [granted[i::4] for i in range(4)]
+        for share in shares:
+            context.Process(target=completer, args=(node.url, share, out)).start()
+        assert sum(out.get(timeout=240) for _ in shares) == total
+
+        with node.client() as admin:
+
+            def exact() -> Any:
+                response = admin.get("/prerender_admin/queue-state")
+                if response.status_code != 200:
+                    return None
+                state = response.json()
+                return state if state["now"]["due"] == due_in_table(node.db, now_ms()) else None
+
+            state = wait_for(exact, 60, "queue-state's due count to match the table", 0.5)
+        assert state["now"]["due"] == 0

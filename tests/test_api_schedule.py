@@ -1,0 +1,113 @@
+"""Schedule endpoints over real HTTP: batch upsert and delete, point reads, routes, the
+global default, and what a route change does to claims."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from node_harness import ThreadNode, now_ms, thread_node, wait_for
+
+
+@pytest.fixture
+def node(tmp_path: Any) -> Iterator[ThreadNode]:
+    with thread_node(tmp_path) as running:
+        running.wait_published()
+        yield running
+
+
+def test_upsert_defaults_to_due_now_and_reads_back(node: ThreadNode) -> None:
+    before = now_ms()
+    body = {
+        "upsert": [
+            {"key": "https://shop.example/a", "route": "product"},
+            {
+                "key": "https://shop.example/b",
+                "route": "article",
+                "cadence_s": 600,
+                "sitemap": True,
+                "next_render_at": before + 60_000,
+            },
+        ]
+    }
+    with node.client() as client:
+        assert client.post("/v1/schedule", json=body).json() == {"upserted": 2, "deleted": 0}
+        a = client.get("/v1/schedule", params={"key": "https://shop.example/a"}).json()
+        b = client.get("/v1/schedule", params={"key": "https://shop.example/b"}).json()
+    assert a["route"] == "product" and a["cadence_s"] is None and a["sitemap"] is False
+    assert before <= a["next_render_at"] <= now_ms()
+    assert (b["cadence_s"], b["sitemap"], b["next_render_at"]) == (600, True, before + 60_000)
+    assert b["version"] >= 1
+
+
+def test_upsert_and_delete_in_one_batch(node: ThreadNode) -> None:
+    with node.client() as client:
+        client.post("/v1/schedule", json={"upsert": [{"key": "k1", "route": "r"}]})
+        result = client.post(
+            "/v1/schedule",
+            json={"upsert": [{"key": "k2", "route": "r"}], "delete": ["k1", "never-there"]},
+        ).json()
+        assert result == {"upserted": 1, "deleted": 2}
+        assert client.get("/v1/schedule", params={"key": "k1"}).status_code == 404
+        assert client.get("/v1/schedule", params={"key": "k2"}).status_code == 200
+
+
+def test_get_needs_a_key(node: ThreadNode) -> None:
+    with node.client() as client:
+        response = client.get("/v1/schedule")
+    assert response.status_code == 422 and response.json()["field"] == "key"
+
+
+def test_routes_and_settings(node: ThreadNode) -> None:
+    with node.client() as client:
+        route = client.put("/v1/routes/product", json={"default_cadence_s": 900})
+        assert route.json() == {"route": "product", "default_cadence_s": 900, "paused": False}
+        route = client.put("/v1/routes/product", json={"paused": True})
+        assert route.json() == {"route": "product", "default_cadence_s": 900, "paused": True}
+        assert client.put("/v1/settings", json={"default_cadence_s": 7200}).json() == {
+            "default_cadence_s": 7200
+        }
+        listing = client.get("/v1/routes").json()
+    assert listing["default_cadence_s"] == 7200
+    assert {"route": "product", "default_cadence_s": 900, "paused": True} in listing["routes"]
+
+
+def test_a_bad_route_name_in_the_path_is_422(node: ThreadNode) -> None:
+    with node.client() as client:
+        response = client.put("/v1/routes/Not%20A%20Route", json={"paused": True})
+    assert response.status_code == 422 and response.json()["field"] == "route"
+
+
+def test_a_paused_route_is_not_claimed_and_resumes(node: ThreadNode) -> None:
+    with node.client() as client:
+        client.put("/v1/routes/blog", json={"paused": True})
+        client.post(
+            "/v1/schedule", json={"upsert": [{"key": "https://b.example/1", "route": "blog"}]}
+        )
+        leases = client.post("/v1/claims", json={"max": 10, "worker": "t", "wait_s": 1.5})
+        assert leases.json()["leases"] == []
+        explained = client.get(
+            "/prerender_admin/explain", params={"key": "https://b.example/1"}
+        ).json()
+        assert explained["claimable"] is False and "paused" in explained["reason"]
+        client.put("/v1/routes/blog", json={"paused": False})
+
+        def claimed() -> Any:
+            body = {"max": 10, "worker": "t", "wait_s": 1}
+            return client.post("/v1/claims", json=body).json()["leases"]
+
+        leases = wait_for(claimed, 30, "the resumed route's row to be claimable")
+    assert [lease["key"] for lease in leases] == ["https://b.example/1"]
+
+
+def test_a_route_default_sets_a_lease_cadence(node: ThreadNode) -> None:
+    with node.client() as client:
+        client.put("/v1/routes/news", json={"default_cadence_s": 120})
+        client.post(
+            "/v1/schedule", json={"upsert": [{"key": "https://n.example/1", "route": "news"}]}
+        )
+        leases = client.post("/v1/claims", json={"max": 10, "worker": "t", "wait_s": 5}).json()
+    assert [(lease["key"], lease["cadence_s"]) for lease in leases["leases"]] == [
+        ("https://n.example/1", 120)
+    ]

@@ -1,0 +1,182 @@
+"""The supervisor with real worker processes: kills, respawns, a keeper that reloads, and
+clean exits that leave no shared memory behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from node_harness import (
+    REPO,
+    NodeProcess,
+    due_in_table,
+    node_process,
+    now_ms,
+    seed_rows,
+    unique,
+    wait_for,
+)
+
+from workers.segments import SegmentNames
+
+
+def segment_files(instance: str) -> list[Path]:
+    names = SegmentNames.for_instance(instance)
+    return [
+        Path("/dev/shm") / name.lstrip("/")
+        for name in (names.ring, names.leases, names.state, names.supervisor)
+    ]
+
+
+def claim(node: NodeProcess, n: int) -> list[dict[str, Any]]:
+    with node.client() as client:
+        response = client.post("/v1/claims", json={"max": n, "worker": "t"})
+    assert response.status_code == 200, response.text
+    leases: list[dict[str, Any]] = response.json()["leases"]
+    return leases
+
+
+def exact_queue_state(node: NodeProcess) -> Any:
+    with node.client() as client:
+        response = client.get("/prerender_admin/queue-state")
+    if response.status_code != 200:
+        return None
+    state = response.json()
+    return state if state["now"]["due"] == due_in_table(node.db, now_ms()) else None
+
+
+def is_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_every_worker_serves_on_the_one_socket(tmp_path: Path) -> None:
+    seed_rows(tmp_path / "node.sqlite", 10)
+    with node_process(tmp_path, workers=2) as node:
+        assert all(path.exists() for path in segment_files(node.instance))
+        pids = set()
+        for _ in range(200):
+            with httpx.Client(base_url=node.url) as client:
+                pids.add(client.get("/healthz").json()["pid"])
+            if len(pids) == 2:
+                break
+        assert pids == {node.worker_pid(0), node.worker_pid(1)}
+
+
+def test_sigkill_worker_0_claims_go_on_and_the_new_keeper_reloads(tmp_path: Path) -> None:
+    seed_rows(tmp_path / "node.sqlite", 3000, due_share=0.5)
+    with node_process(tmp_path, workers=2) as node:
+        wait_for(lambda: exact_queue_state(node), 60, "an exact queue-state")
+        first = claim(node, 50)
+        assert len(first) == 50
+        old = node.worker_pid(0)
+        os.kill(old, signal.SIGKILL)
+        # While worker 0 is down, worker 1 still grants from the last published ring.
+        while_down = claim(node, 50)
+        assert len(while_down) == 50
+        assert not {lease["key"] for lease in first} & {lease["key"] for lease in while_down}
+        node.wait_event("worker_started", worker=0, after=1, timeout_s=30)
+        node.wait_event("worker_ready", worker=0, after=1, timeout_s=60)
+        assert node.worker_pid(0) != old
+        # The new keeper reloads from the table and vouches for exact numbers again; the
+        # leases granted before the kill are still honoured by the lease table.
+        state = wait_for(lambda: exact_queue_state(node), 60, "an exact queue-state again")
+        assert state["now"]["in_flight"] == 100
+        with node.client() as client:
+            items = [
+                {"key": lease["key"], "token": lease["token"], "outcome": "rendered"}
+                for lease in first + while_down
+            ]
+            results = client.post("/v1/completions", json={"items": items}).json()["results"]
+        assert all(result["ok"] for result in results)
+        again = claim(node, 1000)
+        assert not {lease["key"] for lease in again} & {
+            lease["key"] for lease in first + while_down
+        }
+
+
+def test_sigkill_a_sibling_it_is_respawned(tmp_path: Path) -> None:
+    seed_rows(tmp_path / "node.sqlite", 100)
+    with node_process(tmp_path, workers=3) as node:
+        victim = node.worker_pid(2)
+        os.kill(victim, signal.SIGKILL)
+        node.wait_event("worker_started", worker=2, after=1, timeout_s=30)
+        node.wait_event("worker_ready", worker=2, after=1, timeout_s=60)
+        assert node.worker_pid(2) != victim
+        assert not is_alive(victim)
+        with node.client() as client:
+            workers = client.get("/prerender_admin/overview").json()["supervisor"]["workers"]
+        assert workers[2]["restarts"] == 1
+        assert workers[2]["pid"] == node.worker_pid(2)
+        assert [w["restarts"] for w in workers[:2]] == [0, 0]
+
+
+def test_sigterm_finishes_requests_in_flight_and_unlinks(tmp_path: Path) -> None:
+    seed_rows(tmp_path / "node.sqlite", 10, due_share=0.0)
+    with node_process(tmp_path, workers=2) as node:
+        wait_for(lambda: exact_queue_state(node), 60, "an exact queue-state")
+        files = segment_files(node.instance)
+        pids = [node.worker_pid(0), node.worker_pid(1)]
+        outcome: dict[str, Any] = {}
+
+        def long_poll() -> None:
+            with httpx.Client(base_url=node.url, timeout=30) as client:
+                response = client.post("/v1/claims", json={"max": 1, "worker": "t", "wait_s": 3})
+                outcome["status"] = response.status_code
+                outcome["body"] = response.json()
+
+        poller = threading.Thread(target=long_poll)
+        poller.start()
+        time.sleep(0.5)  # the long poll is in flight
+        node.signal(signal.SIGTERM)
+        poller.join(30)
+        assert outcome == {"status": 200, "body": {"leases": [], "status": "ready"}}
+        assert node.wait(60) == 0
+        assert node.find_events("stopping", mode="graceful")
+        assert node.find_events("segments_unlinked")
+        assert not any(path.exists() for path in files)
+        assert not any(is_alive(pid) for pid in pids)
+
+
+def test_sigint_stops_quickly_and_unlinks(tmp_path: Path) -> None:
+    with node_process(tmp_path, workers=2) as node:
+        files = segment_files(node.instance)
+        node.signal(signal.SIGINT)
+        assert node.wait(30) == 0
+        assert node.find_events("stopping", mode="quick")
+        assert not any(path.exists() for path in files)
+
+
+def test_a_port_in_use_is_a_clear_error(tmp_path: Path) -> None:
+    with node_process(tmp_path, workers=1) as first:
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "workers.cli",
+                "serve",
+                "--db",
+                str(tmp_path / "other.sqlite"),
+                "--port",
+                str(first.port),
+                "--instance",
+                unique("tp"),
+            ],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert done.returncode == 1
+    assert '"event":"listen_failed"' in done.stderr
+    assert f":{first.port}" in done.stderr

@@ -1,0 +1,84 @@
+"""The node's shared-memory segments: the supervisor creates them, every worker attaches.
+
+Names carry the instance id, so two nodes on one machine (or two test runs) never meet,
+and a crashed run's segments are found by the next run of the same node and replaced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from dataclasses import dataclass
+
+import msgspec
+
+from shm import LeaseTable, ReadyRing, StateBuffer, segment_name
+
+# The supervisor's statistics: a few hundred bytes per worker.
+SUPERVISOR_STATE_BYTES = 64 * 1024
+
+
+class SegmentNames(msgspec.Struct, frozen=True, kw_only=True):
+    ring: str
+    leases: str
+    state: str
+    supervisor: str
+
+    @classmethod
+    def for_instance(cls, instance: str) -> SegmentNames:
+        return cls(
+            ring=segment_name(instance, "ring"),
+            leases=segment_name(instance, "leases"),
+            state=segment_name(instance, "state"),
+            supervisor=segment_name(instance, "supervisor"),
+        )
+
+
+@dataclass(eq=False)
+class Segments:
+    names: SegmentNames
+    ring: ReadyRing
+    leases: LeaseTable
+    state: StateBuffer
+    supervisor: StateBuffer
+
+    @classmethod
+    def create(cls, names: SegmentNames, *, ring_entries: int, lease_slots: int) -> Segments:
+        created: list[ReadyRing | LeaseTable | StateBuffer] = []
+        try:
+            ring = ReadyRing.create(names.ring, capacity=ring_entries)
+            created.append(ring)
+            leases = LeaseTable.create(names.leases, capacity=lease_slots)
+            created.append(leases)
+            state = StateBuffer.create(names.state)
+            created.append(state)
+            supervisor = StateBuffer.create(names.supervisor, capacity=SUPERVISOR_STATE_BYTES)
+        except BaseException:
+            for segment in created:
+                segment.close()
+                segment.unlink()
+            raise
+        return cls(names, ring, leases, state, supervisor)
+
+    @classmethod
+    def attach(cls, names: SegmentNames) -> Segments:
+        return cls(
+            names,
+            ReadyRing.attach(names.ring),
+            LeaseTable.attach(names.leases),
+            StateBuffer.attach(names.state),
+            StateBuffer.attach(names.supervisor),
+        )
+
+    def _all(self) -> tuple[ReadyRing | LeaseTable | StateBuffer, ...]:
+        return (self.ring, self.leases, self.state, self.supervisor)
+
+    def close(self) -> None:
+        for segment in self._all():
+            segment.close()
+
+    def unlink(self) -> None:
+        for segment in self._all():
+            # Already gone is fine: unlink is idempotent for the caller.
+            with contextlib.suppress(Exception):
+                segment.unlink()

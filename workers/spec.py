@@ -1,0 +1,20 @@
+"""What the supervisor tells a worker it spawns (sent as JSON on the worker's stdin, so the
+tokens in the settings never show in a process listing)."""
+
+from __future__ import annotations
+
+import msgspec
+
+from workers.config import Settings
+from workers.segments import SegmentNames
+
+
+class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
+    index: int
+    listen_fd: int  # the supervisor's listening socket, inherited
+    status_fd: int  # write end of a pipe: the worker writes "ready\n" once it serves
+    supervisor_pid: int
+    node: str
+    instance: str
+    segments: SegmentNames
+    settings: Settings

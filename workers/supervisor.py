@@ -1,0 +1,521 @@
+"""The supervisor: one per node. Binds the socket once, creates the shared memory, runs
+N workers by index (worker 0 also hosts the keeper) and keeps them running.
+
+- A dead worker is respawned; one that dies while booting is respawned with exponential
+  backoff, so a boot error never becomes a respawn storm. If no worker has ever come up
+  and a slot keeps failing to boot, the node gives up and exits non-zero.
+- SIGTERM stops gracefully: workers stop accepting, finish the requests in flight, and
+  the lease table outlives them until the supervisor exits. SIGINT stops quickly. A
+  second signal while stopping kills what is left.
+- The segments are unlinked on every exit path the process survives.
+
+Each event is one JSON log line, and `statistics()` is also published into a small
+shared-memory buffer so any worker can serve it (`/prerender_admin/overview`, `/metrics`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import msgspec
+
+from workers import logs
+from workers.config import Settings
+from workers.segments import SegmentNames, Segments
+from workers.spec import WorkerSpec
+
+log = logs.get_logger("supervisor")
+
+# A worker that dies before it reports ready, or within this long of starting, failed to
+# boot; its slot backs off before the next try.
+BOOT_GRACE_S = 10.0
+BACKOFF_BASE_S = 0.5
+BACKOFF_CAP_S = 30.0
+GIVE_UP_AFTER_BOOT_FAILURES = 5
+QUICK_STOP_S = 5.0
+LISTEN_BACKLOG = 2048
+
+
+class ListenFailed(Exception):
+    def __init__(self, address: str, reason: str) -> None:
+        super().__init__(f"cannot listen on {address}: {reason}")
+        self.address = address
+        self.reason = reason
+
+
+class WorkerStatistics(msgspec.Struct, frozen=True, kw_only=True):
+    index: int
+    state: str  # starting | ready | backoff | stopped
+    pid: int | None
+    started_at: int | None
+    restarts: int
+    boot_failures: int
+    last_exit: str | None
+
+
+class SupervisorStatistics(msgspec.Struct, frozen=True, kw_only=True):
+    pid: int
+    node: str
+    instance: str
+    host: str
+    port: int
+    state: str  # starting | running | stopping | stopped
+    started_at: int
+    written_at: int
+    restarts: int
+    boot_failures: int
+    workers: list[WorkerStatistics]
+
+
+@dataclass(eq=False)
+class WorkerSlot:
+    index: int
+    process: subprocess.Popen[bytes] | None = None
+    status_fd: int | None = None
+    status_buffer: bytes = b""
+    started_at: float = 0.0
+    started_at_ms: int | None = None
+    ready: bool = False
+    restarts: int = 0
+    boot_failures: int = 0  # consecutive
+    total_boot_failures: int = 0
+    next_start_at: float | None = 0.0  # monotonic; None: do not start
+    last_exit: str | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None else None
+
+    @property
+    def state(self) -> str:
+        if self.process is not None:
+            return "ready" if self.ready else "starting"
+        return "backoff" if self.next_start_at is not None else "stopped"
+
+
+def default_instance(settings: Settings, port: int) -> str:
+    digest = hashlib.sha1(f"{settings.store_url()}|{port}".encode()).hexdigest()
+    return "rq" + digest[:12]
+
+
+def describe_exit(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            return f"signal {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"signal {-returncode}"
+    return f"exit {returncode}"
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+@dataclass(eq=False)
+class Supervisor:
+    settings: Settings
+    node: str = field(default_factory=socket.gethostname)
+    instance: str = ""
+    slots: list[WorkerSlot] = field(default_factory=list)
+    state: str = "starting"
+    started_at_ms: int = field(default_factory=now_ms)
+    port: int = 0
+    exit_code: int = 0
+    _sock: socket.socket | None = None
+    _segments: Segments | None = None
+    _selector: selectors.BaseSelector = field(default_factory=selectors.DefaultSelector)
+    _signals: list[int] = field(default_factory=list)
+    _wake_r: socket.socket | None = None
+    _wake_w: socket.socket | None = None
+    _stop_deadline: float | None = None
+    _any_ready: bool = False
+    _all_ready_logged: bool = False
+    on_ready: Callable[[], object] | None = None  # called once, when every worker first serves
+
+    # --- lifecycle ---------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Serve until stopped; returns the process exit code."""
+        try:
+            self._setup()
+            self._loop()
+        except ListenFailed as exc:
+            logs.event(log, "listen_failed", logging.ERROR, address=exc.address, error=exc.reason)
+            self.exit_code = 1
+        except Exception as exc:
+            # The store or the segments could not be set up: say so in one line and exit.
+            logs.event(log, "start_failed", logging.ERROR, error=str(exc), kind=type(exc).__name__)
+            self.exit_code = 1
+        finally:
+            self._teardown()
+        return self.exit_code
+
+    def _setup(self) -> None:
+        settings = self.settings
+        self.node = settings.node or self.node
+        self._install_signals()
+        self._prepare_store()
+        self._sock = self._bind()
+        self.port = self._sock.getsockname()[1]
+        self.instance = settings.instance or default_instance(settings, self.port)
+        names = SegmentNames.for_instance(self.instance)
+        self._segments = Segments.create(
+            names, ring_entries=settings.ring_entries, lease_slots=settings.lease_slots
+        )
+        self.slots = [WorkerSlot(index=i) for i in range(settings.workers)]
+        logs.event(
+            log,
+            "listening",
+            host=settings.host,
+            port=self.port,
+            workers=settings.workers,
+            instance=self.instance,
+            node=self.node,
+            db=settings.store_url(),
+            auth="on" if settings.auth_enabled else "off",
+        )
+        if not settings.auth_enabled:
+            logs.event(
+                log,
+                "auth_disabled",
+                logging.WARNING,
+                detail="no RENDERQUEUE_ADMIN_TOKEN / RENDERQUEUE_FLEET_TOKEN: "
+                "listening on loopback only, every endpoint open to local callers",
+            )
+        self.state = "running"
+        self._publish()
+
+    def _prepare_store(self) -> None:
+        """Open the store once here, so a bad URL or schema fails before any worker boots."""
+        from store import open_store
+
+        url = self.settings.store_url()
+        if url.startswith("sqlite:///"):
+            os.makedirs(os.path.dirname(url[len("sqlite:///") :]) or ".", exist_ok=True)
+        store = open_store(url)
+        store.close()
+
+    def _bind(self) -> socket.socket:
+        host = self.settings.host.strip("[]")
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        # proto must be IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY on accepted sockets
+        # only when the listener says TCP, and without it Nagle and delayed ACKs add
+        # about 40 ms to every response.
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, self.settings.port))
+        except OSError as exc:
+            sock.close()
+            raise ListenFailed(f"{self.settings.host}:{self.settings.port}", str(exc)) from exc
+        sock.listen(LISTEN_BACKLOG)
+        sock.set_inheritable(True)
+        return sock
+
+    def _install_signals(self) -> None:
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        signal.set_wakeup_fd(self._wake_w.fileno(), warn_on_full_buffer=False)
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD, signal.SIGHUP):
+            signal.signal(sig, self._on_signal)
+        self._selector.register(self._wake_r, selectors.EVENT_READ, None)
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self._signals.append(signum)
+
+    def _teardown(self) -> None:
+        for slot in self.slots:
+            if slot.process is not None and slot.process.poll() is None:
+                slot.process.kill()
+                slot.process.wait()
+            self._close_status(slot)
+        if self._sock is not None:
+            self._sock.close()
+        self.state = "stopped"
+        if self._segments is not None:
+            with contextlib.suppress(Exception):
+                self._publish()
+            self._segments.close()
+            self._segments.unlink()
+            logs.event(log, "segments_unlinked", instance=self.instance)
+        signal.set_wakeup_fd(-1)
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_DFL)
+        for end in (self._wake_r, self._wake_w):
+            if end is not None:
+                end.close()
+        logs.event(log, "stopped", exit_code=self.exit_code)
+
+    # --- the loop ----------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            self._handle_signals()
+            self._reap()
+            if self.state == "stopping":
+                if all(slot.process is None for slot in self.slots):
+                    return
+                if self._stop_deadline is not None and time.monotonic() >= self._stop_deadline:
+                    self._kill_all("stop deadline passed")
+                    self._stop_deadline = None
+            else:
+                self._start_due()
+                if self.state == "failed":
+                    return
+            for key, _ in self._selector.select(self._select_timeout()):
+                if key.data is None:
+                    with contextlib.suppress(BlockingIOError):
+                        while self._wake_r is not None and self._wake_r.recv(4096):
+                            pass
+                else:
+                    self._read_status(key.data)
+
+    def _select_timeout(self) -> float:
+        now = time.monotonic()
+        timeout = 1.0
+        if self.state != "stopping":
+            for slot in self.slots:
+                if slot.process is None and slot.next_start_at is not None:
+                    timeout = min(timeout, max(0.0, slot.next_start_at - now))
+        elif self._stop_deadline is not None:
+            timeout = min(timeout, max(0.0, self._stop_deadline - now))
+        return timeout
+
+    def _handle_signals(self) -> None:
+        while self._signals:
+            signum = self._signals.pop(0)
+            if signum == signal.SIGCHLD:
+                continue  # reaped by the loop
+            if signum == signal.SIGHUP:
+                logs.event(log, "signal_ignored", signal="SIGHUP")
+                continue
+            name = signal.Signals(signum).name
+            if self.state == "stopping":
+                logs.event(log, "stop_forced", signal=name)
+                self._kill_all(f"second {name}")
+                continue
+            graceful = signum == signal.SIGTERM
+            self.state = "stopping"
+            timeout = self.settings.graceful_timeout_s + 5.0 if graceful else QUICK_STOP_S
+            self._stop_deadline = time.monotonic() + timeout
+            logs.event(log, "stopping", signal=name, mode="graceful" if graceful else "quick")
+            for slot in self.slots:
+                slot.next_start_at = None
+                if slot.process is not None:
+                    with contextlib.suppress(ProcessLookupError):
+                        slot.process.send_signal(signum)
+            self._publish()
+
+    def _kill_all(self, reason: str) -> None:
+        for slot in self.slots:
+            if slot.process is not None and slot.process.poll() is None:
+                logs.event(log, "worker_killed", worker=slot.index, pid=slot.pid, reason=reason)
+                with contextlib.suppress(ProcessLookupError):
+                    slot.process.kill()
+
+    # --- workers -----------------------------------------------------------------------
+
+    def _start_due(self) -> None:
+        now = time.monotonic()
+        for slot in self.slots:
+            due = slot.next_start_at
+            if slot.process is None and due is not None and due <= now:
+                self._spawn(slot)
+
+    def _spawn(self, slot: WorkerSlot) -> None:
+        assert self._sock is not None and self._segments is not None
+        status_r, status_w = os.pipe()
+        spec = WorkerSpec(
+            index=slot.index,
+            listen_fd=self._sock.fileno(),
+            status_fd=status_w,
+            supervisor_pid=os.getpid(),
+            node=self.node,
+            instance=self.instance,
+            segments=self._segments.names,
+            settings=self.settings,
+        )
+        try:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "workers.worker"],
+                stdin=subprocess.PIPE,
+                pass_fds=(self._sock.fileno(), status_w),
+                close_fds=True,
+            )
+        except OSError as exc:
+            os.close(status_r)
+            os.close(status_w)
+            self._boot_failed(slot, f"spawn failed: {exc}")
+            return
+        finally:
+            with contextlib.suppress(OSError):
+                os.close(status_w)
+        assert process.stdin is not None
+        try:
+            process.stdin.write(msgspec.json.encode(spec))
+            process.stdin.close()
+        except BrokenPipeError:
+            pass  # the worker died at once; the reaper sees it
+        os.set_blocking(status_r, False)
+        slot.process = process
+        slot.status_fd = status_r
+        slot.status_buffer = b""
+        slot.ready = False
+        slot.started_at = time.monotonic()
+        slot.started_at_ms = now_ms()
+        slot.next_start_at = None
+        self._selector.register(status_r, selectors.EVENT_READ, slot)
+        logs.event(log, "worker_started", worker=slot.index, pid=process.pid)
+        self._publish()
+
+    def _read_status(self, slot: WorkerSlot) -> None:
+        if slot.status_fd is None:
+            return
+        try:
+            data = os.read(slot.status_fd, 65536)
+        except BlockingIOError:
+            return
+        if not data:
+            self._close_status(slot)
+            return
+        slot.status_buffer += data
+        *lines, slot.status_buffer = slot.status_buffer.split(b"\n")
+        for line in lines:
+            if line.strip() == b"ready" and not slot.ready:
+                slot.ready = True
+                self._any_ready = True
+                logs.event(
+                    log,
+                    "worker_ready",
+                    worker=slot.index,
+                    pid=slot.pid,
+                    boot_ms=int((time.monotonic() - slot.started_at) * 1000),
+                )
+                if not self._all_ready_logged and all(s.ready for s in self.slots):
+                    self._all_ready_logged = True
+                    logs.event(log, "node_ready", port=self.port, workers=len(self.slots))
+                    if self.on_ready is not None:
+                        self.on_ready()
+                self._publish()
+
+    def _close_status(self, slot: WorkerSlot) -> None:
+        if slot.status_fd is not None:
+            with contextlib.suppress(KeyError, ValueError):
+                self._selector.unregister(slot.status_fd)
+            with contextlib.suppress(OSError):
+                os.close(slot.status_fd)
+            slot.status_fd = None
+
+    def _reap(self) -> None:
+        for slot in self.slots:
+            process = slot.process
+            if process is None or process.poll() is None:
+                continue
+            # Drain a ready line written just before the exit, then forget the pipe.
+            self._read_status(slot)
+            self._close_status(slot)
+            slot.process = None
+            exit_text = describe_exit(process.returncode)
+            slot.last_exit = exit_text
+            uptime = time.monotonic() - slot.started_at
+            if self.state == "stopping":
+                logs.event(log, "worker_exited", worker=slot.index, pid=process.pid, exit=exit_text)
+                continue
+            if not slot.ready or uptime < BOOT_GRACE_S:
+                self._boot_failed(slot, exit_text, pid=process.pid)
+            else:
+                slot.boot_failures = 0
+                slot.restarts += 1
+                slot.next_start_at = time.monotonic()
+                logs.event(
+                    log,
+                    "worker_died",
+                    logging.WARNING,
+                    worker=slot.index,
+                    pid=process.pid,
+                    exit=exit_text,
+                    uptime_s=round(uptime, 1),
+                    respawn_in_s=0,
+                )
+            slot.ready = False
+            self._publish()
+
+    def _boot_failed(self, slot: WorkerSlot, reason: str, pid: int | None = None) -> None:
+        slot.boot_failures += 1
+        slot.total_boot_failures += 1
+        slot.restarts += 1
+        delay = min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2 ** (slot.boot_failures - 1))
+        if not self._any_ready and slot.boot_failures >= GIVE_UP_AFTER_BOOT_FAILURES:
+            logs.event(
+                log,
+                "boot_failed",
+                logging.ERROR,
+                worker=slot.index,
+                exit=reason,
+                attempts=slot.boot_failures,
+                detail="no worker ever came up; giving up",
+            )
+            self.state = "stopping"
+            self.exit_code = 1
+            self._stop_deadline = time.monotonic() + QUICK_STOP_S
+            for other in self.slots:
+                other.next_start_at = None
+                if other.process is not None:
+                    with contextlib.suppress(ProcessLookupError):
+                        other.process.send_signal(signal.SIGINT)
+            return
+        slot.next_start_at = time.monotonic() + delay
+        logs.event(
+            log,
+            "worker_boot_failed",
+            logging.WARNING,
+            worker=slot.index,
+            pid=pid,
+            exit=reason,
+            attempt=slot.boot_failures,
+            respawn_in_s=delay,
+        )
+
+    # --- statistics --------------------------------------------------------------------
+
+    def statistics(self) -> SupervisorStatistics:
+        return SupervisorStatistics(
+            pid=os.getpid(),
+            node=self.node,
+            instance=self.instance,
+            host=self.settings.host,
+            port=self.port,
+            state=self.state,
+            started_at=self.started_at_ms,
+            written_at=now_ms(),
+            restarts=sum(slot.restarts for slot in self.slots),
+            boot_failures=sum(slot.total_boot_failures for slot in self.slots),
+            workers=[
+                WorkerStatistics(
+                    index=slot.index,
+                    state=slot.state,
+                    pid=slot.pid,
+                    started_at=slot.started_at_ms,
+                    restarts=slot.restarts,
+                    boot_failures=slot.total_boot_failures,
+                    last_exit=slot.last_exit,
+                )
+                for slot in self.slots
+            ],
+        )
+
+    def _publish(self) -> None:
+        if self._segments is not None:
+            self._segments.supervisor.write(msgspec.msgpack.encode(self.statistics()), now_ms())

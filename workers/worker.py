@@ -1,0 +1,166 @@
+"""A worker process: `python -m workers.worker`, spawned by the supervisor with its spec on
+stdin. It serves the whole API on the inherited socket through uvicorn's `Server`; worker 0
+also hosts the keeper in a thread.
+
+SIGTERM: stop accepting, finish the requests in flight, then exit. SIGINT: exit quickly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Generator
+from types import FrameType
+
+import msgspec
+import uvicorn
+
+from api.app import create_app
+from api.node import ApiSettings, Node
+from workers import logs
+from workers.keeper_host import KeeperHost
+from workers.segments import Segments
+from workers.spec import WorkerSpec
+
+log = logs.get_logger("worker")
+PR_SET_PDEATHSIG = 1
+
+
+class WorkerServer(uvicorn.Server):
+    """uvicorn's Server with this node's signal semantics and a ready report.
+
+    uvicorn re-raises a captured signal after shutdown, which would kill the process before
+    the keeper stops and the store closes; this server handles the signal and returns.
+    """
+
+    def __init__(self, config: uvicorn.Config, status_fd: int) -> None:
+        super().__init__(config)
+        self._status_fd = status_fd
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {
+            sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)
+        }
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if sig == signal.SIGINT:
+            self.force_exit = True
+        self.should_exit = True
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if self.started:
+            with contextlib.suppress(OSError):
+                os.write(self._status_fd, b"ready\n")
+
+
+def die_with_parent(supervisor_pid: int) -> None:
+    """A SIGKILLed supervisor must not leave workers holding the port."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != supervisor_pid:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def start_keeper(spec: WorkerSpec, segments: Segments) -> KeeperHost:
+    from keeper.config import KeeperConfig
+    from keeper.runner import Keeper
+    from store import open_store
+
+    config = msgspec.convert(spec.settings.keeper, KeeperConfig, strict=False)
+
+    def run_once(stop: threading.Event) -> None:
+        store = open_store(spec.settings.store_url())
+        try:
+            keeper = Keeper(
+                store, segments.ring, segments.leases, segments.state, config, node=spec.node
+            )
+            keeper.run(stop)
+        finally:
+            store.close()
+
+    host = KeeperHost(run_once)
+    host.start()
+    return host
+
+
+def serve(spec: WorkerSpec) -> int:
+    from store import open_store
+
+    settings = spec.settings
+    sock = socket.socket(fileno=spec.listen_fd)
+    segments = Segments.attach(spec.segments)
+    store = open_store(settings.store_url())
+    keeper: KeeperHost | None = None
+    try:
+        if spec.index == 0:
+            # The keeper thread shares this process's GIL with the event loop; a short
+            # switch interval bounds how long it can hold up a claim.
+            sys.setswitchinterval(settings.keeper_switch_interval_ms / 1000)
+            keeper = start_keeper(spec, segments)
+        node = Node(
+            settings=ApiSettings(
+                node=spec.node,
+                instance=spec.instance,
+                worker=spec.index,
+                fleet_token=settings.fleet_token,
+                admin_token=settings.admin_token,
+                max_body_bytes=settings.max_body_bytes,
+            ),
+            store=store,
+            ring=segments.ring,
+            leases=segments.leases,
+            state=segments.state,
+            supervisor_state=segments.supervisor,
+        )
+        config = uvicorn.Config(
+            create_app(node),
+            http="h11",
+            loop="asyncio",
+            lifespan="off",
+            log_config=None,
+            access_log=settings.access_log,
+            server_header=False,
+            timeout_graceful_shutdown=settings.graceful_timeout_s,
+            backlog=2048,
+        )
+        server = WorkerServer(config, spec.status_fd)
+        logs.event(log, "worker_serving", worker=spec.index)
+        server.run(sockets=[sock])
+    finally:
+        if keeper is not None and not keeper.stop():
+            logs.event(log, "keeper_stop_timeout", worker=spec.index)
+        store.close()
+        segments.close()
+        with contextlib.suppress(OSError):
+            os.close(spec.status_fd)
+    logs.event(log, "worker_stopped", worker=spec.index)
+    return 0
+
+
+def main() -> int:
+    spec = msgspec.json.decode(sys.stdin.buffer.read(), type=WorkerSpec)
+    logs.configure(f"worker-{spec.index}", spec.settings.log_level)
+    die_with_parent(spec.supervisor_pid)
+    return serve(spec)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
