@@ -54,8 +54,7 @@ def readyz(node: Node) -> Response:
 
 def live_now(node: Node, status: str) -> dict[str, Any]:
     """The `now` fields that stay true without the keeper: read live from the lease table."""
-    leases = node.leases.statistics()
-    return {"status": status, "in_flight": leases.in_flight}
+    return {"status": status, "in_flight": node.leases.statistics().live_leases}
 
 
 def queue_state(node: Node) -> Response:

@@ -74,8 +74,8 @@ def _number(value: float | int) -> str:
 def render(node: Node) -> str:
     now = now_ms()
     out = Exposition()
-    leases = msgspec.to_builtins(node.leases.statistics())
-    ring = msgspec.to_builtins(node.ring.statistics())
+    leases = node.leases.statistics()
+    ring = node.ring.statistics()
     out.gauge("renderqueue_ready", "1 once the keeper has published the queue.", node.ready())
     published_at = node.ring.published_at
     out.gauge(
@@ -83,20 +83,34 @@ def render(node: Node) -> str:
         "Seconds since the keeper last published the ready ring.",
         (now - published_at) / 1000 if published_at else None,
     )
+    out.gauge("renderqueue_in_flight", "Live leases in the lease table.", leases.live_leases)
     out.gauge(
-        "renderqueue_in_flight",
-        "Live leases in the lease table.",
-        leases.get("in_flight"),
+        "renderqueue_held_keys",
+        "Distinct keys held back after leases expired with no result.",
+        leases.held_keys,
     )
-    out.gauge("renderqueue_held_keys", "Keys held back after expired leases.", leases.get("held"))
-    refusals: dict[str, Any] = leases.get("refusals") or {}
     out.metric(
         "renderqueue_lease_refusals_total",
         "counter",
-        "Grants refused, by reason (taken, held, probe window full).",
-        [({"reason": reason}, count) for reason, count in sorted(refusals.items())],
+        "Grants refused, by reason; a full probe window can refuse well below 100% occupancy.",
+        [
+            ({"reason": "taken"}, leases.refusals_taken),
+            ({"reason": "held"}, leases.refusals_held),
+            ({"reason": "probe_full"}, leases.refusals_probe_full),
+        ],
     )
-    out.gauge("renderqueue_ready_ring_entries", "Entries in the published ring.", ring.get("size"))
+    out.metric(
+        "renderqueue_lease_hold_events_total",
+        "counter",
+        "Expiries with no result that started a hold (the seed's claim_wedged).",
+        [({}, leases.hold_events)],
+    )
+    out.gauge("renderqueue_lease_table_occupancy", "Share of lease slots in use.", leases.occupancy)
+    out.gauge(
+        "renderqueue_ready_ring_remaining",
+        "Unclaimed entries left in the last published ring.",
+        ring.remaining,
+    )
     snapshot = node.state.read()
     if snapshot is not None:
         state = decode_queue_state(snapshot.payload)

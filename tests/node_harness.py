@@ -376,7 +376,7 @@ class NodeProcess:
     def worker_pid(self, index: int) -> int:
         started = self.find_events("worker_started", worker=index)
         assert started, f"worker {index} never started"
-        return int(started[-1]["pid"])
+        return int(started[-1]["worker_pid"])
 
     def client(self, token: str | None = None) -> httpx.Client:
         if token is None and self.tokens:
@@ -407,6 +407,6 @@ class NodeProcess:
 def node_process(directory: Path, **kwargs: Any) -> Iterator[NodeProcess]:
     node = NodeProcess(directory, **kwargs)
     try:
-        yield node
+        yield node.start()
     finally:
         node.stop()

@@ -321,7 +321,9 @@ class Supervisor:
     def _kill_all(self, reason: str) -> None:
         for slot in self.slots:
             if slot.process is not None and slot.process.poll() is None:
-                logs.event(log, "worker_killed", worker=slot.index, pid=slot.pid, reason=reason)
+                logs.event(
+                    log, "worker_killed", worker=slot.index, worker_pid=slot.pid, reason=reason
+                )
                 with contextlib.suppress(ProcessLookupError):
                     slot.process.kill()
 
@@ -377,7 +379,7 @@ class Supervisor:
         slot.started_at_ms = now_ms()
         slot.next_start_at = None
         self._selector.register(status_r, selectors.EVENT_READ, slot)
-        logs.event(log, "worker_started", worker=slot.index, pid=process.pid)
+        logs.event(log, "worker_started", worker=slot.index, worker_pid=process.pid)
         self._publish()
 
     def _read_status(self, slot: WorkerSlot) -> None:
@@ -400,7 +402,7 @@ class Supervisor:
                     log,
                     "worker_ready",
                     worker=slot.index,
-                    pid=slot.pid,
+                    worker_pid=slot.pid,
                     boot_ms=int((time.monotonic() - slot.started_at) * 1000),
                 )
                 if not self._all_ready_logged and all(s.ready for s in self.slots):
@@ -431,7 +433,9 @@ class Supervisor:
             slot.last_exit = exit_text
             uptime = time.monotonic() - slot.started_at
             if self.state == "stopping":
-                logs.event(log, "worker_exited", worker=slot.index, pid=process.pid, exit=exit_text)
+                logs.event(
+                    log, "worker_exited", worker=slot.index, worker_pid=process.pid, exit=exit_text
+                )
                 continue
             if not slot.ready or uptime < BOOT_GRACE_S:
                 self._boot_failed(slot, exit_text, pid=process.pid)
@@ -444,7 +448,7 @@ class Supervisor:
                     "worker_died",
                     logging.WARNING,
                     worker=slot.index,
-                    pid=process.pid,
+                    worker_pid=process.pid,
                     exit=exit_text,
                     uptime_s=round(uptime, 1),
                     respawn_in_s=0,
@@ -482,7 +486,7 @@ class Supervisor:
             "worker_boot_failed",
             logging.WARNING,
             worker=slot.index,
-            pid=pid,
+            worker_pid=pid,
             exit=reason,
             attempt=slot.boot_failures,
             respawn_in_s=delay,
