@@ -1,7 +1,8 @@
 """Bearer tokens: the fleet token opens the fleet endpoints, the admin token opens all.
 
-With no token configured the node only listens on loopback (enforced by the settings), so
-auth is off there. Comparisons are constant-time; the error follows RFC 6750: 401 for a
+A scope with no token configured is open, and the settings then keep the node on loopback:
+with no token at all everything is open to local callers; with only the fleet token the
+fleet endpoints need it and the admin ones stay open to local callers. Comparisons are constant-time; the error follows RFC 6750: 401 for a
 missing or unknown token, 403 for a valid token without the scope.
 """
 
@@ -26,7 +27,13 @@ class Authenticator:
         return self._admin is not None or self._fleet is not None
 
     def check(self, scope: Scope, authorization: str | None) -> None:
-        if scope == "public" or not self.enabled:
+        if scope == "public":
+            return
+        # A scope whose tokens are all unset is open: the settings keep such a node on
+        # loopback (the admin endpoints without an admin token, everything with none).
+        if scope == "admin" and self._admin is None:
+            return
+        if scope == "fleet" and self._admin is None and self._fleet is None:
             return
         if not authorization:
             raise ApiError(

@@ -148,7 +148,7 @@ class ThreadNode:
         directory: Path,
         *,
         keeper: bool = True,
-        tokens: bool = False,
+        tokens: bool | str = False,  # True: both tokens; "fleet": the fleet token only
         max_body_bytes: int = 64 * 1024,
         keeper_config: dict[str, Any] | None = None,
     ) -> None:
@@ -174,7 +174,7 @@ class ThreadNode:
                 instance=self.instance,
                 worker=0,
                 fleet_token=FLEET_TOKEN if tokens else None,
-                admin_token=ADMIN_TOKEN if tokens else None,
+                admin_token=ADMIN_TOKEN if tokens is True else None,
                 max_body_bytes=max_body_bytes,
             ),
             store=self.store,

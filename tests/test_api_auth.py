@@ -96,3 +96,14 @@ def test_a_malformed_authorization_header_is_401(node: ThreadNode) -> None:
 def test_without_tokens_auth_is_off(tmp_path: Path) -> None:
     with thread_node(tmp_path, keeper=False) as node, node.client() as client:
         assert client.get("/v1/routes").status_code == 200
+
+
+def test_with_only_the_fleet_token_the_admin_endpoints_stay_open(tmp_path: Path) -> None:
+    # The settings keep such a node on loopback (tests/test_workers_config.py).
+    with thread_node(tmp_path, tokens="fleet") as node:
+        node.wait_published()
+        with node.client() as client:
+            assert client.post("/v1/claims", json={"max": 1, "worker": "t"}).status_code == 401
+            assert client.get("/v1/routes").status_code == 200
+        with node.client(FLEET_TOKEN) as client:
+            assert client.post("/v1/claims", json={"max": 1, "worker": "t"}).status_code == 200

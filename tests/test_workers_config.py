@@ -83,12 +83,17 @@ def test_public_host_with_tokens_is_allowed() -> None:
     environ = {"RENDERQUEUE_ADMIN_TOKEN": ADMIN, "RENDERQUEUE_FLEET_TOKEN": FLEET}
     settings = load_settings(environ=environ, flags={"host": "0.0.0.0"})
     assert settings.auth_enabled and not settings.is_loopback
+    # The admin token alone protects every endpoint (it opens the fleet ones too).
+    settings = load_settings(environ={"RENDERQUEUE_ADMIN_TOKEN": ADMIN}, flags={"host": "::"})
+    assert settings.auth_enabled
 
 
-def test_fleet_token_alone_is_refused() -> None:
+def test_a_fleet_token_alone_stays_on_loopback() -> None:
+    environ = {"RENDERQUEUE_FLEET_TOKEN": FLEET}
+    assert load_settings(environ=environ).auth_enabled
     with pytest.raises(ConfigError) as raised:
-        load_settings(environ={"RENDERQUEUE_FLEET_TOKEN": FLEET})
-    assert raised.value.setting == "admin_token"
+        load_settings(environ=environ, flags={"host": "0.0.0.0"})
+    assert raised.value.setting == "host"
 
 
 def test_identical_tokens_are_refused() -> None:

@@ -63,7 +63,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
 
     @property
     def auth_enabled(self) -> bool:
-        return self.admin_token is not None
+        return self.admin_token is not None or self.fleet_token is not None
 
     @property
     def is_loopback(self) -> bool:
@@ -160,20 +160,14 @@ def _split_validation_error(message: str) -> tuple[str, str]:
 
 
 def _check_consistency(settings: Settings, sources: Mapping[str, str]) -> None:
-    if settings.fleet_token is not None and settings.admin_token is None:
-        # A fleet token alone would leave every admin endpoint open.
-        raise ConfigError(
-            "admin_token",
-            "must be set when fleet_token is (set RENDERQUEUE_ADMIN_TOKEN)",
-            sources.get("fleet_token"),
-        )
     if settings.fleet_token is not None and settings.fleet_token == settings.admin_token:
         raise ConfigError("fleet_token", "must differ from admin_token", sources.get("fleet_token"))
-    if not settings.auth_enabled and not settings.is_loopback:
+    if settings.admin_token is None and not settings.is_loopback:
+        # Without the admin token the admin endpoints are open, which is only safe on loopback.
         raise ConfigError(
             "host",
-            f"{settings.host!r} is beyond loopback and no tokens are set; set "
-            "RENDERQUEUE_ADMIN_TOKEN (and RENDERQUEUE_FLEET_TOKEN) or listen on 127.0.0.1",
+            f"{settings.host!r} is beyond loopback and RENDERQUEUE_ADMIN_TOKEN is not set; set "
+            "it (and RENDERQUEUE_FLEET_TOKEN for the fleet) or listen on 127.0.0.1",
             sources.get("host"),
         )
     if settings.keeper:

@@ -183,7 +183,7 @@ class Supervisor:
             instance=self.instance,
             node=self.node,
             db=settings.store_url(),
-            auth="on" if settings.auth_enabled else "off",
+            auth="on" if settings.admin_token else "fleet only" if settings.auth_enabled else "off",
         )
         if not settings.auth_enabled:
             logs.event(
@@ -192,6 +192,14 @@ class Supervisor:
                 logging.WARNING,
                 detail="no RENDERQUEUE_ADMIN_TOKEN / RENDERQUEUE_FLEET_TOKEN: "
                 "listening on loopback only, every endpoint open to local callers",
+            )
+        elif settings.admin_token is None:
+            logs.event(
+                log,
+                "admin_auth_disabled",
+                logging.WARNING,
+                detail="no RENDERQUEUE_ADMIN_TOKEN: listening on loopback only, the admin "
+                "and schedule endpoints open to local callers",
             )
         self.state = "running"
         self._publish()
