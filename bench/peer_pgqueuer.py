@@ -87,6 +87,10 @@ class PgQueuerPeer:
             cancelled = [self.job_ids[i] for i, _ in part]
             self.loop.run_until_complete(self.queries.mark_job_as_cancelled(cancelled))  # type: ignore[arg-type]
             self._enqueue(rows, [i for i, _ in part], [due for _, due in part], now_ms)
+        # A long-running queue has planner statistics (autovacuum's ANALYZE); a fresh load
+        # has none, and PgQueuer's dequeue plan is then far worse than it would be live.
+        table = self.queries.qbe.settings.queue_table
+        self.loop.run_until_complete(self.connection.execute(f"ANALYZE {table}"))
 
     def spec(self) -> Spec:
         return Spec(kind="pgqueuer", params={"dsn": self.dsn, "prefix": self.prefix})
