@@ -1,0 +1,387 @@
+"""fleet.runner: the claim / renew / complete loops and the graceful stop, first against a
+scripted in-process node (exact control of leases and timing), then `renderqueue fleet
+--simulate` end to end against a real node."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import httpx
+import msgspec
+import pytest
+
+from fleet.client import AsyncFleetClient
+from fleet.messages import Lease
+from fleet.renderers import RenderResult
+from fleet.runner import FleetConfig, FleetRunner, FleetStatistics
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def now_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+class ScriptedNode:
+    """The fleet API over a dict of due keys: enough of a node to drive the runner."""
+
+    def __init__(self, keys: list[str], *, lease_s_cap: int = 3600) -> None:
+        self.due = list(keys)
+        self.leases: dict[str, tuple[str, int]] = {}  # key -> (token, expires_at)
+        self.completed: list[tuple[str, str]] = []
+        self.refuse_renewal: set[str] = set()
+        self.renewals: list[str] = []
+        self.claims = 0
+        self._token = 0
+
+    async def handle(self, request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content) if request.content else {}
+        path = request.url.path
+        if path == "/v1/claims":
+            self.claims += 1
+            granted: list[dict[str, object]] = []
+            while self.due and len(granted) < body["max"]:
+                key = self.due.pop(0)
+                self._token += 1
+                expires = now_ms() + body["lease_s"] * 1000
+                self.leases[key] = (str(self._token), expires)
+                granted.append(
+                    {
+                        "key": key,
+                        "token": str(self._token),
+                        "route": "product",
+                        "due_at": 0,
+                        "lease_expires_at": expires,
+                        "sitemap": False,
+                        "cadence_s": 3600,
+                    }
+                )
+            if not granted and body.get("wait_s"):
+                await asyncio.sleep(min(body["wait_s"], 0.05))
+            return httpx.Response(200, json={"leases": granted, "status": "ready"})
+        if path == "/v1/completions":
+            results = []
+            for item in body["items"]:
+                held = self.leases.get(item["key"])
+                if held is None or held[0] != item["token"]:
+                    results.append({"key": item["key"], "ok": False, "error": "lease_not_held"})
+                    continue
+                del self.leases[item["key"]]
+                self.completed.append((item["key"], item["outcome"]))
+                results.append({"key": item["key"], "ok": True})
+            return httpx.Response(200, json={"results": results})
+        if path == "/v1/leases/renew":
+            results = []
+            for item in body["items"]:
+                self.renewals.append(item["key"])
+                held = self.leases.get(item["key"])
+                if held is None or held[0] != item["token"] or item["key"] in self.refuse_renewal:
+                    self.leases.pop(item["key"], None)
+                    results.append({"key": item["key"], "ok": False, "error": "lease_not_held"})
+                    continue
+                expires = now_ms() + item["lease_s"] * 1000
+                self.leases[item["key"]] = (held[0], expires)
+                results.append({"key": item["key"], "ok": True, "lease_expires_at": expires})
+            return httpx.Response(200, json={"results": results})
+        if path == "/prerender_admin/queue-state":
+            return httpx.Response(200, json={"now": {"due": len(self.due), "status": "ready"}})
+        return httpx.Response(404)
+
+
+def run_fleet(
+    node: ScriptedNode,
+    renderer: Callable[[Lease], Awaitable[RenderResult]],
+    config: FleetConfig,
+    *,
+    stop_when: Callable[[FleetRunner], bool],
+    stop_twice: bool = False,
+) -> tuple[FleetStatistics, list[str]]:
+    log: list[str] = []
+
+    async def go() -> FleetStatistics:
+        client = AsyncFleetClient("http://node", transport=httpx.MockTransport(node.handle))
+        runner = FleetRunner(client, renderer, config, log=log.append)
+
+        async def stopper() -> None:
+            while not stop_when(runner):
+                await asyncio.sleep(0.01)
+            runner.request_stop()
+            if stop_twice:
+                await asyncio.sleep(0.05)
+                runner.request_stop()
+
+        stopping = asyncio.create_task(stopper())
+        try:
+            return await asyncio.wait_for(runner.run(), 60)
+        finally:
+            stopping.cancel()
+            await client.aclose()
+
+    return asyncio.run(go()), log
+
+
+async def quick(lease: Lease) -> RenderResult:
+    await asyncio.sleep(0.001)
+    return RenderResult(outcome="gone" if lease.key.endswith("-gone") else "rendered")
+
+
+def test_renders_every_key_once_and_completes_it() -> None:
+    keys = [f"k{i}" for i in range(200)] + ["x-gone"]
+    node = ScriptedNode(keys)
+    stats, _ = run_fleet(
+        node,
+        quick,
+        FleetConfig(concurrency=16, wait_s=1, state_every_s=0),
+        stop_when=lambda runner: len(node.completed) == len(keys),
+    )
+    assert sorted(key for key, _ in node.completed) == sorted(keys)
+    assert dict(node.completed)["x-gone"] == "gone"
+    assert (stats.rendered, stats.gone, stats.failed, stats.refused) == (200, 1, 0, 0)
+    assert stats.claimed == 201 and stats.in_flight == 0
+    assert not node.leases
+
+
+def test_concurrency_is_a_ceiling() -> None:
+    node = ScriptedNode([f"k{i}" for i in range(60)])
+    peak = 0
+    running = 0
+
+    async def counting(lease: Lease) -> RenderResult:
+        nonlocal peak, running
+        running += 1
+        peak = max(peak, running)
+        await asyncio.sleep(0.005)
+        running -= 1
+        return RenderResult(outcome="rendered")
+
+    run_fleet(
+        node,
+        counting,
+        FleetConfig(concurrency=5, wait_s=1, state_every_s=0),
+        stop_when=lambda _: len(node.completed) == 60,
+    )
+    assert peak == 5
+
+
+def test_graceful_stop_finishes_in_flight_and_claims_no_more() -> None:
+    node = ScriptedNode([f"k{i}" for i in range(100)])
+    started: list[str] = []
+
+    async def slow(lease: Lease) -> RenderResult:
+        started.append(lease.key)
+        await asyncio.sleep(0.3)
+        return RenderResult(outcome="rendered")
+
+    stats, log = run_fleet(
+        node,
+        slow,
+        FleetConfig(concurrency=4, wait_s=1, grace_s=10, state_every_s=0),
+        stop_when=lambda runner: runner.statistics().in_flight == 4,
+    )
+    assert len(started) == 4, "a claim went out after the stop"
+    assert sorted(key for key, _ in node.completed) == sorted(started)
+    assert all(outcome == "rendered" for _, outcome in node.completed)
+    assert stats.rendered == 4 and stats.aborted == 0
+    assert len(node.due) == 96 and not node.leases
+    assert any("stopping" in line for line in log)
+
+
+def test_grace_period_over_cuts_renders_short_and_completes_them_failed() -> None:
+    node = ScriptedNode([f"k{i}" for i in range(10)])
+
+    async def endless(lease: Lease) -> RenderResult:
+        await asyncio.sleep(3600)
+        return RenderResult(outcome="rendered")
+
+    started = time.monotonic()
+    stats, _ = run_fleet(
+        node,
+        endless,
+        FleetConfig(concurrency=3, wait_s=1, grace_s=0.3, state_every_s=0),
+        stop_when=lambda runner: runner.statistics().in_flight == 3,
+    )
+    assert time.monotonic() - started < 60
+    assert stats.aborted == 3 and stats.failed == 3
+    assert [outcome for _, outcome in node.completed] == ["failed"] * 3
+    assert not node.leases, "a cut-short render left its lease to expire"
+
+
+def test_second_stop_skips_the_grace_period() -> None:
+    node = ScriptedNode([f"k{i}" for i in range(10)])
+
+    async def endless(lease: Lease) -> RenderResult:
+        await asyncio.sleep(3600)
+        return RenderResult(outcome="rendered")
+
+    started = time.monotonic()
+    stats, log = run_fleet(
+        node,
+        endless,
+        FleetConfig(concurrency=2, wait_s=1, grace_s=3600, state_every_s=0),
+        stop_when=lambda runner: runner.statistics().in_flight == 2,
+        stop_twice=True,
+    )
+    assert time.monotonic() - started < 60
+    assert stats.aborted == 2
+    assert any("cutting renders in flight short" in line for line in log)
+
+
+def test_long_renders_are_renewed_and_a_lost_lease_is_abandoned() -> None:
+    node = ScriptedNode(["keep", "lose"])
+    node.refuse_renewal.add("lose")
+    cancelled: list[str] = []
+
+    async def long(lease: Lease) -> RenderResult:
+        try:
+            await asyncio.sleep(4.0)  # past half of the 5 s lease: renewal is due
+        except asyncio.CancelledError:
+            cancelled.append(lease.key)
+            raise
+        return RenderResult(outcome="rendered")
+
+    stats, log = run_fleet(
+        node,
+        long,
+        # the 5 s lease is renewed once under half its term (checked every 0.1 s)
+        FleetConfig(concurrency=2, lease_s=5, wait_s=1, state_every_s=0, renew_every_s=0.1),
+        stop_when=lambda _: len(node.completed) == 1 and len(cancelled) == 1,
+    )
+    assert "keep" in node.renewals and "lose" in node.renewals
+    assert cancelled == ["lose"]
+    assert node.completed == [("keep", "rendered")]
+    assert stats.leases_lost == 1 and stats.renewed >= 1
+    assert any("lease lost on lose" in line for line in log)
+
+
+def test_a_renderer_that_raises_is_a_failed_render_not_a_dead_fleet() -> None:
+    node = ScriptedNode(["a", "b"])
+
+    async def broken(lease: Lease) -> RenderResult:
+        if lease.key == "a":
+            raise RuntimeError("browser crashed")
+        return RenderResult(outcome="rendered")
+
+    _, log = run_fleet(
+        node,
+        broken,
+        FleetConfig(concurrency=2, wait_s=1, state_every_s=0),
+        stop_when=lambda _: len(node.completed) == 2,
+    )
+    assert dict(node.completed) == {"a": "failed", "b": "rendered"}
+    assert any("browser crashed" in line for line in log)
+
+
+def test_a_refused_claim_is_fatal() -> None:
+    async def handle(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(403, json={"title": "Forbidden", "detail": "wrong scope"})
+
+    async def go() -> FleetStatistics:
+        client = AsyncFleetClient("http://node", transport=httpx.MockTransport(handle))
+        runner = FleetRunner(client, quick, FleetConfig(state_every_s=0))
+        try:
+            return await asyncio.wait_for(runner.run(), 30)
+        finally:
+            await client.aclose()
+
+    stats = asyncio.run(go())
+    assert stats.fatal is not None and "wrong scope" in stats.fatal
+
+
+# -- `renderqueue fleet --simulate` against a real node -------------------------------
+
+NODE_BUILT = (
+    all(
+        importlib.util.find_spec(name) is not None
+        for name in ("api.app", "workers.supervisor", "keeper.runner")
+    )
+    and (Path(__file__).parent / "node_harness.py").exists()
+)
+needs_node = pytest.mark.skipif(not NODE_BUILT, reason="node not built yet")
+
+
+def queue_due(client: httpx.Client) -> int | None:
+    from fleet.nodeview import summarize_queue_state
+
+    response = client.get("/prerender_admin/queue-state")
+    if response.status_code != 200:
+        return None
+    return summarize_queue_state(response.status_code, response.json()).due
+
+
+@needs_node
+def test_simulated_fleet_drains_a_real_node(tmp_path: Path) -> None:
+    from node_harness import due_in_table, node_process, seed_rows, wait_for
+
+    count = 400
+    cadence_s = 3600
+    keys = seed_rows(tmp_path / "node.sqlite", count, due_share=1.0, cadence_s=cadence_s)
+    with node_process(tmp_path, workers=2) as node, node.client() as admin:
+        from store import open_store
+
+        store = open_store(str(node.db))
+        try:
+            before = {row.key: row for row in store.walk(None, count + 10)}
+        finally:
+            store.close()
+        fleet = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "fleet.cli",
+                "--node",
+                node.url,
+                "--concurrency",
+                "16",
+                "--simulate",
+                "--render-ms",
+                "20",
+                "--failure-rate",
+                "0",
+                "--lease-s",
+                "60",
+                "--wait-s",
+                "2",
+                "--progress-every",
+                "0.5",
+                "--stats-json",
+            ],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env={k: v for k, v in os.environ.items() if not k.startswith("RENDERQUEUE_")},
+        )
+        try:
+            wait_for(lambda: queue_due(admin) == 0, 120, "the node's due count to reach 0")
+            wait_for(lambda: due_in_table(node.db, now_ms()) == 0, 60, "no due row in the table")
+        finally:
+            fleet.send_signal(signal.SIGTERM)
+            output, _ = fleet.communicate(timeout=60)
+        text = output.decode()
+        assert fleet.returncode == 0, text
+        store = open_store(str(node.db))
+        try:
+            after = {row.key: row for row in store.walk(None, count + 10)}
+        finally:
+            store.close()
+    stats = json.loads(text.strip().splitlines()[-1])
+    # every due key rendered exactly once in this cadence window
+    assert set(after) == set(keys)
+    for key in keys:
+        row = after[key]
+        assert row.last_outcome == "rendered", key
+        assert row.last_rendered_at is not None
+        assert row.next_render_at == row.last_rendered_at + cadence_s * 1000
+        assert row.version == before[key].version + 1, f"{key} written more than once"
+    assert stats["rendered"] == count and stats["failed"] == 0 and stats["refused"] == 0
+    # plain progress lines when stdout is not a TTY, with the node's numbers in them
+    assert "rendered" in text and "node ready" in text
+    assert msgspec.json.decode(text.strip().splitlines()[-1])["in_flight"] == 0
