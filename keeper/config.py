@@ -1,0 +1,22 @@
+"""The keeper's settings: one frozen record the node builds once and passes in."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class KeeperConfig(msgspec.Struct, frozen=True, kw_only=True):
+    best_k: int = 4096  # keys published into the ready ring each second
+    publish_interval_s: float = 1.0
+    report_interval_s: float = 5.0  # full queue-state; trust is refreshed at every publish
+    verify_interval_s: float = 3600.0  # the verification walk compares every row with the table
+    walk_chunk: int = 5000  # rows per store.walk call, during load and verification
+    top_check: int = 64  # published rows re-read after each publish
+    top_check_every_s: float = 60.0  # a key is re-read by the top check at most this often
+    sitemap_boost: float = 1.0  # added to a sitemap row's rank, in cadences
+    stall_after_s: float = 2.0  # no publish for this long: readers see keeper_live false
+    consumer: str = "keeper"  # the store's feed consumer name (its saved cursor)
+    feed_poll_limit: int = 2000
+    feed_backoff_s: float = 0.1  # first retry delay for a failed feed; doubles up to the max
+    feed_backoff_max_s: float = 5.0
+    class_rows_max: int = 256  # class rows in queue-state beyond this are cut, flagged truncated

@@ -1,0 +1,381 @@
+"""The keeper's decisions, with no I/O: apply events, walk chunks, repairs, selection.
+
+The runner feeds this object what it read (feed batches, table chunks, point
+reads) and a clock reading; everything here is deterministic given those, so
+the logic is tested without processes.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+
+from keeper.classes import DEFAULT_CADENCE_S, Classifier, ClassTable, Reclassified
+from keeper.config import KeeperConfig
+from keeper.flow import FlowLog
+from keeper.ownership import Ownership, OwnEverything
+from keeper.queue import (
+    ADDED,
+    REMOVED,
+    RESCHEDULED,
+    TRIGGERED,
+    BlockedMask,
+    HeldQueue,
+    Selection,
+)
+from keeper.walk import RepairTally, Walk, WalkReason
+from shm import key_hash, key_hashes
+from store.rows import MAX_KEY_BYTES, FeedEvent, Route, RouteEvent, Row, RowEvent, SettingsEvent
+
+log = logging.getLogger("renderqueue.keeper")
+
+MAX_DUE_MS = 253_402_300_800_000  # year 10000: keeps a due minute inside its bucket-key span
+LOG_EVERY = 1000  # after the first few, log one unreadable row in this many
+
+
+class CoreCounters(msgspec.Struct, kw_only=True):
+    events: int = 0  # feed events applied (rows, routes, settings)
+    row_events: int = 0
+    route_events: int = 0
+    settings_events: int = 0
+    unreadable: int = 0  # rows skipped as unreadable (walks and events)
+    collisions: int = 0  # walked keys whose 64-bit hash a different held key has
+    unowned: int = 0  # row events for keys this node does not own
+    reclassifications: int = 0  # settings changes that moved at least one class
+    rows_reclassified: int = 0
+    dropped_unowned: int = 0  # rows dropped after an ownership change
+
+
+def row_problem(row: Row) -> str | None:
+    """Why the keeper cannot hold a row, or None when it can."""
+    try:
+        size = len(row.key.encode())
+    except UnicodeEncodeError:
+        return "key is not valid UTF-8"
+    if size == 0 or size > MAX_KEY_BYTES:
+        return f"key is {size} bytes"
+    if row.cadence_s is not None and row.cadence_s <= 0:
+        return f"cadence_s is {row.cadence_s}"
+    if not 0 <= row.next_render_at < MAX_DUE_MS:
+        return f"next_render_at is {row.next_render_at}"
+    if not row.route:
+        return "route is empty"
+    return None
+
+
+class KeeperCore:
+    def __init__(self, config: KeeperConfig, ownership: Ownership | None = None) -> None:
+        self.config = config
+        self.classes = ClassTable(config.sitemap_boost)
+        self.classifier = Classifier(self.classes)
+        self.queue = HeldQueue(self.classes)
+        self.flow = FlowLog()
+        self.ownership: Ownership = ownership if ownership is not None else OwnEverything()
+        self.counters = CoreCounters()
+        self.repairs = RepairTally()  # every repair ever made, by any check
+        self._touched: dict[int, int] | None = None
+        self._windows = 0
+        self._epoch = 0
+
+    # -- settings ------------------------------------------------------------------
+
+    @property
+    def routes(self) -> Mapping[str, Route]:
+        return self.classifier.routes
+
+    @property
+    def default_cadence_s(self) -> int:
+        return self.classifier.default_cadence_s
+
+    def load_settings(
+        self, routes: Sequence[Route], default_cadence_s: int = DEFAULT_CADENCE_S
+    ) -> Reclassified:
+        return self._resettle({r.route: r for r in routes}, default_cadence_s)
+
+    def apply_route(self, route: Route) -> Reclassified:
+        routes = dict(self.classifier.routes)
+        routes[route.route] = route
+        return self._resettle(routes, self.classifier.default_cadence_s)
+
+    def apply_default_cadence(self, seconds: int) -> Reclassified:
+        return self._resettle(dict(self.classifier.routes), seconds)
+
+    def _resettle(self, routes: dict[str, Route], default_cadence_s: int) -> Reclassified:
+        """Reclassify held rows in memory: a relabel per class, never a reload."""
+        self.classifier.set_settings(routes, default_cadence_s)
+        plan = self.classifier.plan()
+        if not plan:
+            return Reclassified(classes=0, rows=0)
+        sizes = self.queue.class_sizes()
+        rows = 0
+        for class_id, identity in plan:
+            rows += int(sizes[class_id]) if class_id < len(sizes) else 0
+            target = self.classes.find(identity)
+            if target is None:
+                self.classes.relabel(class_id, identity)
+            else:
+                self.queue.move_class(class_id, target)
+                self.classes.forget(class_id)
+        self.counters.reclassifications += 1
+        self.counters.rows_reclassified += rows
+        return Reclassified(classes=len(plan), rows=rows)
+
+    # -- touch windows -------------------------------------------------------------
+
+    def open_window(self) -> int:
+        """Start recording which keys events touch; returns the window's token."""
+        self._epoch += 1
+        if self._touched is None:
+            self._touched = {}
+        self._windows += 1
+        return self._epoch
+
+    def close_window(self, token: int) -> None:
+        self._windows = max(0, self._windows - 1)
+        if self._windows == 0:
+            self._touched = None
+
+    def touched_since(self, h: int, token: int) -> bool:
+        touched = self._touched
+        return touched is not None and touched.get(h, -1) >= token
+
+    # -- events --------------------------------------------------------------------
+
+    def apply_events(self, events: Sequence[FeedEvent], now_ms: int) -> None:
+        """Apply feed events in order; each carries current state, so replays are harmless."""
+        queue = self.queue
+        class_id = self.classifier.class_id
+        touched = self._touched
+        epoch = self._epoch
+        owns = None if self.ownership.owns_all else self.ownership.owns
+        tally = [0] * 6
+        rows = 0
+        for event in events:
+            if type(event) is RowEvent:
+                rows += 1
+                row = event.row
+                if row is None:
+                    h = key_hash(event.key.encode())
+                    if touched is not None:
+                        touched[h] = epoch
+                    tally[queue.remove(h)] += 1
+                    continue
+                key = row.key.encode()
+                h = key_hash(key)
+                if touched is not None:
+                    touched[h] = epoch
+                if owns is not None and not owns(h):
+                    self.counters.unowned += 1
+                    tally[queue.remove(h)] += 1
+                    continue
+                cadence = row.cadence_s
+                due = row.next_render_at
+                if (cadence is not None and cadence <= 0) or not 0 <= due < MAX_DUE_MS:
+                    self._unreadable(row, "event")
+                    continue
+                tally[
+                    queue.upsert(
+                        key, h, class_id(row.route, cadence, row.sitemap), due, row.version, now_ms
+                    )
+                ] += 1
+            elif isinstance(event, RouteEvent):
+                self.counters.route_events += 1
+                self.apply_route(event.route)
+                class_id = self.classifier.class_id
+            elif isinstance(event, SettingsEvent):
+                self.counters.settings_events += 1
+                self.apply_default_cadence(event.default_cadence_s)
+        self.counters.events += len(events)
+        self.counters.row_events += rows
+        self.flow.add(
+            now_ms,
+            added=tally[ADDED],
+            triggered=tally[TRIGGERED],
+            rescheduled=tally[RESCHEDULED],
+            removed=tally[REMOVED],
+        )
+
+    def _unreadable(self, row: Row, where: str) -> None:
+        self.counters.unreadable += 1
+        n = self.counters.unreadable
+        if n <= 10 or n % LOG_EVERY == 0:
+            log.warning(
+                "keeper: skipped unreadable row %r from the %s (%s); %d so far",
+                row.key[:200],
+                where,
+                row_problem(row) or "invalid",
+                n,
+            )
+
+    # -- walks ---------------------------------------------------------------------
+
+    def begin_walk(self, reason: WalkReason, now_ms: int) -> Walk:
+        return Walk(reason, self.open_window(), now_ms)
+
+    def apply_walked(self, walk: Walk, rows: Sequence[Row], now_ms: int) -> None:
+        """Apply one chunk of a walk: rows no event touched since the walk began."""
+        walk.chunks += 1
+        walk.rows += len(rows)
+        if rows:
+            walk.after = rows[-1].key
+        keys: list[bytes] = []
+        good: list[Row] = []
+        classes: list[int] = []
+        class_id = self.classifier.class_id
+        for row in rows:
+            problem = row_problem(row)
+            if problem is not None:
+                walk.unreadable += 1
+                self._unreadable(row, f"{walk.reason} walk")
+                continue
+            keys.append(row.key.encode())
+            good.append(row)
+            classes.append(class_id(row.route, row.cadence_s, row.sitemap))
+        if not keys:
+            return
+        hashes = key_hashes(keys)
+        keep = np.ones(len(keys), dtype=np.bool_)
+        if not self.ownership.owns_all:
+            keep &= self.ownership.owns_many(hashes)
+        touched = self._touched
+        if touched:
+            token = walk.token
+            fresh = np.fromiter(
+                (touched.get(h, -1) < token for h in hashes.tolist()),
+                dtype=np.bool_,
+                count=len(keys),
+            )
+            walk.repairs.skipped_touched += int(np.count_nonzero(keep & ~fresh))
+            keep &= fresh
+        slots = self.queue.slots.find_many(hashes)
+        absent = np.flatnonzero(keep & (slots < 0))
+        held = np.flatnonzero(keep & (slots >= 0))
+        if len(absent):
+            added = self.queue.add_many(
+                [keys[i] for i in absent.tolist()],
+                hashes[absent],
+                np.array([classes[i] for i in absent.tolist()], dtype=np.int32),
+                np.array([good[i].next_render_at for i in absent.tolist()], dtype=np.int64),
+                np.array([good[i].version for i in absent.tolist()], dtype=np.int64),
+            )
+            walk.mark_seen(added)
+            if walk.reason == "load":
+                walk.loaded += len(absent)
+            elif walk.reason == "membership":
+                walk.repairs.gained += len(absent)
+            else:
+                walk.repairs.missed_added += len(absent)
+            self.flow.add(now_ms, added=len(absent))
+        if len(held):
+            self._compare(walk.repairs, [good[i] for i in held.tolist()], slots[held], now_ms)
+            walk.mark_seen(slots[held])
+
+    def _compare(
+        self, tally: RepairTally, rows: Sequence[Row], slots: npt.NDArray[np.int32], now_ms: int
+    ) -> None:
+        """Repair held rows that differ from the table, unless the keeper's is newer."""
+        queue = self.queue
+        class_id = self.classifier.class_id
+        for row, slot in zip(rows, slots.tolist(), strict=True):
+            key = row.key.encode()
+            if queue.slots.key(slot) != key:
+                self.counters.collisions += 1
+                continue
+            wanted = class_id(row.route, row.cadence_s, row.sitemap)
+            held_version = queue.version_of(slot)
+            if (
+                queue.due_of(slot) == row.next_render_at
+                and held_version == row.version
+                and queue.class_of(slot) == wanted
+            ):
+                continue
+            if row.version < held_version:
+                tally.held_newer += 1
+                continue
+            queue.upsert(key, queue.hash_of(slot), wanted, row.next_render_at, row.version, now_ms)
+            tally.missed_changed += 1
+
+    def finish_walk(self, walk: Walk, now_ms: int) -> None:
+        """End a walk: held rows it never saw, and no event touched, are gone from the table."""
+        if walk.done:
+            return
+        stale = walk.unseen(self.queue.slots.live_slots())
+        removed = 0
+        for slot in stale.tolist():
+            if self.touched_since(self.queue.hash_of(slot), walk.token):
+                continue
+            self.queue.remove_slot(slot)
+            removed += 1
+        walk.repairs.missed_removed += removed
+        if removed:
+            self.flow.add(now_ms, removed=removed)
+        walk.finished_at = now_ms
+        self.close_window(walk.token)
+        self.repairs.add(walk.repairs)
+
+    def abandon_walk(self, walk: Walk) -> None:
+        """Stop a walk without its sweep (e.g. the feed failed under it)."""
+        if not walk.done:
+            self.close_window(walk.token)
+            self.repairs.add(walk.repairs)
+
+    # -- point checks --------------------------------------------------------------
+
+    def reconcile(
+        self, keys: Sequence[str], table: Mapping[str, Row], token: int, now_ms: int
+    ) -> RepairTally:
+        """Compare point-read rows with the held ones; repair any no event touched since."""
+        tally = RepairTally()
+        queue = self.queue
+        for key in keys:
+            encoded = key.encode()
+            h = key_hash(encoded)
+            if self.touched_since(h, token):
+                tally.skipped_touched += 1
+                continue
+            row = table.get(key)
+            slot = queue.slot_of(h)
+            if row is None:
+                if slot >= 0:
+                    queue.remove_slot(slot)
+                    tally.missed_removed += 1
+                continue
+            if row_problem(row) is not None:
+                self._unreadable(row, "point read")
+                continue
+            if slot < 0:
+                queue.upsert(
+                    encoded,
+                    h,
+                    self.classifier.class_of_row(row),
+                    row.next_render_at,
+                    row.version,
+                    now_ms,
+                )
+                tally.missed_added += 1
+                continue
+            self._compare(tally, [row], np.array([slot], dtype=np.int32), now_ms)
+        self.repairs.add(tally)
+        return tally
+
+    # -- ownership -----------------------------------------------------------------
+
+    def drop_unowned(self) -> int:
+        """After an ownership change: drop every held row this node no longer owns."""
+        if self.ownership.owns_all:
+            return 0
+        live = self.queue.slots.live_slots()
+        gone = live[~self.ownership.owns_many(self.queue.slots.hashes()[live])]
+        for slot in gone.tolist():
+            self.queue.remove_slot(slot)
+        self.counters.dropped_unowned += len(gone)
+        return len(gone)
+
+    # -- selection -----------------------------------------------------------------
+
+    def select(self, k: int, now_ms: int, blocked: BlockedMask | None = None) -> Selection:
+        return self.queue.best(k, now_ms, blocked)

@@ -1,0 +1,56 @@
+"""What the keeper needs of the shared-memory structures, as small protocols.
+
+The keeper's core never sees these; the runner does. `shm.ReadyRing`,
+`shm.LeaseTable` and `shm.StateBuffer` satisfy them, and so do the plain
+in-memory stand-ins the tests use.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+
+class ReadyRingLike(Protocol):
+    def publish(
+        self,
+        keys: Sequence[bytes],
+        due_at: npt.NDArray[np.int64],
+        class_id: npt.NDArray[np.int32],
+        key_hash: npt.NDArray[np.uint64],
+        now_ms: int,
+    ) -> int:
+        """Replace the published set; returns the new generation."""
+        ...
+
+
+class LeaseStatisticsLike(Protocol):
+    @property
+    def live_leases(self) -> int: ...
+    @property
+    def held_keys(self) -> int: ...
+    @property
+    def hold_events(self) -> int: ...
+    @property
+    def refusals_taken(self) -> int: ...
+    @property
+    def refusals_held(self) -> int: ...
+    @property
+    def refusals_probe_full(self) -> int: ...
+
+
+class LeaseTableLike(Protocol):
+    def blocked_mask(
+        self, key_hashes: npt.NDArray[np.uint64], now_ms: int
+    ) -> npt.NDArray[np.bool_]:
+        """For each hash, True if the key is leased or held back now."""
+        ...
+
+    def statistics(self, now_ms: int | None = None) -> LeaseStatisticsLike: ...
+
+
+class StateBufferLike(Protocol):
+    def write(self, payload: bytes, now_ms: int) -> int: ...

@@ -1,0 +1,613 @@
+"""The keeper's I/O edge: subscribe, load, follow the feed, publish, check, report.
+
+One `Keeper` runs in a thread of worker 0. Each `step` does a bounded amount of
+work (a walk chunk, the feed up to the next deadline, a publish, a report), so
+the publish every second is never starved by a long walk or a burst of events;
+`run` loops `step` until asked to stop. Everything it decides is in
+`KeeperCore`; this module only reads, writes and keeps time.
+
+The order of a start: write queue-state (unready, starting), subscribe at the
+feed's head, read routes and the default cadence (so a change after the
+subscription arrives as an event), then walk the table by primary key in
+chunks, publishing from the first chunk on. A failed feed is reopened with
+backoff at the cursor reached (at the head, if the store pruned past it), and
+the table is walked again to repair whatever the gap hid; the keeper is not
+exact until that walk ends. It never reloads: settings changes reclassify in
+memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+
+from keeper.config import KeeperConfig
+from keeper.core import KeeperCore
+from keeper.counts import count_queue, due_in_minute
+from keeper.ownership import Ownership
+from keeper.protocols import LeaseTableLike, ReadyRingLike, StateBufferLike
+from keeper.report import build_queue_state
+from keeper.state import (
+    LeaseCounts,
+    LoadStats,
+    Phase,
+    PublishStats,
+    QueueState,
+    Status,
+    TrustGroup,
+    VerifyStats,
+    encode_queue_state,
+)
+from keeper.walk import RepairCounts, Walk, WalkReason
+from store.base import Cursor, CursorAhead, CursorBelowFloor, ScheduleStore, Subscription
+
+log = logging.getLogger("renderqueue.keeper")
+
+Clock = Callable[[], int]
+MAX_WAIT_S = 0.25  # an idle keeper still looks at the clock this often
+
+
+def wall_clock_ms() -> int:
+    return time.time_ns() // 1_000_000
+
+
+class KeeperStatistics(msgspec.Struct, frozen=True, kw_only=True):
+    phase: Phase
+    status: Status
+    status_reason: str
+    live: bool
+    exact: bool
+    held: int
+    classes: int
+    buckets: int
+    tallies: int
+    memory_bytes: int
+    events: int
+    route_events: int
+    settings_events: int
+    reclassifications: int
+    rows_reclassified: int
+    unreadable: int
+    collisions: int
+    feed_failures: int
+    feed_reopens: int
+    cursor_resets: int  # reopens where the saved cursor was pruned or ahead: walked from scratch
+    resyncs: int
+    walk_errors: int
+    verifications: int
+    state_writes: int
+    state_write_failures: int
+    load: LoadStats
+    publish: PublishStats
+    verification: VerifyStats
+    repairs: RepairCounts
+
+
+class Keeper:
+    def __init__(
+        self,
+        store: ScheduleStore,
+        ring: ReadyRingLike,
+        leases: LeaseTableLike,
+        state_buffer: StateBufferLike,
+        config: KeeperConfig,
+        node: str = "local",
+        *,
+        ownership: Ownership | None = None,
+        clock: Clock = wall_clock_ms,
+    ) -> None:
+        self.store = store
+        self.ring = ring
+        self.leases = leases
+        self.state_buffer = state_buffer
+        self.config = config
+        self.node = node
+        self.clock = clock
+        self.core = KeeperCore(config, ownership)
+        self._ownership_generation = self.core.ownership.generation
+        self.phase: Phase = "starting"
+        self.status: Status = "unready"
+        self.status_reason = "the keeper has not published yet"
+        self._exact_reason = "loading"
+        self._loaded = False
+        self._sub: Subscription | None = None
+        self._cursor: Cursor | None = None
+        self._reopen_at = 0
+        self._backoff_s = config.feed_backoff_s
+        self._caught_up_at = 0
+        self._walk: Walk | None = None
+        self._walk_retry_at = 0
+        self._next_publish = 0
+        self._next_report = 0
+        self._next_verify = 0
+        self._heartbeat_at = 0
+        self._checked_at: dict[bytes, int] = {}  # top-check: key -> when last re-read
+        self._state: QueueState | None = None
+        self._started = False
+        # counters
+        self._feed_failures = 0
+        self._feed_reopens = 0
+        self._cursor_resets = 0
+        self._resyncs = 0
+        self._walk_errors = 0
+        self._state_writes = 0
+        self._state_write_failures = 0
+        self._load = LoadStats()
+        self._publish = PublishStats()
+        self._verify = VerifyStats()
+
+    # -- the loop ------------------------------------------------------------------
+
+    def run(self, stop: threading.Event) -> None:
+        """Start, then step until `stop` is set. Never raises for store or feed trouble."""
+        try:
+            self.start()
+            while not stop.is_set():
+                wait_s = self.step()
+                if wait_s > 0 and not stop.is_set():
+                    self._wait(min(wait_s, MAX_WAIT_S), stop)
+        finally:
+            self.close()
+
+    def start(self) -> None:
+        now = self.clock()
+        self._started = True
+        self._write_state(now, full=True)
+        self._open_feed(now, resume=False)
+        self._next_publish = now
+        self._next_report = now + int(self.config.report_interval_s * 1000)
+        self._next_verify = now + int(self.config.verify_interval_s * 1000)
+
+    def step(self) -> float:
+        """One bounded round of work; returns how long the loop may wait (s)."""
+        now = self.clock()
+        if self._sub is None and now >= self._reopen_at:
+            self._open_feed(now, resume=True)
+        if self._ownership_generation != self.core.ownership.generation:
+            self._ownership_changed(now)
+        busy = False
+        if self._walk is not None and now >= self._walk_retry_at:
+            self._walk_chunk(now)
+            busy = self._walk is not None
+        busy = not self._drain(self._next_publish) or busy
+        now = self.clock()
+        if now >= self._next_publish:
+            self._publish_now(now)
+            self._next_publish = max(
+                self._next_publish + int(self.config.publish_interval_s * 1000), now + 1
+            )
+        now = self.clock()
+        if now >= self._next_report:
+            self._write_state(now, full=True)
+            self._next_report = now + int(self.config.report_interval_s * 1000)
+        if now >= self._next_verify and self._walk is None and self._loaded:
+            self._begin_walk(now, "verify")
+            self._next_verify = now + int(self.config.verify_interval_s * 1000)
+        if busy:
+            return 0.0
+        return max(0.0, (self._next_publish - self.clock()) / 1000)
+
+    def _wait(self, seconds: float, stop: threading.Event) -> None:
+        if self._sub is not None:
+            try:
+                self._sub.wait(seconds)
+                return
+            except Exception as exc:  # a broken wait is a broken feed
+                self._feed_failed(exc, self.clock())
+        stop.wait(seconds)
+
+    def close(self) -> None:
+        if self._sub is not None:
+            try:
+                self._sub.close()
+            except Exception:
+                log.debug("keeper: closing the feed failed", exc_info=True)
+            self._sub = None
+
+    # -- the feed ------------------------------------------------------------------
+
+    def _open_feed(self, now: int, *, resume: bool) -> None:
+        """Subscribe (at the cursor reached, or the head), read settings, and walk."""
+        try:
+            sub: Subscription | None = None
+            if resume and self._cursor is not None:
+                try:
+                    sub = self.store.subscribe(self.config.consumer, self._cursor)
+                except (CursorBelowFloor, CursorAhead) as exc:
+                    log.warning("keeper: feed cursor unusable (%s); walking from scratch", exc)
+                    self._cursor_resets += 1
+            if sub is None:
+                sub = self.store.subscribe(self.config.consumer, self.store.feed_head())
+            self._sub = sub
+            self._cursor = sub.cursor
+            self.core.load_settings(self.store.routes(), self.store.default_cadence_s())
+        except Exception as exc:
+            self._feed_failed(exc, now)
+            return
+        self._backoff_s = self.config.feed_backoff_s
+        self._caught_up_at = now
+        if resume:
+            self._feed_reopens += 1
+        if self._walk is not None:
+            self.core.abandon_walk(self._walk)
+            self._walk = None
+        self._begin_walk(now, "load" if not self._loaded else "resync")
+
+    def _feed_failed(self, exc: BaseException, now: int) -> None:
+        self._feed_failures += 1
+        log.warning(
+            "keeper: feed failed (%s: %s); reopening in %.1f s",
+            type(exc).__name__,
+            exc,
+            self._backoff_s,
+        )
+        if self._sub is not None:
+            try:
+                self._sub.close()
+            except Exception:
+                log.debug("keeper: closing the failed feed failed", exc_info=True)
+        self._sub = None
+        if self._walk is not None:
+            self.core.abandon_walk(self._walk)
+            self._walk = None
+        self._exact_reason = f"feed failed ({type(exc).__name__}); reopening"
+        self._reopen_at = now + int(self._backoff_s * 1000)
+        self._backoff_s = min(self._backoff_s * 2, self.config.feed_backoff_max_s)
+        if self.phase == "live":
+            self.phase = "resyncing"
+        self._write_state(now)
+
+    def _drain(self, until_ms: int) -> bool:
+        """Apply feed batches until caught up or `until_ms`; True when caught up."""
+        sub = self._sub
+        if sub is None:
+            return True
+        limit = self.config.feed_poll_limit
+        try:
+            while True:
+                batch = sub.poll(limit)
+                now = self.clock()
+                if batch.events:
+                    self.core.apply_events(batch.events, now)
+                self._cursor = batch.cursor
+                if len(batch.events) < limit:
+                    self._caught_up_at = now
+                    return True
+                if now >= until_ms:
+                    return False
+        except Exception as exc:
+            self._feed_failed(exc, self.clock())
+            return True
+
+    # -- walks ---------------------------------------------------------------------
+
+    def _begin_walk(self, now: int, reason: WalkReason) -> None:
+        walk = self.core.begin_walk(reason, now)
+        self._walk = walk
+        if reason == "load":
+            self.phase = "loading"
+            self._exact_reason = "loading: walking the table"
+            self._load = LoadStats(started_at=now)
+        elif reason == "resync":
+            self.phase = "resyncing"
+            self._resyncs += 1
+            self._exact_reason = "resyncing: walking the table after a feed gap"
+        else:
+            self._verify = msgspec.structs.replace(
+                self._verify, running=True, last_reason=reason, last_started_at=now
+            )
+        self._write_state(now)
+
+    def _walk_chunk(self, now: int) -> None:
+        walk = self._walk
+        assert walk is not None
+        try:
+            rows = self.store.walk(walk.after, self.config.walk_chunk)
+        except Exception as exc:
+            self._walk_errors += 1
+            log.warning("keeper: walk after %r failed (%s); retrying", walk.after, exc)
+            self._walk_retry_at = now + int(self._backoff_s * 1000)
+            return
+        self.core.apply_walked(walk, rows, self.clock())
+        if walk.reason == "load":
+            self._load = msgspec.structs.replace(
+                self._load,
+                rows=walk.rows,
+                chunks=walk.chunks,
+                unreadable=walk.unreadable,
+                skipped_touched=walk.repairs.skipped_touched,
+            )
+        if len(rows) < self.config.walk_chunk:
+            self._finish_walk(walk)
+
+    def _finish_walk(self, walk: Walk) -> None:
+        # Bring the feed to the present first, so a delete the table already shows is
+        # applied (and the key touched) before the sweep looks for rows gone missing.
+        self._drain(self.clock() + 1000)
+        now = self.clock()
+        self.core.finish_walk(walk, now)
+        self._walk = None
+        summary = walk.summary()
+        repairs = summary.repairs
+        if walk.reason == "load":
+            self._loaded = True
+            self._load = msgspec.structs.replace(self._load, finished_at=now)
+            log.info(
+                "keeper: loaded %d rows in %.2f s (%d unreadable)",
+                len(self.core.queue),
+                (now - walk.started_at) / 1000,
+                walk.unreadable,
+            )
+        else:
+            self._verify = VerifyStats(
+                walks=self._verify.walks + 1,
+                running=False,
+                last_reason=walk.reason,
+                last_started_at=walk.started_at,
+                last_finished_at=now,
+                last_rows=walk.rows,
+                last_repairs=repairs,
+            )
+            missed = repairs.missed_added + repairs.missed_changed + repairs.missed_removed
+            if missed or repairs.gained:
+                log.warning(
+                    "keeper: %s walk repaired %d missed writes and added %d gained rows",
+                    walk.reason,
+                    missed,
+                    repairs.gained,
+                )
+        if self._sub is not None:
+            self.phase = "live"
+            self._exact_reason = ""
+        self._write_state(now, full=True)
+
+    def _ownership_changed(self, now: int) -> None:
+        self._ownership_generation = self.core.ownership.generation
+        dropped = self.core.drop_unowned()
+        log.info("keeper: ownership changed; dropped %d rows no longer owned", dropped)
+        if self._walk is not None:
+            self.core.abandon_walk(self._walk)
+            self._walk = None
+        self._begin_walk(now, "membership" if self._loaded else "load")
+
+    # -- publishing ----------------------------------------------------------------
+
+    def _blocked(self, now: int) -> Callable[[npt.NDArray[np.uint64]], npt.NDArray[np.bool_]]:
+        leases = self.leases
+
+        def blocked(hashes: npt.NDArray[np.uint64]) -> npt.NDArray[np.bool_]:
+            return leases.blocked_mask(hashes, now)
+
+        return blocked
+
+    def _publish_now(self, now: int) -> None:
+        started = time.perf_counter_ns()
+        try:
+            selection = self.core.select(self.config.best_k, now, self._blocked(now))
+            keys = self.core.queue.slots.keys(selection.slots)
+            generation = self.ring.publish(
+                keys, selection.due_at, selection.class_id, selection.key_hash, now
+            )
+        except Exception as exc:
+            log.exception("keeper: publish failed")
+            self._publish = msgspec.structs.replace(
+                self._publish, failures=self._publish.failures + 1
+            )
+            self._set_status(now, "stalled", f"publish failed: {type(exc).__name__}: {exc}")
+            return
+        elapsed_us = (time.perf_counter_ns() - started) // 1000
+        self._heartbeat_at = now
+        self._publish = msgspec.structs.replace(
+            self._publish,
+            publishes=self._publish.publishes + 1,
+            last_at=now,
+            last_count=len(keys),
+            last_duration_us=elapsed_us,
+            last_considered=selection.considered,
+            last_blocked=selection.blocked,
+            generation=generation,
+        )
+        if self._load.first_publish_at is None:
+            self._load = msgspec.structs.replace(self._load, first_publish_at=now)
+        if self.status != "ready":
+            self._set_status(now, "ready", "publishing")
+        self._top_check(keys, now)
+        self._save_cursor()
+        self._write_state(self.clock())
+
+    def _top_check(self, keys: list[bytes], now: int) -> None:
+        """Re-read the top published rows (each at most once a minute); repair what differs."""
+        due_again = now - int(self.config.top_check_every_s * 1000)
+        checked = self._checked_at
+        if len(checked) > 16 * self.config.top_check:
+            for key in [k for k, at in checked.items() if at <= due_again]:
+                del checked[key]
+        picked = [k for k in keys[: self.config.top_check] if checked.get(k, -1) <= due_again]
+        if not picked:
+            return
+        names = [k.decode() for k in picked]
+        token = self.core.open_window()
+        try:
+            rows = self.store.get_many(names)
+            self._drain(self.clock() + 1000)
+            tally = self.core.reconcile(names, rows, token, self.clock())
+        except Exception as exc:
+            log.warning("keeper: top check failed (%s)", exc)
+            return
+        finally:
+            self.core.close_window(token)
+        for key in picked:
+            checked[key] = now
+        self._publish = msgspec.structs.replace(
+            self._publish,
+            top_checked=self._publish.top_checked + len(picked),
+            top_repaired=self._publish.top_repaired + tally.missed,
+        )
+        if tally.missed:
+            log.warning("keeper: top check repaired %d rows", tally.missed)
+
+    def _save_cursor(self) -> None:
+        if self._sub is None:
+            return
+        try:
+            self._sub.save()
+        except Exception as exc:
+            self._feed_failed(exc, self.clock())
+
+    def _set_status(self, now: int, status: Status, reason: str) -> None:
+        changed = status != self.status
+        self.status = status
+        self.status_reason = reason
+        if changed:
+            self._write_state(now, full=True)
+
+    # -- queue-state ---------------------------------------------------------------
+
+    def _live(self, now: int) -> tuple[bool, str]:
+        if not self._started:
+            return False, "not started"
+        if self.status == "stalled":
+            return False, self.status_reason
+        if self._heartbeat_at == 0:
+            return True, "starting: first publish pending"
+        return True, "publishing"
+
+    def _exact(self) -> bool:
+        return self._loaded and self._sub is not None and self.phase == "live"
+
+    def _trust(self, now: int, counts_at: int) -> TrustGroup:
+        live, reason = self._live(now)
+        counters = self.core.counters
+        return TrustGroup(
+            live=live,
+            live_reason=reason,
+            phase=self.phase,
+            exact=self._exact(),
+            exact_reason="" if self._exact() else self._exact_reason,
+            # Before the first publish the heartbeat is the keeper's own: it is running.
+            heartbeat_at=self._heartbeat_at or now,
+            stall_after_ms=int(self.config.stall_after_s * 1000),
+            counts_at=counts_at,
+            counts_max_age_ms=int(2 * self.config.report_interval_s * 1000 + 1000),
+            feed_lag_ms=max(0, now - self._caught_up_at) if self._sub is not None else -1,
+            feed_reopens=self._feed_reopens,
+            resyncs=self._resyncs,
+            reclassifications=counters.reclassifications,
+            rows_reclassified=counters.rows_reclassified,
+            events=counters.events,
+            held=len(self.core.queue),
+            unreadable=counters.unreadable,
+            memory_bytes=self.core.queue.nbytes(),
+            load=self._load,
+            publish=self._publish,
+            verification=self._verify,
+            repairs=self.core.repairs.snapshot(),
+        )
+
+    def _lease_counts(self, now: int) -> LeaseCounts:
+        try:
+            s = self.leases.statistics(now)
+        except Exception:
+            log.debug("keeper: lease statistics failed", exc_info=True)
+            return LeaseCounts()
+        return LeaseCounts(
+            in_flight=s.live_leases,
+            held_keys=s.held_keys,
+            hold_events=s.hold_events,
+            refusals_taken=s.refusals_taken,
+            refusals_held=s.refusals_held,
+            refusals_probe_full=s.refusals_probe_full,
+        )
+
+    def queue_state(self, now: int, *, full: bool) -> QueueState:
+        """The full record (counts taken now), or the last one with trust and status refreshed."""
+        if full or self._state is None:
+            queue = self.core.queue
+            self.core.flow.tick(now, lambda minute: due_in_minute(queue, minute))
+            blocked = self._blocked(now)
+            return build_queue_state(
+                node=self.node,
+                now_ms=now,
+                counts=count_queue(queue, now),
+                classes=self.core.classes,
+                flow=self.core.flow.minutes(now),
+                leases=self._lease_counts(now),
+                status=self.status,
+                status_reason=self.status_reason,
+                trust=self._trust(now, now),
+                earliest_claimable_at=queue.earliest_claimable(now, blocked),
+                rows_max=self.config.class_rows_max,
+            )
+        last = self._state
+        return msgspec.structs.replace(
+            last,
+            now=msgspec.structs.replace(
+                last.now, status=self.status, status_reason=self.status_reason
+            ),
+            trust=self._trust(now, last.trust.counts_at),
+        )
+
+    def _write_state(self, now: int, *, full: bool = False) -> None:
+        try:
+            state = self.queue_state(now, full=full)
+            self._state = state
+            payload = encode_queue_state(state)
+            try:
+                self.state_buffer.write(payload, now)
+            except ValueError:
+                # Too large for the buffer: drop the per-class and per-route detail.
+                trimmed = msgspec.structs.replace(
+                    state,
+                    lateness=msgspec.structs.replace(
+                        state.lateness, classes=[], by_route={}, classes_truncated=True
+                    ),
+                )
+                self.state_buffer.write(encode_queue_state(trimmed), now)
+            self._state_writes += 1
+        except Exception:
+            self._state_write_failures += 1
+            log.exception("keeper: writing queue-state failed")
+
+    # -- statistics ----------------------------------------------------------------
+
+    def statistics(self) -> KeeperStatistics:
+        core = self.core
+        counters = core.counters
+        live, _ = self._live(self.clock())
+        return KeeperStatistics(
+            phase=self.phase,
+            status=self.status,
+            status_reason=self.status_reason,
+            live=live,
+            exact=self._exact(),
+            held=len(core.queue),
+            classes=len(core.classes),
+            buckets=len(core.queue.buckets),
+            tallies=len(core.queue.tallies),
+            memory_bytes=core.queue.nbytes(),
+            events=counters.events,
+            route_events=counters.route_events,
+            settings_events=counters.settings_events,
+            reclassifications=counters.reclassifications,
+            rows_reclassified=counters.rows_reclassified,
+            unreadable=counters.unreadable,
+            collisions=counters.collisions,
+            feed_failures=self._feed_failures,
+            feed_reopens=self._feed_reopens,
+            cursor_resets=self._cursor_resets,
+            resyncs=self._resyncs,
+            walk_errors=self._walk_errors,
+            verifications=self._verify.walks,
+            state_writes=self._state_writes,
+            state_write_failures=self._state_write_failures,
+            load=self._load,
+            publish=self._publish,
+            verification=self._verify,
+            repairs=core.repairs.snapshot(),
+        )

@@ -1,0 +1,236 @@
+"""The queue-state record: what the keeper writes into the state buffer, and how to read it.
+
+Versioned (`schema`), msgpack-encoded, one msgspec Struct per group of the
+seed's table: now, coming, lateness, flow, trust, plus two autoscaling scalars
+at fixed paths (`autoscale.due_now`, `autoscale.oldest_claimable_age_s`).
+
+Liveness is decided by the reader, not only by the keeper, because a stalled
+keeper cannot say it has stalled: the keeper rewrites the record at every
+publish (once a second) with `trust.heartbeat_at`, and `liveness()` reports
+the keeper not live, with the reason, once the heartbeat is older than
+`trust.stall_after_ms` (2 s by default). `vouches()` is the one rule workers
+use to serve counts (200) or only trust and the live `now` fields (503).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from keeper.flow import FlowMinute
+from keeper.walk import RepairCounts
+
+SCHEMA = 1
+Status = Literal["unready", "ready", "stalled"]
+Phase = Literal["starting", "loading", "live", "resyncing"]
+
+
+class LeaseCounts(msgspec.Struct, frozen=True, kw_only=True):
+    in_flight: int = 0  # live leases
+    held_keys: int = 0  # distinct keys held back now
+    hold_events: int = 0  # the seed's claim_wedged: expiries that started a hold
+    refusals_taken: int = 0
+    refusals_held: int = 0
+    refusals_probe_full: int = 0  # the bounded probe window, which can refuse below 100%
+
+
+class NowGroup(msgspec.Struct, frozen=True, kw_only=True):
+    status: Status
+    status_reason: str = ""
+    due: int = 0  # due rows of routes not paused
+    due_sitemap: int = 0
+    due_discovered: int = 0
+    in_flight: int = 0
+    unclaimed_estimate: int = 0  # due minus in flight, floored at 0
+    paused: int = 0  # due rows waiting on a paused route
+    paused_routes: list[str] = []
+    held: int = 0  # rows this keeper holds
+    leases: LeaseCounts = LeaseCounts()
+
+
+class ComingGroup(msgspec.Struct, frozen=True, kw_only=True):
+    """Not yet due, by due minute: windows end at minute boundaries."""
+
+    due_15m: int = 0
+    due_60m: int = 0
+    due_24h: int = 0
+    next_24h_by_hour: list[int] = []
+
+
+class ClassRow(msgspec.Struct, frozen=True, kw_only=True):
+    id: int
+    route: str
+    cadence_s: int
+    cadence_from_row: bool  # part of the class's identity: without it two rows could look alike
+    sitemap: bool
+    paused: bool
+    held: int
+    due: int
+    oldest_due_at: int | None  # the oldest due row of the class
+    oldest_lateness: float | None  # its lateness, in cadences
+    lateness: list[int]  # due rows per LatenessGroup.edges bin
+
+
+class LatenessGroup(msgspec.Struct, frozen=True, kw_only=True):
+    """Due rows by lateness relative to cadence: bin i is [edges[i], edges[i+1]), the last open."""
+
+    edges: list[float] = []
+    sitemap: list[int] = []
+    discovered: list[int] = []
+    by_route: dict[str, list[int]] = {}
+    classes: list[ClassRow] = []  # by due, most first
+    classes_truncated: bool = False
+
+
+class FlowTotals(msgspec.Struct, frozen=True, kw_only=True):
+    came_due: int = 0
+    added: int = 0
+    triggered: int = 0
+    rescheduled: int = 0
+    removed: int = 0
+
+
+class FlowGroup(msgspec.Struct, frozen=True, kw_only=True):
+    minutes: list[FlowMinute] = []  # the last hour, oldest first, the current minute last
+    last_hour: FlowTotals = FlowTotals()
+
+
+class LoadStats(msgspec.Struct, frozen=True, kw_only=True):
+    started_at: int | None = None
+    finished_at: int | None = None
+    first_publish_at: int | None = None
+    rows: int = 0
+    chunks: int = 0
+    unreadable: int = 0
+    skipped_touched: int = 0  # walked rows an event had already brought newer
+
+
+class PublishStats(msgspec.Struct, frozen=True, kw_only=True):
+    publishes: int = 0
+    failures: int = 0
+    last_at: int | None = None
+    last_count: int = 0
+    last_duration_us: int = 0
+    last_considered: int = 0  # candidate rows read to choose them
+    last_blocked: int = 0  # due candidates left out as leased or held
+    generation: int = 0
+    top_checked: int = 0  # rows re-read after publishing
+    top_repaired: int = 0
+
+
+class VerifyStats(msgspec.Struct, frozen=True, kw_only=True):
+    walks: int = 0
+    running: bool = False
+    last_reason: str = ""
+    last_started_at: int | None = None
+    last_finished_at: int | None = None
+    last_rows: int = 0
+    last_repairs: RepairCounts = RepairCounts()
+
+
+class TrustGroup(msgspec.Struct, frozen=True, kw_only=True):
+    live: bool
+    live_reason: str
+    phase: Phase
+    exact: bool  # load complete and the feed applied without a gap since
+    exact_reason: str = ""
+    heartbeat_at: int = 0  # refreshed at every publish; stale means stalled
+    stall_after_ms: int = 2000
+    counts_at: int = 0  # when the counts (now, coming, lateness, flow) were taken
+    counts_max_age_ms: int = 11_000
+    feed_lag_ms: int = 0  # since the feed was last read to its end
+    feed_reopens: int = 0
+    resyncs: int = 0  # full walks after a feed gap (reopen or cursor lost)
+    reclassifications: int = 0
+    rows_reclassified: int = 0
+    events: int = 0
+    held: int = 0
+    unreadable: int = 0
+    memory_bytes: int = 0
+    load: LoadStats = LoadStats()
+    publish: PublishStats = PublishStats()
+    verification: VerifyStats = VerifyStats()
+    repairs: RepairCounts = RepairCounts()  # every repair since start, by any check
+
+
+class AutoscaleGroup(msgspec.Struct, frozen=True, kw_only=True):
+    due_now: int = 0
+    oldest_claimable_age_s: float = 0.0  # now minus the earliest due among claimable rows
+
+
+class QueueState(msgspec.Struct, frozen=True, kw_only=True):
+    schema: int
+    node: str
+    generated_at: int
+    now: NowGroup
+    coming: ComingGroup
+    lateness: LatenessGroup
+    flow: FlowGroup
+    trust: TrustGroup
+    autoscale: AutoscaleGroup
+
+
+class Liveness(msgspec.Struct, frozen=True, kw_only=True):
+    live: bool
+    reason: str
+    status: Status
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(QueueState)
+
+
+def encode_queue_state(state: QueueState) -> bytes:
+    return _encoder.encode(state)
+
+
+def decode_queue_state(payload: bytes) -> QueueState:
+    """Raises msgspec.DecodeError (or ValidationError) on a payload of another shape."""
+    state = _decoder.decode(payload)
+    if state.schema != SCHEMA:
+        raise msgspec.ValidationError(
+            f"queue-state schema {state.schema}; this build reads {SCHEMA}"
+        )
+    return state
+
+
+def liveness(state: QueueState, now_ms: int) -> Liveness:
+    """Is the keeper live, as a reader sees it now (a stalled keeper cannot report itself)."""
+    trust = state.trust
+    age = now_ms - trust.heartbeat_at
+    if age > trust.stall_after_ms:
+        return Liveness(
+            live=False,
+            reason=f"keeper stalled: no publish for {age / 1000:.1f} s "
+            f"(limit {trust.stall_after_ms / 1000:.1f} s)",
+            status="stalled",
+        )
+    if not trust.live:
+        return Liveness(live=False, reason=trust.live_reason, status=state.now.status)
+    return Liveness(live=True, reason=trust.live_reason, status=state.now.status)
+
+
+def as_read(state: QueueState, now_ms: int) -> QueueState:
+    """The record with live, its reason and the status as a reader sees them now."""
+    seen = liveness(state, now_ms)
+    return msgspec.structs.replace(
+        state,
+        now=msgspec.structs.replace(state.now, status=seen.status),
+        trust=msgspec.structs.replace(state.trust, live=seen.live, live_reason=seen.reason),
+    )
+
+
+def vouches(state: QueueState, now_ms: int) -> bool:
+    """Can the counts be served: the keeper is live, exact, ready, and the counts fresh."""
+    return (
+        liveness(state, now_ms).live
+        and state.trust.exact
+        and state.now.status == "ready"
+        and now_ms - state.trust.counts_at <= state.trust.counts_max_age_ms
+    )
+
+
+def state_age_ms(state: QueueState, now_ms: int) -> int:
+    """How old the counts are."""
+    return max(0, now_ms - state.trust.counts_at)
