@@ -118,6 +118,16 @@ def segment_name(instance: str, part: str) -> str:
     return f"/rq-{instance}-{part}"
 
 
+def remove(name: str) -> bool:
+    """Unlink a segment by name; False if there was none. For supervisors and tests."""
+    _owned.pop(name, None)
+    try:
+        posix_ipc.unlink_shared_memory(name)
+    except posix_ipc.ExistentialError:
+        return False
+    return True
+
+
 def align(offset: int, to: int = CACHE_LINE) -> int:
     return (offset + to - 1) // to * to
 
@@ -217,10 +227,10 @@ class Segment:
         deadline = time.monotonic() + _INIT_WAIT_S
         while shm.size < HEADER_BYTES and time.monotonic() < deadline:
             time.sleep(0.01)
-        if shm.size < HEADER_BYTES:
+        if (size := shm.size) < HEADER_BYTES:
             shm.close_fd()
             raise LayoutMismatch(
-                f"shared memory segment {name}: {shm.size} bytes, smaller than the "
+                f"shared memory segment {name}: {size} bytes, smaller than the "
                 f"{HEADER_BYTES}-byte header"
             )
         mm = mmap.mmap(shm.fd, shm.size)
@@ -333,9 +343,7 @@ class Segment:
 
     def unlink(self) -> None:
         """Remove the name (mappings stay valid until closed). Idempotent."""
-        _owned.pop(self.name, None)
-        with contextlib.suppress(posix_ipc.ExistentialError):
-            posix_ipc.unlink_shared_memory(self.name)
+        remove(self.name)
 
 
 def _replace_if_stale(name: str) -> bool:
