@@ -59,6 +59,13 @@ class Buckets:
         i = bisect_right(self.starts[class_id], due) - 1
         return self.ids[class_id][i if i > 0 else 0]
 
+    def lower_first(self, class_id: int, due: int) -> None:
+        """Keep the first bucket's start at or below its earliest row."""
+        starts = self.starts[class_id]
+        if due < starts[0]:
+            starts[0] = due
+            self.b_start[self.ids[class_id][0]] = due
+
     def push(self, class_id: int, due: int, slot: int) -> None:
         if class_id >= len(self.starts):
             self.add_class(class_id)

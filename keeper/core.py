@@ -50,20 +50,30 @@ class CoreCounters(msgspec.Struct, kw_only=True):
     dropped_unowned: int = 0  # rows dropped after an ownership change
 
 
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def row_problem(row: Row) -> str | None:
     """Why the keeper cannot hold a row, or None when it can."""
+    if not isinstance(row.key, str):
+        return f"key is a {type(row.key).__name__}"
     try:
         size = len(row.key.encode())
     except UnicodeEncodeError:
         return "key is not valid UTF-8"
     if size == 0 or size > MAX_KEY_BYTES:
         return f"key is {size} bytes"
-    if row.cadence_s is not None and row.cadence_s <= 0:
-        return f"cadence_s is {row.cadence_s}"
-    if not 0 <= row.next_render_at < MAX_DUE_MS:
-        return f"next_render_at is {row.next_render_at}"
-    if not row.route:
-        return "route is empty"
+    if not isinstance(row.route, str) or not row.route:
+        return f"route is {row.route!r}"
+    if row.cadence_s is not None and (not _is_int(row.cadence_s) or row.cadence_s <= 0):
+        return f"cadence_s is {row.cadence_s!r}"
+    if not _is_int(row.next_render_at) or not 0 <= row.next_render_at < MAX_DUE_MS:
+        return f"next_render_at is {row.next_render_at!r}"
+    if not _is_int(row.version) or row.version < 0:
+        return f"version is {row.version!r}"
+    if not isinstance(row.sitemap, bool):
+        return f"sitemap is {row.sitemap!r}"
     return None
 
 
@@ -164,24 +174,31 @@ class KeeperCore:
                         touched[h] = epoch
                     tally[queue.remove(h)] += 1
                     continue
-                key = row.key.encode()
-                h = key_hash(key)
-                if touched is not None:
-                    touched[h] = epoch
-                if owns is not None and not owns(h):
-                    self.counters.unowned += 1
-                    tally[queue.remove(h)] += 1
-                    continue
-                cadence = row.cadence_s
-                due = row.next_render_at
-                if (cadence is not None and cadence <= 0) or not 0 <= due < MAX_DUE_MS:
+                try:
+                    key = row.key.encode()
+                    h = key_hash(key)
+                    if touched is not None:
+                        touched[h] = epoch
+                    if owns is not None and not owns(h):
+                        self.counters.unowned += 1
+                        tally[queue.remove(h)] += 1
+                        continue
+                    cadence = row.cadence_s
+                    due = row.next_render_at
+                    version = row.version
+                    # Checked before anything changes: a bad field must not leave half a row.
+                    if (
+                        type(due) is not int
+                        or type(version) is not int
+                        or not 0 <= due < MAX_DUE_MS
+                        or version < 0
+                        or (cadence is not None and (type(cadence) is not int or cadence <= 0))
+                    ):
+                        raise ValueError("field out of range")
+                    cls = class_id(row.route, cadence, row.sitemap)
+                    tally[queue.upsert(key, h, cls, due, version, now_ms)] += 1
+                except (TypeError, ValueError, AttributeError, OverflowError):
                     self._unreadable(row, "event")
-                    continue
-                tally[
-                    queue.upsert(
-                        key, h, class_id(row.route, cadence, row.sitemap), due, row.version, now_ms
-                    )
-                ] += 1
             elif isinstance(event, RouteEvent):
                 self.counters.route_events += 1
                 self.apply_route(event.route)

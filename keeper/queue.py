@@ -116,6 +116,8 @@ class HeldQueue:
         if class_id != old_class or buckets.bucket_for(class_id, due_at) != old_bucket:
             buckets.pull(old_bucket, slot)
             buckets.push(class_id, due_at, slot)
+        elif due_at < buckets.b_start[old_bucket]:
+            buckets.lower_first(class_id, due_at)
 
     def remove(self, key_hash: int) -> int:
         slot = self.slots.find(key_hash)

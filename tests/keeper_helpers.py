@@ -1,0 +1,260 @@
+"""Shared by the keeper tests: plain in-memory stand-ins for the store and shared memory.
+
+They implement the same protocols as the real ones (store.base.ScheduleStore,
+keeper.protocols), with no mocking: a dict table with a change log whose
+events carry current state, a ring that keeps what was published, a lease
+table that is a dict of blocked hashes, a state buffer that keeps payloads.
+Knobs let a test fail the feed, write without logging (a missed write), or
+run a hook inside a walk (an event landing mid-walk).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Sequence
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+
+from store.base import Cursor, CursorAhead, CursorBelowFloor, FeedBatch
+from store.rows import (
+    Completion,
+    FeedEvent,
+    Route,
+    RouteEvent,
+    Row,
+    RowEvent,
+    RowWrite,
+    SettingsEvent,
+)
+
+NOW = 1_800_000_000_000
+
+
+class ManualClock:
+    def __init__(self, at: int = NOW) -> None:
+        self.at = at
+
+    def __call__(self) -> int:
+        return self.at
+
+    def advance(self, ms: int) -> None:
+        self.at += ms
+
+
+class MemorySubscription:
+    def __init__(self, store: MemoryStore, position: int) -> None:
+        self._store = store
+        self.position = position
+        self.closed = False
+
+    @property
+    def cursor(self) -> Cursor:
+        return Cursor(token=str(self.position))
+
+    def poll(self, limit: int = 1000) -> FeedBatch:
+        store = self._store
+        if self.closed:
+            raise RuntimeError("poll on a closed subscription")
+        if store.fail_polls:
+            store.fail_polls -= 1
+            raise ConnectionError("feed failed (test)")
+        entries = store.log[self.position : self.position + limit]
+        self.position += len(entries)
+        return FeedBatch(events=[store.current(e) for e in entries], cursor=self.cursor)
+
+    def wait(self, timeout_s: float) -> bool:
+        return self.position < len(self._store.log)
+
+    def save(self) -> None:
+        self._store.saved[self._store.consumer] = self.position
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class MemoryStore:
+    """A schedule table with a change log; delivery re-reads the current row."""
+
+    def __init__(self) -> None:
+        self.rows: dict[str, Row] = {}
+        self.route_table: dict[str, Route] = {}
+        self.default_cadence = 86_400
+        self.log: list[tuple[str, str]] = []  # (kind, key or route name)
+        self.floor = 0  # entries below this were pruned
+        self.seq = 0
+        self.saved: dict[str, int] = {}
+        self.consumer = "keeper"
+        self.fail_polls = 0
+        self.fail_subscribes = 0
+        self.walk_hook: Callable[[str | None], None] | None = None
+        self.walks = 0
+
+    # -- writing ---------------------------------------------------------------------
+
+    def write(self, upsert: Sequence[RowWrite] = (), delete: Sequence[str] = ()) -> None:
+        for w in upsert:
+            self.seq += 1
+            self.rows[w.key] = Row(
+                key=w.key,
+                route=w.route,
+                cadence_s=w.cadence_s,
+                sitemap=w.sitemap,
+                next_render_at=w.next_render_at,
+                version=self.seq,
+            )
+            self.log.append(("row", w.key))
+        for key in delete:
+            self.seq += 1
+            self.rows.pop(key, None)
+            self.log.append(("row", key))
+
+    def put(self, key: str, due: int, route: str = "product", **fields: object) -> None:
+        self.write([RowWrite(key=key, route=route, next_render_at=due, **fields)])  # type: ignore[arg-type]
+
+    def silent(self, row: Row | None, key: str | None = None) -> None:
+        """Change the table with no log entry: a write the feed never delivers."""
+        if row is None:
+            assert key is not None
+            self.rows.pop(key, None)
+            return
+        self.seq += 1
+        self.rows[row.key] = msgspec.structs.replace(row, version=self.seq)
+
+    def complete(self, items: Sequence[Completion]) -> list[Row | None]:
+        raise NotImplementedError
+
+    def set_route(
+        self, route: str, *, default_cadence_s: int | None = None, paused: bool | None = None
+    ) -> Route:
+        old = self.route_table.get(route, Route(route=route))
+        new = Route(
+            route=route,
+            default_cadence_s=default_cadence_s
+            if default_cadence_s is not None
+            else old.default_cadence_s,
+            paused=paused if paused is not None else old.paused,
+        )
+        self.route_table[route] = new
+        self.log.append(("route", route))
+        return new
+
+    def set_default_cadence_s(self, seconds: int) -> None:
+        self.default_cadence = seconds
+        self.log.append(("settings", ""))
+
+    # -- reading ---------------------------------------------------------------------
+
+    def current(self, entry: tuple[str, str]) -> FeedEvent:
+        kind, name = entry
+        if kind == "row":
+            return RowEvent(key=name, row=self.rows.get(name))
+        if kind == "route":
+            return RouteEvent(route=self.route_table[name])
+        return SettingsEvent(default_cadence_s=self.default_cadence)
+
+    def get(self, key: str) -> Row | None:
+        return self.rows.get(key)
+
+    def get_many(self, keys: Sequence[str]) -> dict[str, Row]:
+        return {k: self.rows[k] for k in keys if k in self.rows}
+
+    def walk(self, after: str | None, limit: int) -> list[Row]:
+        self.walks += 1
+        if self.walk_hook is not None:
+            self.walk_hook(after)
+        keys = sorted(self.rows)
+        start = 0 if after is None else bisect.bisect_right(keys, after)
+        return [self.rows[k] for k in keys[start : start + limit]]
+
+    def count(self) -> int:
+        return len(self.rows)
+
+    def routes(self) -> list[Route]:
+        return list(self.route_table.values())
+
+    def default_cadence_s(self) -> int:
+        return self.default_cadence
+
+    def feed_head(self) -> Cursor:
+        return Cursor(token=str(len(self.log)))
+
+    def subscribe(self, consumer: str, cursor: Cursor | None = None) -> MemorySubscription:
+        if self.fail_subscribes:
+            self.fail_subscribes -= 1
+            raise ConnectionError("subscribe failed (test)")
+        self.consumer = consumer
+        position = int(cursor.token) if cursor is not None else self.saved.get(consumer, 0)
+        if position < self.floor:
+            raise CursorBelowFloor(f"{position} < {self.floor}")
+        if position > len(self.log):
+            raise CursorAhead(f"{position} > {len(self.log)}")
+        return MemorySubscription(self, position)
+
+    def close(self) -> None:
+        pass
+
+
+class MemoryRing:
+    def __init__(self) -> None:
+        self.generation = 0
+        self.published_at = 0
+        self.keys: list[bytes] = []
+        self.due_at: npt.NDArray[np.int64] = np.empty(0, dtype=np.int64)
+        self.fail = False
+
+    def publish(
+        self,
+        keys: Sequence[bytes],
+        due_at: npt.NDArray[np.int64],
+        class_id: npt.NDArray[np.int32],
+        key_hash: npt.NDArray[np.uint64],
+        now_ms: int,
+    ) -> int:
+        if self.fail:
+            raise OSError("ring unavailable (test)")
+        assert len(keys) == len(due_at) == len(class_id) == len(key_hash)
+        self.keys = list(keys)
+        self.due_at = due_at.copy()
+        self.published_at = now_ms
+        self.generation += 1
+        return self.generation
+
+
+class LeaseStats(msgspec.Struct, frozen=True):
+    live_leases: int = 0
+    held_keys: int = 0
+    hold_events: int = 0
+    refusals_taken: int = 0
+    refusals_held: int = 0
+    refusals_probe_full: int = 0
+
+
+class MemoryLeases:
+    """Blocked hashes (leased or held), as the lease table's blocked_mask reports them."""
+
+    def __init__(self) -> None:
+        self.blocked: set[int] = set()
+
+    def blocked_mask(
+        self, key_hashes: npt.NDArray[np.uint64], now_ms: int
+    ) -> npt.NDArray[np.bool_]:
+        return np.fromiter(
+            (int(h) in self.blocked for h in key_hashes), dtype=np.bool_, count=len(key_hashes)
+        )
+
+    def statistics(self, now_ms: int | None = None) -> LeaseStats:
+        return LeaseStats(live_leases=len(self.blocked))
+
+
+class MemoryStateBuffer:
+    def __init__(self) -> None:
+        self.writes: list[tuple[bytes, int]] = []
+
+    def write(self, payload: bytes, now_ms: int) -> int:
+        self.writes.append((payload, now_ms))
+        return len(self.writes)
+
+    def last(self) -> bytes:
+        return self.writes[-1][0]
