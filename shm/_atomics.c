@@ -726,6 +726,7 @@ enum { SLOT_KEY = 0, SLOT_STATE = 1, SLOT_HOLD = 2 };
 
 enum {
     LEASE_SWEEPER = 0,  /* pid of the process sweeping, 0 when none */
+    LEASE_INCARNATION = 1, /* stamps each emptied slot's state word, see remove_slot */
     LEASE_STRIPES = 8,  /* STRIPES x STRIPE_WORDS counters */
     LEASE_CTRL_WORDS = LEASE_STRIPES + STRIPES * STRIPE_WORDS,
 };
@@ -841,7 +842,7 @@ static uint64_t
 next_token(LeasesObject *self, uint64_t w)
 {
     uint64_t tok;
-    if (w == 0) {
+    if (W_TOKEN(w) == 0) {
         /* A fresh slot starts from a random token, so a token from the slot's
          * previous key (before a sweep) is unlikely to match the new one. */
         uint64_t x = self->rng;
@@ -935,10 +936,13 @@ probe(LeasesObject *self, uint64_t h, probe_t *p)
     p->empty = -1;
     for (int i = 0; i < PROBE; i++) {
         uint64_t s = slot_at(self, start, i);
+        /* State before key: a CAS that later succeeds on this state word proves the
+         * slot was not emptied since (see remove_slot), so the key read after the
+         * state is still the slot's key at the CAS. */
+        uint64_t w = LOAD_SC(slot_word(self, s, SLOT_STATE));
         uint64_t k = LOAD_SC(slot_word(self, s, SLOT_KEY));
+        if (W_PHASE(w) == PH_REMOVING) continue;
         if (k == h) {
-            uint64_t w = LOAD_SC(slot_word(self, s, SLOT_STATE));
-            if (W_PHASE(w) == PH_REMOVING) continue;
             p->slot[p->n] = s;
             p->word[p->n] = w;
             p->n++;
@@ -1008,8 +1012,10 @@ Leases_grant(LeasesObject *self, PyObject *const *args, Py_ssize_t nargs)
             s = (uint64_t)p.empty;
             if (!cas_word(slot_word(self, s, SLOT_KEY), 0, h)) continue;
             bump(self, LS_INSERTS, 1);
+            /* A sweep may have emptied the slot again since the insert: then the key
+             * read after the state is no longer ours, and the probe starts over. */
             w = LOAD_SC(slot_word(self, s, SLOT_STATE));
-            if (W_PHASE(w) == PH_REMOVING) continue; /* the sweep finishing this slot resets it */
+            if (LOAD_SC(slot_word(self, s, SLOT_KEY)) != h || W_PHASE(w) != PH_FREE) continue;
         } else {
             s = p.slot[0];
             w = p.word[0];
@@ -1043,7 +1049,7 @@ Leases_grant(LeasesObject *self, PyObject *const *args, Py_ssize_t nargs)
     return Py_BuildValue("(iKK)", REFUSED_TAKEN, 0ull, (unsigned long long)now);
 }
 
-/* The slot a token names, if its key is still this hash and its lease is live. */
+/* The slot and 16-bit counter a token names; 0 if it names no slot. */
 static int
 token_slot(LeasesObject *self, PyObject *const *args, uint64_t *h, uint64_t *s, uint64_t *tok,
            uint64_t *now)
@@ -1055,14 +1061,17 @@ token_slot(LeasesObject *self, PyObject *const *args, uint64_t *h, uint64_t *s, 
     }
     *s = token >> 16;
     *tok = token & 0xffffu;
-    if (*s >= self->capacity || *tok == 0) return 0;
-    return LOAD_SC(slot_word(self, *s, SLOT_KEY)) == *h;
+    return *s < self->capacity && *tok != 0;
 }
 
-static inline int
-live_with(uint64_t w, uint64_t tok, uint64_t now)
+/* The slot's state word if the token's lease on this key is live, else 0. State
+ * before key, as in probe(): a CAS on the returned word then acts on this key. */
+static uint64_t
+live_lease(LeasesObject *self, uint64_t h, uint64_t s, uint64_t tok, uint64_t now)
 {
-    return W_PHASE(w) == PH_LEASED && W_TOKEN(w) == tok && W_TIME(w) > now;
+    uint64_t w = LOAD_SC(slot_word(self, s, SLOT_STATE));
+    if (W_PHASE(w) != PH_LEASED || W_TOKEN(w) != tok || W_TIME(w) <= now) return 0;
+    return LOAD_SC(slot_word(self, s, SLOT_KEY)) == h ? w : 0;
 }
 
 static PyObject *
@@ -1073,8 +1082,7 @@ Leases_holds(LeasesObject *self, PyObject *const *args, Py_ssize_t nargs)
     uint64_t h, s, tok, now;
     int r = token_slot(self, args, &h, &s, &tok, &now);
     if (r < 0) return NULL;
-    if (r == 0) Py_RETURN_FALSE;
-    return PyBool_FromLong(live_with(LOAD_SC(slot_word(self, s, SLOT_STATE)), tok, now));
+    return PyBool_FromLong(r == 1 && live_lease(self, h, s, tok, now) != 0);
 }
 
 /* renew(h, token, now, lease_ms) -> new expiry or -1 */
@@ -1091,8 +1099,8 @@ Leases_renew(LeasesObject *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     for (int attempt = 0; r == 1 && attempt < LEASE_MAX_ATTEMPTS; attempt++) {
-        uint64_t w = LOAD_SC(slot_word(self, s, SLOT_STATE));
-        if (!live_with(w, tok, now)) break;
+        uint64_t w = live_lease(self, h, s, tok, now);
+        if (w == 0) break;
         uint64_t nw = W_MAKE(PH_LEASED, W_MISSES(w), tok, now + lease_ms);
         if (cas_word(slot_word(self, s, SLOT_STATE), w, nw)) {
             bump(self, LS_RENEWALS, 1);
@@ -1112,8 +1120,8 @@ Leases_complete(LeasesObject *self, PyObject *const *args, Py_ssize_t nargs)
     int r = token_slot(self, args, &h, &s, &tok, &now);
     if (r < 0) return NULL;
     for (int attempt = 0; r == 1 && attempt < LEASE_MAX_ATTEMPTS; attempt++) {
-        uint64_t w = LOAD_SC(slot_word(self, s, SLOT_STATE));
-        if (!live_with(w, tok, now)) break;
+        uint64_t w = live_lease(self, h, s, tok, now);
+        if (w == 0) break;
         /* A result ends the lease and forgives the misses. */
         if (cas_word(slot_word(self, s, SLOT_STATE), w, W_MAKE(PH_FREE, 0, tok, 0))) {
             bump(self, LS_COMPLETIONS, 1);
@@ -1218,10 +1226,17 @@ process_alive(uint64_t pid)
 static void
 remove_slot(LeasesObject *self, uint64_t s, uint64_t k)
 {
-    /* REMOVING first: no grant can start on the slot after that, so clearing the
-     * key cannot orphan a lease. Only the elected sweeper leaves REMOVING. */
+    /* The state word is already REMOVING: no grant can start on the slot, so
+     * clearing the key cannot orphan a lease. The emptied slot's state word gets a
+     * stamp never used before (FREE, token 0, time = incarnation): a claimant that
+     * read the slot's state before the removal can never CAS it again (no ABA),
+     * which is what lets probe() trust a key read after the state. Only the elected
+     * sweeper leaves REMOVING. */
+    uint64_t incarnation =
+        atomic_fetch_add_explicit(&self->ctrl[LEASE_INCARNATION], 1, memory_order_relaxed) + 1;
     cas_word(slot_word(self, s, SLOT_KEY), k, 0);
-    cas_word(slot_word(self, s, SLOT_STATE), W_MAKE(PH_REMOVING, 0, 0, 0), 0);
+    cas_word(slot_word(self, s, SLOT_STATE), W_MAKE(PH_REMOVING, 0, 0, 0),
+             W_MAKE(PH_FREE, 0, 0, incarnation & TIME_MAX));
 }
 
 /* sweep(now, keep_misses_ms) -> reclaimed slots, or -1 if another live process is
