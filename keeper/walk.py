@@ -48,6 +48,11 @@ class RepairCounts(msgspec.Struct, frozen=True, kw_only=True):
     held_newer: int = 0
     skipped_touched: int = 0
 
+    @property
+    def missed(self) -> int:
+        """Writes the feed never delivered (or corruption), put right."""
+        return self.missed_added + self.missed_changed + self.missed_removed
+
 
 class WalkSummary(msgspec.Struct, frozen=True, kw_only=True):
     reason: WalkReason

@@ -1,0 +1,100 @@
+"""Full counts from the tallies equal counts taken row by row."""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from keeper.classes import ClassTable, RenderClass
+from keeper.counts import HOURS_AHEAD, LATENESS_EDGES, count_queue, due_in_minute
+from keeper.queue import HeldQueue
+from keeper.tallies import MINUTE_MS
+from shm import key_hash
+
+NOW = 1_800_000_030_500  # half a minute and a bit into a minute
+CLASSES = [
+    RenderClass("product", 86_400, False, False),
+    RenderClass("product", 86_400, False, True),
+    RenderClass("category", 3_600, True, False),
+    RenderClass("home", 600, False, True),
+]
+
+
+def brute(rows: dict[int, tuple[int, int]], table: ClassTable, now: int) -> dict[str, object]:
+    now_minute = now // MINUTE_MS
+    paused = table.paused_mask()
+    out: dict[str, object] = {}
+    due = [(c, d) for c, d in rows.values() if d <= now]
+    out["due"] = sum(1 for c, _ in due if not paused[c])
+    out["due_sitemap"] = sum(1 for c, _ in due if not paused[c] and table.get(c).sitemap)
+    out["paused_due"] = sum(1 for c, _ in due if paused[c])
+    ahead = [d // MINUTE_MS - now_minute for _, d in rows.values() if d > now]
+    out["due_15m"] = sum(1 for a in ahead if a < 15)
+    out["due_60m"] = sum(1 for a in ahead if a < 60)
+    out["by_hour"] = [sum(1 for a in ahead if a // 60 == h) for h in range(HOURS_AHEAD)]
+    late: dict[int, list[int]] = {}
+    for c, d in due:
+        # lateness at the due minute's first millisecond, as the tallies see it
+        start = d if d // MINUTE_MS == now_minute else (d // MINUTE_MS) * MINUTE_MS
+        lateness = (now - start) / (table.get(c).cadence_s * 1000)
+        b = max(i for i, e in enumerate(LATENESS_EDGES) if lateness >= e)
+        late.setdefault(c, [0] * len(LATENESS_EDGES))[b] += 1
+    out["late"] = late
+    out["oldest"] = {c: min(d for c2, d in due if c2 == c) for c, _ in due}
+    return out
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    rows=st.dictionaries(
+        st.integers(0, 500),
+        st.tuples(st.integers(0, 3), st.integers(-20 * 86_400_000, 2 * 86_400_000)),
+        max_size=300,
+    ),
+    paused=st.sets(st.sampled_from(["product", "category", "home"]), max_size=1),
+)
+def test_counts_equal_a_row_by_row_count(
+    rows: dict[int, tuple[int, int]], paused: set[str]
+) -> None:
+    table = ClassTable(1.0)
+    for cls in CLASSES:
+        table.intern(cls)
+    queue = HeldQueue(table)
+    placed = {}
+    for i, (c, offset) in rows.items():
+        k = f"/k{i}".encode()
+        queue.upsert(k, key_hash(k), c, NOW + offset, 1, NOW)
+        placed[i] = (c, NOW + offset)
+    table.set_paused_routes(paused)
+    counts = count_queue(queue, NOW)
+    want = brute(placed, table, NOW)
+    assert counts.held == len(placed)
+    assert counts.due == want["due"]
+    assert counts.due_sitemap == want["due_sitemap"]
+    assert counts.due_discovered == counts.due - counts.due_sitemap
+    assert counts.paused_due == want["paused_due"]
+    assert counts.due_15m == want["due_15m"]
+    assert counts.due_60m == want["due_60m"]
+    assert counts.next_24h_by_hour == want["by_hour"]
+    assert counts.due_24h == sum(want["by_hour"])  # type: ignore[arg-type]
+    late = {c.class_id: c.lateness for c in counts.classes if any(c.lateness)}
+    assert late == want["late"]
+    oldest = {c.class_id: c.oldest_due_at for c in counts.classes if c.oldest_due_at is not None}
+    assert oldest == want["oldest"]
+    assert sum(c.held for c in counts.classes) == len(placed)
+
+
+def test_came_due_counts_the_rows_due_in_a_minute() -> None:
+    table = ClassTable(1.0)
+    table.intern(CLASSES[0])
+    queue = HeldQueue(table)
+    rng = random.Random(1)
+    minute = NOW // MINUTE_MS + 3
+    inside = 0
+    for i in range(500):
+        due = NOW + rng.randrange(-600_000, 600_000)
+        inside += due // MINUTE_MS == minute
+        queue.upsert(f"/k{i}".encode(), key_hash(f"/k{i}".encode()), 0, due, 1, NOW)
+    assert due_in_minute(queue, minute) == inside > 0
