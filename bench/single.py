@@ -66,8 +66,8 @@ class Snapshot(msgspec.Struct, kw_only=True):
 
 
 class Delivered(msgspec.Struct, kw_only=True):
-    keys: list[str]
-    at_ns: list[int]  # time.monotonic_ns() when polled
+    # (key, time.monotonic_ns() when polled); one list, so a clear never splits a pair
+    events: list[tuple[str, int]]
 
 
 class StampedSubscription:
@@ -84,8 +84,7 @@ class StampedSubscription:
         for event in batch.events:
             key = getattr(event, "key", None)
             if key is not None:
-                self._log.keys.append(key)
-                self._log.at_ns.append(now)
+                self._log.events.append((key, now))
         self._counter[0] += len(batch.events)
         return batch
 
@@ -117,12 +116,14 @@ def worker0_process(conn: Connection, store_url: str, instance: str) -> None:
     from store import open_store
 
     process = psutil.Process()
-    log = Delivered(keys=[], at_ns=[])
+    log = Delivered(events=[])
     counter = [0]
     thread: threading.Thread | None = None
     stop = threading.Event()
     node: Any = None
     error: list[str] = []
+    feed_stats: list[Any] = []
+    subscribed = threading.Event()  # the arm's writes must start after the feed is open
 
     def thread_cpu() -> float:
         if thread is None or thread.ident is None or not thread.is_alive():
@@ -141,6 +142,7 @@ def worker0_process(conn: Connection, store_url: str, instance: str) -> None:
     def consume() -> None:
         store = StampedStore(open_store(store_url), log, counter)
         subscription = store.subscribe(FEED_CONSUMER, store.feed_head())
+        subscribed.set()
         last_save = time.monotonic()
         try:
             while not stop.is_set():
@@ -150,6 +152,7 @@ def worker0_process(conn: Connection, store_url: str, instance: str) -> None:
                 if time.monotonic() - last_save > 1.0:
                     subscription.save()
                     last_save = time.monotonic()
+                feed_stats[:] = [msgspec.to_builtins(subscription.statistics())]
         except Exception as exc:
             error.append(repr(exc))
         finally:
@@ -187,8 +190,11 @@ def worker0_process(conn: Connection, store_url: str, instance: str) -> None:
             break
         if command == "start":
             stop.clear()
+            subscribed.clear()
             thread = threading.Thread(target=consume if args[0] == "feed" else keep, daemon=True)
             thread.start()
+            if args[0] == "feed":
+                subscribed.wait(60)
             conn.send(snapshot())
         elif command == "stop":
             stop.set()
@@ -197,11 +203,10 @@ def worker0_process(conn: Connection, store_url: str, instance: str) -> None:
             thread = None
             conn.send(error[:])
         elif command == "mark":
-            log.keys.clear()
-            log.at_ns.clear()
+            log.events.clear()
             conn.send(snapshot())
         elif command == "collect":
-            conn.send((snapshot(), msgspec.msgpack.encode(log), error[:]))
+            conn.send((snapshot(), msgspec.msgpack.encode(log), error[:], feed_stats[:]))
     node.close()
 
 
@@ -397,7 +402,7 @@ def measure(
     deadline = time.monotonic() + 60
     while True:
         worker0.send(("collect",))
-        after, encoded, errors = worker0.recv()
+        after, encoded, errors, _ = worker0.recv()
         if errors:
             raise RuntimeError(f"worker 0: {errors}")
         if not consuming or after.events - before.events >= config.writes:
@@ -407,11 +412,7 @@ def measure(
         time.sleep(0.05)
     delivered = msgspec.msgpack.decode(encoded, type=Delivered)
     committed = dict(zip(written.keys, written.commit_ns, strict=True))
-    lags = [
-        max(0, at - committed[key]) / 1e6
-        for key, at in zip(delivered.keys, delivered.at_ns, strict=True)
-        if key in committed
-    ]
+    lags = [max(0, at - committed[key]) / 1e6 for key, at in delivered.events if key in committed]
     writes = config.writes
     cpu = written.cpu_s + (after.process_cpu_s - before.process_cpu_s)
     events = after.events - before.events
