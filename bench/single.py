@@ -161,9 +161,9 @@ def worker0_process(conn: Connection, store_url: str, instance: str) -> None:
 
     def keep() -> None:
         import msgspec as ms
-        from keeper.runner import Keeper
 
         from keeper.config import KeeperConfig
+        from keeper.runner import Keeper
 
         store = StampedStore(open_store(store_url), log, counter)
         try:
