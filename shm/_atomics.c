@@ -386,7 +386,7 @@ typedef struct {
     uint64_t key_hash;
     uint32_t key_off;
     uint32_t key_len;
-    uint32_t class_id;
+    int32_t class_id;
     uint32_t reserved;
 } ring_entry;
 
@@ -625,7 +625,7 @@ Ring_claim(RingObject *self, PyObject *const *args, Py_ssize_t nargs)
         PyObject *fields[4];
         fields[0] = PyBytes_FromStringAndSize(kp, e->key_len);
         fields[1] = PyLong_FromLongLong(e->due_at);
-        fields[2] = PyLong_FromUnsignedLong(e->class_id);
+        fields[2] = PyLong_FromLong(e->class_id);
         fields[3] = PyLong_FromUnsignedLongLong(e->key_hash);
         kp += e->key_len;
         PyObject *item = NULL;

@@ -38,10 +38,11 @@ from shm.segment import HEADER_BYTES, Segment, align
 
 KIND = "ready_ring"
 KEY_MAX = RING_LAYOUT["key_max"]
+MAX_CAPACITY = 1 << 24
 ENTRY = np.dtype(
     {
         "names": ["due_at", "key_hash", "key_off", "key_len", "class_id", "reserved"],
-        "formats": ["<i8", "<u8", "<u4", "<u4", "<u4", "<u4"],
+        "formats": ["<i8", "<u8", "<u4", "<u4", "<i4", "<u4"],
         "offsets": [
             RING_LAYOUT["entry_due_at"],
             RING_LAYOUT["entry_key_hash"],
@@ -129,8 +130,12 @@ class ReadyRing:
 
     @classmethod
     def create(cls, name: str, capacity: int = 8192, arena_bytes: int = 8192 * 256) -> ReadyRing:
-        if not 1 <= capacity < 2**32 or not 1 <= arena_bytes < 2**32:
-            raise ValueError("ring capacity and arena_bytes must be in 1..2**32-1")
+        # The cursor keeps its index in 32 bits; claimants can run it past the count by
+        # at most one batch each, so capacity stays far below 2**32.
+        if not 1 <= capacity <= MAX_CAPACITY or not 1 <= arena_bytes < 2**32:
+            raise ValueError(
+                f"ring capacity must be in 1..{MAX_CAPACITY} and arena_bytes in 1..2**32-1"
+            )
         segment = Segment.create(
             name, KIND, ring_size(capacity, arena_bytes), capacity, arena_bytes, ENTRY.itemsize
         )

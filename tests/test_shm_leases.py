@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from shm import Grant, KeyLeaseState, LeaseTable, Refusal, key_hash, segment_name
 from shm.segment import remove
@@ -302,7 +302,6 @@ class LeaseTableMachine(RuleBasedStateMachine):
             if key.phase == "held" and key.held_until + keep <= self.now:
                 key.phase, key.misses, key.held_until = "free", 0, 0
 
-    @precondition(lambda self: True)
     @invariant()
     def states_agree(self) -> None:
         expected = [self.expected_state(self.model[h]) for h in self.keys]

@@ -1,0 +1,389 @@
+"""Shared memory: our atomics beside the PyPI `atomics` package and ctypes on libatomic,
+then the ready ring's claim, the lease table's grant, and contended grants.
+
+    .venv/bin/python -m bench.shm [--quick]
+
+Every atomic figure is the wall time of a Python loop calling the operation on one word
+of a POSIX shared memory segment, divided by the calls: what a worker pays per call,
+Python's call overhead included, which is the cost that decides whether a claim path
+can afford atomics at all. The three contenders run interleaved, round after round, and
+each figure is the median of its rounds, so a noisy neighbour moves all three alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import ctypes.util
+import mmap
+import multiprocessing
+import os
+import statistics
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import posix_ipc
+
+from bench import report
+from shm import Grant, LeaseTable, ReadyRing, key_hashes, segment_name
+from shm._atomics import Words
+from shm.segment import remove
+
+SECTION = "shm"
+ATOMICS = "atomics (PyPI)"
+CTYPES = "ctypes libatomic"
+ONE_PROCESS = "one process"
+OPS = ("load", "store", "fetch_add", "cas")
+T_ATOMIC = "atomic operations on a shared 8-byte word, called from Python"
+T_PATHS = "claim path"
+SEQ_CST = 5  # __ATOMIC_SEQ_CST
+
+
+def _instance() -> str:
+    return f"bench{os.getpid()}x{uuid.uuid4().hex[:6]}"
+
+
+def _loop_ns(op: Callable[..., object], args: tuple[Any, ...], calls: int) -> float:
+    """ns per call of op(*args), in a loop as tight as a caller would write."""
+    started = time.perf_counter_ns()
+    if not args:
+        for _ in range(calls):
+            op()
+    elif len(args) == 1:
+        (a,) = args
+        for _ in range(calls):
+            op(a)
+    elif len(args) == 2:
+        a, b = args
+        for _ in range(calls):
+            op(a, b)
+    elif len(args) == 3:
+        a, b, c = args
+        for _ in range(calls):
+            op(a, b, c)
+    else:
+        for _ in range(calls):
+            op(*args)
+    return (time.perf_counter_ns() - started) / calls
+
+
+# ------------------------------------------------------------------ contenders
+
+
+def _ours(mm: mmap.mmap) -> tuple[dict[str, Callable[[int], float]], Callable[[], None]]:
+    words = Words(mm)
+
+    def run(op: str) -> Callable[[int], float]:
+        if op == "load":
+            return lambda n: _loop_ns(words.load, (1,), n)
+        if op == "store":
+            return lambda n: _loop_ns(words.store, (1, 7), n)
+        if op == "fetch_add":
+            return lambda n: _loop_ns(words.fetch_add, (1, 1), n)
+        return lambda n: _loop_ns(words.cas, (1, 0, 0), n)  # a failing CAS still does the work
+
+    return {op: run(op) for op in OPS}, words.release
+
+
+def _atomics_package(
+    mm: mmap.mmap,
+) -> tuple[dict[str, Callable[[int], float]], Callable[[], None]]:
+    import atomics
+
+    view = memoryview(mm)[16:24]
+    context = atomics.atomicview(buffer=view, atype=atomics.UINT)
+    word = context.__enter__()
+
+    def close() -> None:
+        context.__exit__(None, None, None)
+        view.release()
+
+    runs = {
+        "load": lambda n: _loop_ns(word.load, (), n),
+        "store": lambda n: _loop_ns(word.store, (7,), n),
+        "fetch_add": lambda n: _loop_ns(word.fetch_add, (1,), n),
+        "cas": lambda n: _loop_ns(word.cmpxchg_strong, (0, 0), n),
+    }
+    return runs, close
+
+
+def _ctypes_libatomic(
+    mm: mmap.mmap,
+) -> tuple[dict[str, Callable[[int], float]], Callable[[], None]]:
+    found = ctypes.util.find_library("atomic")
+    if found is None:
+        raise RuntimeError("libatomic not found: apt-get install -y libatomic1")
+    lib = ctypes.CDLL(found)
+    cell = ctypes.c_uint64.from_buffer(mm, 24)
+    address = ctypes.addressof(cell)
+    expected = ctypes.c_uint64(0)
+    load = getattr(lib, "__atomic_load_8")
+    load.argtypes, load.restype = [ctypes.c_void_p, ctypes.c_int], ctypes.c_uint64
+    store = getattr(lib, "__atomic_store_8")
+    store.argtypes, store.restype = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int], None
+    fetch_add = getattr(lib, "__atomic_fetch_add_8")
+    fetch_add.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int]
+    fetch_add.restype = ctypes.c_uint64
+    cas = getattr(lib, "__atomic_compare_exchange_8")
+    cas.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int, ctypes.c_int]
+    cas.restype = ctypes.c_bool
+    expected_address = ctypes.addressof(expected)
+    runs = {
+        "load": lambda n: _loop_ns(load, (address, SEQ_CST), n),
+        "store": lambda n: _loop_ns(store, (address, 7, SEQ_CST), n),
+        "fetch_add": lambda n: _loop_ns(fetch_add, (address, 1, SEQ_CST), n),
+        "cas": lambda n: _loop_ns(cas, (address, expected_address, 0, SEQ_CST, SEQ_CST), n),
+    }
+
+    def close() -> None:
+        nonlocal cell
+        del cell  # the ctypes object holds an export of the mapping
+
+    return runs, close
+
+
+def measure_atomics(quick: bool) -> dict[str, dict[str, float]]:
+    name = segment_name(_instance(), "atomics")
+    shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, size=4096)
+    mm = mmap.mmap(shm.fd, shm.size)
+    shm.close_fd()
+    contenders = {"ours": _ours(mm), ATOMICS: _atomics_package(mm), CTYPES: _ctypes_libatomic(mm)}
+    calls = {"ours": 200_000, ATOMICS: 5_000, CTYPES: 100_000}
+    if quick:
+        calls = {k: max(500, v // 20) for k, v in calls.items()}
+    rounds = 3 if quick else 7
+    samples: dict[str, dict[str, list[float]]] = {c: {op: [] for op in OPS} for c in contenders}
+    for round_ in range(rounds):
+        report.progress(f"shm: atomics round {round_ + 1}/{rounds}")
+        for op in OPS:
+            for contender, (runs, _) in contenders.items():
+                samples[contender][op].append(runs[op](calls[contender]))
+    for _, close in contenders.values():
+        close()
+    try:
+        mm.close()
+    finally:
+        posix_ipc.unlink_shared_memory(name)
+    return {c: {op: statistics.median(v) for op, v in ops.items()} for c, ops in samples.items()}
+
+
+# ---------------------------------------------------------------- claim path
+
+
+def _keys(n: int, prefix: bytes = b"https://shop.example/product/") -> list[bytes]:
+    return [prefix + b"%08d" % i for i in range(n)]
+
+
+def measure_ring(quick: bool) -> dict[str, float]:
+    name = segment_name(_instance(), "ring")
+    capacity = 8192
+    ring = ReadyRing.create(name, capacity=capacity, arena_bytes=capacity * 256)
+    try:
+        keys = _keys(capacity)
+        due = np.arange(capacity, dtype=np.int64)
+        classes = np.zeros(capacity, dtype=np.int32)
+        hashes = key_hashes(keys)
+        rounds = 3 if quick else 20
+        claimed = 0
+        claim_ns = 0
+        publish_ns: list[int] = []
+        for _ in range(rounds):
+            started = time.perf_counter_ns()
+            ring.publish(keys[:5000], due[:5000], classes[:5000], hashes[:5000], 1)
+            publish_ns.append(time.perf_counter_ns() - started)
+            ring.publish(keys, due, classes, hashes, 1)
+            claim = ring.claim
+            started = time.perf_counter_ns()
+            while batch := claim(64):
+                claimed += len(batch)
+            claim_ns += time.perf_counter_ns() - started
+        ring.publish(keys, due, classes, hashes, 1)
+        started = time.perf_counter_ns()
+        singles = 0
+        claim = ring.claim
+        while claim(1):
+            singles += 1
+        single_ns = time.perf_counter_ns() - started
+        return {
+            "claim64_us": claim_ns / claimed / 1000,
+            "claim1_us": single_ns / singles / 1000,
+            "publish5000_ms": statistics.median(publish_ns) / 1e6,
+            "entries": float(claimed),
+        }
+    finally:
+        ring.close()
+        remove(name)
+
+
+def measure_grants(quick: bool) -> dict[str, float]:
+    name = segment_name(_instance(), "leases")
+    table = LeaseTable.create(name, capacity=1 << 16)
+    try:
+        n = 5_000 if quick else 20_000
+        hashes = [int(h) for h in key_hashes(_keys(n))]
+        grant, complete = table.grant, table.complete
+        started = time.perf_counter_ns()
+        grants = [grant(h, 1_000, 60_000, 3_600_000) for h in hashes]
+        first_ns = time.perf_counter_ns() - started
+        tokens = [g.token for g in grants if isinstance(g, Grant)]
+        assert len(tokens) == n, "every uncontended grant must succeed"
+        started = time.perf_counter_ns()
+        for h, token in zip(hashes, tokens, strict=True):
+            complete(h, token, 2_000)
+        complete_ns = time.perf_counter_ns() - started
+        started = time.perf_counter_ns()
+        for h in hashes:
+            grant(h, 3_000, 60_000, 3_600_000)
+        again_ns = time.perf_counter_ns() - started
+        started = time.perf_counter_ns()
+        for h in hashes:
+            grant(h, 3_000, 60_000, 3_600_000)  # every key is leased: all refused
+        refused_ns = time.perf_counter_ns() - started
+        best = np.array(hashes[:5000], dtype=np.uint64)
+        mask_ns = min(_timed(lambda: table.blocked_mask(best, 3_000)) for _ in range(20))
+        return {
+            "grant_insert_us": first_ns / n / 1000,
+            "grant_us": again_ns / n / 1000,
+            "refusal_us": refused_ns / n / 1000,
+            "complete_us": complete_ns / n / 1000,
+            "blocked_mask_5000_us": mask_ns / 1000,
+        }
+    finally:
+        table.close()
+        remove(name)
+
+
+def _timed(call: Callable[[], object]) -> int:
+    started = time.perf_counter_ns()
+    call()
+    return time.perf_counter_ns() - started
+
+
+def _contend(name: str, hashes: list[int], seconds: float, start: Any) -> tuple[int, int]:
+    table = LeaseTable.attach(name)
+    grant, complete = table.grant, table.complete
+    start.wait(60)
+    calls = wins = 0
+    deadline = time.monotonic() + seconds
+    i = os.getpid() % len(hashes)
+    while time.monotonic() < deadline:
+        now = time.time_ns() // 1_000_000
+        for _ in range(64):
+            h = hashes[i % len(hashes)]
+            i += 1
+            got = grant(h, now, 60_000, 3_600_000)
+            calls += 1
+            if isinstance(got, Grant):
+                wins += 1
+                complete(h, got.token, now)
+    table.close()
+    return calls, wins
+
+
+def measure_contention(quick: bool) -> dict[str, float]:
+    seconds = 1.0 if quick else 5.0
+    ctx = multiprocessing.get_context("spawn")
+    out: dict[str, float] = {}
+    for processes in (1, 2):
+        name = segment_name(_instance(), "contend")
+        table = LeaseTable.create(name, capacity=1 << 14)
+        try:
+            hashes = [int(h) for h in key_hashes(_keys(1_000))]  # every process, same keys
+            start = ctx.Manager().Event()
+            with ctx.Pool(processes) as pool:
+                runs = [
+                    pool.apply_async(_contend, (name, hashes, seconds, start))
+                    for _ in range(processes)
+                ]
+                time.sleep(0.5)
+                start.set()
+                results = [r.get(seconds + 120) for r in runs]
+            calls = sum(r[0] for r in results)
+            wins = sum(r[1] for r in results)
+            out[f"calls_per_s_{processes}"] = calls / seconds
+            out[f"wins_per_s_{processes}"] = wins / seconds
+            report.progress(f"shm: {processes} process(es): {calls / seconds:,.0f} grants/s")
+        finally:
+            table.close()
+            remove(name)
+    return out
+
+
+# -------------------------------------------------------------------- report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.shm", description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="scaled down; checks rows only")
+    quick: bool = parser.parse_args(argv).quick
+    result = report.new_result(SECTION, quick)
+
+    atomic = measure_atomics(quick)
+    report.progress("shm: ring")
+    ring = measure_ring(quick)
+    report.progress("shm: grants")
+    grants = measure_grants(quick)
+    report.progress("shm: contended grants")
+    contention = measure_contention(quick)
+
+    for op in OPS:
+        ours = atomic["ours"][op]
+        result.figures.append(
+            report.Figure(
+                table=T_ATOMIC,
+                what=op,
+                unit="ns/op",
+                ours=round(ours, 1),
+                seed_text="~100",
+                target="<= 150, >= 50x faster than atomics",
+                peers={
+                    ATOMICS: round(atomic[ATOMICS][op], 1),
+                    CTYPES: round(atomic[CTYPES][op], 1),
+                },
+                note=f"{atomic[ATOMICS][op] / ours:.0f}x faster than atomics, "
+                f"{atomic[CTYPES][op] / ours:.1f}x than ctypes",
+            )
+        )
+    paths = [
+        ("claim, per entry (batches of 64)", "us/entry", ring["claim64_us"]),
+        ("claim, per entry (one per call)", "us/entry", ring["claim1_us"]),
+        ("publish 5,000 keys (keeper, each second)", "ms", ring["publish5000_ms"]),
+        ("grant, key already in the table", "us/grant", grants["grant_us"]),
+        ("grant, first grant (inserts the key)", "us/grant", grants["grant_insert_us"]),
+        ("grant refused (taken)", "us/call", grants["refusal_us"]),
+        ("complete", "us/call", grants["complete_us"]),
+        ("blocked_mask of 5,000 hashes", "us/call", grants["blocked_mask_5000_us"]),
+    ]
+    for what, unit, value in paths:
+        result.figures.append(
+            report.Figure(table=T_PATHS, what=what, unit=unit, ours=round(value, 3))
+        )
+    for kind, label in (("calls", "grant calls"), ("wins", "grants won (then completed)")):
+        result.figures.append(
+            report.Figure(
+                table=T_PATHS,
+                what=f"contended {label} per second, two processes, same 1k keys",
+                unit="/s",
+                ours=round(contention[f"{kind}_per_s_2"]),
+                better="higher",
+                peers={ONE_PROCESS: round(contention[f"{kind}_per_s_1"])},
+                note="the machine has 2 cores",
+            )
+        )
+    result.promised = [figure.key for figure in result.figures]
+    result.raw = {"atomics_ns": atomic, "ring": ring, "grants": grants, "contention": contention}
+    worst = max(atomic["ours"][op] for op in OPS)
+    slowest_ratio = min(atomic[ATOMICS][op] / atomic["ours"][op] for op in OPS)
+    print(
+        f"Atomics: ours at most {worst:.0f} ns an operation (target <= 150), at least "
+        f"{slowest_ratio:.0f}x faster than the atomics package (target >= 50x).\n"
+        f"Command: .venv/bin/python -m bench.shm{' --quick' if quick else ''}\n"
+    )
+    return report.emit(result)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
