@@ -1,0 +1,380 @@
+"""The durable store on its own: single-row puts with and without a feed consumer, the
+consumer's lag across processes, the walk, and point reads.
+
+`python -m bench.store [--quick]`
+
+250k rows (quick: 20k) of the shared workload (bench.peer_base). Arms per round,
+in alternating order, 10k single-row writes each (quick: 2k; 5 rounds, quick 2):
+- no consumer: nobody subscribed;
+- feed tailing: a consumer in another process subscribed at the head, waiting on
+  the store's wake-up and polling; every event is stamped as it is polled;
+- bare sqlite3 (a peer, same run): the same upsert on a same-shaped table with no
+  change log, trigger, validation or retry, to show what the store's own work costs.
+Put latency is the caller's view of `write()`; lag is from the writer's commit
+(`SqliteStore.last_commit_ns`, CLOCK_MONOTONIC, shared by processes) to the poll
+that delivered the event. CPU per write is the writer's process CPU (plus the
+consumer's, in the feed arm). Then: a full walk by primary key in 5,000-row chunks
+(the keeper's chunk) and random point reads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import random
+import shutil
+import sqlite3
+import tempfile
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from bench import report
+from bench.peer_base import Workload, generate
+
+TABLE = "store: SQLite, single node"
+CONSUMER = "bench-store"
+TAG_BASE = 10**13  # next_render_at tags: each measured write carries a unique one
+
+
+class Config(msgspec.Struct, frozen=True, kw_only=True):
+    rows: int
+    writes: int  # per arm per round
+    rounds: int
+    warmup: int = 200
+    reads: int = 20_000
+
+
+FULL = Config(rows=250_000, writes=10_000, rounds=5)
+QUICK = Config(rows=20_000, writes=2_000, rounds=2)
+
+
+class Delivered(msgspec.Struct, kw_only=True):
+    tags: list[int]
+    at_ns: list[int]
+    cpu_s: float
+    polls: int
+    woken: int
+    noticed: int
+
+
+def consumer_process(conn: Connection, path: str) -> None:
+    """Subscribe at the head, then stamp each event as its poll returns, until told to stop."""
+    from store.rows import RowEvent
+    from store.sqlite import SqliteStore
+
+    store = SqliteStore(path)
+    subscription = store.subscribe(CONSUMER, store.feed_head())
+    tags: list[int] = []
+    at_ns: list[int] = []
+    conn.send("ready")
+    cpu0 = time.process_time()
+    stopping = False
+    while True:
+        batch = subscription.poll(5000)
+        now = time.monotonic_ns()
+        for event in batch.events:
+            if isinstance(event, RowEvent) and event.row is not None:
+                tags.append(event.row.next_render_at)
+                at_ns.append(now)
+        if batch.events:
+            continue
+        if stopping:
+            break
+        if conn.poll():
+            conn.recv()
+            stopping = True  # one more empty poll after the writer stopped, then report
+            continue
+        subscription.wait(0.05)
+    stats = subscription.statistics()
+    conn.send_bytes(
+        msgspec.msgpack.encode(
+            Delivered(
+                tags=tags,
+                at_ns=at_ns,
+                cpu_s=time.process_time() - cpu0,
+                polls=stats.polls,
+                woken=stats.woken,
+                noticed=stats.noticed,
+            )
+        )
+    )
+    subscription.close()
+    store.drop_consumer(CONSUMER)
+    store.close()
+
+
+class Arm(msgspec.Struct, kw_only=True):
+    put_ns: list[int] = []
+    lag_ns: list[int] = []
+    writes: int = 0
+    delivered: int = 0
+    cpu_s: float = 0.0
+
+
+def run_puts(
+    store: Any, keys: list[str], count: int, warmup: int, tag0: int, rng: random.Random, arm: Arm
+) -> dict[int, int]:
+    """Single-row writes of random existing keys; returns tag -> commit time."""
+    from store.rows import RowWrite
+
+    commits: dict[int, int] = {}
+    routes = ("product", "category", "article", "search")
+    for i in range(warmup + count):
+        index = rng.randrange(len(keys))
+        tag = tag0 + i
+        row = [RowWrite(key=keys[index], route=routes[index % 4], next_render_at=tag)]
+        if i == warmup:
+            cpu0 = time.process_time()
+        started = time.perf_counter_ns()
+        store.write(row)
+        elapsed = time.perf_counter_ns() - started
+        if i >= warmup:
+            arm.put_ns.append(elapsed)
+            commits[tag] = store.last_commit_ns
+    arm.cpu_s += time.process_time() - cpu0
+    arm.writes += count
+    return commits
+
+
+BARE_SCHEMA = """CREATE TABLE IF NOT EXISTS render_schedule (
+    key TEXT PRIMARY KEY NOT NULL, route TEXT NOT NULL, cadence_s INTEGER,
+    sitemap INTEGER NOT NULL, next_render_at INTEGER NOT NULL, last_rendered_at INTEGER,
+    last_outcome TEXT, version INTEGER NOT NULL) WITHOUT ROWID"""
+BARE_UPSERT = """INSERT INTO render_schedule (key, route, cadence_s, sitemap, next_render_at,
+    version) VALUES (?, ?, NULL, 0, ?, 1) ON CONFLICT (key) DO UPDATE SET
+    route = excluded.route, next_render_at = excluded.next_render_at, version = version + 1"""
+
+
+def bare_open(path: str, rows: Any) -> sqlite3.Connection:
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.execute("PRAGMA journal_mode = WAL")
+    for pragma in ("synchronous = NORMAL", "cache_size = -32000", "mmap_size = 268435456"):
+        conn.execute(f"PRAGMA {pragma}")
+    conn.execute(BARE_SCHEMA)
+    conn.execute("BEGIN")
+    conn.executemany(
+        "INSERT INTO render_schedule VALUES (?, ?, ?, ?, ?, NULL, NULL, 1)",
+        zip(
+            rows.keys, rows.routes, rows.cadences_s, rows.sitemaps, rows.next_render_at, strict=True
+        ),
+    )
+    conn.execute("COMMIT")
+    return conn
+
+
+def run_bare(
+    conn: sqlite3.Connection, keys: list[str], count: int, warmup: int, rng: random.Random, arm: Arm
+) -> None:
+    routes = ("product", "category", "article", "search")
+    for i in range(warmup + count):
+        index = rng.randrange(len(keys))
+        if i == warmup:
+            cpu0 = time.process_time()
+        started = time.perf_counter_ns()
+        conn.execute("BEGIN IMMEDIATE")
+        conn.execute(BARE_UPSERT, (keys[index], routes[index % 4], TAG_BASE + i))
+        conn.execute("COMMIT")
+        elapsed = time.perf_counter_ns() - started
+        if i >= warmup:
+            arm.put_ns.append(elapsed)
+    arm.cpu_s += time.process_time() - cpu0
+    arm.writes += count
+
+
+def us(values: list[int], q: float) -> float | None:
+    found = report.percentile(values, q)
+    return None if found is None else found / 1000
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.store", description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="20k rows, 2 rounds of 2k writes")
+    args = parser.parse_args(argv)
+    config = QUICK if args.quick else FULL
+    result = report.new_result("store", args.quick)
+    from store.rows import RowWrite
+    from store.sqlite import SqliteStore
+
+    work = Path(tempfile.mkdtemp(prefix=f"rq-bench-store-{os.getpid()}-"))
+    try:
+        path = str(work / "schedule.db")
+        report.progress(f"store: loading {config.rows:,} rows into {path}")
+        rows = generate(Workload(rows=config.rows, now_ms=time.time_ns() // 1_000_000))
+        store = SqliteStore(path)
+        for part in rows.chunks(5000):
+            store.write(
+                [
+                    RowWrite(
+                        key=rows.keys[i],
+                        route=rows.routes[i],
+                        next_render_at=rows.next_render_at[i],
+                        sitemap=rows.sitemaps[i],
+                    )
+                    for i in part
+                ]
+            )
+        bare = bare_open(str(work / "bare.db"), rows)
+        keys = rows.keys
+        rng = random.Random(11)
+        arms = {"no consumer": Arm(), "feed tailing": Arm(), "bare sqlite3": Arm()}
+        woken = noticed = 0
+        ctx = mp.get_context("spawn")
+        tag = TAG_BASE
+        for round_no in range(config.rounds):
+            order = ["no consumer", "feed tailing", "bare sqlite3"]
+            if round_no % 2:
+                order.reverse()
+            for name in order:
+                report.progress(f"store: round {round_no + 1}/{config.rounds}, {name}")
+                arm = arms[name]
+                if name == "bare sqlite3":
+                    run_bare(bare, keys, config.writes, config.warmup, rng, arm)
+                    continue
+                if name == "no consumer":
+                    run_puts(store, keys, config.writes, config.warmup, tag, rng, arm)
+                    tag += config.warmup + config.writes
+                    continue
+                ours, theirs = ctx.Pipe()
+                process = ctx.Process(target=consumer_process, args=(theirs, path), daemon=True)
+                process.start()
+                assert ours.recv() == "ready"
+                commits = run_puts(store, keys, config.writes, config.warmup, tag, rng, arm)
+                tag += config.warmup + config.writes
+                ours.send("stop")
+                delivered = msgspec.msgpack.decode(ours.recv_bytes(), type=Delivered)
+                process.join(30)
+                arm.cpu_s += delivered.cpu_s
+                woken += delivered.woken
+                noticed += delivered.noticed
+                for event_tag, at in zip(delivered.tags, delivered.at_ns, strict=True):
+                    committed = commits.get(event_tag)
+                    if committed is not None:
+                        arm.lag_ns.append(at - committed)
+                        arm.delivered += 1
+
+        report.progress("store: walk and point reads")
+        walks: list[float] = []
+        for _ in range(3):
+            started = time.perf_counter()
+            walked, after = 0, None
+            while True:
+                chunk = store.walk(after, 5000)
+                walked += len(chunk)
+                if len(chunk) < 5000:
+                    break
+                after = chunk[-1].key
+            walks.append(time.perf_counter() - started)
+            assert walked == config.rows
+        walk_s = sorted(walks)[1]
+        reads: list[int] = []
+        for _ in range(config.reads):
+            wanted = keys[rng.randrange(len(keys))]
+            started = time.perf_counter_ns()
+            store.get(wanted)
+            reads.append(time.perf_counter_ns() - started)
+        started = time.perf_counter_ns()
+        batches = max(1, config.reads // 100)
+        for _ in range(batches):
+            store.get_many(rng.sample(keys, 100))
+        get_many_us = (time.perf_counter_ns() - started) / (batches * 100) / 1000
+        stats = store.statistics()
+        store.close()
+        bare.close()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    quiet, fed, peer = arms["no consumer"], arms["feed tailing"], arms["bare sqlite3"]
+    bare_peer = "bare sqlite3"
+    scale = f"{config.rows // 1000}k rows"
+
+    def fig(what: str, unit: str, ours: float | None, **kw: Any) -> None:
+        result.figures.append(report.Figure(table=TABLE, what=what, unit=unit, ours=ours, **kw))
+
+    fig(
+        "put p50, no consumer",
+        "us",
+        us(quiet.put_ns, 50),
+        seed=92.0,
+        target="lower",
+        peers={bare_peer: us(peer.put_ns, 50)},
+    )
+    fig(
+        "put p99, no consumer",
+        "us",
+        us(quiet.put_ns, 99),
+        seed=183.0,
+        target="lower",
+        peers={bare_peer: us(peer.put_ns, 99)},
+    )
+    fig("put p50, consumer tailing the feed", "us", us(fed.put_ns, 50), seed=97.0, target="lower")
+    fig("put p99, consumer tailing the feed", "us", us(fed.put_ns, 99), seed=188.0, target="lower")
+    fig(
+        "lag p50, commit to delivery, across processes",
+        "ms",
+        (us(fed.lag_ns, 50) or 0) / 1000 if fed.lag_ns else None,
+        target="lower",
+    )
+    fig(
+        "lag p99, commit to delivery, across processes",
+        "ms",
+        (us(fed.lag_ns, 99) or 0) / 1000 if fed.lag_ns else None,
+        seed=0.8,
+        target="lower",
+    )
+    fig(
+        "events per write (feed)",
+        "",
+        fed.delivered / fed.writes if fed.writes else None,
+        seed=1.0,
+        target="1",
+        better="higher",
+        note="an event coalesces repeat writes of one key within a poll",
+    )
+    fig(
+        "process CPU per write, no consumer",
+        "us",
+        quiet.cpu_s / quiet.writes * 1e6 if quiet.writes else None,
+        seed=106.0,
+        target="lower",
+        peers={bare_peer: peer.cpu_s / peer.writes * 1e6 if peer.writes else None},
+    )
+    fig(
+        "process CPU per write, writer + consumer",
+        "us",
+        fed.cpu_s / fed.writes * 1e6 if fed.writes else None,
+        seed=142.0,
+        target="lower",
+    )
+    fig(
+        f"walk by primary key, {scale}",
+        "s",
+        walk_s,
+        seed=0.9,
+        target="lower",
+        note="seed: the keeper's whole rebuild at 250k; ours: the store's walk alone",
+    )
+    fig("walk per row", "us", walk_s / config.rows * 1e6)
+    fig("point read p50 (get)", "us", us(reads, 50))
+    fig("point read p99 (get)", "us", us(reads, 99))
+    fig("get_many, per key (100 keys a call)", "us", get_many_us)
+    result.promised = [f.key for f in result.figures]
+    result.raw = {
+        "config": msgspec.to_builtins(config),
+        "writes_per_arm": {name: arm.writes for name, arm in arms.items()},
+        "put_p999_us": {name: us(arm.put_ns, 99.9) for name, arm in arms.items()},
+        "lag_max_ms": max(fed.lag_ns) / 1e6 if fed.lag_ns else None,
+        "consumer_waits_ended_by_post": woken,
+        "consumer_waits_ended_by_data_version": noticed,
+        "walk_s_runs": walks,
+        "store_statistics": msgspec.to_builtins(stats),
+    }
+    return report.emit(result)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
