@@ -1,0 +1,137 @@
+"""fleet.renderers: a real command per key (exit status -> outcome, no shell, killed on
+timeout or cancel) and the simulated render-time distribution."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fleet.messages import Lease
+from fleet.renderers import CommandRenderer, SimulatedRenderer, command_arguments
+
+
+def lease(key: str = "https://e.com/a?b=1&c=2", route: str = "product") -> Lease:
+    return Lease(key=key, token="1", route=route, due_at=0, lease_expires_at=0)
+
+
+PY = sys.executable
+
+
+def test_arguments_substitute_without_a_shell() -> None:
+    hostile = lease("https://e.com/x'; touch /tmp/pwned; echo '")
+    args = command_arguments(f'{PY} render.py --url "{{key}}" --route {{route}}', hostile)
+    assert args == [PY, "render.py", "--url", hostile.key, "--route", "product"]
+
+
+def test_exit_status_decides_the_outcome(tmp_path: Path) -> None:
+    marker = tmp_path / "seen"
+    script = tmp_path / "render.py"
+    script.write_text(
+        "import sys, pathlib\n"
+        f"pathlib.Path({str(marker)!r}).write_text(sys.argv[1])\n"
+        "code = {'ok': 0, 'gone': 10}.get(sys.argv[1].rsplit('/', 1)[1], 3)\n"
+        "if code == 3: print('render failed: timeout waiting for selector', file=sys.stderr)\n"
+        "sys.exit(code)\n"
+    )
+    renderer = CommandRenderer(f"{PY} {script} {{key}}")
+
+    async def go(key: str) -> tuple[str, str]:
+        result = await renderer(lease(key))
+        return result.outcome, result.detail
+
+    assert asyncio.run(go("https://e.com/ok")) == ("rendered", "")
+    assert marker.read_text() == "https://e.com/ok"
+    assert asyncio.run(go("https://e.com/gone")) == ("gone", "")
+    outcome, detail = asyncio.run(go("https://e.com/broken"))
+    assert outcome == "failed"
+    assert detail.startswith("exit 3") and "timeout waiting for selector" in detail
+
+
+def test_a_hostile_key_runs_no_second_command(tmp_path: Path) -> None:
+    pwned = tmp_path / "pwned"
+    renderer = CommandRenderer(f"{PY} -c 'import sys; sys.exit(0)' {{key}}")
+    result = asyncio.run(renderer(lease(f"https://e.com/$(touch {pwned}); touch {pwned}")))
+    assert result.outcome == "rendered"
+    assert not pwned.exists()
+
+
+def test_timeout_kills_the_process_group(tmp_path: Path) -> None:
+    pid_file = tmp_path / "child.pid"
+    script = tmp_path / "hang.py"
+    # the render forks a child (as a browser would) and both hang
+    script.write_text(
+        "import os, sys, time, pathlib\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    time.sleep(600)\n"
+        f"pathlib.Path({str(pid_file)!r}).write_text(str(pid))\n"
+        "time.sleep(600)\n"
+    )
+    renderer = CommandRenderer(f"{PY} {script} {{key}}", timeout_s=1.0)
+    result = asyncio.run(renderer(lease()))
+    assert result.outcome == "failed" and "timed out" in result.detail
+    child = int(pid_file.read_text())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail("the render's child process outlived the timeout")
+
+
+def test_cancel_kills_the_command(tmp_path: Path) -> None:
+    pid_file = tmp_path / "pid"
+    script = tmp_path / "hang.py"
+    script.write_text(
+        "import os, time, pathlib\n"
+        f"pathlib.Path({str(pid_file)!r}).write_text(str(os.getpid()))\n"
+        "time.sleep(600)\n"
+    )
+    renderer = CommandRenderer(f"{PY} {script} {{key}}")
+
+    async def go() -> int:
+        task = asyncio.create_task(renderer(lease()))
+        async with asyncio.timeout(30):
+            while not pid_file.exists() or not pid_file.read_text():
+                await asyncio.sleep(0.02)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return int(pid_file.read_text())
+
+    pid = asyncio.run(go())
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+def test_command_template_is_checked_up_front() -> None:
+    with pytest.raises(ValueError, match="must contain"):
+        CommandRenderer("render.sh")
+    with pytest.raises(ValueError):
+        CommandRenderer("render.sh '{key}")
+
+
+def test_simulated_distribution_and_failure_rate() -> None:
+    renderer = SimulatedRenderer(mean_ms=500, failure_rate=0.2, rng=random.Random(3))
+    draws = [renderer.draw_ms() for _ in range(20_000)]
+    assert statistics.fmean(draws) == pytest.approx(500, rel=0.05)
+    assert statistics.median(draws) < 500  # log-normal: a long right tail
+    fast = SimulatedRenderer(mean_ms=0, failure_rate=0.2, rng=random.Random(4))
+
+    async def outcomes() -> list[str]:
+        return [(await fast(lease())).outcome for _ in range(5000)]
+
+    failed = asyncio.run(outcomes()).count("failed")
+    assert 850 < failed < 1150
+    with pytest.raises(ValueError):
+        SimulatedRenderer(failure_rate=1.5)
