@@ -47,7 +47,14 @@ from store.validate import (
     check_route_name,
     check_upserts,
 )
-from store.wake import WakePoster, WakeStatistics, new_wake_name, unlink, wake_prefix
+from store.wake import (
+    WakePoster,
+    WakeStatistics,
+    new_wake_name,
+    open_waiter,
+    unlink,
+    wake_prefix,
+)
 
 T = TypeVar("T")
 
@@ -318,8 +325,11 @@ class SqliteStore:
         """
         check_consumer(consumer)
         start = None if cursor is None else parse_cursor(cursor)
+        # A fresh semaphore per subscription, made before writers can learn its name.
+        wake = new_wake_name(self._wake_prefix)
+        waiter = open_waiter(wake)
 
-        def body(conn: sqlite3.Connection) -> tuple[Verdict, str, int, int, str]:
+        def body(conn: sqlite3.Connection) -> tuple[Verdict, str, int, int, str | None]:
             saved = conn.execute(sql.CONSUMER, (consumer,)).fetchone()
             if start is not None:
                 seq, stamp = start
@@ -331,21 +341,31 @@ class SqliteStore:
             if verdict == "ahead":
                 conn.execute("UPDATE feed_state SET resyncs = resyncs + 1 WHERE id = 1")
             if verdict != "ok":
-                return verdict, reason, seq, stamp, ""
-            wake = str(saved[2]) if saved is not None else new_wake_name(self._wake_prefix)
+                return verdict, reason, seq, stamp, None
             now_ms = time.time_ns() // 1_000_000
             conn.execute(sql.SAVE_CONSUMER, (consumer, seq, stamp, wake, now_ms))
-            return verdict, reason, seq, stamp, wake
+            return verdict, reason, seq, stamp, None if saved is None else str(saved[2])
 
-        verdict, reason, seq, stamp, wake = self._write("subscribe", body, rows=0, logged=False)
-        if verdict != "ok":
-            raise_for(verdict, reason, consumer)
+        try:
+            verdict, reason, seq, stamp, previous = self._write(
+                "subscribe", body, rows=0, logged=False
+            )
+            if verdict != "ok":
+                raise_for(verdict, reason, consumer)
+        except BaseException:
+            if waiter is not None:
+                waiter.close()
+            unlink(wake)
+            raise
+        if previous is not None and previous != wake:
+            unlink(previous)  # left by this consumer's last run, if it died without closing
         return SqliteSubscription(
             path=self.path,
             consumer=consumer,
             seq=seq,
             stamp=stamp,
             wake_name=wake,
+            waiter=waiter,
             busy_timeout_s=self.busy_timeout_s,
         )
 

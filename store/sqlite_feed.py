@@ -17,14 +17,13 @@ import time
 from typing import Any, Literal
 
 import msgspec
-import posix_ipc
 
 from store import sqlite_sql as sql
 from store.base import Cursor, CursorAhead, CursorBelowFloor, FeedBatch
 from store.rows import FeedEvent, Route, RouteEvent, RowEvent, SettingsEvent
 from store.schema import DEFAULT_CADENCE_S, KIND_ROUTE, KIND_ROW, KIND_SETTINGS
 from store.sqlite_conn import Retry, configure, connect
-from store.wake import WakeWaiter
+from store.wake import WakeWaiter, unlink
 
 _TOKEN_PREFIX = "sqlite"
 FALLBACK_POLL_S = 0.004  # data_version is checked this often while no post arrives
@@ -100,6 +99,7 @@ class SqliteSubscription:
         seq: int,
         stamp: int,
         wake_name: str,
+        waiter: WakeWaiter | None,
         busy_timeout_s: float,
     ) -> None:
         self.consumer = consumer
@@ -109,12 +109,15 @@ class SqliteSubscription:
         self._wake_name = wake_name
         self._retry = Retry(busy_timeout_s)
         self._conn = connect(path)
-        self._retry.call("subscribe", lambda: configure(self._conn))
-        self._waiter: WakeWaiter | None
         try:
-            self._waiter = WakeWaiter(wake_name)
-        except (posix_ipc.Error, OSError):
-            self._waiter = None  # no semaphores here: data_version polling alone
+            self._retry.call("subscribe", lambda: configure(self._conn))
+        except BaseException:
+            self._conn.close()
+            if waiter is not None:
+                waiter.close()
+            unlink(wake_name)
+            raise
+        self._waiter = waiter  # None: no semaphores here, data_version polling alone
         self._seen_version = self._data_version()
         self._polls = self._events = self._entries = self._coalesced = 0
         self._woken = self._noticed = self._timeouts = 0
@@ -141,12 +144,21 @@ class SqliteSubscription:
             self._waiter.clear()
         self._seen_version = self._data_version()
         after = self._seq
-        found = self._retry.transaction(
-            self._conn, "poll", lambda conn: self._read(conn, after, limit), write=False
+        # One statement is one snapshot: the log entries and the rows they name agree.
+        records = self._retry.call(
+            "poll", lambda: self._conn.execute(sql.POLL, (after, limit)).fetchall()
         )
-        if isinstance(found, str):
-            raise CursorBelowFloor(f"consumer {self.consumer!r}: {found}; resync (walk)")
-        records, routes, default_cadence_s = found
+        routes: dict[str, Route] = {}
+        default_cadence_s = DEFAULT_CADENCE_S
+        # Committed seqs are contiguous, so only a gap after the cursor can mean pruning;
+        # route and settings entries need more reads from the same snapshot.
+        if records and (records[0][0] != after + 1 or any(r[1] != KIND_ROW for r in records)):
+            found = self._retry.transaction(
+                self._conn, "poll", lambda conn: self._read(conn, after, limit), write=False
+            )
+            if isinstance(found, str):
+                raise CursorBelowFloor(f"consumer {self.consumer!r}: {found}; resync (walk)")
+            records, routes, default_cadence_s = found
         self._polls += 1
         if not records:
             return FeedBatch(events=[], cursor=self.cursor)
@@ -240,6 +252,7 @@ class SqliteSubscription:
         self._closed = True
         if self._waiter is not None:
             self._waiter.close()
+            unlink(self._wake_name)
         self._conn.close()
 
     def __enter__(self) -> SqliteSubscription:

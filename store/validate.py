@@ -30,11 +30,19 @@ def is_int(value: object) -> bool:
 
 
 def check_key(key: object, *, what: str = "key", index: int | None = None) -> str:
+    if isinstance(key, str) and key and key.isascii() and len(key) <= MAX_KEY_BYTES:
+        return key  # the common case, without building the error prefix
     where = _where(what, index, key)
     if not isinstance(key, str):
         raise ValueError(f"{where}: key must be a string, got {type(key).__name__}")
     if not key:
         raise ValueError(f"{where}: key is empty")
+    if key.isascii():  # one byte a character: no encoding needed to know the size
+        if len(key) > MAX_KEY_BYTES:
+            raise ValueError(
+                f"{where}: key is {len(key)} UTF-8 bytes, over the {MAX_KEY_BYTES} limit"
+            )
+        return key
     try:
         size = len(key.encode("utf-8"))
     except UnicodeEncodeError as exc:
@@ -44,12 +52,19 @@ def check_key(key: object, *, what: str = "key", index: int | None = None) -> st
     return key
 
 
+_known_routes: set[str] = set()  # names that passed: few, and checked on every row
+
+
 def check_route_name(route: object, *, where: str = "route") -> str:
+    if isinstance(route, str) and route in _known_routes:
+        return route
     if not isinstance(route, str) or ROUTE_NAME.fullmatch(route) is None:
         raise ValueError(
             f"{where}: route name {route!r} must match {ROUTE_NAME.pattern} "
             "(lower-case letters, digits, '_', '.', '-'; at most 64)"
         )
+    if len(_known_routes) < 10_000:
+        _known_routes.add(route)
     return route
 
 
@@ -74,10 +89,19 @@ def check_upserts(rows: Sequence[RowWrite]) -> None:
         if not isinstance(row, RowWrite):
             raise ValueError(f"upsert[{index}]: expected a RowWrite, got {type(row).__name__}")
         check_key(row.key, what="upsert", index=index)
+        cadence, at = row.cadence_s, row.next_render_at
+        if (
+            type(row.route) is str
+            and row.route in _known_routes
+            and (cadence is None or (type(cadence) is int and cadence > 0))
+            and type(at) is int
+            and type(row.sitemap) is bool
+        ):
+            continue  # the common case, without building the error prefix
         where = _where("upsert", index, row.key)
         check_route_name(row.route, where=f"{where}: route")
-        check_cadence(row.cadence_s, where=f"{where}: cadence_s", optional=True)
-        check_time(row.next_render_at, where=f"{where}: next_render_at")
+        check_cadence(cadence, where=f"{where}: cadence_s", optional=True)
+        check_time(at, where=f"{where}: next_render_at")
         if not isinstance(row.sitemap, bool):
             raise ValueError(f"{where}: sitemap must be true or false, got {row.sitemap!r}")
 

@@ -1,7 +1,8 @@
 """Commit wake-ups across processes: a hint that the feed may have moved, never the truth.
 
-Each registered consumer owns one POSIX semaphore (its name is kept in the
-consumer's `feed_consumers` row). A writer posts every consumer's semaphore
+Each open subscription owns one POSIX semaphore, under a fresh name kept in
+its consumer's `feed_consumers` row, and unlinks it when it closes (or its
+consumer's next subscription does, after a crash). A writer posts every consumer's semaphore
 after each commit, but only when its value is 0: the consumer polls after each
 wake, so one pending post covers any number of commits, and the count of a
 consumer that is gone stays bounded at 1. The consumer-side `wait` falls back
@@ -57,7 +58,7 @@ def unlink(name: str) -> None:
 
 
 class WakeWaiter:
-    """The consumer's end: created on subscribe, kept (not unlinked) while registered."""
+    """The consumer's end: made by each subscription, unlinked when it closes."""
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -77,6 +78,14 @@ class WakeWaiter:
 
     def close(self) -> None:
         self._semaphore.close()
+
+
+def open_waiter(name: str) -> WakeWaiter | None:
+    """The consumer's semaphore, or None where POSIX semaphores are unavailable."""
+    try:
+        return WakeWaiter(name)
+    except (posix_ipc.Error, OSError):
+        return None
 
 
 class WakePoster:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 import sqlite3
 import time
 from collections.abc import Iterator
@@ -15,6 +16,7 @@ from store.base import Cursor, CursorAhead, CursorBelowFloor
 from store.rows import Completion, Route, RouteEvent, RowEvent, RowWrite, SettingsEvent
 from store.sqlite import SqliteStore
 from store.sqlite_feed import SqliteSubscription, parse_cursor
+from store.wake import unlink
 
 
 @pytest.fixture
@@ -278,7 +280,10 @@ def test_a_commit_in_another_process_wakes_a_waiting_consumer(store: SqliteStore
 def test_data_version_polling_alone_still_wakes(store: SqliteStore) -> None:
     sub = store.subscribe("keeper")
     assert isinstance(sub, SqliteSubscription)
-    sub._waiter = None  # as on a system without POSIX semaphores
+    waiter, sub._waiter = sub._waiter, None  # as on a system without POSIX semaphores
+    assert waiter is not None
+    waiter.close()
+    unlink(sub.statistics().wake or waiter.name)
     sub.poll()
     context = multiprocessing.get_context("spawn")
     started = context.Event()
@@ -292,11 +297,55 @@ def test_data_version_polling_alone_still_wakes(store: SqliteStore) -> None:
     sub.close()
 
 
-def test_drop_consumer_removes_its_semaphore(store: SqliteStore) -> None:
+def sem_exists(name: str) -> bool:
+    return os.path.exists(f"/dev/shm/sem.{name.lstrip('/')}")
+
+
+def test_a_subscription_removes_its_semaphore_when_it_closes(store: SqliteStore) -> None:
     sub = store.subscribe("keeper")
     name = sub.statistics().wake
-    assert name and os.path.exists(f"/dev/shm/sem.{name.lstrip('/')}")
+    assert name and sem_exists(name)
     sub.close()
+    assert not sem_exists(name)
+    again = store.subscribe("keeper")
+    assert again.statistics().wake not in ("", name)  # a fresh name each time
+    again.close()
     assert store.drop_consumer("keeper") is True
-    assert not os.path.exists(f"/dev/shm/sem.{name.lstrip('/')}")
     assert store.drop_consumer("keeper") is False
+
+
+def _subscribe_and_die(path: str) -> None:
+    store = SqliteStore(path)
+    store.subscribe("keeper")
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_killed_consumers_semaphore_goes_with_its_next_subscription(
+    store: SqliteStore,
+) -> None:
+    child = multiprocessing.get_context("spawn").Process(
+        target=_subscribe_and_die, args=(str(store.path),)
+    )
+    child.start()
+    child.join(60)
+    assert child.exitcode == -signal.SIGKILL
+    conn = sqlite3.connect(store.path)
+    (left,) = conn.execute("SELECT wake FROM feed_consumers WHERE consumer = 'keeper'").fetchone()
+    conn.close()
+    assert sem_exists(left)
+    sub = store.subscribe("keeper")
+    assert not sem_exists(left)
+    sub.close()
+
+
+def test_drop_consumer_removes_a_semaphore_left_behind(store: SqliteStore) -> None:
+    child = multiprocessing.get_context("spawn").Process(
+        target=_subscribe_and_die, args=(str(store.path),)
+    )
+    child.start()
+    child.join(60)
+    conn = sqlite3.connect(store.path)
+    (left,) = conn.execute("SELECT wake FROM feed_consumers WHERE consumer = 'keeper'").fetchone()
+    conn.close()
+    assert store.drop_consumer("keeper") is True
+    assert not sem_exists(left)
