@@ -1,7 +1,8 @@
 """A streaming, defused parse of one sitemap or sitemap-index document (sitemaps.org 0.9).
 
-Memory stays bounded: each <url> or <sitemap> element is handed out and then cleared
-from the tree, so a 50,000-URL file never exists as a whole tree. defusedxml refuses
+Memory stays bounded: no element tree is built at all. The parser's target keeps the
+few fields of the entry being read, and entries are handed out after each feed, so
+a 50,000-URL file never exists in memory as a whole. defusedxml refuses
 entity declarations (billion laughs, quadratic blowup) and external references (XXE)
 before a single entry is produced. Elements are matched by namespace and depth, so
 an extension's own <image:loc> or <xhtml:link href> is never read as a page's <loc>.
@@ -10,8 +11,8 @@ an extension's own <image:loc> or <xhtml:link href> is never read as a page's <l
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import BinaryIO, Literal, cast
-from xml.etree.ElementTree import Element, ParseError, TreeBuilder, XMLPullParser
+from typing import BinaryIO, Literal
+from xml.etree.ElementTree import ParseError
 
 import defusedxml
 import msgspec
@@ -34,7 +35,7 @@ DocumentKind = Literal["urlset", "sitemapindex"]
 # token that spans feeds from its start on every feed, so one huge text or comment
 # token costs (size / feed)^2 / 2 feed-lengths of work: with the 16 KiB feeds of
 # ElementTree.iterparse, a 50 MB comment took over two minutes; with 1 MiB it takes
-# about a second. The price is read-ahead: up to one feed's elements exist at once.
+# about a second. The price is read-ahead: up to one feed's entries exist at once.
 FEED_BYTES = 1 << 20
 
 
@@ -61,9 +62,92 @@ def _split(tag: str) -> tuple[str, str]:
     return "", tag
 
 
-def _text(element: Element) -> str | None:
-    text = (element.text or "").strip()
-    return text or None
+_URL_FIELDS = frozenset({"loc", "lastmod", "changefreq", "priority"})
+_SITEMAP_FIELDS = frozenset({"loc", "lastmod"})
+
+
+class _NotASitemap(Exception):
+    def __init__(self, tag: str) -> None:
+        self.tag = tag
+
+
+class _SitemapTarget:
+    """The parser's target: keeps only the fields of each entry, builds no element tree.
+
+    ElementTree's TreeBuilder would build an Element per tag, extension tags
+    included; this keeps one small dict per entry and hands entries out per feed.
+    """
+
+    def __init__(self) -> None:
+        self.kind: DocumentKind | None = None
+        self.entries: list[UrlEntry | SitemapRef] = []
+        self._depth = 0
+        self._entry_local = ""
+        self._wanted: frozenset[str] = frozenset()
+        self._in_entry = False
+        self._fields: dict[str, str | None] = {}
+        self._field: str | None = None
+        self._text: list[str] = []
+        # tag -> its local name if in a sitemap namespace, else "": tags repeat endlessly
+        self._local: dict[str, str] = {}
+
+    def _sitemap_local(self, tag: str) -> str:
+        local = self._local.get(tag)
+        if local is None:
+            namespace, name = _split(tag)
+            local = self._local[tag] = name if namespace in SITEMAP_NAMESPACES else ""
+        return local
+
+    def start(self, tag: str, attrib: dict[str, str]) -> None:
+        self._depth += 1
+        depth = self._depth
+        if depth == 3:
+            if self._in_entry:
+                local = self._sitemap_local(tag)
+                if local in self._wanted and local not in self._fields:
+                    self._field = local
+                    self._text = []
+        elif depth == 2:
+            self._in_entry = self._sitemap_local(tag) == self._entry_local
+            self._fields = {}
+        elif depth == 1:
+            namespace, local = _split(tag)
+            if namespace not in SITEMAP_NAMESPACES or local not in ("urlset", "sitemapindex"):
+                raise _NotASitemap(tag)
+            self.kind = "urlset" if local == "urlset" else "sitemapindex"
+            self._entry_local = "url" if local == "urlset" else "sitemap"
+            self._wanted = _URL_FIELDS if local == "urlset" else _SITEMAP_FIELDS
+
+    def data(self, text: str) -> None:
+        if self._field is not None:
+            self._text.append(text)
+
+    def end(self, tag: str) -> None:
+        depth = self._depth
+        self._depth -= 1
+        if depth == 3:
+            if self._field is not None:
+                self._fields[self._field] = "".join(self._text).strip() or None
+                self._field = None
+        elif depth == 2 and self._in_entry:
+            self._in_entry = False
+            fields = self._fields
+            if self.kind == "urlset":
+                self.entries.append(
+                    UrlEntry(
+                        loc=fields.get("loc"),
+                        lastmod=fields.get("lastmod"),
+                        changefreq=fields.get("changefreq"),
+                        priority=fields.get("priority"),
+                    )
+                )
+            else:
+                self.entries.append(
+                    SitemapRef(loc=fields.get("loc"), lastmod=fields.get("lastmod"))
+                )
+
+    def close(self) -> None:
+        return None
 
 
 class SitemapDocument:
@@ -77,29 +161,37 @@ class SitemapDocument:
 
     def __init__(self, stream: BinaryIO, *, location: str) -> None:
         self.location = location
-        self._events = self._pull(stream)
-        self.kind: DocumentKind = self._read_root()
-
-    @staticmethod
-    def _pull(stream: BinaryIO) -> Iterator[tuple[str, Element]]:
-        expat = DefusedXMLParser(
-            target=TreeBuilder(),
+        self._stream = stream
+        self._target = _SitemapTarget()
+        self._parser = DefusedXMLParser(
+            target=self._target,
             forbid_dtd=False,  # a bare DOCTYPE is harmless; its entities are not
             forbid_entities=True,
             forbid_external=True,
         )
-        parser = XMLPullParser(events=("start", "end"), _parser=expat)
-        while data := stream.read(FEED_BYTES):
-            parser.feed(data)
-            yield from cast(Iterator[tuple[str, Element]], parser.read_events())
-        parser.close()
-        yield from cast(Iterator[tuple[str, Element]], parser.read_events())
+        self._done = False
+        self.most_buffered = 0  # the most entries held at once: what bounds memory
+        while self._target.kind is None and not self._done:
+            self._feed()
+        if self._target.kind is None:
+            raise SitemapError("malformed", "empty document", location=location)
+        self.kind: DocumentKind = self._target.kind
 
-    def _next_event(self) -> tuple[str, Element] | None:
+    def _feed(self) -> None:
+        """Parse one more chunk (or finish the document), translating every failure."""
         try:
-            return next(self._events)
-        except StopIteration:
-            return None
+            data = self._stream.read(FEED_BYTES)
+            if data:
+                self._parser.feed(data)
+            else:
+                self._done = True
+                self._parser.close()
+        except _NotASitemap as exc:
+            raise SitemapError(
+                "not_a_sitemap",
+                f"the root element is <{exc.tag}>, not a sitemaps.org <urlset> or <sitemapindex>",
+                location=self.location,
+            ) from None
         except defusedxml.EntitiesForbidden as exc:
             raise SitemapError(
                 "unsafe_xml",
@@ -117,62 +209,24 @@ class SitemapDocument:
             raise SitemapError("unsafe_xml", f"refused: {exc}", location=self.location) from exc
         except ParseError as exc:
             line, column = exc.position
+            message = str(exc).split(":", 1)[0]
             raise SitemapError(
                 "malformed",
-                f"not well-formed XML at line {line}, column {column} ({exc.msg})",
+                f"not well-formed XML at line {line}, column {column} ({message})",
                 location=self.location,
             ) from exc
 
-    def _read_root(self) -> DocumentKind:
-        event = self._next_event()
-        if event is None:
-            raise SitemapError("malformed", "empty document", location=self.location)
-        _, root = event
-        namespace, local = _split(root.tag)
-        if namespace not in SITEMAP_NAMESPACES or local not in ("urlset", "sitemapindex"):
-            raise SitemapError(
-                "not_a_sitemap",
-                f"the root element is <{root.tag}>, not a sitemaps.org <urlset> or <sitemapindex>",
-                location=self.location,
-            )
-        self._root = root
-        return "urlset" if local == "urlset" else "sitemapindex"
-
     def __iter__(self) -> Iterator[UrlEntry | SitemapRef]:
-        entry_tag = "url" if self.kind == "urlset" else "sitemap"
-        depth = 1  # the root's start was consumed by _read_root
-        fields: dict[str, str | None] = {}
-        in_entry = False
-        while (event := self._next_event()) is not None:
-            action, element = event
-            if action == "start":
-                depth += 1
-                if depth == 2:
-                    namespace, local = _split(element.tag)
-                    in_entry = local == entry_tag and namespace in SITEMAP_NAMESPACES
-                    fields = {}
-                continue
-            if depth == 3 and in_entry:
-                namespace, local = _split(element.tag)
-                if namespace in SITEMAP_NAMESPACES and local not in fields:
-                    fields[local] = _text(element)
-            elif depth == 2:
-                if in_entry:
-                    yield self._entry(fields)
-                in_entry = False
-                # Drop what the tree builder kept: this is what bounds memory.
-                self._root.clear()
-            depth -= 1
-
-    def _entry(self, fields: dict[str, str | None]) -> UrlEntry | SitemapRef:
-        if self.kind == "urlset":
-            return UrlEntry(
-                loc=fields.get("loc"),
-                lastmod=fields.get("lastmod"),
-                changefreq=fields.get("changefreq"),
-                priority=fields.get("priority"),
-            )
-        return SitemapRef(loc=fields.get("loc"), lastmod=fields.get("lastmod"))
+        target = self._target
+        while True:
+            if target.entries:
+                entries = target.entries
+                target.entries = []
+                self.most_buffered = max(self.most_buffered, len(entries))
+                yield from entries
+            if self._done:
+                return
+            self._feed()
 
 
 def parse_document(stream: BinaryIO, *, location: str = "<input>") -> SitemapDocument:
