@@ -896,6 +896,37 @@ settle(LeasesObject *self, uint64_t s, uint64_t w)
 }
 
 static int
+process_alive(uint64_t pid)
+{
+    if (pid == 0 || pid > (uint64_t)INT32_MAX) return 0;
+    if (kill((pid_t)pid, 0) == 0) return 1;
+    return errno != ESRCH;
+}
+
+/* The state word a remover parks a slot in: REMOVING, with the remover's pid so a
+ * sweep can tell a live remover (leave it be) from a dead one (finish for it). */
+static inline uint64_t
+removing_word(void)
+{
+    return W_MAKE(PH_REMOVING, 0, 0, (uint64_t)getpid() & TIME_MAX);
+}
+
+/* Empty a slot whose state word the caller already moved to `parked` (REMOVING):
+ * no grant can start on it, so clearing the key cannot orphan a lease. The emptied
+ * slot's state word gets a stamp never used before (FREE, token 0, time =
+ * incarnation): a claimant that read the slot's state before the removal can
+ * never CAS it again (no ABA), which is what lets probe() trust a key read after
+ * the state. */
+static void
+remove_slot(LeasesObject *self, uint64_t s, uint64_t k, uint64_t parked)
+{
+    uint64_t incarnation =
+        atomic_fetch_add_explicit(&self->ctrl[LEASE_INCARNATION], 1, memory_order_relaxed) + 1;
+    cas_word(slot_word(self, s, SLOT_KEY), k, 0);
+    cas_word(slot_word(self, s, SLOT_STATE), parked, W_MAKE(PH_FREE, 0, 0, incarnation & TIME_MAX));
+}
+
+static int
 parse_time(PyObject *o, uint64_t *out, const char *what)
 {
     int64_t v;
@@ -926,6 +957,8 @@ typedef struct {
     uint64_t slot[PROBE];
     uint64_t word[PROBE];
     int64_t empty; /* first empty slot, -1 if none */
+    int64_t spare; /* first slot of another key whose lease completed, -1 if none */
+    uint64_t spare_key, spare_word;
 } probe_t;
 
 static void
@@ -934,6 +967,7 @@ probe(LeasesObject *self, uint64_t h, probe_t *p)
     uint64_t start = window_start(self, h);
     p->n = 0;
     p->empty = -1;
+    p->spare = -1;
     for (int i = 0; i < PROBE; i++) {
         uint64_t s = slot_at(self, start, i);
         /* State before key: a CAS that later succeeds on this state word proves the
@@ -946,8 +980,13 @@ probe(LeasesObject *self, uint64_t h, probe_t *p)
             p->slot[p->n] = s;
             p->word[p->n] = w;
             p->n++;
-        } else if (k == 0 && p->empty < 0) {
-            p->empty = (int64_t)s;
+        } else if (k == 0) {
+            if (p->empty < 0) p->empty = (int64_t)s;
+        } else if (W_PHASE(w) == PH_FREE && W_TOKEN(w) != 0 && p->spare < 0) {
+            /* token 0 is a fresh insert whose grant is under way: not spare */
+            p->spare = (int64_t)s;
+            p->spare_key = k;
+            p->spare_word = w;
         }
     }
 }
@@ -1005,6 +1044,17 @@ Leases_grant(LeasesObject *self, PyObject *const *args, Py_ssize_t nargs)
         }
         uint64_t s, w;
         if (p.n == 0) {
+            if (p.empty < 0 && p.spare >= 0) {
+                /* No empty slot, but another key's finished slot: empty it here rather
+                 * than wait for the sweep (FREE holds no misses, nothing is lost). */
+                uint64_t parked = removing_word();
+                uint64_t r = (uint64_t)p.spare;
+                if (cas_word(slot_word(self, r, SLOT_STATE), p.spare_word, parked)) {
+                    remove_slot(self, r, p.spare_key, parked);
+                    bump(self, LS_RECLAIMED, 1);
+                }
+                continue;
+            }
             if (p.empty < 0) {
                 bump(self, LS_REFUSED_PROBE_FULL, 1);
                 return Py_BuildValue("(iKK)", REFUSED_PROBE_FULL, 0ull, 0ull);
@@ -1215,30 +1265,6 @@ Leases_blocked_mask(LeasesObject *self, PyObject *const *args, Py_ssize_t nargs)
     return PyLong_FromSsize_t(blocked);
 }
 
-static int
-process_alive(uint64_t pid)
-{
-    if (pid == 0 || pid > (uint64_t)INT32_MAX) return 0;
-    if (kill((pid_t)pid, 0) == 0) return 1;
-    return errno != ESRCH;
-}
-
-static void
-remove_slot(LeasesObject *self, uint64_t s, uint64_t k)
-{
-    /* The state word is already REMOVING: no grant can start on the slot, so
-     * clearing the key cannot orphan a lease. The emptied slot's state word gets a
-     * stamp never used before (FREE, token 0, time = incarnation): a claimant that
-     * read the slot's state before the removal can never CAS it again (no ABA),
-     * which is what lets probe() trust a key read after the state. Only the elected
-     * sweeper leaves REMOVING. */
-    uint64_t incarnation =
-        atomic_fetch_add_explicit(&self->ctrl[LEASE_INCARNATION], 1, memory_order_relaxed) + 1;
-    cas_word(slot_word(self, s, SLOT_KEY), k, 0);
-    cas_word(slot_word(self, s, SLOT_STATE), W_MAKE(PH_REMOVING, 0, 0, 0),
-             W_MAKE(PH_FREE, 0, 0, incarnation & TIME_MAX));
-}
-
 /* sweep(now, keep_misses_ms) -> reclaimed slots, or -1 if another live process is
  * sweeping. Settles expired leases; reclaims FREE slots and holds that ended
  * keep_misses_ms ago; finishes removals a dead sweeper left half done. */
@@ -1259,15 +1285,19 @@ Leases_sweep(LeasesObject *self, PyObject *const *args, Py_ssize_t nargs)
         if (!cas_word(sweeper, owner, me)) return PyLong_FromLong(-1);
     }
     bump(self, LS_SWEEPS, 1);
-    uint64_t removing = W_MAKE(PH_REMOVING, 0, 0, 0);
+    uint64_t parked = removing_word();
     long reclaimed = 0;
     for (uint64_t s = 0; s < self->capacity; s++) {
         aword *kw = slot_word(self, s, SLOT_KEY);
         aword *sw = slot_word(self, s, SLOT_STATE);
+        uint64_t w = LOAD_SC(sw); /* state before key, as in probe() */
         uint64_t k = LOAD_SC(kw);
-        uint64_t w = LOAD_SC(sw);
         if (W_PHASE(w) == PH_REMOVING) {
-            remove_slot(self, s, k);
+            /* A remover killed between its steps: finish for it. A live one (another
+             * process: within this one the GIL keeps removals whole) finishes itself. */
+            uint64_t remover = W_TIME(w);
+            if (remover != me && process_alive(remover)) continue;
+            remove_slot(self, s, k, w);
             reclaimed++;
             continue;
         }
@@ -1278,8 +1308,8 @@ Leases_sweep(LeasesObject *self, PyObject *const *args, Py_ssize_t nargs)
         }
         int dead = W_PHASE(w) == PH_FREE ||
                    (W_PHASE(w) == PH_HELD && W_TIME(w) + keep <= now);
-        if (dead && cas_word(sw, w, removing)) {
-            remove_slot(self, s, k);
+        if (dead && cas_word(sw, w, parked)) {
+            remove_slot(self, s, k, parked);
             reclaimed++;
         }
     }

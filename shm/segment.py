@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 
 MAGIC = int.from_bytes(b"rqshm\x00\x00\x01", "little")
 # Bump whenever any layout (header, ring, lease table, state buffer) changes.
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
 HEADER_BYTES = 256
 CACHE_LINE = 64
 
