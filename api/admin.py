@@ -5,8 +5,10 @@ None of these wait on the keeper: they read shared memory and point-read the sto
 
 from __future__ import annotations
 
+import functools
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -18,7 +20,7 @@ from api.problems import invalid_query
 from api.schedule import check_key
 from api.schemas import Explain, Health, Overview, Readiness
 from keeper.classes import classify, rank
-from keeper.state import decode_queue_state, vouches
+from keeper.state import LeaseCounts, as_read, decode_queue_state, state_age_ms, vouches
 from shm import key_hash
 
 
@@ -28,6 +30,18 @@ def now_ms() -> int:
 
 def builtins(value: Any) -> Any:
     return msgspec.to_builtins(value)
+
+
+CONSOLE = Path(__file__).resolve().parent / "console.html"
+
+
+@functools.cache
+def console_page() -> bytes:
+    return CONSOLE.read_bytes()
+
+
+def console() -> Response:
+    return Response(console_page(), media_type="text/html; charset=utf-8")
 
 
 def healthz(node: Node) -> Health:
@@ -52,31 +66,56 @@ def readyz(node: Node) -> Response:
     )
 
 
-def live_now(node: Node, status: str) -> dict[str, Any]:
-    """The `now` fields that stay true without the keeper: read live from the lease table."""
-    return {"status": status, "in_flight": node.leases.statistics().live_leases}
+def live_leases(node: Node) -> LeaseCounts:
+    """Lease counts read now from the lease table: true with or without the keeper."""
+    stats = node.leases.statistics()
+    return LeaseCounts(
+        in_flight=stats.live_leases,
+        held_keys=stats.held_keys,
+        hold_events=stats.hold_events,
+        refusals_taken=stats.refusals_taken,
+        refusals_held=stats.refusals_held,
+        refusals_probe_full=stats.refusals_probe_full,
+    )
 
 
 def queue_state(node: Node) -> Response:
+    """200 with every group while the keeper vouches for its numbers; otherwise 503 with
+    trust (why not) and only the `now` fields that are live without it: status, in flight
+    and lease counts from the lease table. Never a stale or partial count."""
     now = now_ms()
-    snapshot = node.state.read()
     headers = {"Retry-After": str(node.settings.retry_after_s)}
+    leases = live_leases(node)
+    snapshot = node.state.read()
     if snapshot is None:
-        body = {
-            "now": live_now(node, "unready"),
-            "trust": {"live": False, "phase": "starting", "exact": False, "state_age_ms": None},
+        body: dict[str, Any] = {
+            "node": node.settings.node,
+            "now": {
+                "status": "unready",
+                "status_reason": "the keeper has not reported yet",
+                "in_flight": leases.in_flight,
+                "leases": builtins(leases),
+            },
+            "trust": {"live": False, "live_reason": "no report yet", "phase": "starting"},
         }
         return json_response(body, 503, headers=headers)
-    state = decode_queue_state(snapshot.payload)
+    reported = decode_queue_state(snapshot.payload)
+    state = as_read(reported, now)
     document = builtins(state)
-    age = max(0, now - snapshot.written_at)
-    trust = dict(document.get("trust") or {})
-    trust["state_age_ms"] = age
-    if vouches(state, now):
-        document["trust"] = trust
+    document["trust"]["state_age_ms"] = state_age_ms(state, now)
+    if vouches(reported, now):
         return json_response(document)
-    status = (document.get("now") or {}).get("status") or "unready"
-    body = {"now": live_now(node, status), "trust": trust}
+    body = {
+        "node": state.node,
+        "generated_at": state.generated_at,
+        "now": {
+            "status": state.now.status,
+            "status_reason": state.now.status_reason,
+            "in_flight": leases.in_flight,
+            "leases": builtins(leases),
+        },
+        "trust": document["trust"],
+    }
     return json_response(body, 503, headers=headers)
 
 
@@ -105,15 +144,9 @@ def explain(node: Node, key: str | None) -> Explain:
         cadence_s=cls.cadence_s,
         route_paused=paused,
         render_class=builtins(cls),
-        rank=rank(row.next_render_at, now, cls, _sitemap_boost()),
+        rank=rank(row.next_render_at, now, cls, node.settings.sitemap_boost),
         lease=lease,
     )
-
-
-def _sitemap_boost() -> float:
-    from keeper.config import KeeperConfig
-
-    return KeeperConfig().sitemap_boost
 
 
 def _why(due_at: int, now: int, paused: bool, lease: dict[str, Any]) -> tuple[str, bool]:

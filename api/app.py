@@ -36,12 +36,12 @@ def make_handler(endpoint: Endpoint, node: Node, auth: Authenticator) -> Any:
     async def handle(request: Request) -> Response:
         try:
             auth.check(endpoint.scope, request.headers.get("authorization"))
-            body = None
+            body: Any = None
             if endpoint.body is not None:
                 body = await read_json(request, endpoint.body, limit)
             call = Call(request, node, body)
             if endpoint.is_async:
-                value = await endpoint.run(call)  # type: ignore[misc]
+                value = await endpoint.run(call)
             else:
                 value = endpoint.run(call)
             return _respond(endpoint, value)

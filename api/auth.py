@@ -2,8 +2,9 @@
 
 A scope with no token configured is open, and the settings then keep the node on loopback:
 with no token at all everything is open to local callers; with only the fleet token the
-fleet endpoints need it and the admin ones stay open to local callers. Comparisons are constant-time; the error follows RFC 6750: 401 for a
-missing or unknown token, 403 for a valid token without the scope.
+fleet endpoints need it and the admin ones stay open to local callers. Comparisons are
+constant-time; errors follow RFC 6750: 401 for a missing or unknown token, 403 for a valid
+token without the scope.
 """
 
 from __future__ import annotations

@@ -193,6 +193,15 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     ),
     Endpoint(
         "GET",
+        "/console",
+        "public",
+        "The operator's console: a page that reads queue-state and overview with the token "
+        "entered in it.",
+        lambda call: admin.console(),
+        media_type="text/html; charset=utf-8",
+    ),
+    Endpoint(
+        "GET",
         "/healthz",
         "public",
         "The worker is serving.",

@@ -14,7 +14,14 @@ from typing import Any
 import msgspec
 
 from api.node import Node
-from keeper.state import decode_queue_state, vouches
+from keeper.state import (
+    ClassRow,
+    QueueState,
+    decode_queue_state,
+    liveness,
+    state_age_ms,
+    vouches,
+)
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -83,6 +90,11 @@ def render(node: Node) -> str:
         "Seconds since the keeper last published the ready ring.",
         (now - published_at) / 1000 if published_at else None,
     )
+    out.gauge(
+        "renderqueue_ready_ring_remaining",
+        "Unclaimed entries left in the last published ring.",
+        ring.remaining,
+    )
     out.gauge("renderqueue_in_flight", "Live leases in the lease table.", leases.live_leases)
     out.gauge(
         "renderqueue_held_keys",
@@ -105,31 +117,130 @@ def render(node: Node) -> str:
         "Expiries with no result that started a hold (the seed's claim_wedged).",
         [({}, leases.hold_events)],
     )
-    out.gauge("renderqueue_lease_table_occupancy", "Share of lease slots in use.", leases.occupancy)
-    out.gauge(
-        "renderqueue_ready_ring_remaining",
-        "Unclaimed entries left in the last published ring.",
-        ring.remaining,
+    out.metric(
+        "renderqueue_leases_granted_total", "counter", "Leases granted.", [({}, leases.grants)]
     )
+    out.gauge("renderqueue_lease_table_occupancy", "Share of lease slots in use.", leases.occupancy)
+    _supervisor_metrics(out, node)
     snapshot = node.state.read()
-    if snapshot is not None:
-        state = decode_queue_state(snapshot.payload)
-        out.gauge(
-            "renderqueue_state_age_seconds",
-            "Age of the keeper's last queue-state report.",
-            (now - snapshot.written_at) / 1000,
-        )
-        out.gauge(
-            "renderqueue_keeper_live",
-            "1 while the keeper vouches for its numbers.",
-            vouches(state, now),
-        )
-        _queue_metrics(out, msgspec.to_builtins(state))
-    else:
-        out.gauge("renderqueue_keeper_live", "1 while the keeper vouches for its numbers.", 0)
+    if snapshot is None:
+        out.gauge("renderqueue_keeper_live", "1 while the keeper is live.", 0)
+        out.gauge("renderqueue_counts_trusted", "1 while queue counts are served.", 0)
+        return out.text()
+    state = decode_queue_state(snapshot.payload)
+    seen = liveness(state, now)
+    trusted = vouches(state, now)
+    out.gauge("renderqueue_keeper_live", "1 while the keeper is live.", seen.live)
+    out.gauge(
+        "renderqueue_counts_trusted",
+        "1 while the keeper vouches for its counts; the count gauges are left out otherwise.",
+        trusted,
+    )
+    out.gauge("renderqueue_keeper_exact", "1 once the keeper matches the table.", state.trust.exact)
+    out.gauge(
+        "renderqueue_state_age_seconds",
+        "Age of the keeper's counts.",
+        state_age_ms(state, now) / 1000,
+    )
+    out.gauge(
+        "renderqueue_feed_lag_seconds",
+        "Since the keeper last read the change feed to its end.",
+        state.trust.feed_lag_ms / 1000,
+    )
+    out.metric(
+        "renderqueue_keeper_repairs_total",
+        "counter",
+        "Rows the keeper's self-checks put right, by kind (gained: a membership change).",
+        [
+            ({"kind": kind}, count)
+            for kind, count in msgspec.structs.asdict(state.trust.repairs).items()
+        ],
+    )
+    if trusted:
+        _count_metrics(out, state)
     return out.text()
 
 
-def _queue_metrics(out: Exposition, state: dict[str, Any]) -> None:
-    now_group = state.get("now") or {}
-    out.gauge("renderqueue_due", "Rows due now (claimable work).", now_group.get("due"))
+def _supervisor_metrics(out: Exposition, node: Node) -> None:
+    if node.supervisor_state is None:
+        return
+    snapshot = node.supervisor_state.read()
+    if snapshot is None:
+        return
+    stats: dict[str, Any] = msgspec.msgpack.decode(snapshot.payload)
+    workers = stats.get("workers") or []
+    out.gauge(
+        "renderqueue_workers_ready",
+        "Worker processes serving.",
+        sum(1 for worker in workers if worker.get("state") == "ready"),
+    )
+    out.metric(
+        "renderqueue_worker_restarts_total",
+        "counter",
+        "Worker processes respawned by the supervisor, by worker index.",
+        [({"worker": str(worker["index"])}, worker.get("restarts", 0)) for worker in workers],
+    )
+
+
+def _count_metrics(out: Exposition, state: QueueState) -> None:
+    now = state.now
+    out.gauge("renderqueue_due", "Due rows of routes not paused (claimable work).", now.due)
+    out.metric(
+        "renderqueue_due_by_source",
+        "gauge",
+        "Due rows by where they came from.",
+        [({"source": "sitemap"}, now.due_sitemap), ({"source": "discovered"}, now.due_discovered)],
+    )
+    out.gauge("renderqueue_due_paused", "Due rows waiting on a paused route.", now.paused)
+    out.gauge("renderqueue_unclaimed", "Due rows not in flight (estimate).", now.unclaimed_estimate)
+    out.gauge("renderqueue_rows", "Rows the keeper holds.", now.held)
+    out.gauge(
+        "renderqueue_oldest_claimable_age_seconds",
+        "Now minus the earliest due time among claimable rows.",
+        state.autoscale.oldest_claimable_age_s,
+    )
+    coming = state.coming
+    out.metric(
+        "renderqueue_coming",
+        "gauge",
+        "Rows coming due within a window.",
+        [
+            ({"within": "15m"}, coming.due_15m),
+            ({"within": "60m"}, coming.due_60m),
+            ({"within": "24h"}, coming.due_24h),
+        ],
+    )
+    lateness = state.lateness
+    out.metric(
+        "renderqueue_class_due",
+        "gauge",
+        "Due rows per class (route x cadence x cadence from row x sitemap).",
+        [(_class_labels(row), row.due) for row in lateness.classes],
+    )
+    out.metric(
+        "renderqueue_class_oldest_lateness_cadences",
+        "gauge",
+        "The oldest due row's lateness per class, in cadences (the seed's per-class head age).",
+        [(_class_labels(row), row.oldest_lateness) for row in lateness.classes],
+    )
+    edges = lateness.edges
+    for source, counts in (("sitemap", lateness.sitemap), ("discovered", lateness.discovered)):
+        out.metric(
+            f"renderqueue_due_lateness_{source}",
+            "gauge",
+            f"Due {source} rows by lateness in cadences; `ge` is each bin's lower edge.",
+            [({"ge": _edge(edge)}, count) for edge, count in zip(edges, counts, strict=False)],
+        )
+
+
+def _class_labels(row: ClassRow) -> dict[str, str]:
+    return {
+        "route": row.route,
+        "cadence_s": str(row.cadence_s),
+        "cadence_from_row": "true" if row.cadence_from_row else "false",
+        "sitemap": "true" if row.sitemap else "false",
+    }
+
+
+def _edge(edge: float) -> str:
+    return str(int(edge)) if float(edge).is_integer() else repr(edge)

@@ -27,6 +27,7 @@ class ApiSettings(msgspec.Struct, frozen=True, kw_only=True):
     # once a second, so 25 ms adds little latency and costs nothing measurable.
     poll_interval_s: float = 0.025
     retry_after_s: int = 1
+    sitemap_boost: float = 1.0  # the keeper's, so explain ranks a row as the keeper does
 
 
 @dataclass(eq=False)

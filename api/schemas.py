@@ -56,7 +56,7 @@ class Body(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
 # --- fleet ---------------------------------------------------------------------------------
 
 
-class ClaimRequest(Request):
+class ClaimRequest(Request, frozen=True):
     max: Annotated[int, Meta(ge=1, le=MAX_ITEMS)]
     worker: Annotated[str, Meta(min_length=1, max_length=256, description="The claimant.")]
     lease_s: LeaseS = 300
@@ -78,7 +78,7 @@ class ClaimResponse(msgspec.Struct, frozen=True, kw_only=True):
     status: str
 
 
-class NodeStatus(Body):
+class NodeStatus(Body, frozen=True):
     """The 503 body while the node is not ready to grant claims."""
 
     status: str
@@ -86,18 +86,18 @@ class NodeStatus(Body):
     retry_after_s: int | None = None
 
 
-class CompletionItem(Request):
+class CompletionItem(Request, frozen=True):
     key: Key
     token: LeaseToken
     outcome: Outcome
     next_render_at: EpochMs | None = None
 
 
-class CompletionsRequest(Request):
+class CompletionsRequest(Request, frozen=True):
     items: Annotated[list[CompletionItem], Meta(min_length=1, max_length=MAX_ITEMS)]
 
 
-class ItemResult(Body):
+class ItemResult(Body, frozen=True):
     key: str
     ok: bool
     error: str | None = None
@@ -107,17 +107,17 @@ class ItemResults(msgspec.Struct, frozen=True, kw_only=True):
     results: list[ItemResult]
 
 
-class RenewItem(Request):
+class RenewItem(Request, frozen=True):
     key: Key
     token: LeaseToken
     lease_s: LeaseS | None = None
 
 
-class RenewRequest(Request):
+class RenewRequest(Request, frozen=True):
     items: Annotated[list[RenewItem], Meta(min_length=1, max_length=MAX_ITEMS)]
 
 
-class RenewResult(Body):
+class RenewResult(Body, frozen=True):
     key: str
     ok: bool
     lease_expires_at: int | None = None
@@ -131,7 +131,7 @@ class RenewResults(msgspec.Struct, frozen=True, kw_only=True):
 # --- schedule ------------------------------------------------------------------------------
 
 
-class ScheduleUpsert(Request):
+class ScheduleUpsert(Request, frozen=True):
     key: Key
     route: RouteName
     cadence_s: CadenceS | None = None
@@ -139,7 +139,7 @@ class ScheduleUpsert(Request):
     next_render_at: EpochMs | None = None
 
 
-class ScheduleRequest(Request):
+class ScheduleRequest(Request, frozen=True):
     upsert: Annotated[list[ScheduleUpsert], Meta(max_length=MAX_SCHEDULE_ITEMS)] = []
     delete: Annotated[list[Key], Meta(max_length=MAX_SCHEDULE_ITEMS)] = []
 
@@ -149,7 +149,7 @@ class ScheduleResult(msgspec.Struct, frozen=True, kw_only=True):
     deleted: int
 
 
-class RouteUpdate(Request):
+class RouteUpdate(Request, frozen=True):
     default_cadence_s: CadenceS | None = None
     paused: bool | None = None
 
@@ -159,7 +159,7 @@ class Routes(msgspec.Struct, frozen=True, kw_only=True):
     default_cadence_s: int
 
 
-class SettingsUpdate(Request):
+class SettingsUpdate(Request, frozen=True):
     default_cadence_s: CadenceS
 
 
@@ -170,20 +170,20 @@ class NodeSettings(msgspec.Struct, frozen=True, kw_only=True):
 # --- admin ---------------------------------------------------------------------------------
 
 
-class Health(Body):
+class Health(Body, frozen=True):
     status: str
     worker: int | None = None
     pid: int | None = None
 
 
-class Readiness(Body):
+class Readiness(Body, frozen=True):
     status: str
     published_at: int | None = None
     publish_age_ms: int | None = None
     generation: int | None = None
 
 
-class Explain(Body):
+class Explain(Body, frozen=True):
     key: str
     exists: bool
     claimable: bool
@@ -197,7 +197,7 @@ class Explain(Body):
     lease: dict[str, Any] | None = None
 
 
-class Overview(Body):
+class Overview(Body, frozen=True):
     now: int
     node: str
     instance: str

@@ -230,6 +230,26 @@ class ThreadNode:
         self._keeper_thread = threading.Thread(target=run, name="keeper", daemon=True)
         self._keeper_thread.start()
 
+    def stop_keeper(self) -> None:
+        self._keeper_stop.set()
+        if self._keeper_thread is not None:
+            self._keeper_thread.join(30)
+        self._keeper_thread = None
+        self._keeper_stop = threading.Event()
+
+    def wait_exact(self, timeout_s: float = 60) -> dict[str, Any]:
+        """Until queue-state is served (200): the keeper is live, exact and fresh."""
+        with self.client(ADMIN_TOKEN) as client:
+
+            def served() -> Any:
+                if self.keeper_error is not None:
+                    raise AssertionError(f"keeper failed: {self.keeper_error!r}")
+                response = client.get("/prerender_admin/queue-state")
+                return response.json() if response.status_code == 200 else None
+
+            state: dict[str, Any] = wait_for(served, timeout_s, "an exact queue-state", 0.1)
+            return state
+
     def wait_published(self, timeout_s: float = 30) -> None:
         def published() -> bool:
             if self.keeper_error is not None:

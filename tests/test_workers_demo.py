@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 
 import httpx
-
 from node_harness import REPO, unique, wait_for
+
 from store import open_store
 from workers.demo import EXAMPLES, load_example
 

@@ -7,7 +7,6 @@ and a crashed run's segments are found by the next run of the same node and repl
 from __future__ import annotations
 
 import contextlib
-
 from dataclasses import dataclass
 
 import msgspec

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import math
 import os
 import signal
 import socket
@@ -22,7 +23,9 @@ import uvicorn
 
 from api.app import create_app
 from api.node import ApiSettings, Node
+from keeper.config import KeeperConfig
 from workers import logs
+from workers.config import Settings
 from workers.keeper_host import KeeperHost
 from workers.segments import Segments
 from workers.spec import WorkerSpec
@@ -79,12 +82,15 @@ def die_with_parent(supervisor_pid: int) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
+def keeper_config(settings: Settings) -> KeeperConfig:
+    return msgspec.convert(settings.keeper, KeeperConfig, strict=False)
+
+
 def start_keeper(spec: WorkerSpec, segments: Segments) -> KeeperHost:
-    from keeper.config import KeeperConfig
     from keeper.runner import Keeper
     from store import open_store
 
-    config = msgspec.convert(spec.settings.keeper, KeeperConfig, strict=False)
+    config = keeper_config(spec.settings)
 
     def run_once(stop: threading.Event) -> None:
         store = open_store(spec.settings.store_url())
@@ -123,6 +129,7 @@ def serve(spec: WorkerSpec) -> int:
                 fleet_token=settings.fleet_token,
                 admin_token=settings.admin_token,
                 max_body_bytes=settings.max_body_bytes,
+                sitemap_boost=keeper_config(settings).sitemap_boost,
             ),
             store=store,
             ring=segments.ring,
@@ -138,7 +145,7 @@ def serve(spec: WorkerSpec) -> int:
             log_config=None,
             access_log=settings.access_log,
             server_header=False,
-            timeout_graceful_shutdown=settings.graceful_timeout_s,
+            timeout_graceful_shutdown=math.ceil(settings.graceful_timeout_s),
             backlog=2048,
         )
         server = WorkerServer(config, spec.status_fd)

@@ -1,0 +1,665 @@
+"""The node through HTTP: what the fleet sees.
+
+`python -m bench.node [--quick] [--rows N] [--claimants N]`
+
+Workload (bench/peer_base.py): 1M rows (quick 20k), 20% due. Arms:
+
+- claim then complete through `renderqueue serve` with two workers, batches of 10 and
+  100: keys/s, claim p50/p99. Beside it, in the same run and on the same rows, the
+  SQLite index scan and PostgreSQL `FOR UPDATE SKIP LOCKED` peers (bench/peer_sql.py,
+  driven by bench/peers.py's arm runner). The target: at least 3x the better peer at
+  batch 100. Our claimants speak HTTP with a lean keep-alive client (http.client and
+  msgspec), so the figure is the server's, not a client library's.
+- single-row schedule writes (`POST /v1/schedule`, one row): p50/p99.
+- claim latency on worker 0 (which hosts the keeper thread) against worker 1, measured
+  on connections pinned to each worker while a writer keeps the keeper busy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import multiprocessing as mp
+import os
+import queue
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from bench import report
+from bench.peer_base import PG_DSN, Rows, Workload, due_count, generate, reachable, unique_suffix
+
+OURS = "renderqueue HTTP"
+SQLITE = "SQLite index scan"
+POSTGRES = "PostgreSQL SKIP LOCKED"
+BATCHES = (10, 100)
+PEER_CLAIMANTS = 2  # as bench/peers.py runs every peer
+LEASE_S = 900
+WRITE_CHUNK = 5000
+ADMIN_TOKEN = "bench-node-admin-" + "a" * 16
+FLEET_TOKEN = "bench-node-fleet-" + "f" * 16
+REPO = Path(__file__).resolve().parent.parent
+
+
+class Config(msgspec.Struct, frozen=True, kw_only=True):
+    rows: int
+    arm_max_keys: int
+    arm_max_s: float
+    claimants: tuple[int, ...]  # our claimant processes per arm (each count is an arm)
+    writes: int  # single-row schedule writes
+    probe_rounds: int  # claim round trips per connection in the worker probe
+    probe_churn_per_s: int  # rows rescheduled per second while probing
+
+
+FULL = Config(
+    rows=1_000_000,
+    arm_max_keys=40_000,
+    arm_max_s=20.0,
+    claimants=(2, 4),
+    writes=2000,
+    probe_rounds=150,
+    probe_churn_per_s=2000,
+)
+QUICK = Config(
+    rows=20_000,
+    arm_max_keys=2_000,
+    arm_max_s=6.0,
+    claimants=(2, 4),
+    writes=200,
+    probe_rounds=30,
+    probe_churn_per_s=500,
+)
+
+
+class ArmResult(msgspec.Struct, kw_only=True):
+    peer: str
+    batch: int
+    claimants: int
+    keys: int
+    seconds: float
+    keys_per_s: float
+    claim_p50_us: float | None
+    claim_p99_us: float | None
+    complete_p50_us: float | None
+    complete_p99_us: float | None
+    granted_twice: int
+    not_ok: int = 0
+
+
+# --- a lean HTTP client ---------------------------------------------------------------
+
+
+class NodeClient:
+    """One keep-alive connection; bodies encoded and decoded by msgspec."""
+
+    def __init__(self, port: int, token: str | None = FLEET_TOKEN) -> None:
+        self.connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        self.headers = {"Content-Type": "application/json"}
+        if token:
+            self.headers["Authorization"] = f"Bearer {token}"
+
+    def call(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+        payload = None if body is None else msgspec.json.encode(body)
+        self.connection.request(method, path, body=payload, headers=self.headers)
+        response = self.connection.getresponse()
+        data = response.read()
+        return response.status, msgspec.json.decode(data) if data else None
+
+    def close(self) -> None:
+        self.connection.close()
+
+
+def claimant(
+    port: int,
+    index: int,
+    batch: int,
+    max_keys: int,
+    max_s: float,
+    ready: Any,
+    start: Any,
+    results: Any,
+) -> None:
+    claim_ns: list[int] = []
+    complete_ns: list[int] = []
+    keys: list[str] = []
+    not_ok = 0
+    error = ""
+    started = finished = time.perf_counter()
+    client = NodeClient(port)
+    try:
+        ready.put(index)
+        start.wait()
+        started = time.perf_counter()
+        deadline = started + max_s
+        empty_since: float | None = None
+        request = {"max": batch, "worker": f"bench-{index}", "lease_s": LEASE_S}
+        while len(keys) < max_keys and time.perf_counter() < deadline:
+            t0 = time.perf_counter_ns()
+            status, body = client.call("POST", "/v1/claims", request)
+            t1 = time.perf_counter_ns()
+            if status != 200:
+                raise RuntimeError(f"claim: HTTP {status}: {body}")
+            leases = body["leases"]
+            if not leases:
+                empty_since = empty_since or time.perf_counter()
+                if time.perf_counter() - empty_since > 3.0:
+                    break
+                time.sleep(0.001)
+                continue
+            empty_since = None
+            claim_ns.append(t1 - t0)
+            keys.extend(lease["key"] for lease in leases)
+            items = [
+                {"key": lease["key"], "token": lease["token"], "outcome": "rendered"}
+                for lease in leases
+            ]
+            t2 = time.perf_counter_ns()
+            status, body = client.call("POST", "/v1/completions", {"items": items})
+            complete_ns.append(time.perf_counter_ns() - t2)
+            if status != 200:
+                raise RuntimeError(f"completions: HTTP {status}: {body}")
+            not_ok += sum(1 for result in body["results"] if not result["ok"])
+        finished = time.perf_counter()
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+        ready.put(index)
+    finally:
+        client.close()
+    results.put(
+        msgspec.msgpack.encode(
+            {
+                "started": started,
+                "finished": finished,
+                "claim_ns": claim_ns,
+                "complete_ns": complete_ns,
+                "keys": keys,
+                "not_ok": not_ok,
+                "error": error,
+            }
+        )
+    )
+
+
+def run_our_arm(port: int, batch: int, claimants: int, max_keys: int, max_s: float) -> ArmResult:
+    ctx = mp.get_context("spawn")
+    ready: Any = ctx.Queue()
+    results: Any = ctx.Queue()
+    start = ctx.Event()
+    processes = [
+        ctx.Process(
+            target=claimant,
+            args=(port, i, batch, max_keys // claimants, max_s, ready, start, results),
+            daemon=True,
+        )
+        for i in range(claimants)
+    ]
+    for process in processes:
+        process.start()
+    for _ in processes:
+        ready.get(timeout=120)
+    start.set()
+    reports = []
+    try:
+        for _ in processes:
+            reports.append(msgspec.msgpack.decode(results.get(timeout=max_s + 120)))
+    except queue.Empty as exc:
+        raise RuntimeError("a claimant never reported") from exc
+    finally:
+        for process in processes:
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
+    errors = [r["error"] for r in reports if r["error"]]
+    if errors:
+        raise RuntimeError("; ".join(errors))
+    keys = [key for r in reports for key in r["keys"]]
+    claim_ns = [ns for r in reports for ns in r["claim_ns"]]
+    complete_ns = [ns for r in reports for ns in r["complete_ns"]]
+    seconds = max(r["finished"] for r in reports) - min(r["started"] for r in reports)
+    return ArmResult(
+        peer=OURS,
+        batch=batch,
+        claimants=claimants,
+        keys=len(keys),
+        seconds=round(seconds, 3),
+        keys_per_s=round(len(keys) / seconds, 1) if seconds > 0 else 0.0,
+        claim_p50_us=us(report.percentile(claim_ns, 50)),
+        claim_p99_us=us(report.percentile(claim_ns, 99)),
+        complete_p50_us=us(report.percentile(complete_ns, 50)),
+        complete_p99_us=us(report.percentile(complete_ns, 99)),
+        granted_twice=len(keys) - len(set(keys)),
+        not_ok=sum(r["not_ok"] for r in reports),
+    )
+
+
+def us(ns: float | None) -> float | None:
+    return None if ns is None else round(ns / 1000, 1)
+
+
+# --- the node under test ----------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class Node:
+    """`renderqueue serve --workers 2` on a store loaded with the workload's rows."""
+
+    def __init__(self, rows: Rows) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix=f"rqbench_node_{unique_suffix()}_"))
+        self.db = str(self.dir / "schedule.sqlite")
+        self.port = free_port()
+        self.process: subprocess.Popen[bytes] | None = None
+        self.log = (self.dir / "node.log").open("wb")
+        self._load(rows)
+
+    def _load(self, rows: Rows) -> None:
+        from store import open_store
+        from store.rows import RowWrite
+
+        store = open_store(self.db)
+        try:
+            for part in rows.chunks(WRITE_CHUNK):
+                store.write(
+                    upsert=[
+                        RowWrite(
+                            key=rows.keys[i],
+                            route=rows.routes[i],
+                            next_render_at=rows.next_render_at[i],
+                            cadence_s=rows.cadences_s[i],
+                            sitemap=rows.sitemaps[i],
+                        )
+                        for i in part
+                    ]
+                )
+        finally:
+            store.close()
+
+    def start(self, keeper_switch_interval_ms: float | None = None) -> None:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RENDERQUEUE_")}
+        env.update(RENDERQUEUE_ADMIN_TOKEN=ADMIN_TOKEN, RENDERQUEUE_FLEET_TOKEN=FLEET_TOKEN)
+        command = [
+            sys.executable, "-m", "workers.cli", "serve", "--db", self.db,
+            "--port", str(self.port), "--workers", "2", "--instance", f"rqbn{unique_suffix()}",
+        ]  # fmt: skip
+        if keeper_switch_interval_ms is not None:
+            command += ["--keeper-switch-interval-ms", str(keeper_switch_interval_ms)]
+        self.process = subprocess.Popen(
+            command, cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT
+        )
+        self.wait_live(600)
+
+    def admin(self) -> NodeClient:
+        return NodeClient(self.port, ADMIN_TOKEN)
+
+    def wait_live(self, timeout_s: float) -> None:
+        """Until the keeper has loaded every row and vouches for exact numbers."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process is not None and self.process.poll() is not None:
+                raise RuntimeError(f"node exited {self.process.returncode}; see {self.dir}")
+            try:
+                client = self.admin()
+                status, body = client.call("GET", "/prerender_admin/queue-state")
+                client.close()
+                trust = (body or {}).get("trust") or {}
+                if status == 200 and trust.get("phase") == "live" and trust.get("exact"):
+                    return
+            except OSError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"node not live and exact within {timeout_s} s; see {self.dir}")
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+        self.process = None
+
+    def drop(self) -> None:
+        self.stop()
+        self.log.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+# --- single-row writes and the worker probe ---------------------------------------------
+
+
+def schedule_writes(node: Node, count: int) -> dict[str, float | None]:
+    client = node.admin()
+    samples: list[int] = []
+    try:
+        for i in range(count):
+            body = {
+                "upsert": [
+                    {
+                        "key": f"https://shop.example.com/bench-write/{i:08d}",
+                        "route": "product",
+                        "next_render_at": time.time_ns() // 1_000_000 + 3_600_000,
+                    }
+                ]
+            }
+            t0 = time.perf_counter_ns()
+            status, answer = client.call("POST", "/v1/schedule", body)
+            samples.append(time.perf_counter_ns() - t0)
+            if status != 200:
+                raise RuntimeError(f"schedule write: HTTP {status}: {answer}")
+    finally:
+        client.close()
+    return {
+        "p50_us": us(report.percentile(samples, 50)),
+        "p99_us": us(report.percentile(samples, 99)),
+        "writes": float(len(samples)),
+    }
+
+
+def churn_writer(db: str, rows: Rows, per_s: int, stop: Any) -> None:
+    """Reschedules existing (not due) rows at a steady rate, so the keeper has work."""
+    from store import open_store
+    from store.rows import RowWrite
+
+    store = open_store(db)
+    step = max(1, per_s // 20)
+    offset = len(rows) // 2
+    try:
+        while not stop.is_set():
+            started = time.perf_counter()
+            now = time.time_ns() // 1_000_000
+            batch = []
+            for _ in range(step):
+                i = offset % len(rows)
+                offset += 7919
+                batch.append(
+                    RowWrite(
+                        key=rows.keys[i],
+                        route=rows.routes[i],
+                        next_render_at=now + 600_000 + i % 3_600_000,
+                        cadence_s=rows.cadences_s[i],
+                        sitemap=rows.sitemaps[i],
+                    )
+                )
+            store.write(upsert=batch)
+            time.sleep(max(0.0, 0.05 - (time.perf_counter() - started)))
+    finally:
+        store.close()
+
+
+def worker_probe(node: Node, rows: Rows, config: Config) -> dict[str, Any]:
+    """Claim latency by worker, on connections pinned to each worker (keep-alive)."""
+    admin = node.admin()
+    _, overview = admin.call("GET", "/prerender_admin/overview")
+    admin.close()
+    index_of = {w["pid"]: w["index"] for w in overview["supervisor"]["workers"]}
+    by_worker: dict[int, list[NodeClient]] = {}
+    for _ in range(40):
+        client = NodeClient(node.port)
+        _, health = client.call("GET", "/healthz")
+        by_worker.setdefault(index_of[health["pid"]], []).append(client)
+        if all(len(by_worker.get(i, [])) >= 2 for i in (0, 1)):
+            break
+    ctx = mp.get_context("spawn")
+    stop = ctx.Event()
+    writer = ctx.Process(
+        target=churn_writer, args=(node.db, rows, config.probe_churn_per_s, stop), daemon=True
+    )
+    writer.start()
+    samples: dict[int, list[int]] = {index: [] for index in by_worker}
+    try:
+        time.sleep(1.0)
+        pinned = [(index, client) for index, clients in by_worker.items() for client in clients[:2]]
+        for _ in range(config.probe_rounds):
+            for index, client in pinned:
+                t0 = time.perf_counter_ns()
+                status, body = client.call(
+                    "POST", "/v1/claims", {"max": 10, "worker": "probe", "lease_s": LEASE_S}
+                )
+                elapsed = time.perf_counter_ns() - t0
+                if status != 200:
+                    raise RuntimeError(f"probe claim: HTTP {status}: {body}")
+                if body["leases"]:
+                    samples[index].append(elapsed)
+                    items = [
+                        {"key": lease["key"], "token": lease["token"], "outcome": "rendered"}
+                        for lease in body["leases"]
+                    ]
+                    client.call("POST", "/v1/completions", {"items": items})
+    finally:
+        stop.set()
+        writer.join(30)
+        for clients in by_worker.values():
+            for client in clients:
+                client.close()
+    return {
+        str(index): {
+            "claims": len(found),
+            "p50_us": us(report.percentile(found, 50)),
+            "p99_us": us(report.percentile(found, 99)),
+        }
+        for index, found in sorted(samples.items())
+    }
+
+
+# --- peers --------------------------------------------------------------------------------
+
+
+def run_peer_arms(name: str, rows: Rows, config: Config) -> list[ArmResult]:
+    from bench import peers
+    from bench.peer_sql import PostgresPeer, SqlitePeer
+
+    factory = SqlitePeer if name == SQLITE else PostgresPeer
+    peer = factory()
+    out: list[ArmResult] = []
+    try:
+        report.progress(f"node: {name}: loading {len(rows):,} rows")
+        peer.load(rows)
+        spec = peer.spec()
+        arm_config = peers.Config(
+            rows=config.rows, growth=(), arm_max_keys=config.arm_max_keys,
+            arm_max_s=config.arm_max_s,
+        )  # fmt: skip
+        per_arm = min(config.arm_max_keys, due_count(rows, time.time_ns() // 1_000_000) // 3)
+        for batch in BATCHES:
+            arm = peers.run_arm(spec, batch, True, per_arm, arm_config)
+            report.progress(f"node: {name}: batch {batch}: {arm.keys_per_s:,.0f} keys/s")
+            out.append(
+                ArmResult(
+                    peer=name,
+                    batch=batch,
+                    claimants=PEER_CLAIMANTS,
+                    keys=arm.keys,
+                    seconds=arm.seconds,
+                    keys_per_s=arm.keys_per_s,
+                    claim_p50_us=arm.claim_p50_us,
+                    claim_p99_us=arm.claim_p99_us,
+                    complete_p50_us=arm.complete_p50_us,
+                    complete_p99_us=arm.complete_p99_us,
+                    granted_twice=arm.granted_twice,
+                )
+            )
+    finally:
+        peer.drop()
+    return out
+
+
+# --- the report ---------------------------------------------------------------------------
+
+
+def figures(
+    arms: list[ArmResult], writes: dict[str, float | None], probe: dict[str, Any], config: Config
+) -> list[report.Figure]:
+    table = f"Claim then complete through HTTP: {config.rows:,} rows, 20% due, two workers"
+    out: list[report.Figure] = []
+
+    def find(peer: str, batch: int, claimants: int | None = None) -> ArmResult | None:
+        return next(
+            (
+                a
+                for a in arms
+                if a.peer == peer and a.batch == batch and claimants in (None, a.claimants)
+            ),
+            None,
+        )
+
+    for batch in BATCHES:
+        for claimants in config.claimants:
+            ours = find(OURS, batch, claimants)
+            sqlite = find(SQLITE, batch)
+            postgres = find(POSTGRES, batch)
+            best = max((a.keys_per_s for a in (sqlite, postgres) if a is not None), default=None)
+            for label, attr, unit, better in (
+                ("keys/s", "keys_per_s", "keys/s", "higher"),
+                ("claim p50", "claim_p50_us", "µs", "lower"),
+                ("claim p99", "claim_p99_us", "µs", "lower"),
+            ):
+                out.append(
+                    report.Figure(
+                        table=table,
+                        what=f"batch {batch}, {claimants} claimants: {label}",
+                        unit=unit,
+                        better=better,  # type: ignore[arg-type]
+                        ours=getattr(ours, attr) if ours else None,
+                        peers={
+                            SQLITE: getattr(sqlite, attr) if sqlite else None,
+                            POSTGRES: getattr(postgres, attr) if postgres else None,
+                        },
+                        target=(
+                            f">= {3 * best:,.0f} (3x the better peer)"
+                            if attr == "keys_per_s" and batch == 100 and best
+                            else ""
+                        ),
+                        note=(
+                            f"peers: {PEER_CLAIMANTS} claimant processes"
+                            if attr == "keys_per_s"
+                            else ""
+                        ),
+                    )
+                )
+    twice = sum(a.granted_twice for a in arms if a.peer == OURS)
+    out.append(
+        report.Figure(
+            table=table,
+            what="keys granted twice (our arms)",
+            unit="keys",
+            ours=float(twice),
+            target="0",
+        )
+    )
+    write_table = "Single-row schedule write through HTTP (POST /v1/schedule)"
+    out.append(report.Figure(table=write_table, what="p50", unit="µs", ours=writes["p50_us"]))
+    out.append(report.Figure(table=write_table, what="p99", unit="µs", ours=writes["p99_us"]))
+    probe_table = "Claim latency by worker (batch 10, keeper busy with a churn writer)"
+    zero = probe.get("0", {})
+    other = probe.get("1", {})
+    for label in ("p50_us", "p99_us"):
+        out.append(
+            report.Figure(
+                table=probe_table,
+                what=f"claim {label[:3]}",
+                unit="µs",
+                ours=zero.get(label),
+                peers={"worker 1": other.get(label)},
+                note="ours = worker 0 (hosts the keeper)",
+            )
+        )
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.node", description=__doc__)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--rows", type=int, default=0)
+    parser.add_argument("--claimants", default="", help="our claimant counts, e.g. 2,4")
+    args = parser.parse_args(argv)
+    config = QUICK if args.quick else FULL
+    if args.rows:
+        config = msgspec.structs.replace(config, rows=args.rows)
+    if args.claimants:
+        counts = tuple(int(c) for c in args.claimants.split(","))
+        config = msgspec.structs.replace(config, claimants=counts)
+    result = report.new_result("node", args.quick, ours_label=OURS)
+    workload = Workload(rows=config.rows, now_ms=time.time_ns() // 1_000_000)
+    report.progress(f"node: generating {config.rows:,} rows")
+    rows = generate(workload)
+    due = due_count(rows, time.time_ns() // 1_000_000)
+    arms: list[ArmResult] = []
+    failures: list[str] = []
+    pg_down = reachable(*_pg_host_port())
+    if pg_down:
+        result.pending[POSTGRES] = f"PostgreSQL {pg_down}"
+    for name in (SQLITE, POSTGRES):
+        if name in result.pending:
+            continue
+        try:
+            arms += run_peer_arms(name, rows, config)
+        except Exception as exc:
+            failures.append(f"{name}: {type(exc).__name__}: {exc}")
+            report.progress(f"node: {name} FAILED: {exc}")
+    writes: dict[str, float | None] = {"p50_us": None, "p99_us": None}
+    probe: dict[str, Any] = {}
+    report.progress(f"node: loading {config.rows:,} rows ({due:,} due) into the node's store")
+    node = Node(rows)
+    try:
+        started = time.perf_counter()
+        node.start()
+        report.progress(f"node: live and exact in {time.perf_counter() - started:.1f} s")
+        # Every arm drains due keys; a share is left over for the worker probe.
+        per_arm = min(config.arm_max_keys, due // (len(BATCHES) * len(config.claimants) + 1))
+        for batch in BATCHES:
+            for claimants in config.claimants:
+                arm = run_our_arm(node.port, batch, claimants, per_arm, config.arm_max_s)
+                report.progress(
+                    f"node: batch {batch}, {claimants} claimants: {arm.keys_per_s:,.0f} keys/s, "
+                    f"claim p50 {arm.claim_p50_us} us p99 {arm.claim_p99_us} us"
+                )
+                arms.append(arm)
+        report.progress(f"node: {config.writes} single-row schedule writes")
+        writes = schedule_writes(node, config.writes)
+        report.progress("node: claim latency by worker")
+        probe = worker_probe(node, rows, config)
+    except Exception as exc:
+        failures.append(f"{OURS}: {type(exc).__name__}: {exc}")
+        report.progress(f"node: FAILED: {exc}; log in {node.dir}")
+    finally:
+        node.stop()
+        if not failures:
+            node.drop()
+    result.figures = figures(arms, writes, probe, config)
+    result.promised = [figure.key for figure in result.figures]
+    result.raw = {
+        "config": msgspec.to_builtins(config),
+        "due": due,
+        "arms": [msgspec.to_builtins(arm) for arm in arms],
+        "writes": writes,
+        "probe": probe,
+        "failures": failures,
+    }
+    status = report.emit(result)
+    if failures:
+        report.progress("node: FAILED: " + "; ".join(failures))
+        return 1
+    return status
+
+
+def _pg_host_port() -> tuple[str, int]:
+    rest = PG_DSN.split("://", 1)[-1].split("/", 1)[0].split("@")[-1]
+    host, _, port = rest.partition(":")
+    return host or "127.0.0.1", int(port or 5432)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
