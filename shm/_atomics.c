@@ -392,6 +392,44 @@ typedef struct {
 
 _Static_assert(sizeof(ring_entry) == 32, "ring entry is 32 bytes");
 
+/* A claim copies entries and keys here first and builds Python objects only after
+ * the generation check, so a torn copy never becomes an object. */
+typedef struct {
+    ring_entry *entries;
+    char *keys;
+    uint64_t cap, keys_cap;
+} scratch_t;
+
+static void
+scratch_free(scratch_t *sc)
+{
+    PyMem_Free(sc->entries);
+    PyMem_Free(sc->keys);
+    memset(sc, 0, sizeof(*sc));
+}
+
+static int
+scratch_reserve(scratch_t *sc, uint64_t n, uint64_t key_bytes)
+{
+    if (n > sc->cap) {
+        ring_entry *p = PyMem_Realloc(sc->entries, n * sizeof(ring_entry));
+        if (p == NULL) goto nomem;
+        sc->entries = p;
+        sc->cap = n;
+    }
+    if (sc->keys == NULL || key_bytes > sc->keys_cap) {
+        uint64_t size = key_bytes > sc->keys_cap ? key_bytes : (sc->keys_cap ? sc->keys_cap : 64);
+        char *p = PyMem_Realloc(sc->keys, size);
+        if (p == NULL) goto nomem;
+        sc->keys = p;
+        sc->keys_cap = size;
+    }
+    return 0;
+nomem:
+    PyErr_NoMemory();
+    return -1;
+}
+
 typedef struct {
     PyObject_HEAD
     Py_buffer view;
@@ -403,10 +441,7 @@ typedef struct {
     uint64_t arena_bytes;
     PyObject *factory;
     aword *stripe;
-    ring_entry *scratch;
-    char *scratch_keys;
-    uint64_t scratch_cap;
-    uint64_t scratch_keys_cap;
+    scratch_t scratch; /* reused between claims; a claim takes it while it runs */
 } RingObject;
 
 static int
@@ -459,16 +494,6 @@ Ring_init(RingObject *self, PyObject *args, PyObject *kwds)
 }
 
 static void
-Ring_free_scratch(RingObject *self)
-{
-    PyMem_Free(self->scratch);
-    PyMem_Free(self->scratch_keys);
-    self->scratch = NULL;
-    self->scratch_keys = NULL;
-    self->scratch_cap = self->scratch_keys_cap = 0;
-}
-
-static void
 Ring_dealloc(RingObject *self)
 {
     if (self->held) {
@@ -476,7 +501,7 @@ Ring_dealloc(RingObject *self)
         self->held = 0;
     }
     Py_CLEAR(self->factory);
-    Ring_free_scratch(self);
+    scratch_free(&self->scratch);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -490,36 +515,6 @@ static inline aword *
 ring_cursor(RingObject *self, uint64_t b)
 {
     return self->ctrl + (b ? RING_CURSOR1 : RING_CURSOR0);
-}
-
-static int
-Ring_reserve_scratch(RingObject *self, uint64_t n)
-{
-    if (n > self->scratch_cap) {
-        ring_entry *p = PyMem_Realloc(self->scratch, n * sizeof(ring_entry));
-        if (p == NULL) {
-            PyErr_NoMemory();
-            return -1;
-        }
-        self->scratch = p;
-        self->scratch_cap = n;
-    }
-    return 0;
-}
-
-static int
-Ring_reserve_keys(RingObject *self, uint64_t n)
-{
-    if (n > self->scratch_keys_cap) {
-        char *p = PyMem_Realloc(self->scratch_keys, n ? n : 1);
-        if (p == NULL) {
-            PyErr_NoMemory();
-            return -1;
-        }
-        self->scratch_keys = p;
-        self->scratch_keys_cap = n;
-    }
-    return 0;
 }
 
 /* claim(n) -> list of factory(key, due_at, class_id, key_hash).
@@ -542,9 +537,14 @@ Ring_claim(RingObject *self, PyObject *const *args, Py_ssize_t nargs)
     if ((uint64_t)want > self->capacity) want = (Py_ssize_t)self->capacity;
     uint64_t n = (uint64_t)want;
     atomic_fetch_add_explicit(&self->stripe[RS_CLAIM_CALLS], 1, memory_order_relaxed);
-    if (Ring_reserve_scratch(self, n) < 0) return NULL;
+    /* Taken, not borrowed: building objects can run arbitrary Python (a finalizer,
+     * another thread), which may claim on this ring meanwhile. */
+    scratch_t sc = self->scratch;
+    memset(&self->scratch, 0, sizeof(self->scratch));
+    PyObject *out = NULL;
+    if (scratch_reserve(&sc, n, 0) < 0) goto done;
 
-    uint64_t got = 0, buffer = 0;
+    uint64_t got = 0;
     for (int attempt = 0; attempt < RING_MAX_ATTEMPTS; attempt++) {
         uint64_t b = LOAD(&self->ctrl[RING_ACTIVE]) & 1u;
         aword *desc = ring_buf(self, b);
@@ -579,11 +579,11 @@ Ring_claim(RingObject *self, PyObject *const *args, Py_ssize_t nargs)
         got = end - idx;
         const ring_entry *src = (const ring_entry *)(self->entries + b * self->capacity *
                                                                        sizeof(ring_entry));
-        memcpy(self->scratch, src + idx, got * sizeof(ring_entry));
+        memcpy(sc.entries, src + idx, got * sizeof(ring_entry));
         uint64_t key_bytes = 0;
         int bad = 0;
         for (uint64_t i = 0; i < got; i++) {
-            const ring_entry *e = &self->scratch[i];
+            const ring_entry *e = &sc.entries[i];
             if (e->key_len > RING_KEY_MAX ||
                 (uint64_t)e->key_off + e->key_len > self->arena_bytes) {
                 bad = 1; /* only a torn copy can look like this; the check keeps memcpy inside */
@@ -592,11 +592,11 @@ Ring_claim(RingObject *self, PyObject *const *args, Py_ssize_t nargs)
             key_bytes += e->key_len;
         }
         if (!bad) {
-            if (Ring_reserve_keys(self, key_bytes) < 0) return NULL;
+            if (scratch_reserve(&sc, 0, key_bytes) < 0) goto done;
             const char *arena = self->arena + b * self->arena_bytes;
-            char *dst = self->scratch_keys;
+            char *dst = sc.keys;
             for (uint64_t i = 0; i < got; i++) {
-                const ring_entry *e = &self->scratch[i];
+                const ring_entry *e = &sc.entries[i];
                 memcpy(dst, arena + e->key_off, e->key_len);
                 dst += e->key_len;
             }
@@ -608,20 +608,19 @@ Ring_claim(RingObject *self, PyObject *const *args, Py_ssize_t nargs)
             got = 0;
             continue;
         }
-        buffer = b;
         break;
     }
-    (void)buffer;
     if (got == 0) {
         atomic_fetch_add_explicit(&self->stripe[RS_EMPTY], 1, memory_order_relaxed);
-        return PyList_New(0);
+        out = PyList_New(0);
+        goto done;
     }
     atomic_fetch_add_explicit(&self->stripe[RS_CLAIMED], got, memory_order_relaxed);
-    PyObject *out = PyList_New((Py_ssize_t)got);
-    if (out == NULL) return NULL;
-    const char *kp = self->scratch_keys;
+    out = PyList_New((Py_ssize_t)got);
+    if (out == NULL) goto done;
+    const char *kp = sc.keys;
     for (uint64_t i = 0; i < got; i++) {
-        const ring_entry *e = &self->scratch[i];
+        const ring_entry *e = &sc.entries[i];
         PyObject *fields[4];
         fields[0] = PyBytes_FromStringAndSize(kp, e->key_len);
         fields[1] = PyLong_FromLongLong(e->due_at);
@@ -634,12 +633,19 @@ Ring_claim(RingObject *self, PyObject *const *args, Py_ssize_t nargs)
         }
         for (int f = 0; f < 4; f++) Py_XDECREF(fields[f]);
         if (item == NULL) {
-            Py_DECREF(out);
-            return NULL;
+            Py_CLEAR(out);
+            goto done;
         }
         PyList_SET_ITEM(out, (Py_ssize_t)i, item);
     }
-    if (self->scratch_cap > 4096) Ring_free_scratch(self); /* do not pin a huge batch's memory */
+done:
+    /* Give the scratch back unless a nested claim already did, or it grew large. */
+    if (self->scratch.entries == NULL && self->scratch.keys == NULL && sc.cap <= 4096 &&
+        sc.keys_cap <= 4096 * 256) {
+        self->scratch = sc;
+    } else {
+        scratch_free(&sc);
+    }
     return out;
 }
 
@@ -674,7 +680,7 @@ Ring_release(RingObject *self, PyObject *Py_UNUSED(ignored))
         self->ctrl = NULL;
         self->entries = self->arena = NULL;
     }
-    Ring_free_scratch(self);
+    scratch_free(&self->scratch);
     Py_RETURN_NONE;
 }
 
