@@ -9,6 +9,7 @@ import os
 import signal
 import socket
 import sys
+import time
 from collections.abc import Callable
 
 import msgspec
@@ -67,7 +68,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--stats-json", action="store_true", help="print the final statistics as JSON"
     )
-    parser.add_argument("--quiet", action="store_true", help="no per-failure lines")
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="a line for every failed render (default: a sample, at most 5 per 10 s; none "
+        "for --simulate)",
+    )
     return parser
 
 
@@ -100,7 +106,7 @@ async def _run(args: argparse.Namespace, renderer: Renderer, printer: ProgressPr
         worker=worker,
         max_connections=max(8, min(args.concurrency, 64) + 4),
     )
-    log = _quiet(printer.log) if args.quiet else printer.log
+    log = printer.log if args.verbose else _sampled_failures(printer.log, keep=not args.simulate)
     runner = FleetRunner(client, renderer, config, log=log)
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -132,12 +138,35 @@ async def _run(args: argparse.Namespace, renderer: Renderer, printer: ProgressPr
     return 0
 
 
-def _quiet(log: Callable[[str], None]) -> Callable[[str], None]:
-    """Keep the stop and fatal lines, drop the per-render failure lines."""
+def _sampled_failures(
+    log: Callable[[str], None], *, keep: bool, per_window: int = 5, window_s: float = 10.0
+) -> Callable[[str], None]:
+    """Every line but per-render failures; of those, a few per window, then a count.
+
+    A fleet failing fast fails thousands of times a minute: a line each would bury the
+    stop and fatal lines, and the progress line already counts failures.
+    """
+    window_started = 0.0
+    shown = 0
+    hidden = 0
 
     def filtered(message: str) -> None:
+        nonlocal window_started, shown, hidden
         if not message.startswith("failed "):
             log(message)
+            return
+        if not keep:
+            return
+        now = time.monotonic()
+        if now - window_started >= window_s:
+            if hidden:
+                log(f"... and {hidden} more failure(s) not shown (--verbose shows all)")
+            window_started, shown, hidden = now, 0, 0
+        if shown < per_window:
+            shown += 1
+            log(message)
+        else:
+            hidden += 1
 
     return filtered
 

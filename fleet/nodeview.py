@@ -15,10 +15,10 @@ import msgspec
 class NodeView(msgspec.Struct, frozen=True, kw_only=True):
     status: str = "unknown"
     http_status: int = 0
-    due: int | None = None  # rows due now
+    due: int | None = None  # rows due now (routes not paused)
     in_flight: int | None = None  # leases outstanding on the node
-    oldest_due_s: float | None = None  # how late the most overdue row is
-    worst_lateness: float | None = None  # the highest lateness in cadences, if reported
+    oldest_due_s: float | None = None  # how late the earliest-due claimable row is
+    worst_lateness: float | None = None  # the worst class's oldest row, in cadences
     state_age_s: float | None = None
 
 
@@ -53,47 +53,26 @@ def _get(body: dict[str, Any], *path: str) -> Any:
     return node
 
 
-def _walk_numbers(node: Any, names: frozenset[str], found: list[float]) -> None:
-    if isinstance(node, dict):
-        for name, value in node.items():
-            number = _number(value)
-            if number is not None and name in names:
-                found.append(number)
-            else:
-                _walk_numbers(value, names, found)
-    elif isinstance(node, list):
-        for value in node:
-            _walk_numbers(value, names, found)
-
-
-_AGE_MS_NAMES = frozenset({"oldest_due_age_ms", "oldest_age_ms", "age_ms", "late_ms"})
-_AGE_S_NAMES = frozenset({"oldest_due_age_s", "oldest_age_s", "age_s", "late_s"})
-_RATIO_NAMES = frozenset({"max_lateness", "worst_lateness", "lateness_max", "max_cadences"})
-
-
 def summarize_queue_state(http_status: int, body: dict[str, Any]) -> NodeView:
+    """The view from GET /prerender_admin/queue-state (a 503 carries status, in flight
+    and trust only: the counts are left unknown rather than shown stale)."""
     now = _get(body, "now") or {}
-    status = _get(now, "status") or body.get("status") or _get(body, "trust", "phase")
-    lateness = body.get("lateness")
-    ages_ms: list[float] = []
-    ages_s: list[float] = []
-    ratios: list[float] = []
-    _walk_numbers(lateness, _AGE_MS_NAMES, ages_ms)
-    _walk_numbers(lateness, _AGE_S_NAMES, ages_s)
-    _walk_numbers(lateness, _RATIO_NAMES, ratios)
-    oldest = max([age / 1000 for age in ages_ms] + ages_s, default=None)
-    oldest_due_at: list[float] = []
-    _walk_numbers(lateness, frozenset({"oldest_due_at"}), oldest_due_at)
-    now_ms = _number(_get(body, "now", "now")) or _number(body.get("generated_at"))
-    if oldest is None and oldest_due_at and now_ms is not None:
-        oldest = max(0.0, (now_ms - min(oldest_due_at)) / 1000)
+    status = _get(now, "status") or _get(body, "trust", "phase")
+    ratios = [
+        _number(row.get("oldest_lateness"))
+        for row in (_get(body, "lateness", "classes") or [])
+        if isinstance(row, dict)
+    ]
+    worst = max((ratio for ratio in ratios if ratio is not None), default=None)
     age_ms = _number(_get(body, "trust", "state_age_ms"))
+    counted = http_status == 200
+    oldest = _number(_get(body, "autoscale", "oldest_claimable_age_s"))
     return NodeView(
-        status=str(status) if status is not None else ("ready" if http_status == 200 else "?"),
+        status=str(status) if status is not None else ("ready" if counted else "unknown"),
         http_status=http_status,
-        due=_total(_get(now, "due")),
+        due=_total(_get(now, "due")) if counted else None,
         in_flight=_total(_get(now, "in_flight")),
-        oldest_due_s=oldest,
-        worst_lateness=max(ratios, default=None),
+        oldest_due_s=oldest if counted else None,
+        worst_lateness=worst if counted else None,
         state_age_s=age_ms / 1000 if age_ms is not None else None,
     )
