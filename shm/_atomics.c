@@ -727,6 +727,8 @@ enum { PH_FREE = 0, PH_LEASED = 1, PH_HELD = 2, PH_REMOVING = 3 };
 #define HOLD_MASK ((((uint64_t)1) << 48) - 1)
 #define MISSES_MAX 15u
 #define PROBE 8
+/* How long a sweep (by default) and a full window keep an ended hold's misses. */
+#define KEEP_MISSES_MS 3600000ull
 #define SLOT_WORDS 4
 enum { SLOT_KEY = 0, SLOT_STATE = 1, SLOT_HOLD = 2 };
 
@@ -963,12 +965,12 @@ typedef struct {
     uint64_t slot[PROBE];
     uint64_t word[PROBE];
     int64_t empty; /* first empty slot, -1 if none */
-    int64_t spare; /* first slot of another key whose lease completed, -1 if none */
+    int64_t spare; /* first slot another key no longer needs, -1 if none */
     uint64_t spare_key, spare_word;
 } probe_t;
 
 static void
-probe(LeasesObject *self, uint64_t h, probe_t *p)
+probe(LeasesObject *self, uint64_t h, uint64_t now, probe_t *p)
 {
     uint64_t start = window_start(self, h);
     p->n = 0;
@@ -988,8 +990,11 @@ probe(LeasesObject *self, uint64_t h, probe_t *p)
             p->n++;
         } else if (k == 0) {
             if (p->empty < 0) p->empty = (int64_t)s;
-        } else if (W_PHASE(w) == PH_FREE && W_TOKEN(w) != 0 && p->spare < 0) {
-            /* token 0 is a fresh insert whose grant is under way: not spare */
+        } else if (p->spare < 0 &&
+                   ((W_PHASE(w) == PH_FREE && W_TOKEN(w) != 0) ||
+                    (W_PHASE(w) == PH_HELD && W_TIME(w) + KEEP_MISSES_MS <= now))) {
+            /* Spare: a completed lease (token 0 is a fresh insert whose grant is under
+             * way), or a hold that ended long ago, which a sweep would forget too. */
             p->spare = (int64_t)s;
             p->spare_key = k;
             p->spare_word = w;
@@ -1023,7 +1028,7 @@ Leases_grant(LeasesObject *self, PyObject *const *args, Py_ssize_t nargs)
     }
     probe_t p;
     for (int attempt = 0; attempt < LEASE_MAX_ATTEMPTS; attempt++) {
-        probe(self, h, &p);
+        probe(self, h, now, &p);
         uint64_t taken_until = 0, held_until = 0;
         int settled = 0;
         for (int i = 0; i < p.n; i++) {
@@ -1051,8 +1056,8 @@ Leases_grant(LeasesObject *self, PyObject *const *args, Py_ssize_t nargs)
         uint64_t s, w;
         if (p.n == 0) {
             if (p.empty < 0 && p.spare >= 0) {
-                /* No empty slot, but another key's finished slot: empty it here rather
-                 * than wait for the sweep (FREE holds no misses, nothing is lost). */
+                /* No empty slot, but one another key no longer needs: empty it here
+                 * rather than wait for the sweep. */
                 uint64_t parked = removing_word();
                 uint64_t r = (uint64_t)p.spare;
                 if (cas_word(slot_word(self, r, SLOT_STATE), p.spare_word, parked)) {
@@ -1199,7 +1204,7 @@ static void
 key_state(LeasesObject *self, uint64_t h, uint64_t now, keystate_t *ks)
 {
     probe_t p;
-    probe(self, h, &p);
+    probe(self, h, now, &p);
     memset(ks, 0, sizeof(*ks));
     for (int i = 0; i < p.n; i++) {
         uint64_t w = p.word[i];
@@ -1463,14 +1468,14 @@ PyInit__atomics(void)
         "s_completions", "s_expiries", "s_hold_events", "s_refused_taken", "s_refused_held",
         "s_refused_probe_full", "s_inserts", "s_reclaimed", "s_conflicts", "s_stale_tokens",
         "s_sweeps", "granted", "refused_taken", "refused_held", "refused_probe_full",
-        "misses_max",
+        "misses_max", "keep_misses_ms",
     };
     static const long lease_values[] = {
         LEASE_SWEEPER, LEASE_STRIPES, LEASE_CTRL_WORDS, SLOT_WORDS, PROBE, LS_GRANTS,
         LS_RENEWALS, LS_COMPLETIONS, LS_EXPIRIES, LS_HOLD_EVENTS, LS_REFUSED_TAKEN,
         LS_REFUSED_HELD, LS_REFUSED_PROBE_FULL, LS_INSERTS, LS_RECLAIMED, LS_CONFLICTS,
         LS_STALE_TOKENS, LS_SWEEPS, GRANTED, REFUSED_TAKEN, REFUSED_HELD, REFUSED_PROBE_FULL,
-        MISSES_MAX,
+        MISSES_MAX, (long)KEEP_MISSES_MS,
     };
     _Static_assert(sizeof(ring_keys) / sizeof(ring_keys[0]) ==
                        sizeof(ring_values) / sizeof(ring_values[0]),

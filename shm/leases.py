@@ -32,8 +32,9 @@ live?" and the change "grant it" are the same word:
   stamp never used before. A grant can never start on a `removing` slot, so a
   live lease is never broken, and a claimant that read the slot before it was
   emptied can never CAS it afterwards (no ABA): that is why the state word is
-  always read before the key. A grant that finds its window full takes another
-  key's completed slot this way itself; the **sweep** (one process at a time,
+  always read before the key. A grant that finds its window full takes a slot
+  another key no longer needs (a completed lease, or a hold that ended
+  `KEEP_MISSES_MS` ago) this way itself; the **sweep** (one process at a time,
   elected by a CAS on a pid word; a dead sweeper's claim is taken over) walks
   the whole table: it settles expired leases, reclaims completed slots and
   holds that ended `keep_misses_ms` ago, and finishes removals whose remover
@@ -65,8 +66,9 @@ KIND = "lease_table"
 PROBE_WINDOW = LEASE_LAYOUT["probe"]
 SLOT = np.dtype([("key_hash", "<u8"), ("state", "<u8"), ("hold", "<u8"), ("reserved", "<u8")])
 assert SLOT.itemsize == LEASE_LAYOUT["slot_words"] * 8
-# Misses and holds older than this are forgotten by the sweep.
-KEEP_MISSES_MS = 3_600_000
+# Misses of a hold that ended this long ago are forgotten (by a sweep, or by a grant
+# that needs the slot).
+KEEP_MISSES_MS = LEASE_LAYOUT["keep_misses_ms"]
 
 _CTRL = HEADER_BYTES
 _STRIPES = _CTRL // 8 + LEASE_LAYOUT["stripes"]

@@ -133,6 +133,26 @@ def test_a_full_probe_window_refuses_and_is_counted() -> None:
         table.unlink()
 
 
+def test_a_full_window_takes_a_hold_that_ended_long_ago_but_not_a_recent_one() -> None:
+    from shm.leases import KEEP_MISSES_MS
+
+    table = LeaseTable.create(_name(), capacity=8)
+    try:
+        hashes = [key_hash(b"h%d" % i) for i in range(9)]
+        for h in hashes[:8]:
+            assert isinstance(table.grant(h, 0, 100, 1_000), Grant)
+            assert table.grant(h, 100, 100, 1_000) == Refusal("held", 300)  # expired: held
+        # Holds ended at 300, but their misses are kept for KEEP_MISSES_MS after that.
+        assert table.grant(hashes[8], 300 + KEEP_MISSES_MS - 1, 100, 1_000) == Refusal(
+            "probe_full", 0
+        )
+        assert isinstance(table.grant(hashes[8], 300 + KEEP_MISSES_MS, 100, 1_000), Grant)
+        assert table.statistics(0).reclaimed == 1
+    finally:
+        table.close()
+        table.unlink()
+
+
 def test_sweep_keeps_holds_until_they_are_old_enough(table: LeaseTable) -> None:
     table.grant(H, 0, 100, 10_000)
     assert table.sweep(100, keep_misses_ms=1_000) == 0  # settles: held until 300
