@@ -90,13 +90,17 @@ def parse_w3c_datetime(text: str) -> int | None:
     return int(moment.timestamp() * 1000)
 
 
+# whitespace (Unicode's too) and control characters cannot appear in a URL as written
+_UNSAFE_CHARACTER = re.compile(r"[\s\x00-\x1f\x7f]")
+
+
 def url_problem(loc: str | None) -> str | None:
     """Why `loc` cannot be a schedule key (a short reason), or None if it can."""
     if loc is None or not loc:
         return "missing_loc"
     if len(loc.encode("utf-8", "surrogatepass")) > MAX_KEY_BYTES:
         return "too_long"
-    if any(ch.isspace() or ord(ch) < 0x20 or ord(ch) == 0x7F for ch in loc):
+    if _UNSAFE_CHARACTER.search(loc) is not None:
         return "bad_url"
     try:
         parts = urlsplit(loc)

@@ -56,10 +56,14 @@ class SitemapRef(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def _split(tag: str) -> tuple[str, str]:
-    if tag.startswith("{"):
-        namespace, _, local = tag[1:].partition("}")
-        return namespace, local
-    return "", tag
+    """expat's "uri}local" (its namespace separator is "}") into (uri, local)."""
+    namespace, _, local = tag.rpartition("}")
+    return namespace, local
+
+
+def _shown(tag: str) -> str:
+    namespace, local = _split(tag)
+    return f"{{{namespace}}}{local}" if namespace else local
 
 
 _URL_FIELDS = frozenset({"loc", "lastmod", "changefreq", "priority"})
@@ -76,6 +80,7 @@ class _SitemapTarget:
 
     ElementTree's TreeBuilder would build an Element per tag, extension tags
     included; this keeps one small dict per entry and hands entries out per feed.
+    Tags arrive as expat writes them, "namespace-uri}local".
     """
 
     def __init__(self) -> None:
@@ -98,7 +103,7 @@ class _SitemapTarget:
             local = self._local[tag] = name if namespace in SITEMAP_NAMESPACES else ""
         return local
 
-    def start(self, tag: str, attrib: dict[str, str]) -> None:
+    def start(self, tag: str, attributes: list[str]) -> None:
         self._depth += 1
         depth = self._depth
         if depth == 3:
@@ -113,7 +118,7 @@ class _SitemapTarget:
         elif depth == 1:
             namespace, local = _split(tag)
             if namespace not in SITEMAP_NAMESPACES or local not in ("urlset", "sitemapindex"):
-                raise _NotASitemap(tag)
+                raise _NotASitemap(_shown(tag))
             self.kind = "urlset" if local == "urlset" else "sitemapindex"
             self._entry_local = "url" if local == "urlset" else "sitemap"
             self._wanted = _URL_FIELDS if local == "urlset" else _SITEMAP_FIELDS
@@ -149,6 +154,18 @@ class _SitemapTarget:
     def close(self) -> None:
         return None
 
+    def install(self, parser: DefusedXMLParser) -> None:
+        """Take expat's element and text callbacks straight from the parser.
+
+        ElementTree's XMLParser would rebuild every tag name and attribute dict in
+        Python before calling a target; a sitemap needs neither. defusedxml's entity
+        and external-reference handlers stay as they are.
+        """
+        expat = parser.parser
+        expat.StartElementHandler = self.start
+        expat.EndElementHandler = self.end
+        expat.CharacterDataHandler = self.data
+
 
 class SitemapDocument:
     """One document: its kind is known after the root element, then entries stream out.
@@ -169,6 +186,7 @@ class SitemapDocument:
             forbid_entities=True,
             forbid_external=True,
         )
+        self._target.install(self._parser)
         self._done = False
         self.most_buffered = 0  # the most entries held at once: what bounds memory
         while self._target.kind is None and not self._done:
