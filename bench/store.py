@@ -153,7 +153,7 @@ BARE_UPSERT = """INSERT INTO render_schedule (key, route, cadence_s, sitemap, ne
 def bare_open(path: str, rows: Any) -> sqlite3.Connection:
     conn = sqlite3.connect(path, isolation_level=None)
     conn.execute("PRAGMA journal_mode = WAL")
-    for pragma in ("synchronous = NORMAL", "cache_size = -32000", "mmap_size = 268435456"):
+    for pragma in ("synchronous = NORMAL", "cache_size = -32000"):
         conn.execute(f"PRAGMA {pragma}")
     conn.execute(BARE_SCHEMA)
     conn.execute("BEGIN")

@@ -8,7 +8,8 @@ has a connection of its own and serves one reader.
 
 Writes are all or nothing: every batch is one BEGIN IMMEDIATE transaction,
 retried whole while other writers hold the lock (see sqlite_conn). After each
-commit the writer posts the registered consumers' semaphores (see wake).
+commit the writer posts the registered consumers' semaphores (see wake), and
+a daemon thread checkpoints the WAL off the writers' path (see checkpoint).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import msgspec
 
 from store import sqlite_sql as sql
 from store.base import Cursor
+from store.checkpoint import WRITER_CHECKPOINT_PAGES, Checkpointer, CheckpointStatistics
 from store.errors import StoreError
 from store.rows import Completion, Route, Row, RowWrite
 from store.schema import KIND_ROW, migrate, schema_version
@@ -78,6 +80,7 @@ class StoreStatistics(msgspec.Struct, frozen=True, kw_only=True):
     busy_retries: int  # transactions retried because another writer held the lock
     pruned: int  # log entries this object removed
     wake: WakeStatistics
+    checkpoint: CheckpointStatistics
 
 
 class _ThreadState:
@@ -98,6 +101,7 @@ class SqliteStore:
         *,
         wake_name: str | None = None,
         busy_timeout_s: float = DEFAULT_BUSY_TIMEOUT_S,
+        background_checkpoints: bool = True,
     ) -> None:
         text = os.fspath(path)
         if not text or text == ":memory:" or text.startswith("file:"):
@@ -110,6 +114,7 @@ class SqliteStore:
         self._lock = threading.Lock()
         self._states: list[_ThreadState] = []
         self._poster = WakePoster()
+        self._checkpointer = Checkpointer(self.path) if background_checkpoints else None
         self._pruned = 0
         self._closed = False
         state = self._state()  # opens, migrates, and refuses a newer schema now
@@ -133,6 +138,8 @@ class SqliteStore:
         try:
             retry.call("open", lambda: configure(conn))
             retry.call("open", lambda: migrate(conn, str(self.path)))
+            if self._checkpointer is not None:
+                conn.execute(f"PRAGMA wal_autocheckpoint = {WRITER_CHECKPOINT_PAGES}")
         except BaseException:
             conn.close()
             raise
@@ -153,6 +160,8 @@ class SqliteStore:
         state = self._state()
         result = state.retry.transaction(state.conn, what, body, write=True)
         state.last_commit_ns = time.monotonic_ns()
+        if self._checkpointer is not None:
+            self._checkpointer.committed()
         state.transactions += 1
         state.rows_written += rows
         if logged:
@@ -469,6 +478,7 @@ class SqliteStore:
             busy_retries=sum(s.retry.retries for s in states),
             pruned=self._pruned,
             wake=self._poster.statistics(),
+            checkpoint=(self._checkpointer or Checkpointer(self.path)).statistics(),
         )
 
     def close(self) -> None:
@@ -480,6 +490,8 @@ class SqliteStore:
             state.conn.close()
         self._local = threading.local()
         self._poster.close()
+        if self._checkpointer is not None:
+            self._checkpointer.close()
 
     def __enter__(self) -> SqliteStore:
         return self

@@ -211,7 +211,7 @@ def test_routes_and_the_global_default(store: SqliteStore) -> None:
     with pytest.raises(ValueError, match="default_cadence_s"):
         store.set_route("product", default_cadence_s=0)
     with pytest.raises(ValueError, match="default_cadence_s"):
-        store.set_default_cadence_s(True)  # type: ignore[arg-type]
+        store.set_default_cadence_s(True)
     with pytest.raises(ValueError, match="paused"):
         store.set_route("product", paused=1)  # type: ignore[arg-type]
 

@@ -7,7 +7,7 @@ import os
 import signal
 import sqlite3
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -36,7 +36,7 @@ def put(key: str, at: int = 1_000, route: str = "product") -> RowWrite:
     return RowWrite(key=key, route=route, next_render_at=at)
 
 
-def keys_of(events: list[object]) -> list[str]:
+def keys_of(events: Sequence[object]) -> list[str]:
     return [e.key for e in events if isinstance(e, RowEvent)]
 
 
@@ -260,18 +260,28 @@ def _write_later(path: str, started: object, key: str) -> None:
     store.close()
 
 
+def receive(sub: SqliteSubscription) -> list[str]:
+    """Wait and poll until something arrives (a wake-up is a hint: some find nothing)."""
+    for _ in range(100):
+        assert sub.wait(60.0) is True
+        found = keys_of(sub.poll().events)
+        if found:
+            return found
+    raise AssertionError("woken 100 times without an event")
+
+
 def test_a_commit_in_another_process_wakes_a_waiting_consumer(store: SqliteStore) -> None:
     sub = store.subscribe("keeper")
+    assert isinstance(sub, SqliteSubscription)
     context = multiprocessing.get_context("spawn")
     started = context.Event()
     child = context.Process(target=_write_later, args=(str(store.path), started, "/x"))
     child.start()
     sub.poll()
     started.set()
-    assert sub.wait(60.0) is True
-    assert keys_of(sub.poll().events) == ["/x"]
+    assert receive(sub) == ["/x"]
     stats = sub.statistics()
-    assert stats.woken + stats.noticed == 1 and stats.timeouts == 0
+    assert stats.woken + stats.noticed >= 1 and stats.timeouts == 0
     child.join(30)
     assert child.exitcode == 0
     sub.close()
@@ -290,9 +300,8 @@ def test_data_version_polling_alone_still_wakes(store: SqliteStore) -> None:
     child = context.Process(target=_write_later, args=(str(store.path), started, "/y"))
     child.start()
     started.set()
-    assert sub.wait(60.0) is True
-    assert sub.statistics().noticed == 1
-    assert keys_of(sub.poll().events) == ["/y"]
+    assert receive(sub) == ["/y"]
+    assert sub.statistics().noticed >= 1 and sub.statistics().woken == 0
     child.join(30)
     sub.close()
 

@@ -80,7 +80,7 @@ def test_bad_deletes() -> None:
         (Completion(key="", outcome="rendered", now=1), ["completion[0]", "key is empty"]),
         (Completion(key="/a", outcome="done", now=1), ["completion[0]", "outcome"]),  # type: ignore[arg-type]
         (Completion(key="/a", outcome="rendered", now=1.5), ["completion[0]", "now"]),  # type: ignore[arg-type]
-        (Completion(key="/a", outcome="failed", now=False), ["completion[0]", "now"]),  # type: ignore[arg-type]
+        (Completion(key="/a", outcome="failed", now=False), ["completion[0]", "now"]),
         (
             Completion(key="/a", outcome="rendered", now=1, next_render_at=2.0),  # type: ignore[arg-type]
             ["completion[0]", "next_render_at"],
