@@ -211,10 +211,8 @@ def test_cancel_cuts_a_sync_wait_short() -> None:
     cancel = threading.Event()
     threading.Timer(0.2, cancel.set).start()
     client = FleetClient("http://node", transport=transport)
-    started = time.monotonic()
-    with pytest.raises(FleetCancelled):
+    with pytest.raises(FleetCancelled):  # not after five 30 s waits: the event cut in
         client.claim(1, cancel=cancel)
-    assert time.monotonic() - started < 30
     client.close()
 
 
@@ -306,7 +304,6 @@ def test_real_node_long_poll_wakes_when_a_row_comes_due(node: object) -> None:
     with FleetClient(node.url, worker="poller") as client, node.client() as admin:
         result: list[list[Lease]] = []
         poller = threading.Thread(target=lambda: result.append(client.claim(5, wait_s=30)))
-        started = time.monotonic()
         poller.start()
         time.sleep(0.5)
         response = admin.post(
@@ -315,9 +312,9 @@ def test_real_node_long_poll_wakes_when_a_row_comes_due(node: object) -> None:
         )
         assert response.status_code == 200, response.text
         poller.join(40)
-        elapsed = time.monotonic() - started
+    # one claim, one answer: had the publish not woken it, it would have come back empty
     assert result and [lease.key for lease in result[0]] == ["https://e.com/woken"]
-    assert elapsed < 30, "the claim ran its whole wait: the publish did not wake it"
+    assert client.statistics().requests == 1
 
 
 @needs_node

@@ -202,14 +202,12 @@ def test_grace_period_over_cuts_renders_short_and_completes_them_failed() -> Non
         await asyncio.sleep(3600)
         return RenderResult(outcome="rendered")
 
-    started = time.monotonic()
     stats, _ = run_fleet(
         node,
         endless,
         FleetConfig(concurrency=3, wait_s=1, grace_s=0.3, state_every_s=0),
         stop_when=lambda runner: runner.statistics().in_flight == 3,
     )
-    assert time.monotonic() - started < 60
     assert stats.aborted == 3 and stats.failed == 3
     assert [outcome for _, outcome in node.completed] == ["failed"] * 3
     assert not node.leases, "a cut-short render left its lease to expire"
@@ -222,7 +220,6 @@ def test_second_stop_skips_the_grace_period() -> None:
         await asyncio.sleep(3600)
         return RenderResult(outcome="rendered")
 
-    started = time.monotonic()
     stats, log = run_fleet(
         node,
         endless,
@@ -230,8 +227,7 @@ def test_second_stop_skips_the_grace_period() -> None:
         stop_when=lambda runner: runner.statistics().in_flight == 2,
         stop_twice=True,
     )
-    assert time.monotonic() - started < 60
-    assert stats.aborted == 2
+    assert stats.aborted == 2  # within run_fleet's 60 s guard, not the hour of grace
     assert any("cutting renders in flight short" in line for line in log)
 
 
