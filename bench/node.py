@@ -286,7 +286,11 @@ class Node:
         finally:
             store.close()
 
-    def start(self, keeper_switch_interval_ms: float | None = None) -> None:
+    def start(
+        self,
+        keeper_switch_interval_ms: float | None = None,
+        keeper: dict[str, float | int] | None = None,
+    ) -> None:
         env = {k: v for k, v in os.environ.items() if not k.startswith("RENDERQUEUE_")}
         env.update(RENDERQUEUE_ADMIN_TOKEN=ADMIN_TOKEN, RENDERQUEUE_FLEET_TOKEN=FLEET_TOKEN)
         command = [
@@ -295,6 +299,12 @@ class Node:
         ]  # fmt: skip
         if keeper_switch_interval_ms is not None:
             command += ["--keeper-switch-interval-ms", str(keeper_switch_interval_ms)]
+        if keeper:
+            config = self.dir / "node.toml"
+            config.write_text(
+                "[keeper]\n" + "".join(f"{name} = {value}\n" for name, value in keeper.items())
+            )
+            command += ["--config", str(config)]
         self.process = subprocess.Popen(
             command, cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT
         )

@@ -31,6 +31,7 @@ import pytest
 import uvicorn
 
 from store.rows import RowWrite
+from workers.protocol import CoalescingH11Protocol
 
 
 def _pieces_missing() -> str | None:
@@ -188,7 +189,7 @@ class ThreadNode:
         self.url = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(
             create_app(self.node),
-            http="h11",
+            http=CoalescingH11Protocol,
             loop="asyncio",
             lifespan="off",
             log_config=None,

@@ -27,6 +27,7 @@ from keeper.config import KeeperConfig
 from workers import logs
 from workers.config import Settings
 from workers.keeper_host import KeeperHost
+from workers.protocol import CoalescingH11Protocol
 from workers.segments import Segments
 from workers.spec import WorkerSpec
 
@@ -139,7 +140,7 @@ def serve(spec: WorkerSpec) -> int:
         )
         config = uvicorn.Config(
             create_app(node),
-            http="h11",
+            http=CoalescingH11Protocol,
             loop="asyncio",
             lifespan="off",
             log_config=None,
