@@ -26,7 +26,6 @@ import msgspec
 
 from store import sqlite_sql as sql
 from store.base import Cursor
-from store.checkpoint import WRITER_CHECKPOINT_PAGES, Checkpointer, CheckpointStatistics
 from store.errors import StoreError
 from store.rows import Completion, Route, Row, RowWrite
 from store.schema import KIND_ROW, migrate, schema_version
@@ -40,6 +39,7 @@ from store.sqlite_feed import (
     parse_cursor,
     raise_for,
 )
+from store.upkeep import PRUNE_INTERVAL_S, WRITER_CHECKPOINT_PAGES, Upkeep, UpkeepStatistics
 from store.validate import (
     check_cadence,
     check_completions,
@@ -80,7 +80,7 @@ class StoreStatistics(msgspec.Struct, frozen=True, kw_only=True):
     busy_retries: int  # transactions retried because another writer held the lock
     pruned: int  # log entries this object removed
     wake: WakeStatistics
-    checkpoint: CheckpointStatistics
+    upkeep: UpkeepStatistics
 
 
 class _ThreadState:
@@ -102,7 +102,11 @@ class SqliteStore:
         wake_name: str | None = None,
         busy_timeout_s: float = DEFAULT_BUSY_TIMEOUT_S,
         background_checkpoints: bool = True,
+        prune_interval_s: float | None = PRUNE_INTERVAL_S,
     ) -> None:
+        """`background_checkpoints`: checkpoint on a daemon thread (see store.upkeep) rather
+        than in commits; `prune_interval_s`: how often that thread prunes the change log
+        (None: only explicit `prune()` calls do)."""
         text = os.fspath(path)
         if not text or text == ":memory:" or text.startswith("file:"):
             raise ValueError(f"SqliteStore needs a database file path, got {text!r}")
@@ -114,7 +118,11 @@ class SqliteStore:
         self._lock = threading.Lock()
         self._states: list[_ThreadState] = []
         self._poster = WakePoster()
-        self._checkpointer = Checkpointer(self.path) if background_checkpoints else None
+        self._upkeep = (
+            Upkeep(self.path, self._background_prune, prune_interval_s)
+            if background_checkpoints
+            else None
+        )
         self._pruned = 0
         self._closed = False
         state = self._state()  # opens, migrates, and refuses a newer schema now
@@ -138,7 +146,7 @@ class SqliteStore:
         try:
             retry.call("open", lambda: configure(conn))
             retry.call("open", lambda: migrate(conn, str(self.path)))
-            if self._checkpointer is not None:
+            if self._upkeep is not None:
                 conn.execute(f"PRAGMA wal_autocheckpoint = {WRITER_CHECKPOINT_PAGES}")
         except BaseException:
             conn.close()
@@ -160,8 +168,8 @@ class SqliteStore:
         state = self._state()
         result = state.retry.transaction(state.conn, what, body, write=True)
         state.last_commit_ns = time.monotonic_ns()
-        if self._checkpointer is not None:
-            self._checkpointer.committed()
+        if self._upkeep is not None:
+            self._upkeep.committed()
         state.transactions += 1
         state.rows_written += rows
         if logged:
@@ -400,7 +408,11 @@ class SqliteStore:
             unlink(wake)
         return wake is not None
 
-    def prune(self, chunk: int = PRUNE_CHUNK) -> int:
+    def _background_prune(self) -> int:
+        # Small chunks with a breath between them: writers wait at most one small delete.
+        return self.prune(chunk=2_000, pause_s=0.002)
+
+    def prune(self, chunk: int = PRUNE_CHUNK, pause_s: float = 0.0) -> int:
         """Remove log entries every registered consumer has passed; returns how many.
 
         The floor is raised (and committed) first, so a cursor below it is refused
@@ -433,6 +445,8 @@ class SqliteStore:
             if done == 0:
                 break
             removed += done
+            if pause_s:
+                time.sleep(pause_s)
         with self._lock:
             self._pruned += removed
         return removed
@@ -448,7 +462,11 @@ class SqliteStore:
             return (
                 one("SELECT count(*) FROM render_schedule"),
                 one("SELECT count(*) FROM routes"),
-                one("SELECT count(*) FROM change_log"),
+                # committed seqs are contiguous: no scan of the log needed
+                one(
+                    "SELECT coalesce((SELECT max(seq) FROM change_log)"
+                    " - (SELECT min(seq) FROM change_log) + 1, 0)"
+                ),
                 one(sql.FLOOR),
                 one(sql.HEAD),
                 one("SELECT count(*) FROM feed_consumers"),
@@ -478,11 +496,13 @@ class SqliteStore:
             busy_retries=sum(s.retry.retries for s in states),
             pruned=self._pruned,
             wake=self._poster.statistics(),
-            checkpoint=(self._checkpointer or Checkpointer(self.path)).statistics(),
+            upkeep=(self._upkeep or Upkeep(self.path)).statistics(),
         )
 
     def close(self) -> None:
         """Close every thread's connection; the object is unusable afterwards."""
+        if self._upkeep is not None:
+            self._upkeep.close()  # first: its thread may be pruning on a connection below
         with self._lock:
             self._closed = True
             states, self._states = self._states, []
@@ -490,8 +510,6 @@ class SqliteStore:
             state.conn.close()
         self._local = threading.local()
         self._poster.close()
-        if self._checkpointer is not None:
-            self._checkpointer.close()
 
     def __enter__(self) -> SqliteStore:
         return self

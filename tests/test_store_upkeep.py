@@ -1,0 +1,87 @@
+"""Background upkeep: the WAL is checkpointed by the store's own thread, not by a commit,
+and the change log is pruned behind every registered consumer."""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from store.rows import RowWrite
+from store.sqlite import SqliteStore
+from store.upkeep import WRITER_CHECKPOINT_PAGES, Upkeep
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def put(i: int) -> RowWrite:
+    return RowWrite(key=f"/k{i}", route="product", next_render_at=i)
+
+
+def test_commits_are_checkpointed_by_the_thread(tmp_path: Path) -> None:
+    store = SqliteStore(tmp_path / "s.db")
+    assert store.statistics().upkeep.running is False  # no thread before a write
+    conn = store._state().conn
+    assert conn.execute("PRAGMA wal_autocheckpoint").fetchone()[0] == WRITER_CHECKPOINT_PAGES
+    for i in range(300):
+        store.write([put(i)])
+    assert wait_for(lambda: store.statistics().upkeep.checkpoints > 0)
+    stats = store.statistics().upkeep
+    assert stats.running and stats.errors == 0
+    # Everything the thread saw is in the database file now: a checkpoint finds nothing left.
+    probe = sqlite3.connect(tmp_path / "s.db")
+    assert wait_for(lambda: probe.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()[0] == 0)
+    probe.close()
+    upkeep = store._upkeep
+    store.close()
+    assert upkeep is not None and not upkeep.statistics().running
+
+
+def test_without_the_thread_writers_checkpoint_as_sqlite_does(tmp_path: Path) -> None:
+    store = SqliteStore(tmp_path / "s.db", background_checkpoints=False)
+    store.write([put(1)])
+    conn = store._state().conn
+    assert conn.execute("PRAGMA wal_autocheckpoint").fetchone()[0] == 1000
+    assert store.statistics().upkeep.running is False
+    store.close()
+
+
+def test_the_thread_prunes_behind_registered_consumers(tmp_path: Path) -> None:
+    store = SqliteStore(tmp_path / "s.db", prune_interval_s=0.1)
+    sub = store.subscribe("keeper")
+    store.write([put(i) for i in range(50)])
+    sub.poll(limit=20)
+    sub.save()  # passed entry 20
+    assert wait_for(lambda: store.statistics().upkeep.pruned == 19)
+    stats = store.statistics()
+    assert (stats.floor, stats.log_rows, stats.upkeep.errors) == (20, 31, 0)
+    sub.close()
+    store.drop_consumer("keeper")
+    store.write([put(99)])  # nobody registered: all but the head may go
+    assert wait_for(lambda: store.statistics().log_rows == 1)
+    store.close()
+
+
+def test_no_pruning_thread_when_asked_for_none(tmp_path: Path) -> None:
+    store = SqliteStore(tmp_path / "s.db", prune_interval_s=None)
+    store.write([put(i) for i in range(10)])
+    time.sleep(0.3)
+    assert store.statistics().log_rows == 10
+    assert store.statistics().upkeep.prunes == 0
+    store.close()
+
+
+def test_an_idle_upkeep_starts_nothing(tmp_path: Path) -> None:
+    upkeep = Upkeep(tmp_path / "s.db")
+    assert upkeep.statistics().running is False
+    upkeep.close()
+    upkeep.committed()  # after close: no thread is started
+    assert upkeep.statistics().running is False
