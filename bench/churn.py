@@ -223,8 +223,7 @@ def run(config: Config) -> dict[str, Any]:
         raw["feed_lag_p99_ms"] = report.percentile(lags, 99)
         since = time.time_ns() // 1_000_000
         node.wait_exact(since, 600)
-        state = node.queue_state()
-        raw["keeper_held_rows"] = held_rows(state)
+        raw["keeper_held_rows"] = node.keeper.statistics().held
         raw["table_rows"] = store.count()
         raw["keeper_statistics"] = _statistics(node)
     finally:

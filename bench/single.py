@@ -343,7 +343,7 @@ def run(config: Config) -> dict[str, Any]:
                     started = time.monotonic()
                     to_worker0.send(("start", "keeper"))
                     to_worker0.recv()
-                    node.wait_exact(since, 900)
+                    node.wait_exact_shared(since, 900)
                     rebuilds.append(time.monotonic() - started)
                     to_worker0.send(("mark",))
                     after = to_worker0.recv()
@@ -364,7 +364,7 @@ def run(config: Config) -> dict[str, Any]:
         since = time.time_ns() // 1_000_000
         to_worker0.send(("start", "keeper"))
         to_worker0.recv()
-        node.wait_exact(since, 900)
+        node.wait_exact_shared(since, 900)
         raw["keeper_held_rows"] = held_rows(node.queue_state())
         raw["table_rows"] = store.count()
         to_worker0.send(("stop",))
