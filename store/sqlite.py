@@ -110,7 +110,7 @@ class SqliteStore:
         text = os.fspath(path)
         if not text or text == ":memory:" or text.startswith("file:"):
             raise ValueError(f"SqliteStore needs a database file path, got {text!r}")
-        self.path = Path(text)
+        self.path = Path(os.path.abspath(text))  # threads and subscriptions reopen it
         self.busy_timeout_s = busy_timeout_s
         self._wake_prefix = wake_prefix(self.path, wake_name)
         self._pid = os.getpid()
@@ -194,6 +194,10 @@ class SqliteStore:
     # -- the schedule --------------------------------------------------------------------
 
     def write(self, upsert: Sequence[RowWrite] = (), delete: Sequence[str] = ()) -> None:
+        if not isinstance(upsert, list | tuple):
+            upsert = list(upsert)  # iterated twice below: an iterator would write nothing
+        if not isinstance(delete, list | tuple | str):
+            delete = list(delete)
         check_upserts(upsert)
         check_deletes(delete, upsert)
         if not upsert and not delete:
@@ -214,6 +218,8 @@ class SqliteStore:
         self._write("write", body, rows=len(params) + len(gone), logged=True)
 
     def complete(self, items: Sequence[Completion]) -> list[Row | None]:
+        if not isinstance(items, list | tuple):
+            items = list(items)
         check_completions(items)
         if not items:
             return []

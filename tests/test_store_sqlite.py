@@ -99,6 +99,13 @@ def test_walk_orders_non_ascii_keys_like_python(store: SqliteStore) -> None:
     assert [r.key for r in store.walk(None, 100)] == sorted(keys)
 
 
+def test_iterables_are_written_whole(store: SqliteStore) -> None:
+    store.write(iter([put("/a"), put("/b")]), delete=iter(["/none"]))  # type: ignore[arg-type]
+    assert store.count() == 2
+    store.write(delete=(k for k in ["/a"]))  # type: ignore[arg-type]
+    assert store.count() == 1
+
+
 def test_a_batch_with_one_bad_row_writes_nothing(store: SqliteStore) -> None:
     store.write([put("/keep")])
     size = log_size(store)
