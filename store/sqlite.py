@@ -275,11 +275,8 @@ class SqliteStore:
         return [sql.row_from(values) for values in found]
 
     def count(self) -> int:
-        return int(
-            self._read(
-                "count", lambda c: c.execute("SELECT count(*) FROM render_schedule")
-            ).fetchone()[0]
-        )
+        query = "SELECT count(*) FROM render_schedule"
+        return int(self._read("count", lambda c: c.execute(query).fetchone()[0]))
 
     # -- routes and the global default ---------------------------------------------------
 
@@ -320,7 +317,7 @@ class SqliteStore:
 
     def default_cadence_s(self) -> int:
         return int(
-            self._read("default", lambda c: c.execute(sql.GET_DEFAULT_CADENCE)).fetchone()[0]
+            self._read("default", lambda c: c.execute(sql.GET_DEFAULT_CADENCE).fetchone()[0])
         )
 
     def set_default_cadence_s(self, seconds: int) -> None:

@@ -12,6 +12,9 @@ from store.rows import MAX_KEY_BYTES, Completion, RowWrite
 
 ROUTE_NAME = re.compile(r"[a-z0-9][a-z0-9_.-]{0,63}")
 OUTCOMES = frozenset(("rendered", "failed", "gone"))
+# Bounds that keep `now + 1000 * cadence` inside SQLite's 64-bit integers.
+MAX_CADENCE_S = 2**31 - 1  # 68 years
+MAX_TIME_MS = 2**62
 MAX_CONSUMER_CHARS = 200
 
 
@@ -73,6 +76,8 @@ def check_cadence(value: object, *, where: str, optional: bool) -> int | None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{where}: must be a positive whole number of seconds, got {value!r}")
+    if value > MAX_CADENCE_S:
+        raise ValueError(f"{where}: {value} s is over the {MAX_CADENCE_S} s limit")
     return value
 
 
@@ -81,6 +86,8 @@ def check_time(value: object, *, where: str, optional: bool = False) -> int | No
         return None
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{where}: must be integer epoch milliseconds, got {value!r}")
+    if not -MAX_TIME_MS <= value <= MAX_TIME_MS:
+        raise ValueError(f"{where}: {value} is outside +-2**62 epoch milliseconds")
     return value
 
 
@@ -93,8 +100,9 @@ def check_upserts(rows: Sequence[RowWrite]) -> None:
         if (
             type(row.route) is str
             and row.route in _known_routes
-            and (cadence is None or (type(cadence) is int and cadence > 0))
+            and (cadence is None or (type(cadence) is int and 0 < cadence <= MAX_CADENCE_S))
             and type(at) is int
+            and -MAX_TIME_MS <= at <= MAX_TIME_MS
             and type(row.sitemap) is bool
         ):
             continue  # the common case, without building the error prefix

@@ -169,6 +169,13 @@ def test_complete_rendered_uses_the_effective_cadence(store: SqliteStore) -> Non
     assert again is not None and again.next_render_at == now + 120_000
 
 
+def test_the_largest_cadence_at_the_latest_time_stays_an_integer(store: SqliteStore) -> None:
+    store.write([put("/far", cadence_s=2**31 - 1)])
+    (row,) = store.complete([Completion(key="/far", outcome="rendered", now=2**62)])
+    assert row is not None and row.next_render_at == 2**62 + 1000 * (2**31 - 1)
+    assert type(row.next_render_at) is int
+
+
 def test_complete_failed_keeps_it_due_and_gone_deletes(store: SqliteStore) -> None:
     store.write([put("/f", 500, cadence_s=60), put("/g", 500)])
     before = store.get("/f")

@@ -47,6 +47,8 @@ def test_a_good_batch_passes() -> None:
         (good(cadence_s=60.0), ["upsert[1]", "cadence_s"]),
         (good(cadence_s=True), ["upsert[1]", "cadence_s"]),
         (good(cadence_s="60"), ["upsert[1]", "cadence_s"]),
+        (good(cadence_s=2**31), ["upsert[1]", "cadence_s", "limit"]),
+        (good(next_render_at=2**63), ["upsert[1]", "next_render_at", "outside"]),
         (good(next_render_at=1.0), ["upsert[1]", "next_render_at", "integer"]),
         (good(next_render_at=True), ["upsert[1]", "next_render_at"]),
         (good(next_render_at=None), ["upsert[1]", "next_render_at"]),
