@@ -19,7 +19,7 @@ import msgspec
 
 from bench import report
 
-SECTIONS = ("store", "shm", "keeper", "node", "single", "peers", "churn")
+SECTIONS = ("store", "shm", "keeper", "node", "sitemap", "single", "peers", "churn")
 BENCH_DIR = Path(__file__).resolve().parent
 QUICK_TIMEOUT_S = 420
 FULL_TIMEOUT_S = 4 * 3600
