@@ -65,21 +65,25 @@ def unready(node: Node) -> Response:
 
 def grant_from_ring(node: Node, want: int, lease_ms: int) -> list[Lease]:
     """Grant up to `want` leases from the published ring; fewer if the ring runs dry."""
+    ring, store, leases, routes = node.ring, node.store, node.leases, node.routes
     granted: list[Lease] = []
     while len(granted) < want:
-        entries = node.ring.claim(want - len(granted))
+        entries = ring.claim(want - len(granted))
         if not entries:
             break
         keys = [entry.key.decode() for entry in entries]
-        rows = node.store.get_many(keys)
+        rows = store.get_many(keys)
         now = now_ms()
         for entry, key in zip(entries, keys, strict=True):
             row = rows.get(key)
-            if row is None or row.next_render_at > now or node.routes.paused(row.route):
+            # Gone, or rendered since the keeper published it: not claimable now.
+            if row is None or row.next_render_at > now:
                 continue
-            cadence_s = node.routes.cadence_s(row)
-            outcome = node.leases.grant(entry.key_hash, now, lease_ms, cadence_s * 1000)
-            if not isinstance(outcome, Grant):
+            cadence_s = routes.grant_cadence_s(row)
+            if cadence_s is None:
+                continue
+            outcome = leases.grant(entry.key_hash, now, lease_ms, cadence_s * 1000)
+            if type(outcome) is not Grant:
                 continue
             granted.append(
                 Lease(

@@ -54,6 +54,18 @@ class RouteBook:
         found = self.route(route)
         return found is not None and found.paused
 
+    def grant_cadence_s(self, row: Row) -> int | None:
+        """The row's effective cadence, or None while its route is paused (no grant)."""
+        self._fresh()
+        route = self._routes.get(row.route)
+        if route is not None and route.paused:
+            return None
+        if row.cadence_s is not None:
+            return row.cadence_s
+        if route is not None and route.default_cadence_s is not None:
+            return route.default_cadence_s
+        return self._default_cadence_s
+
     def cadence_s(self, row: Row) -> int:
         """The row's own cadence, else its route's default, else the global default."""
         self._fresh()

@@ -125,3 +125,25 @@ def test_store_url_resolves_a_path(tmp_path: Path) -> None:
     assert load_settings(environ={}, flags={"db": "postgresql://h/db"}).store_url() == (
         "postgresql://h/db"
     )
+
+
+def test_keeper_settings_override_the_node_defaults(tmp_path: Path) -> None:
+    from workers.config import NODE_KEEPER_DEFAULTS, keeper_config
+
+    assert (
+        keeper_config(load_settings(environ={})).publish_interval_s
+        == (NODE_KEEPER_DEFAULTS["publish_interval_s"])
+    )
+    config = write_toml(tmp_path, "[keeper]\npublish_interval_s = 1.0\nbest_k = 4096\n")
+    keeper = keeper_config(load_settings(config_file=config, environ={}))
+    assert (keeper.publish_interval_s, keeper.best_k) == (1.0, 4096)
+
+
+def test_a_bad_keeper_setting_is_named(tmp_path: Path) -> None:
+    config = write_toml(tmp_path, '[keeper]\nbest_k = "many"\n')
+    with pytest.raises(ConfigError) as raised:
+        load_settings(config_file=config, environ={})
+    assert raised.value.setting == "keeper.best_k"
+    config = write_toml(tmp_path, "ring_entries = 1024\n[keeper]\nbest_k = 2048\n")
+    with pytest.raises(ConfigError, match="do not fit the ring"):
+        load_settings(config_file=config, environ={})

@@ -16,6 +16,8 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from keeper.config import KeeperConfig
+
 ENV_PREFIX = "RENDERQUEUE_"
 LOOPBACK_NAMES = frozenset({"localhost", "ip6-localhost", "ip6-loopback"})
 
@@ -170,13 +172,25 @@ def _check_consistency(settings: Settings, sources: Mapping[str, str]) -> None:
             "it (and RENDERQUEUE_FLEET_TOKEN for the fleet) or listen on 127.0.0.1",
             sources.get("host"),
         )
-    if settings.keeper:
-        try:
-            from keeper.config import KeeperConfig
-        except ImportError:
-            return
-        try:
-            msgspec.convert(settings.keeper, KeeperConfig, strict=False)
-        except msgspec.ValidationError as exc:
-            name, message = _split_validation_error(str(exc))
-            raise ConfigError("keeper." + name, message, sources.get("keeper")) from exc
+    try:
+        config = keeper_config(settings)
+    except msgspec.ValidationError as exc:
+        name, message = _split_validation_error(str(exc))
+        raise ConfigError("keeper." + name, message, sources.get("keeper")) from exc
+    if config.best_k > settings.ring_entries:
+        raise ConfigError(
+            "keeper.best_k",
+            f"{config.best_k} keys do not fit the ring of ring_entries={settings.ring_entries}",
+            sources.get("keeper") or sources.get("ring_entries"),
+        )
+
+
+# The keeper's own defaults publish 4,096 keys a second, which caps claims at about 4k
+# keys/s; a node serving a fleet refills the ring ten times a second instead (about 10 ms
+# of worker 0's time per publish at 1M rows). Settings in [keeper] override these.
+NODE_KEEPER_DEFAULTS: dict[str, Any] = {"publish_interval_s": 0.1, "best_k": 8192}
+
+
+def keeper_config(settings: Settings) -> KeeperConfig:
+    """The keeper's settings: the node's defaults under whatever [keeper] sets."""
+    return msgspec.convert({**NODE_KEEPER_DEFAULTS, **settings.keeper}, KeeperConfig, strict=False)

@@ -23,9 +23,8 @@ import uvicorn
 
 from api.app import create_app
 from api.node import ApiSettings, Node
-from keeper.config import KeeperConfig
 from workers import logs
-from workers.config import Settings
+from workers.config import keeper_config
 from workers.keeper_host import KeeperHost
 from workers.protocol import CoalescingH11Protocol
 from workers.segments import Segments
@@ -81,10 +80,6 @@ def die_with_parent(supervisor_pid: int) -> None:
         pass
     if os.getppid() != supervisor_pid:
         os.kill(os.getpid(), signal.SIGTERM)
-
-
-def keeper_config(settings: Settings) -> KeeperConfig:
-    return msgspec.convert(settings.keeper, KeeperConfig, strict=False)
 
 
 def start_keeper(spec: WorkerSpec, segments: Segments) -> KeeperHost:
