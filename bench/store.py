@@ -11,7 +11,9 @@ in alternating order, 10k single-row writes each (quick: 2k; 5 rounds, quick 2):
 - feed tailing, paced: the same at 5k writes/s (half the writes), so each write
   finds the consumer waiting: its lag is wake-up and delivery, not a backlog;
 - bare sqlite3 (a peer, same run): the same upsert on a same-shaped table with no
-  change log, trigger, validation or retry, to show what the store's own work costs.
+  change log, trigger, validation or retry, to show what the store's own work costs;
+- semaphore wake-up alone (a peer for the paced lag): a process blocked on a POSIX
+  semaphore, posted at the paced rate: what this machine's scheduler alone adds.
 Put latency is the caller's view of `write()`; lag is from the writer's commit
 (`SqliteStore.last_commit_ns`, CLOCK_MONOTONIC, shared by processes) to the poll
 that delivered the event. CPU per write is the writer's process CPU (plus the
@@ -43,7 +45,13 @@ CONSUMER = "bench-store"
 TAG_BASE = 10**13  # next_render_at tags: each measured write carries a unique one
 PACED_INTERVAL_NS = 200_000  # 5k writes/s: each write finds the consumer idle, waiting
 SLEEP_OVERSHOOT_NS = 80_000
-ARMS = ("no consumer", "feed tailing", "bare sqlite3", "feed tailing, paced")
+ARMS = (
+    "no consumer",
+    "feed tailing",
+    "bare sqlite3",
+    "feed tailing, paced",
+    "semaphore wake-up alone",
+)
 
 
 class Config(msgspec.Struct, frozen=True, kw_only=True):
@@ -111,6 +119,52 @@ def consumer_process(conn: Connection, path: str) -> None:
     subscription.close()
     store.drop_consumer(CONSUMER)
     store.close()
+
+
+def wakeup_process(conn: Connection, name: str, count: int) -> None:
+    """The machine's own wake-up latency: block on a semaphore, note when each post lands."""
+    import posix_ipc
+
+    semaphore = posix_ipc.Semaphore(name)
+    woken: list[int] = []
+    conn.send("ready")
+    for _ in range(count):
+        semaphore.acquire()
+        woken.append(time.monotonic_ns())
+    semaphore.close()
+    conn.send(woken)
+
+
+def run_wakeups(ctx: Any, count: int, arm: Arm) -> None:
+    """Posts at the paced arm's rate to a process waiting as the consumer does."""
+    import posix_ipc
+
+    name = f"/rq-bench-wake-{os.getpid()}-{random.randrange(10**9)}"
+    semaphore = posix_ipc.Semaphore(name, posix_ipc.O_CREX, initial_value=0)
+    try:
+        ours, theirs = ctx.Pipe()
+        process = ctx.Process(target=wakeup_process, args=(theirs, name, count), daemon=True)
+        process.start()
+        assert ours.recv() == "ready"
+        posted: list[int] = []
+        slot = time.perf_counter_ns()
+        for _ in range(count):
+            slot += PACED_INTERVAL_NS
+            gap = slot - time.perf_counter_ns() - SLEEP_OVERSHOOT_NS
+            if gap > 0:
+                time.sleep(gap / 1e9)
+            while time.perf_counter_ns() < slot:
+                pass
+            posted.append(time.monotonic_ns())
+            semaphore.release()
+        woken: list[int] = ours.recv()
+        process.join(30)
+        arm.lag_ns.extend(w - p for p, w in zip(posted, woken, strict=True))
+        arm.writes += count
+        arm.delivered += count
+    finally:
+        semaphore.close()
+        posix_ipc.unlink_semaphore(name)
 
 
 class Arm(msgspec.Struct, kw_only=True):
@@ -266,6 +320,9 @@ def main(argv: list[str] | None = None) -> int:
                 if name == "bare sqlite3":
                     run_bare(bare, keys, config.writes, config.warmup, rng, arm)
                     continue
+                if name == "semaphore wake-up alone":
+                    run_wakeups(ctx, config.writes // 2, arm)
+                    continue
                 if name == "no consumer":
                     run_puts(store, keys, config.writes, config.warmup, tag, rng, arm)
                     tag += config.warmup + config.writes
@@ -331,6 +388,8 @@ def main(argv: list[str] | None = None) -> int:
 
     quiet, fed, peer = arms["no consumer"], arms["feed tailing"], arms["bare sqlite3"]
     paced = arms["feed tailing, paced"]
+    wakeups = arms["semaphore wake-up alone"]
+    wake_peer = "semaphore wake-up alone"
     bare_peer = "bare sqlite3"
     scale = f"{config.rows // 1000}k rows"
 
@@ -356,18 +415,22 @@ def main(argv: list[str] | None = None) -> int:
     fig("put p50, consumer tailing the feed", "us", us(fed.put_ns, 50), seed=97.0, target="lower")
     fig("put p99, consumer tailing the feed", "us", us(fed.put_ns, 99), seed=188.0, target="lower")
     for arm, rate in ((paced, "5k writes/s"), (fed, "writer flat out")):
+        peers = {wake_peer: ms(wakeups.lag_ns, 50)} if arm is paced else {}
         fig(
             f"lag p50, commit to delivery, across processes, {rate}",
             "ms",
             ms(arm.lag_ns, 50),
             target="lower",
+            peers=peers,
         )
+        peers = {wake_peer: ms(wakeups.lag_ns, 99)} if arm is paced else {}
         fig(
             f"lag p99, commit to delivery, across processes, {rate}",
             "ms",
             ms(arm.lag_ns, 99),
             seed=0.8,
             target="lower",
+            peers=peers,
             note=""
             if arm is paced
             else f"{fed.writes / fed.seconds:,.0f} writes/s"
