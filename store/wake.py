@@ -73,8 +73,9 @@ class WakeWaiter:
 
     def clear(self) -> None:
         """Take a pending post without waiting: the poll about to run covers its commit."""
-        with contextlib.suppress(posix_ipc.BusyError):
-            self._semaphore.acquire(0)
+        if self._semaphore.value:  # cheap, where a refused acquire raises
+            with contextlib.suppress(posix_ipc.BusyError):
+                self._semaphore.acquire(0)
 
     def close(self) -> None:
         self._semaphore.close()
