@@ -4,30 +4,38 @@ Per class, a sorted list of bucket start times (ms) with the bucket ids beside
 it: bucket i holds the class's rows due in [start_i, start_i+1), the first
 also anything earlier (its start is lowered to the earliest such row, so a
 bucket's start is never later than any of its rows: the bound the best-K
-merge relies on). A bucket is an `array('i')` of slots in no order; a slot's
-bucket and position are one word of its record, so a move is a swap-remove
-and an append. A bucket that grows past SPLIT_AT is cut at due-time boundaries
-into pieces of about TARGET rows; one that shrinks below MERGE_BELOW joins a
-neighbour. So bucket sizes follow the rows, not the clock: the head of a class
-is a few buckets whether its rows are dense or spread over days, which keeps
-the best-K merge to a few dozen buckets. (Rows sharing one due time cannot be
-cut apart; such a bucket only tries again once it doubles.)
+merge relies on).
+
+A bucket is an `array('i')` of slots in no order, appended to and never
+searched. A row's place (bucket << 32 | index) is one word of its slot's
+record, and an entry is live only while its slot's place points back at it:
+a row that moves is appended to its new bucket and its old entry simply goes
+stale (`pull` touches a live count and nothing else), so an event writes to
+memory it has just read. Stale entries are dropped when a bucket is rebuilt:
+when it fills up (then it is also cut, at due-time boundaries, into pieces of
+about TARGET rows), when they outnumber the live ones, or when the bucket
+joins a neighbour after thinning below MERGE_BELOW. So bucket sizes follow
+the rows, not the clock: the head of a class is a few buckets whether its rows
+are dense or spread over days. (Rows sharing one due time cannot be cut
+apart; such a bucket only tries again once it doubles.)
 """
 
 from __future__ import annotations
 
 from array import array
 from bisect import bisect_left, bisect_right
+from collections.abc import Sequence
 
 import numpy as np
 import numpy.typing as npt
 
-from keeper.slots import FIELDS, PLACE, POSITION_MASK, SlotTable
+from keeper.slots import FIELDS, PLACE, SlotTable
 
 TARGET = 128
 SPLIT_AT = 256
 MERGE_BELOW = 24
 MERGE_MAX = 160
+STALE_SLACK = 32  # stale entries a bucket may carry beyond its live count before a rebuild
 
 
 class Buckets:
@@ -36,6 +44,7 @@ class Buckets:
         self._rec = slots.rec  # grows in place, never replaced
         self.b_class: array[int] = array("i")
         self.b_start: array[int] = array("q")
+        self.b_live: array[int] = array("i")
         self.b_split_at: array[int] = array("i")
         self.members: list[array[int]] = []
         self._free: list[int] = []
@@ -43,6 +52,7 @@ class Buckets:
         self.ids: list[list[int]] = []  # per class, bucket ids beside their starts
         self.splits = 0
         self.merges = 0
+        self.rebuilds = 0
 
     def __len__(self) -> int:
         return len(self.members) - len(self._free)
@@ -66,6 +76,8 @@ class Buckets:
             starts[0] = due
             self.b_start[self.ids[class_id][0]] = due
 
+    # -- the per-event path --------------------------------------------------------
+
     def push(self, class_id: int, due: int, slot: int) -> None:
         if class_id >= len(self.starts):
             self.add_class(class_id)
@@ -84,74 +96,113 @@ class Buckets:
         members = self.members[bucket]
         self._rec[slot * FIELDS + PLACE] = (bucket << 32) | len(members)
         members.append(slot)
+        self.b_live[bucket] += 1
         if len(members) >= self.b_split_at[bucket]:
-            self._split(bucket)
+            self.rebuild(bucket, split=True)
 
     def pull(self, bucket: int, slot: int) -> None:
-        members = self.members[bucket]
-        last = members.pop()
-        if last != slot:
-            position = self._rec[slot * FIELDS + PLACE] & POSITION_MASK
-            members[position] = last
-            self._rec[last * FIELDS + PLACE] = (bucket << 32) | position
-        if len(members) < MERGE_BELOW:
+        """The row left the bucket: its entry is stale from now on (the caller moves its place)."""
+        live = self.b_live[bucket] - 1
+        self.b_live[bucket] = live
+        if live < MERGE_BELOW or len(self.members[bucket]) > 2 * live + STALE_SLACK:
+            self.tidy(bucket)
+
+    def tidy(self, bucket: int) -> None:
+        """After a pull: drop an empty bucket, join a thin one to a neighbour, or drop stale
+        entries."""
+        if self.b_live[bucket] < MERGE_BELOW:
             self._shrink(bucket)
+        else:
+            self.rebuild(bucket, split=False)
+
+    # -- upkeep --------------------------------------------------------------------
 
     def _new(self, class_id: int, start: int) -> int:
         if self._free:
             bucket = self._free.pop()
             self.b_class[bucket] = class_id
             self.b_start[bucket] = start
+            self.b_live[bucket] = 0
             self.b_split_at[bucket] = SPLIT_AT
         else:
             bucket = len(self.members)
             self.members.append(array("i"))
             self.b_class.append(class_id)
             self.b_start.append(start)
+            self.b_live.append(0)
             self.b_split_at.append(SPLIT_AT)
         return bucket
 
     def _index(self, bucket: int) -> int:
+        return bisect_left(self.starts[self.b_class[bucket]], self.b_start[bucket])
+
+    def live_slots(self, bucket: int) -> npt.NDArray[np.int32]:
+        """The bucket's live entries (stale ones, whose row moved on, left out)."""
+        return self.live_of([bucket])[0]
+
+    def live_of(self, buckets: Sequence[int]) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.intp]]:
+        """Live entries of many buckets in one pass: their slots, and which bucket (by
+        position in `buckets`) each came from. An entry is live while its slot's place
+        (bucket << 32 | index) points back at it."""
+        parts = [self.members[b] for b in buckets]
+        sizes = np.fromiter(map(len, parts), dtype=np.int64, count=len(parts))
+        slots = np.frombuffer(b"".join(parts), dtype=np.int32)
+        places = self._slots.items()["place"][slots]  # (np.take would copy a strided column)
+        first = (np.array(buckets, dtype=np.int64) << 32) - (np.cumsum(sizes) - sizes)
+        live = places == np.repeat(first, sizes) + np.arange(len(slots))
+        which = np.repeat(np.arange(len(parts)), sizes)
+        return slots[live], which[live]
+
+    def _refill(self, bucket: int, slots: npt.NDArray[np.int32]) -> None:
+        """Make `slots` the bucket's entries, in this order, all live."""
+        members = self.members[bucket]
+        del members[:]
+        members.frombytes(slots.astype(np.int32).tobytes())
+        self._slots.set_places(slots, bucket, np.arange(len(slots)))
+        self.b_live[bucket] = len(slots)
+
+    def _drop(self, bucket: int, index: int) -> None:
         class_id = self.b_class[bucket]
-        return bisect_left(self.starts[class_id], self.b_start[bucket])
+        del self.starts[class_id][index]
+        del self.ids[class_id][index]
+        del self.members[bucket][:]
+        self.b_live[bucket] = 0
+        self._free.append(bucket)
 
     def _shrink(self, bucket: int) -> None:
         class_id = self.b_class[bucket]
-        starts = self.starts[class_id]
         ids = self.ids[class_id]
         i = self._index(bucket)
-        if not self.members[bucket]:
-            del starts[i]
-            del ids[i]
-            self._free.append(bucket)
+        if self.b_live[bucket] == 0:
+            self._drop(bucket, i)
             return
         if len(ids) == 1:
             return
         # Join the neighbour on the left (its range grows over this one), or, for
         # the first bucket, take in the one on the right.
         into, gone = (i - 1, i) if i > 0 else (0, 1)
-        kept = self.members[ids[into]]
-        moved = self.members[ids[gone]]
-        if len(kept) + len(moved) > MERGE_MAX:
+        kept, moved = ids[into], ids[gone]
+        if self.b_live[kept] + self.b_live[moved] > MERGE_MAX:
             return
-        slots = np.frombuffer(moved, dtype=np.int32).copy()
-        self._slots.set_places(slots, ids[into], np.arange(len(kept), len(kept) + len(slots)))
-        kept.extend(moved)
-        del moved[:]
-        self._free.append(ids[gone])
-        del starts[gone]
-        del ids[gone]
+        joined = np.concatenate((self.live_slots(kept), self.live_slots(moved)))
+        self._drop(moved, gone)
+        self._refill(kept, joined)
         self.merges += 1
 
-    def _split(self, bucket: int) -> None:
-        members = self.members[bucket]
-        slots = np.frombuffer(members, dtype=np.int32).copy()
+    def rebuild(self, bucket: int, *, split: bool) -> None:
+        """Drop stale entries; cut the bucket in pieces of about TARGET rows if it is big."""
+        slots = self.live_slots(bucket)
+        self.rebuilds += 1
+        if not split or len(slots) < SPLIT_AT:
+            self._refill(bucket, slots)
+            return
         dues = self._slots.dues()[slots]
         order = np.argsort(dues, kind="stable")
         slots = slots[order]
         dues = dues[order]
         cuts = _cuts(dues, max(2, round(len(slots) / TARGET)))
         if not cuts:
+            self._refill(bucket, slots)
             self.b_split_at[bucket] = 2 * len(slots)  # one due time: retry once doubled
             return
         class_id = self.b_class[bucket]
@@ -159,8 +210,6 @@ class Buckets:
         edges = [0, *cuts, len(slots)]
         new_ids: list[int] = []
         new_starts: list[int] = []
-        owner = np.empty(len(slots), dtype=np.int32)
-        position = np.empty(len(slots), dtype=np.int32)
         for piece in range(len(edges) - 1):
             a, b = edges[piece], edges[piece + 1]
             if piece == 0:
@@ -169,16 +218,13 @@ class Buckets:
                 target = self._new(class_id, int(dues[a]))
                 new_ids.append(target)
                 new_starts.append(int(dues[a]))
-            owner[a:b] = target
-            position[a:b] = np.arange(b - a, dtype=np.int32)
-            chunk = self.members[target]
-            del chunk[:]
-            chunk.frombytes(slots[a:b].tobytes())
+            self._refill(target, slots[a:b])
         self.b_split_at[bucket] = SPLIT_AT
         self.starts[class_id][i + 1 : i + 1] = new_starts
         self.ids[class_id][i + 1 : i + 1] = new_ids
-        self._slots.set_places(slots, owner, position)
         self.splits += 1
+
+    # -- the bulk path -------------------------------------------------------------
 
     def push_many(
         self, class_id: int, dues: npt.NDArray[np.int64], slots: npt.NDArray[np.int32]
@@ -202,49 +248,49 @@ class Buckets:
         slots = slots[order]
         bounds = np.flatnonzero(np.diff(index, prepend=-1))
         ends = np.append(bounds[1:], len(slots))
-        owner = np.empty(len(slots), dtype=np.int32)
-        position = np.empty(len(slots), dtype=np.int32)
+        owner = np.empty(len(slots), dtype=np.int64)
+        position = np.empty(len(slots), dtype=np.int64)
         grown: list[int] = []
         for a, b in zip(bounds.tolist(), ends.tolist(), strict=True):
             bucket = ids[int(index[a])]
             members = self.members[bucket]
             owner[a:b] = bucket
-            position[a:b] = np.arange(len(members), len(members) + b - a, dtype=np.int32)
+            position[a:b] = np.arange(len(members), len(members) + b - a)
             members.frombytes(slots[a:b].tobytes())
+            self.b_live[bucket] += b - a
             if len(members) >= self.b_split_at[bucket]:
                 grown.append(bucket)
         self._slots.set_places(slots, owner, position)
         for bucket in grown:
-            self._split(bucket)
+            self.rebuild(bucket, split=True)
 
     # -- reading -------------------------------------------------------------------
 
-    def class_slots(self, class_id: int, before: int | None = None) -> npt.NDArray[np.int32]:
-        """Slots of the class's buckets that start before `before` (all if None)."""
-        if class_id >= len(self.starts):
+    def class_slots(self, class_id: int) -> npt.NDArray[np.int32]:
+        """Every live slot of the class, in bucket order."""
+        if class_id >= len(self.ids) or not self.ids[class_id]:
             return np.empty(0, dtype=np.int32)
-        ids = self.ids[class_id]
-        end = len(ids) if before is None else bisect_left(self.starts[class_id], before)
-        return np.frombuffer(b"".join([self.members[b] for b in ids[:end]]), dtype=np.int32)
+        return np.concatenate([self.live_slots(b) for b in self.ids[class_id]])
 
     def range_slots(self, class_id: int, low: int, high: int) -> npt.NDArray[np.int32]:
-        """Slots of the class's buckets that may hold rows due in [low, high)."""
+        """Live slots of the class's buckets that may hold rows due in [low, high)."""
         if class_id >= len(self.starts) or not self.starts[class_id]:
             return np.empty(0, dtype=np.int32)
         starts = self.starts[class_id]
         first = max(0, bisect_right(starts, low) - 1)
-        end = bisect_left(starts, high)
-        ids = self.ids[class_id][first : max(end, first + 1)]
-        return np.frombuffer(b"".join([self.members[b] for b in ids]), dtype=np.int32)
+        end = max(bisect_left(starts, high), first + 1)
+        return np.concatenate([self.live_slots(b) for b in self.ids[class_id][first:end]])
 
     def head_slots(self, class_id: int) -> npt.NDArray[np.int32]:
-        """Slots of the class's first bucket: it holds the class's earliest due rows."""
+        """Live slots of the class's first bucket: it holds the class's earliest due rows."""
         if class_id >= len(self.starts) or not self.ids[class_id]:
             return np.empty(0, dtype=np.int32)
-        return np.frombuffer(self.members[self.ids[class_id][0]], dtype=np.int32).copy()
+        return self.live_slots(self.ids[class_id][0])
 
     def nbytes(self) -> int:
-        return len(self.members) * (4 + 8 + 4) + 4 * sum(m.buffer_info()[1] for m in self.members)
+        return len(self.members) * (4 + 8 + 4 + 4) + 4 * sum(
+            m.buffer_info()[1] for m in self.members
+        )
 
 
 def _cuts(dues: npt.NDArray[np.int64], pieces: int) -> list[int]:

@@ -162,6 +162,10 @@ class Classifier:
             self._cache[shape] = found
         return found
 
+    def cached(self, shape: tuple[str, int | None, bool]) -> int | None:
+        """The class id of (route, row cadence, sitemap) if already known, else None."""
+        return self._cache.get(shape)
+
     def class_of_row(self, row: Row) -> int:
         return self.class_id(row.route, row.cadence_s, row.sitemap)
 

@@ -23,10 +23,9 @@ from keeper.queue import (
     REMOVED,
     RESCHEDULED,
     TRIGGERED,
-    BlockedMask,
     HeldQueue,
-    Selection,
 )
+from keeper.select import BlockedMask, Selection
 from keeper.walk import RepairTally, Walk, WalkReason
 from shm import key_hash, key_hashes
 from store.rows import MAX_KEY_BYTES, FeedEvent, Route, RouteEvent, Row, RowEvent, SettingsEvent
@@ -35,6 +34,15 @@ log = logging.getLogger("renderqueue.keeper")
 
 MAX_DUE_MS = 253_402_300_800_000  # year 10000: keeps a due minute inside its bucket-key span
 LOG_EVERY = 1000  # after the first few, log one unreadable row in this many
+# A walked chunk, checked: encoded keys, their rows, class ids, due times, versions.
+CheckedRows = tuple[
+    list[bytes], Sequence[Row], npt.NDArray[np.int32], npt.NDArray[np.int64], npt.NDArray[np.int64]
+]
+_EMPTY = (
+    np.empty(0, dtype=np.int32),
+    np.empty(0, dtype=np.int64),
+    np.empty(0, dtype=np.int64),
+)
 
 
 class CoreCounters(msgspec.Struct, kw_only=True):
@@ -239,32 +247,22 @@ class KeeperCore:
         walk.rows += len(rows)
         if rows:
             walk.after = rows[-1].key
-        keys: list[bytes] = []
-        good: list[Row] = []
-        classes: list[int] = []
-        class_id = self.classifier.class_id
-        for row in rows:
-            problem = row_problem(row)
-            if problem is not None:
-                walk.unreadable += 1
-                self._unreadable(row, f"{walk.reason} walk")
-                continue
-            keys.append(row.key.encode())
-            good.append(row)
-            classes.append(class_id(row.route, row.cadence_s, row.sitemap))
-        if not keys:
+        checked = self._check_chunk(rows)
+        if checked is None:
+            checked = self._check_rows(walk, rows)
+        keys, good, class_ids, dues, versions = checked
+        count = len(keys)
+        if not count:
             return
         hashes = key_hashes(keys)
-        keep = np.ones(len(keys), dtype=np.bool_)
+        keep = np.ones(count, dtype=np.bool_)
         if not self.ownership.owns_all:
             keep &= self.ownership.owns_many(hashes)
         touched = self._touched
         if touched:
             token = walk.token
             fresh = np.fromiter(
-                (touched.get(h, -1) < token for h in hashes.tolist()),
-                dtype=np.bool_,
-                count=len(keys),
+                (touched.get(h, -1) < token for h in hashes.tolist()), dtype=np.bool_, count=count
             )
             walk.repairs.skipped_touched += int(np.count_nonzero(keep & ~fresh))
             keep &= fresh
@@ -272,12 +270,14 @@ class KeeperCore:
         absent = np.flatnonzero(keep & (slots < 0))
         held = np.flatnonzero(keep & (slots >= 0))
         if len(absent):
+            subset = len(absent) < count
             added = self.queue.add_many(
-                [keys[i] for i in absent.tolist()],
-                hashes[absent],
-                np.array([classes[i] for i in absent.tolist()], dtype=np.int32),
-                np.array([good[i].next_render_at for i in absent.tolist()], dtype=np.int64),
-                np.array([good[i].version for i in absent.tolist()], dtype=np.int64),
+                [keys[i] for i in absent.tolist()] if subset else keys,
+                hashes[absent] if subset else hashes,
+                class_ids[absent] if subset else class_ids,
+                dues[absent] if subset else dues,
+                versions[absent] if subset else versions,
+                now_ms,
             )
             walk.mark_seen(added)
             if walk.reason == "load":
@@ -288,8 +288,98 @@ class KeeperCore:
                 walk.repairs.missed_added += len(absent)
             self.flow.add(now_ms, added=len(absent))
         if len(held):
-            self._compare(walk.repairs, [good[i] for i in held.tolist()], slots[held], now_ms)
-            walk.mark_seen(slots[held])
+            # Held rows equal to the table are the rule: compare in numpy, look closer
+            # only at the ones that differ.
+            held_slots = slots[held]
+            records = np.take(self.queue.slots.items(), held_slots)
+            b_class = np.frombuffer(self.queue.buckets.b_class, dtype=np.int32)
+            held_class = b_class[records["place"] >> 32]
+            differ = (
+                (records["due"] != dues[held])
+                | (records["version"] != versions[held])
+                | (held_class != class_ids[held])
+            )
+            suspect = held[differ]
+            if len(suspect):
+                self._compare(
+                    walk.repairs, [good[i] for i in suspect.tolist()], slots[suspect], now_ms
+                )
+            walk.mark_seen(held_slots)
+
+    CheckedRows = tuple[
+        list[bytes],
+        Sequence[Row],
+        npt.NDArray[np.int32],
+        npt.NDArray[np.int64],
+        npt.NDArray[np.int64],
+    ]
+
+    def _check_chunk(self, rows: Sequence[Row]) -> CheckedRows | None:
+        """A walked chunk's columns, checked column by column; None if any row looks wrong
+        (then `_check_rows` sorts the rows out one by one)."""
+        if not rows:
+            return [], rows, *_EMPTY
+        keys_text = [r.key for r in rows]
+        due_list = [r.next_render_at for r in rows]
+        version_list = [r.version for r in rows]
+        cadences = [r.cadence_s for r in rows]
+        routes = [r.route for r in rows]
+        sitemaps = [r.sitemap for r in rows]
+        if not (
+            set(map(type, keys_text)) == {str}
+            and set(map(type, due_list)) == {int}
+            and set(map(type, version_list)) == {int}
+            and set(map(type, cadences)) <= {int, type(None)}
+            and set(map(type, routes)) == {str}
+            and set(map(type, sitemaps)) == {bool}
+            and "" not in routes
+        ):
+            return None
+        try:
+            keys = [k.encode() for k in keys_text]
+            dues = np.array(due_list, dtype=np.int64)
+            versions = np.array(version_list, dtype=np.int64)
+            own = np.array([c if c is not None else 1 for c in cadences], dtype=np.int64)
+        except (UnicodeEncodeError, OverflowError):
+            return None
+        sizes = np.fromiter(map(len, keys), dtype=np.int64, count=len(keys))
+        if (
+            dues.min() < 0
+            or dues.max() >= MAX_DUE_MS
+            or versions.min() < 0
+            or own.min() <= 0
+            or sizes.min() == 0
+            or sizes.max() > MAX_KEY_BYTES
+        ):
+            return None
+        known = self.classifier.cached
+        class_id = self.classifier.class_id
+        ids = [known(shape) for shape in zip(routes, cadences, sitemaps, strict=True)]
+        for i in [i for i, c in enumerate(ids) if c is None]:
+            ids[i] = class_id(routes[i], cadences[i], sitemaps[i])
+        return keys, rows, np.array(ids, dtype=np.int32), dues, versions
+
+    def _check_rows(self, walk: Walk, rows: Sequence[Row]) -> CheckedRows:
+        """Row by row: the unreadable ones are logged, counted and skipped."""
+        keys: list[bytes] = []
+        good: list[Row] = []
+        classes: list[int] = []
+        for row in rows:
+            problem = row_problem(row)
+            if problem is not None:
+                walk.unreadable += 1
+                self._unreadable(row, f"{walk.reason} walk")
+                continue
+            keys.append(row.key.encode())
+            good.append(row)
+            classes.append(self.classifier.class_id(row.route, row.cadence_s, row.sitemap))
+        return (
+            keys,
+            good,
+            np.array(classes, dtype=np.int32),
+            np.array([r.next_render_at for r in good], dtype=np.int64),
+            np.array([r.version for r in good], dtype=np.int64),
+        )
 
     def _compare(
         self, tally: RepairTally, rows: Sequence[Row], slots: npt.NDArray[np.int32], now_ms: int

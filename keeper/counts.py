@@ -8,11 +8,10 @@ millisecond, so a row is never shown less late than it is.
 
 from __future__ import annotations
 
-from typing import Any
+from bisect import bisect_left, bisect_right
 
 import msgspec
 import numpy as np
-import numpy.typing as npt
 
 from keeper.queue import HeldQueue
 from keeper.tallies import MINUTE_MS
@@ -43,94 +42,139 @@ class QueueCounts(msgspec.Struct, frozen=True, kw_only=True):
     due_24h: int
     next_24h_by_hour: list[int]
     classes: list[ClassCounts]  # every class holding a row, by class id
-    tallies: int  # distinct (class, minute) pairs held
 
 
-def _whole(value: Any) -> int:
-    """A count summed through float weights (numpy's bincount), back to an exact int."""
-    return int(value + 0.5)
+def _last_minute_at_least(lateness: float, now_ms: int, cadence_ms: float) -> int:
+    """The latest minute whose first millisecond is at least `lateness` cadences late."""
 
+    def late(minute: int) -> float:
+        return (now_ms - minute * MINUTE_MS) / cadence_ms  # as a row-by-row count computes it
 
-def _ints(values: npt.NDArray[Any]) -> list[int]:
-    return [int(v) for v in np.rint(values)]
+    minute = int((now_ms - lateness * cadence_ms) // MINUTE_MS)
+    while late(minute + 1) >= lateness:
+        minute += 1
+    while late(minute) < lateness:
+        minute -= 1
+    return minute
 
 
 def count_queue(queue: HeldQueue, now_ms: int) -> QueueCounts:
     table = queue.classes
-    n_classes = len(table)
+    tallies = queue.tallies
+    buckets = queue.buckets
     n_bins = len(LATENESS_EDGES)
     now_minute = now_ms // MINUTE_MS
-    cadence = table.cadence_ms()
-    paused = table.paused_mask()
-    sitemap = table.sitemap_mask()
-    t_class, t_minute, t_count = queue.tallies.columns()
-    dues = queue.slots.dues()
-    weights = t_count.astype(np.float64)  # freed tallies count 0 and so add nothing
+    paused = table.paused_mask().tolist()
+    sitemap = table.sitemap_mask().tolist()
+    class_ids = queue.class_ids_in_use()
+    cadence = [table.get(c).cadence_s * 1000.0 for c in class_ids]
 
-    held = np.bincount(t_class, weights=weights, minlength=n_classes)
-    past = t_minute < now_minute
-    past_class = t_class[past]
-    past_weights = weights[past]
-    due = np.bincount(past_class, weights=past_weights, minlength=n_classes)
-    lateness = (now_ms - t_minute[past] * MINUTE_MS) / cadence[past_class]
-    bins = np.searchsorted(LATENESS_EDGES, lateness, side="right") - 1
-    late = np.bincount(
-        past_class * n_bins + bins, weights=past_weights, minlength=n_classes * n_bins
-    ).reshape(n_classes, n_bins)
+    # One pass over bucket entries for every class: the rows due in the current minute
+    # (counted row by row, to the millisecond) and each class's first bucket (its
+    # earliest rows, for the oldest due time).
+    read: list[int] = []
+    owner: list[int] = []
+    is_head: list[bool] = []
+    low = now_minute * MINUTE_MS
+    for position, class_id in enumerate(class_ids):
+        starts = buckets.starts[class_id]
+        ids = buckets.ids[class_id]
+        first = max(0, bisect_right(starts, low) - 1)
+        end = max(bisect_left(starts, low + MINUTE_MS), first + 1)
+        for bucket in ids[first:end]:
+            read.append(bucket)
+            owner.append(position)
+            is_head.append(False)
+        read.append(ids[0])
+        owner.append(position)
+        is_head.append(True)
+    slots, which = buckets.live_of(read)
+    dues = queue.slots.items()["due"][slots]
+    row_owner = np.take(np.array(owner, dtype=np.intp), which)
+    head = np.take(np.array(is_head, dtype=np.bool_), which)
+    current = ~head & (dues // MINUTE_MS == now_minute)
+    due_now = current & (dues <= now_ms)
+    n_classes = len(class_ids)
+    due_now_owner = row_owner[due_now]
+    lateness = (now_ms - dues[due_now]) / np.take(np.array(cadence), due_now_owner)
+    bins = np.searchsorted(LATENESS_EDGES, lateness, "right") - 1
+    late_now = np.bincount(due_now_owner * n_bins + bins, minlength=n_classes * n_bins).reshape(
+        n_classes, n_bins
+    )
+    rest_now = np.bincount(row_owner[current & ~due_now], minlength=n_classes)
+    oldest = np.full(n_classes, np.iinfo(np.int64).max, dtype=np.int64)
+    np.minimum.at(oldest, row_owner[head], dues[head])
 
-    # The current minute: due rows counted exactly, the rest go to the coming windows.
-    current = t_minute == now_minute
-    current_rest = 0
-    for class_id in np.unique(t_class[current & (t_count > 0)]).tolist():
-        member_dues = dues[queue.minute_slots(class_id, now_minute)]
-        is_due = member_dues <= now_ms
-        n_due = int(np.count_nonzero(is_due))
-        current_rest += len(member_dues) - n_due
-        if n_due:
-            due[class_id] += n_due
-            lat = (now_ms - member_dues[is_due]) / cadence[class_id]
-            for b in (np.searchsorted(LATENESS_EDGES, lat, side="right") - 1).tolist():
-                late[class_id, b] += 1
-
-    ahead = t_minute - now_minute
-    soon = (ahead >= 1) & (ahead < HOURS_AHEAD * 60)
-    by_hour = np.bincount(ahead[soon] // 60, weights=weights[soon], minlength=HOURS_AHEAD)
-    by_hour[0] += current_rest
-    in_15 = float(weights[soon & (ahead < 15)].sum()) + current_rest
-
-    classes: list[ClassCounts] = []
-    for class_id in np.flatnonzero(held > 0.5).tolist():
-        oldest = None
-        if due[class_id] > 0.5:
-            oldest = queue.oldest_due(class_id)
-        classes.append(
+    # Then the tallies, class by class: counts between minute boundaries are
+    # differences of one prefix sum.
+    ahead = [1, 15, *range(60, 60 * HOURS_AHEAD + 1, 60)]
+    by_hour = [0] * HOURS_AHEAD
+    in_15 = 0
+    due_total = due_sitemap = paused_due = paused_held = 0
+    counted: list[ClassCounts] = []
+    for position, class_id in enumerate(class_ids):
+        base, dense = tallies.dense(class_id)
+        prefix = np.zeros(len(dense) + 1, dtype=np.int64)
+        np.cumsum(dense, out=prefix[1:])
+        # Rows due before each boundary minute: the current minute, the coming windows,
+        # and for each lateness edge the first minute less late than it.
+        marks = [now_minute]
+        marks += [now_minute + a for a in ahead]
+        marks += [
+            min(now_minute, _last_minute_at_least(e, now_ms, cadence[position]) + 1)
+            for e in LATENESS_EDGES[1:]
+        ]
+        below = prefix[np.clip(np.array(marks) - base, 0, len(dense))].tolist()
+        outside = tallies.outside_of(class_id)
+        for minute, n in outside:
+            for m, mark in enumerate(marks):
+                below[m] += n if minute < mark else 0
+        held = int(prefix[-1]) + sum(n for _, n in outside)
+        past = below[0]
+        edges = below[len(ahead) + 1 :]
+        late = [past - edges[0]] if edges else [past]
+        late += [edges[i] - edges[i + 1] for i in range(len(edges) - 1)]
+        late += [edges[-1]] if edges else []
+        late = [n + int(extra) for n, extra in zip(late, late_now[position], strict=True)]
+        rest = int(rest_now[position])
+        windows = below[1 : len(ahead) + 1]
+        in_15 += windows[1] - windows[0] + rest
+        for hour in range(HOURS_AHEAD):
+            low_mark = windows[0] if hour == 0 else windows[hour + 1]
+            by_hour[hour] += windows[hour + 2] - low_mark
+        by_hour[0] += rest
+        due = sum(late)
+        if paused[class_id]:
+            paused_due += due
+            paused_held += held
+        else:
+            due_total += due
+            due_sitemap += due if sitemap[class_id] else 0
+        counted.append(
             ClassCounts(
                 class_id=class_id,
-                held=_whole(held[class_id]),
-                due=_whole(due[class_id]),
-                oldest_due_at=oldest,
-                lateness=_ints(late[class_id]),
+                held=held,
+                due=due,
+                oldest_due_at=int(oldest[position]) if due else None,
+                lateness=late,
             )
         )
-    running = ~paused
     return QueueCounts(
         at=now_ms,
         held=len(queue),
-        due=_whole(due[running].sum()),
-        due_sitemap=_whole(due[running & sitemap].sum()),
-        due_discovered=_whole(due[running & ~sitemap].sum()),
-        paused_due=_whole(due[paused].sum()),
-        paused_held=_whole(held[paused].sum()),
-        due_15m=_whole(in_15),
-        due_60m=_whole(by_hour[0]),
-        due_24h=_whole(by_hour.sum()),
-        next_24h_by_hour=_ints(by_hour),
-        classes=classes,
-        tallies=len(queue.tallies),
+        due=due_total,
+        due_sitemap=due_sitemap,
+        due_discovered=due_total - due_sitemap,
+        paused_due=paused_due,
+        paused_held=paused_held,
+        due_15m=in_15,
+        due_60m=by_hour[0],
+        due_24h=sum(by_hour),
+        next_24h_by_hour=by_hour,
+        classes=counted,
     )
 
 
 def due_in_minute(queue: HeldQueue, minute: int) -> int:
     """Rows whose due time falls in `minute` (for the flow's "came due")."""
-    _, t_minute, t_count = queue.tallies.columns()
-    return int(t_count[t_minute == minute].sum())
+    return sum(queue.tallies.count(c, minute) for c in queue.class_ids_in_use())

@@ -529,6 +529,8 @@ class Keeper:
         """The full record (counts taken now), or the last one with trust and status refreshed."""
         if full or self._state is None:
             queue = self.core.queue
+            queue.tallies.now_minute = now // 60_000
+            queue.tallies.trim()
             self.core.flow.tick(now, lambda minute: due_in_minute(queue, minute))
             blocked = self._blocked(now)
             return build_queue_state(

@@ -2,8 +2,8 @@
 
 A row is held as a slot number that every per-row structure is indexed by. A
 slot's record is four unsigned 64-bit words in one `array('Q')`: the key's
-hash, the due time, the version, and its place (bucket << 32 | position in
-the bucket). Keeping them side by side makes an event touch one cache line
+hash, the due time, the version, and its place (bucket << 32 | index in the
+bucket). Keeping them side by side makes an event touch one cache line
 of records instead of four columns; scalar reads of `array` are several times
 cheaper than numpy scalars, and numpy views of the same buffer serve the bulk
 paths. Key bytes sit in one bytearray arena (offset and length per slot), not
@@ -28,10 +28,13 @@ import numpy.typing as npt
 FIELDS = 4
 HASH, DUE, VERSION, PLACE = 0, 1, 2, 3
 POSITION_MASK = 0xFFFFFFFF
+NO_PLACE = (1 << 64) - 1  # a free slot's place: no bucket entry is ever live for it
 MAX_LOAD = 0.6  # index occupancy that triggers doubling
 MIN_GARBAGE_TO_COMPACT = 1 << 20  # arena bytes freed by deletes before a compaction is worth it
 ABSENT = -1
 _ZERO_RECORD = array("Q", [0] * FIELDS)
+# The record as a numpy item: gathering whole records with np.take is one fast pass.
+RECORD = np.dtype([("hash", "<u8"), ("due", "<i8"), ("version", "<i8"), ("place", "<i8")])
 
 
 class SlotTableStatistics(msgspec.Struct, frozen=True, kw_only=True):
@@ -131,6 +134,7 @@ class SlotTable:
         self.lengths[slot] = 0
         base = slot * FIELDS
         rec[base : base + FIELDS] = _ZERO_RECORD
+        rec[base + PLACE] = NO_PLACE
         self._free.append(slot)
         self._live -= 1
         if self._garbage > MIN_GARBAGE_TO_COMPACT and self._garbage * 4 > len(self.arena):
@@ -152,6 +156,10 @@ class SlotTable:
 
     def records(self) -> npt.NDArray[np.uint64]:
         return np.frombuffer(self.rec, dtype=np.uint64).reshape(-1, FIELDS)
+
+    def items(self) -> npt.NDArray[np.void]:
+        """The records as RECORD items (hash, due, version, place)."""
+        return np.frombuffer(self.rec, dtype=RECORD)
 
     def hashes(self) -> npt.NDArray[np.uint64]:
         return self.records()[:, HASH]

@@ -98,3 +98,34 @@ def test_came_due_counts_the_rows_due_in_a_minute() -> None:
         inside += due // MINUTE_MS == minute
         queue.upsert(f"/k{i}".encode(), key_hash(f"/k{i}".encode()), 0, due, 1, NOW)
     assert due_in_minute(queue, minute) == inside > 0
+
+
+def test_rows_far_from_now_are_counted_through_the_overflow_and_trim_keeps_them() -> None:
+    from keeper import tallies as tallies_module
+
+    table = ClassTable(1.0)
+    for cls in CLASSES:
+        table.intern(cls)
+    queue = HeldQueue(table)
+    far = {
+        "/epoch": 0,  # "render as soon as possible"
+        "/old": NOW - 200 * 86_400_000,
+        "/next-year": NOW + 365 * 86_400_000,
+        "/now": NOW - 5,
+        "/soon": NOW + 20 * MINUTE_MS,
+    }
+    for i, (k, due) in enumerate(far.items()):
+        queue.upsert(k.encode(), key_hash(k.encode()), 0, due, i + 1, NOW)
+    assert len(queue.tallies.outside) == 3
+    counts = count_queue(queue, NOW)
+    assert (counts.held, counts.due, counts.due_60m) == (5, 3, 1)
+    assert counts.classes[0].lateness[-1] == 2 and counts.classes[0].oldest_due_at == 0
+    # A month on: the dense range moves with now, and nothing is lost on the way.
+    later = NOW + 40 * 86_400_000
+    for i, k in enumerate(("/now", "/soon")):  # rendered since: due again a day later
+        queue.upsert(k.encode(), key_hash(k.encode()), 0, later + 86_400_000, 10 + i, later)
+    queue.tallies.trim()
+    assert queue.tallies.base[0] >= later // MINUTE_MS - tallies_module.GROW
+    counts = count_queue(queue, later)
+    assert (counts.held, counts.due, counts.due_24h) == (5, 2, 0)
+    assert sum(queue.tallies.class_total(c) for c in range(4)) == 5
