@@ -63,7 +63,7 @@ def row_write(rng: random.Random, i: int) -> RowWrite:
 
 
 def writer(path: str, number: int, plan: Plan, stop: Any, started: Synchronized[int]) -> None:
-    store = SqliteStore(path)
+    store = SqliteStore(path, prune_interval_s=None)  # pruning: explicit, below
     rng = random.Random(plan.seed * 7 + number)
     deadline = time.monotonic() + plan.max_seconds
     batches = 0
@@ -112,7 +112,7 @@ def consumer(
     events: Synchronized[int],
     snapshots: Synchronized[int],
 ) -> None:
-    store = SqliteStore(path)
+    store = SqliteStore(path, prune_interval_s=None)
     replica = Replica(store, CONSUMER, walk_chunk=plan.walk_chunk)
     if resume and os.path.exists(snapshot):
         saved = msgspec.msgpack.decode(Path(snapshot).read_bytes(), type=ReplicaSnapshot)
