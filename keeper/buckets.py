@@ -45,6 +45,7 @@ class Buckets:
         self.b_class: array[int] = array("i")
         self.b_start: array[int] = array("q")
         self.b_live: array[int] = array("i")
+        self.b_stale: array[int] = array("i")  # entries whose row moved on
         self.b_split_at: array[int] = array("i")
         self.members: list[array[int]] = []
         self._free: list[int] = []
@@ -104,7 +105,9 @@ class Buckets:
         """The row left the bucket: its entry is stale from now on (the caller moves its place)."""
         live = self.b_live[bucket] - 1
         self.b_live[bucket] = live
-        if live < MERGE_BELOW or len(self.members[bucket]) > 2 * live + STALE_SLACK:
+        stale = self.b_stale[bucket] + 1
+        self.b_stale[bucket] = stale
+        if live < MERGE_BELOW or stale > live + STALE_SLACK:
             self.tidy(bucket)
 
     def tidy(self, bucket: int) -> None:
@@ -123,6 +126,7 @@ class Buckets:
             self.b_class[bucket] = class_id
             self.b_start[bucket] = start
             self.b_live[bucket] = 0
+            self.b_stale[bucket] = 0
             self.b_split_at[bucket] = SPLIT_AT
         else:
             bucket = len(self.members)
@@ -130,6 +134,7 @@ class Buckets:
             self.b_class.append(class_id)
             self.b_start.append(start)
             self.b_live.append(0)
+            self.b_stale.append(0)
             self.b_split_at.append(SPLIT_AT)
         return bucket
 
@@ -160,6 +165,7 @@ class Buckets:
         members.frombytes(slots.astype(np.int32).tobytes())
         self._slots.set_places(slots, bucket, np.arange(len(slots)))
         self.b_live[bucket] = len(slots)
+        self.b_stale[bucket] = 0
 
     def _drop(self, bucket: int, index: int) -> None:
         class_id = self.b_class[bucket]
@@ -167,6 +173,7 @@ class Buckets:
         del self.ids[class_id][index]
         del self.members[bucket][:]
         self.b_live[bucket] = 0
+        self.b_stale[bucket] = 0
         self._free.append(bucket)
 
     def _shrink(self, bucket: int) -> None:
@@ -288,7 +295,7 @@ class Buckets:
         return self.live_slots(self.ids[class_id][0])
 
     def nbytes(self) -> int:
-        return len(self.members) * (4 + 8 + 4 + 4) + 4 * sum(
+        return len(self.members) * (4 + 8 + 4 + 4 + 4) + 4 * sum(
             m.buffer_info()[1] for m in self.members
         )
 

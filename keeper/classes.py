@@ -149,22 +149,23 @@ class Classifier:
         self.table = table
         self.routes: dict[str, Route] = {}
         self.default_cadence_s = default_cadence_s
-        self._cache: dict[tuple[str, int | None, bool], int] = {}
+        # (route, the row's own cadence, sitemap) -> class id; the event path reads it directly
+        self.cache: dict[tuple[str, int | None, bool], int] = {}
 
     def class_id(self, route: str, cadence_s: int | None, sitemap: bool) -> int:
         shape = (route, cadence_s, sitemap)
-        found = self._cache.get(shape)
+        found = self.cache.get(shape)
         if found is None:
             cadence, from_row = effective_cadence_s(
                 route, cadence_s, self.routes, self.default_cadence_s
             )
             found = self.table.intern(RenderClass(route, cadence, from_row, sitemap))
-            self._cache[shape] = found
+            self.cache[shape] = found
         return found
 
     def cached(self, shape: tuple[str, int | None, bool]) -> int | None:
         """The class id of (route, row cadence, sitemap) if already known, else None."""
-        return self._cache.get(shape)
+        return self.cache.get(shape)
 
     def class_of_row(self, row: Row) -> int:
         return self.class_id(row.route, row.cadence_s, row.sitemap)
@@ -172,7 +173,7 @@ class Classifier:
     def set_settings(self, routes: Mapping[str, Route], default_cadence_s: int) -> None:
         self.routes = dict(routes)
         self.default_cadence_s = default_cadence_s
-        self._cache.clear()
+        self.cache.clear()
         self.table.set_paused_routes({r.route for r in self.routes.values() if r.paused})
 
     def plan(self) -> list[tuple[int, RenderClass]]:

@@ -45,6 +45,19 @@ _EMPTY = (
 )
 
 
+def _batch_keys(events: Sequence[FeedEvent]) -> tuple[list[bytes], list[int]]:
+    """Each row event's key, encoded, and its hash, for the batch at once (one call into
+    the hash for all of them); hash -1 marks keys to encode one by one (a bad key)."""
+    try:
+        keys = [
+            (e.key if e.row is None else e.row.key).encode() if type(e) is RowEvent else b""
+            for e in events
+        ]
+    except (AttributeError, UnicodeEncodeError, TypeError):
+        return [b""] * len(events), [-1] * len(events)
+    return keys, key_hashes(keys).tolist()
+
+
 class CoreCounters(msgspec.Struct, kw_only=True):
     events: int = 0  # feed events applied (rows, routes, settings)
     row_events: int = 0
@@ -167,53 +180,64 @@ class KeeperCore:
         """Apply feed events in order; each carries current state, so replays are harmless."""
         queue = self.queue
         class_id = self.classifier.class_id
+        known = self.classifier.cache.get
         touched = self._touched
         epoch = self._epoch
         owns = None if self.ownership.owns_all else self.ownership.owns
         tally = [0] * 6
         rows = 0
-        for event in events:
+        keys, hashes = _batch_keys(events)
+        for event, key, h in zip(events, keys, hashes, strict=True):
             if type(event) is RowEvent:
                 rows += 1
                 row = event.row
+                if h < 0:  # the batch's keys could not all be encoded at once
+                    try:
+                        key = (event.key if row is None else row.key).encode()
+                    except (AttributeError, UnicodeEncodeError):
+                        self._unreadable(row, "event", key=event.key)
+                        continue
+                    h = key_hash(key)
+                if touched is not None:
+                    touched[h] = epoch
                 if row is None:
-                    h = key_hash(event.key.encode())
-                    if touched is not None:
-                        touched[h] = epoch
                     tally[queue.remove(h)] += 1
                     continue
-                try:
-                    key = row.key.encode()
-                    h = key_hash(key)
-                    if touched is not None:
-                        touched[h] = epoch
-                    if owns is not None and not owns(h):
-                        self.counters.unowned += 1
-                        tally[queue.remove(h)] += 1
-                        continue
-                    cadence = row.cadence_s
-                    due = row.next_render_at
-                    version = row.version
-                    # Checked before anything changes: a bad field must not leave half a row.
-                    if (
-                        type(due) is not int
-                        or type(version) is not int
-                        or not 0 <= due < MAX_DUE_MS
-                        or version < 0
-                        or (cadence is not None and (type(cadence) is not int or cadence <= 0))
-                    ):
-                        raise ValueError("field out of range")
-                    cls = class_id(row.route, cadence, row.sitemap)
-                    tally[queue.upsert(key, h, cls, due, version, now_ms)] += 1
-                except (TypeError, ValueError, AttributeError, OverflowError):
+                if owns is not None and not owns(h):
+                    self.counters.unowned += 1
+                    tally[queue.remove(h)] += 1
+                    continue
+                cadence = row.cadence_s
+                due = row.next_render_at
+                version = row.version
+                # Checked before anything changes: a bad field must not leave half a row.
+                if (
+                    type(due) is not int
+                    or type(version) is not int
+                    or not 0 <= due < MAX_DUE_MS
+                    or version < 0
+                    or (cadence is not None and (type(cadence) is not int or cadence <= 0))
+                    or row.key != event.key
+                ):
                     self._unreadable(row, "event")
+                    continue
+                try:
+                    cls = known((row.route, cadence, row.sitemap))
+                    if cls is None:
+                        cls = class_id(row.route, cadence, row.sitemap)
+                except TypeError:  # an unhashable field
+                    self._unreadable(row, "event")
+                    continue
+                tally[queue.upsert(key, h, cls, due, version, now_ms)] += 1
             elif isinstance(event, RouteEvent):
                 self.counters.route_events += 1
                 self.apply_route(event.route)
                 class_id = self.classifier.class_id
+                known = self.classifier.cache.get
             elif isinstance(event, SettingsEvent):
                 self.counters.settings_events += 1
                 self.apply_default_cadence(event.default_cadence_s)
+                known = self.classifier.cache.get
         self.counters.events += len(events)
         self.counters.row_events += rows
         self.flow.add(
@@ -224,15 +248,17 @@ class KeeperCore:
             removed=tally[REMOVED],
         )
 
-    def _unreadable(self, row: Row, where: str) -> None:
+    def _unreadable(self, row: Row | None, where: str, key: object = None) -> None:
         self.counters.unreadable += 1
         n = self.counters.unreadable
         if n <= 10 or n % LOG_EVERY == 0:
+            shown = repr(row.key if row is not None else key)[:200]
+            why = (row_problem(row) if row is not None else None) or "invalid key"
             log.warning(
-                "keeper: skipped unreadable row %r from the %s (%s); %d so far",
-                row.key[:200],
+                "keeper: skipped unreadable row %s from the %s (%s); %d so far",
+                shown,
                 where,
-                row_problem(row) or "invalid",
+                why,
                 n,
             )
 

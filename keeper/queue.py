@@ -135,7 +135,9 @@ class HeldQueue:
                     buckets.rebuild(target, split=True)
                 left = live[old_bucket] - 1
                 live[old_bucket] = left
-                if left < MERGE_BELOW or len(buckets.members[old_bucket]) > 2 * left + STALE_SLACK:
+                stale = buckets.b_stale[old_bucket] + 1
+                buckets.b_stale[old_bucket] = stale
+                if left < MERGE_BELOW or stale > left + STALE_SLACK:
                     buckets.tidy(old_bucket)
         if due_at <= now_ms < old_due:
             return TRIGGERED

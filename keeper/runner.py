@@ -130,6 +130,8 @@ class Keeper:
         self._checked_at: dict[bytes, int] = {}  # top-check: key -> when last re-read
         self._state: QueueState | None = None
         self._started = False
+        self._memory_bytes = 0  # the queue's buffers, as of the last full report
+        self._tallies = 0
         # counters
         self._feed_failures = 0
         self._feed_reopens = 0
@@ -503,7 +505,7 @@ class Keeper:
             events=counters.events,
             held=len(self.core.queue),
             unreadable=counters.unreadable,
-            memory_bytes=self.core.queue.nbytes(),
+            memory_bytes=self._memory_bytes,
             load=self._load,
             publish=self._publish,
             verification=self._verify,
@@ -531,6 +533,8 @@ class Keeper:
             queue = self.core.queue
             queue.tallies.now_minute = now // 60_000
             queue.tallies.trim()
+            self._memory_bytes = queue.nbytes()
+            self._tallies = len(queue.tallies)
             self.core.flow.tick(now, lambda minute: due_in_minute(queue, minute))
             blocked = self._blocked(now)
             return build_queue_state(
@@ -579,6 +583,8 @@ class Keeper:
     # -- statistics ----------------------------------------------------------------
 
     def statistics(self) -> KeeperStatistics:
+        """Safe from any thread: it reads counters and lengths, never the queue's buffers
+        (a numpy view taken here could stop the keeper's thread from growing an array)."""
         core = self.core
         counters = core.counters
         live, _ = self._live(self.clock())
@@ -591,8 +597,8 @@ class Keeper:
             held=len(core.queue),
             classes=len(core.classes),
             buckets=len(core.queue.buckets),
-            tallies=len(core.queue.tallies),
-            memory_bytes=core.queue.nbytes(),
+            tallies=self._tallies,
+            memory_bytes=self._memory_bytes,
             events=counters.events,
             route_events=counters.route_events,
             settings_events=counters.settings_events,

@@ -250,14 +250,12 @@ class SlotTable:
         pending = np.arange(len(slots))
         while pending.size:
             at = position[pending]
-            open_ = table[at] < 0
-            candidates = pending[open_]
-            places, first = np.unique(at[open_], return_index=True)
-            winners = candidates[first]
-            table[places] = slots[winners]
-            placed = np.zeros(len(slots), dtype=np.bool_)
-            placed[winners] = True
-            pending = pending[~placed[pending]]
+            open_ = pending[table[at] < 0]
+            # Several may aim at one open place: the last write wins it, the rest probe on.
+            table[position[open_]] = slots[open_]
+            won = np.zeros(len(slots), dtype=np.bool_)
+            won[open_[table[position[open_]] == slots[open_]]] = True
+            pending = pending[~won[pending]]
             position[pending] = (position[pending] + 1) & mask
 
     def _grow(self) -> None:

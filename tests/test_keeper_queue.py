@@ -72,6 +72,7 @@ def check_invariants(queue: HeldQueue, model: Model) -> None:
                 if i + 1 < len(starts):
                     assert due < starts[i + 1]
             assert live == b.b_live[bucket] > 0, "live counts are exact; no empty bucket listed"
+            assert len(b.members[bucket]) == live + b.b_stale[bucket]
             seen += live
     assert seen == len(model)
     for k, (class_id, due, version) in model.items():
