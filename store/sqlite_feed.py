@@ -23,6 +23,7 @@ from store.base import Cursor, CursorAhead, CursorBelowFloor, FeedBatch
 from store.rows import FeedEvent, Route, RouteEvent, RowEvent, SettingsEvent
 from store.schema import DEFAULT_CADENCE_S, KIND_ROUTE, KIND_ROW, KIND_SETTINGS
 from store.sqlite_conn import Retry, configure, connect
+from store.upkeep import WRITER_CHECKPOINT_PAGES
 from store.wake import WakeWaiter, unlink
 
 _TOKEN_PREFIX = "sqlite"
@@ -111,6 +112,8 @@ class SqliteSubscription:
         self._conn = connect(path)
         try:
             self._retry.call("subscribe", lambda: configure(self._conn))
+            # Its only writes are cursor saves: leave checkpoints to the writers' upkeep.
+            self._conn.execute(f"PRAGMA wal_autocheckpoint = {WRITER_CHECKPOINT_PAGES}")
         except BaseException:
             self._conn.close()
             if waiter is not None:
