@@ -17,7 +17,7 @@ from pathlib import Path
 
 import msgspec
 
-from bench import report
+from bench import report, report_standing
 
 SECTIONS = ("store", "shm", "keeper", "node", "sitemap", "single", "peers", "churn")
 BENCH_DIR = Path(__file__).resolve().parent
@@ -155,12 +155,36 @@ def write_summary(summary: Summary, tables: list[tuple[str, str]]) -> Path:
             lines.append(f"Missing in {run.section}:")
             lines.extend(f"- {gap}" for gap in run.gaps)
             lines.append("")
+    results = _results(summary)
+    seed = report_standing.against_seed(results)
+    if seed:
+        lines += ["## Against the seed (every figure the seed gives)", "", *seed, ""]
+    peers = report_standing.against_peers(results)
+    if peers:
+        lines += [
+            "## Against the peers and baselines (our best arm ÷ the best other column)",
+            "",
+            *peers,
+            "",
+        ]
     for section, markdown in tables:
         if markdown.strip():
             lines += [f"## {section}", "", markdown.strip(), ""]
     md_path = report.RESULTS_DIR / f"{stem}.md"
     md_path.write_text("\n".join(lines))
     return md_path
+
+
+def _results(summary: Summary) -> list[report.SectionResult]:
+    found = []
+    for run in summary.sections:
+        path = report.results_path(run.section, summary.quick)
+        if run.status in ("ok", "missing rows") and path.is_file():
+            try:
+                found.append(report.load(path))
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                continue
+    return found
 
 
 def main(argv: list[str] | None = None) -> int:
