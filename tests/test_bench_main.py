@@ -125,3 +125,23 @@ def test_percentile_is_nearest_rank() -> None:
     assert report.percentile(samples, 50) == 50
     assert report.percentile(samples, 99) == 99
     assert report.percentile([], 50) is None
+
+
+def test_standing_rows_say_better_worse_meets_and_ahead_of() -> None:
+    from bench import report_standing
+
+    result = report.new_result("s", False)
+    result.figures = [
+        report.Figure(table="T", what="p50", unit="us", ours=50.0, seed=100.0),
+        report.Figure(table="T", what="rate", unit="/s", ours=5.0, seed=10.0, better="higher"),
+        report.Figure(table="T", what="rows", ours=9.0, seed=10.0, target="every row"),
+        report.Figure(
+            table="T", what="claim", unit="us", ours=2.0, peers={"a": 1.0, "b": 3.0, "c": None}
+        ),
+    ]
+    seed = "\n".join(report_standing.against_seed([result]))
+    assert "| p50 | us | 100 | 50.0 | 0.50× | better |" in seed
+    assert "| rate | /s | 10.0 | 5.00 | 0.50× | worse |" in seed
+    assert "| misses |" in seed
+    peers = "\n".join(report_standing.against_peers([result]))
+    assert "| claim | us | 2.00 | a | 1.00 | 2.00× | 1 of 2 |" in peers
