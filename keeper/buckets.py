@@ -174,6 +174,7 @@ class Buckets:
         del self.members[bucket][:]
         self.b_live[bucket] = 0
         self.b_stale[bucket] = 0
+        self.b_class[bucket] = -1  # free: no class lists it
         self._free.append(bucket)
 
     def _shrink(self, bucket: int) -> None:
