@@ -498,6 +498,7 @@ class Keeper:
             counts_at=counts_at,
             counts_max_age_ms=int(2 * self.config.report_interval_s * 1000 + 1000),
             feed_lag_ms=max(0, now - self._caught_up_at) if self._sub is not None else -1,
+            publish_age_ms=-1 if self._heartbeat_at == 0 else max(0, now - self._heartbeat_at),
             feed_reopens=self._feed_reopens,
             resyncs=self._resyncs,
             reclassifications=counters.reclassifications,

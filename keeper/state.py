@@ -140,6 +140,7 @@ class TrustGroup(msgspec.Struct, frozen=True, kw_only=True):
     counts_at: int = 0  # when the counts (now, coming, lateness, flow) were taken
     counts_max_age_ms: int = 11_000
     feed_lag_ms: int = 0  # since the feed was last read to its end
+    publish_age_ms: int = -1  # since the last publish, as of writing (-1: none yet)
     feed_reopens: int = 0
     resyncs: int = 0  # full walks after a feed gap (reopen or cursor lost)
     reclassifications: int = 0
@@ -212,12 +213,19 @@ def liveness(state: QueueState, now_ms: int) -> Liveness:
 
 
 def as_read(state: QueueState, now_ms: int) -> QueueState:
-    """The record with live, its reason and the status as a reader sees them now."""
+    """The record with live, its reason, the status and the publish age as a reader sees
+    them now: what a worker should serve."""
     seen = liveness(state, now_ms)
+    last = state.trust.publish.last_at
     return msgspec.structs.replace(
         state,
         now=msgspec.structs.replace(state.now, status=seen.status),
-        trust=msgspec.structs.replace(state.trust, live=seen.live, live_reason=seen.reason),
+        trust=msgspec.structs.replace(
+            state.trust,
+            live=seen.live,
+            live_reason=seen.reason,
+            publish_age_ms=-1 if last is None else max(0, now_ms - last),
+        ),
     )
 
 

@@ -67,8 +67,17 @@ def test_a_stalled_keeper_reads_not_live_with_a_reason_once_its_heartbeat_ages()
     assert liveness(s, T + 2_000).live
     seen = liveness(s, T + 2_001)
     assert not seen.live and seen.status == "stalled" and "no publish for 2.0 s" in seen.reason
-    read = as_read(s, T + 2_500)
+    read = as_read(
+        msgspec.structs.replace(
+            s,
+            trust=msgspec.structs.replace(
+                s.trust, publish=msgspec.structs.replace(s.trust.publish, last_at=T)
+            ),
+        ),
+        T + 2_500,
+    )
     assert not read.trust.live and read.now.status == "stalled"
+    assert read.trust.publish_age_ms == 2_500
     assert not vouches(s, T + 2_500)
 
 
