@@ -122,6 +122,7 @@ class SqliteSubscription:
             raise
         self._waiter = waiter  # None: no semaphores here, data_version polling alone
         self._seen_version = self._data_version()
+        self._more = False
         self._polls = self._events = self._entries = self._coalesced = 0
         self._woken = self._noticed = self._timeouts = 0
         self._closed = False
@@ -163,6 +164,9 @@ class SqliteSubscription:
                 raise CursorBelowFloor(f"consumer {self.consumer!r}: {found}; resync (walk)")
             records, routes, default_cadence_s = found
         self._polls += 1
+        # A full batch may have left entries behind (coalescing can make the events fewer
+        # than the limit all the same): the next wait() must not sleep on them.
+        self._more = len(records) >= limit
         if not records:
             return FeedBatch(events=[], cursor=self.cursor)
         events: dict[tuple[int, str], FeedEvent] = {}
@@ -205,6 +209,8 @@ class SqliteSubscription:
         return records, routes, default_cadence_s
 
     def wait(self, timeout_s: float) -> bool:
+        if self._more:
+            return True
         deadline = time.monotonic() + max(0.0, timeout_s)
         while True:
             if self._data_version() != self._seen_version:

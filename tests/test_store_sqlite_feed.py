@@ -85,6 +85,18 @@ def test_a_poll_limit_pages_through_the_log(store: SqliteStore) -> None:
     sub.close()
 
 
+def test_wait_returns_at_once_while_a_full_batch_left_entries_behind(
+    store: SqliteStore,
+) -> None:
+    sub = store.subscribe("keeper")
+    store.write([put("/a", 1), put("/a", 2), put("/a", 3), put("/b")])
+    batch = sub.poll(limit=3)  # three entries, one event: fewer events than the limit
+    assert keys_of(batch.events) == ["/a"]
+    assert sub.wait(30.0) is True  # no commit since the poll, and still no sleep
+    assert keys_of(sub.poll(limit=3).events) == ["/b"]
+    sub.close()
+
+
 def test_route_and_settings_changes_come_through_the_same_feed(store: SqliteStore) -> None:
     sub = store.subscribe("keeper")
     store.set_route("product", default_cadence_s=600)
