@@ -96,14 +96,14 @@ def consumer_process(conn: Connection, path: str) -> None:
             if isinstance(event, RowEvent) and event.row is not None:
                 tags.append(event.row.next_render_at)
                 at_ns.append(now)
-        if batch.events:
-            continue
-        if stopping:
+        if stopping and not batch.events:
             break
-        if conn.poll():
+        if not stopping and conn.poll():
             conn.recv()
-            stopping = True  # one more empty poll after the writer stopped, then report
+            stopping = True  # poll until empty after the writer stopped, then report
             continue
+        # As the keeper does: wait at once; it returns straight away if anything was
+        # committed since the poll began, which costs less than another empty poll.
         subscription.wait(0.05)
     stats = subscription.statistics()
     conn.send_bytes(
