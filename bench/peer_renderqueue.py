@@ -54,6 +54,19 @@ def row_writes(rows: Rows, indexes: range | list[int]) -> list[Any]:
     ]
 
 
+def node_keeper_config(settings: Any) -> Any:
+    """The keeper config a node runs with: its own defaults under the [keeper] settings."""
+    try:
+        from workers.config import keeper_config
+    except ImportError:  # a node without node-level keeper defaults: the keeper's own
+        import msgspec
+
+        from keeper.config import KeeperConfig
+
+        return msgspec.convert(settings.keeper, KeeperConfig, strict=False)
+    return keeper_config(settings)
+
+
 class LocalNode:
     """A store file, the node's segments, and a keeper thread that can be restarted."""
 
@@ -86,12 +99,9 @@ class LocalNode:
 
     def start_keeper(self) -> None:
         """Start a keeper thread the way worker 0 does: its own store, the node's config."""
-        import msgspec
-
-        from keeper.config import KeeperConfig
         from keeper.runner import Keeper
 
-        config = msgspec.convert(self.settings.keeper, KeeperConfig, strict=False)
+        config = node_keeper_config(self.settings)
         # As worker 0 does: a short switch interval bounds how long the keeper thread and
         # this process's other thread (a growth probe's claims) hold each other up.
         sys.setswitchinterval(self.settings.keeper_switch_interval_ms / 1000)

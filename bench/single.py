@@ -160,10 +160,9 @@ def worker0_process(conn: Connection, store_url: str, instance: str) -> None:
             store.close()
 
     def keep() -> None:
-        import msgspec as ms
-
-        from keeper.config import KeeperConfig
+        from bench.peer_renderqueue import node_keeper_config
         from keeper.runner import Keeper
+        from workers.config import Settings
 
         store = StampedStore(open_store(store_url), log, counter)
         try:
@@ -172,7 +171,7 @@ def worker0_process(conn: Connection, store_url: str, instance: str) -> None:
                 node.ring,
                 node.leases,
                 node.state,
-                ms.convert({}, KeeperConfig),
+                node_keeper_config(Settings()),
                 node="bench",
             )
             keeper.run(stop)
@@ -187,6 +186,10 @@ def worker0_process(conn: Connection, store_url: str, instance: str) -> None:
     from workers.segments import SegmentNames, Segments
 
     node = Segments.attach(SegmentNames.for_instance(instance))
+    # Worker 0's switch interval, which bounds how long its threads hold each other up.
+    from workers.config import Settings as NodeSettings
+
+    sys.setswitchinterval(NodeSettings().keeper_switch_interval_ms / 1000)
     while True:
         command, *args = conn.recv()
         if command == "exit":
