@@ -25,6 +25,7 @@ KIND_ROUTE = 1
 KIND_SETTINGS = 2
 DEFAULT_CADENCE_SETTING = "default_cadence_s"
 DEFAULT_CADENCE_S = 86_400
+TRIM_PER_WRITE = 4  # log entries below the floor removed by each logged write, at most
 
 # The seq the next log entry will take, read inside the writing statement.
 NEXT_SEQ = "(SELECT coalesce(max(seq), 0) + 1 FROM change_log)"
@@ -96,8 +97,20 @@ _V1 = [
     END""",
 ]
 
+# Each write trims a few log entries below the floor, so the log shrinks by small steps
+# inside the writers' own transactions instead of in bulk deletes that hold the write
+# lock for milliseconds. Only entries below the committed floor go: the floor is raised
+# first (SqliteStore.raise_floor), and the entry at the floor stays.
+_V2 = [
+    f"""CREATE TRIGGER change_log_trimmed AFTER INSERT ON change_log BEGIN
+        DELETE FROM change_log WHERE seq < min(
+            (SELECT floor FROM feed_state WHERE id = 1),
+            (SELECT min(seq) FROM change_log) + {TRIM_PER_WRITE});
+    END""",
+]
+
 # Index i holds the statements that take a database from version i to i + 1.
-MIGRATIONS: list[list[str]] = [_V1]
+MIGRATIONS: list[list[str]] = [_V1, _V2]
 LATEST = len(MIGRATIONS)
 
 

@@ -105,8 +105,9 @@ class SqliteStore:
         prune_interval_s: float | None = PRUNE_INTERVAL_S,
     ) -> None:
         """`background_checkpoints`: checkpoint on a daemon thread (see store.upkeep) rather
-        than in commits; `prune_interval_s`: how often that thread prunes the change log
-        (None: only explicit `prune()` calls do)."""
+        than in commits; `prune_interval_s`: how often that thread raises the change log's
+        floor, below which writes trim it (None: only explicit `raise_floor()` or
+        `prune()` calls do)."""
         text = os.fspath(path)
         if not text or text == ":memory:" or text.startswith("file:"):
             raise ValueError(f"SqliteStore needs a database file path, got {text!r}")
@@ -119,7 +120,7 @@ class SqliteStore:
         self._states: list[_ThreadState] = []
         self._poster = WakePoster()
         self._upkeep = (
-            Upkeep(self.path, self._background_prune, prune_interval_s)
+            Upkeep(self.path, self.raise_floor, prune_interval_s)
             if background_checkpoints
             else None
         )
@@ -411,29 +412,38 @@ class SqliteStore:
             unlink(wake)
         return wake is not None
 
-    def _background_prune(self) -> int:
-        # Small chunks with a breath between them: writers wait at most one small delete.
-        return self.prune(chunk=2_000, pause_s=0.002)
+    def raise_floor(self) -> int:
+        """Raise the log's floor to the lowest cursor a registered consumer saved (the head
+        when none is registered); returns the entries now below it.
 
-    def prune(self, chunk: int = PRUNE_CHUNK, pause_s: float = 0.0) -> int:
-        """Remove log entries every registered consumer has passed; returns how many.
-
-        The floor is raised (and committed) first, so a cursor below it is refused
-        before anything it needs is gone; then entries below the floor go, a chunk
-        per transaction so writers wait at most one chunk. The entry at the floor
-        stays: it lets a cursor there prove it belongs to this log.
+        Nothing is removed here: each later write trims a few entries below the floor
+        in its own transaction (see store.schema), and `prune()` removes them all.
         """
-        if chunk < 1:
-            raise ValueError(f"prune: chunk must be at least 1, got {chunk}")
 
-        def raise_floor(conn: sqlite3.Connection) -> int:
+        def body(conn: sqlite3.Connection) -> int:
             last, _ = head(conn)
             lowest = conn.execute("SELECT min(seq) FROM feed_consumers").fetchone()[0]
             target = last if lowest is None else min(int(lowest), last)
             conn.execute("UPDATE feed_state SET floor = max(floor, ?) WHERE id = 1", (target,))
-            return int(conn.execute(sql.FLOOR).fetchone()[0])
+            floor = int(conn.execute(sql.FLOOR).fetchone()[0])
+            oldest = conn.execute("SELECT min(seq) FROM change_log").fetchone()[0]
+            return 0 if oldest is None else max(0, floor - int(oldest))
 
-        floor = self._write("prune", raise_floor, rows=0, logged=False)
+        return self._write("raise_floor", body, rows=0, logged=False)
+
+    def prune(self, chunk: int = PRUNE_CHUNK, pause_s: float = 0.0) -> int:
+        """Remove every log entry all registered consumers have passed; returns how many.
+
+        The floor is raised (and committed) first, so a cursor below it is refused
+        before anything it needs is gone; then entries below the floor go, a chunk
+        per transaction so writers wait at most one chunk. The entry at the floor
+        stays: it lets a cursor there prove it belongs to this log. The store's upkeep
+        thread only raises the floor; writes trim below it a few entries at a time.
+        """
+        if chunk < 1:
+            raise ValueError(f"prune: chunk must be at least 1, got {chunk}")
+        self.raise_floor()
+        floor = int(self._read("prune", lambda c: c.execute(sql.FLOOR).fetchone()[0]))
         removed = 0
         while True:
 

@@ -9,10 +9,12 @@ for itself only if the WAL reaches WRITER_CHECKPOINT_PAGES, when this thread is
 stalled or gone. Threads of several processes share the checkpoint lock: a busy
 one just tries again later.
 
-Pruning. The same thread prunes the change log every `prune_interval_s`, in
-small chunks. That is always safe: pruning stops at the lowest cursor a
-registered consumer saved, so the log grows only while a consumer does not
-save its cursor (or is registered and gone: `drop_consumer`).
+Pruning. The same thread raises the change log's floor every `prune_interval_s`
+to the lowest cursor a registered consumer saved; each write then trims a few
+entries below it inside its own transaction (see store.schema). Bulk deletes
+held the write lock for milliseconds and showed in the writers' p99 here. The
+log grows only while a consumer does not save its cursor (or is registered and
+gone: `drop_consumer`).
 """
 
 from __future__ import annotations
@@ -39,8 +41,8 @@ class UpkeepStatistics(msgspec.Struct, frozen=True, kw_only=True):
     errors: int
     wal_frames: int  # frames in the WAL at the last checkpoint
     longest_checkpoint_ms: float
-    prunes: int
-    pruned: int  # log entries removed by this thread
+    floor_raises: int
+    backlog: int  # log entries below the floor at the last raise, left for writes to trim
     last_error: str
 
 
@@ -48,11 +50,11 @@ class Upkeep:
     def __init__(
         self,
         path: str | os.PathLike[str],
-        prune: Callable[[], int] | None = None,
+        raise_floor: Callable[[], int] | None = None,
         prune_interval_s: float | None = PRUNE_INTERVAL_S,
     ) -> None:
         self._path = path
-        self._prune = prune if prune_interval_s else None
+        self._prune = raise_floor if prune_interval_s else None
         self._prune_interval_s = prune_interval_s or 0.0
         self._commits = 0
         self._seen = 0
@@ -60,7 +62,7 @@ class Upkeep:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._checkpoints = self._busy = self._errors = self._frames = 0
-        self._prunes = self._pruned = 0
+        self._floor_raises = self._backlog = 0
         self._longest_s = 0.0
         self._last_error = ""
 
@@ -108,13 +110,13 @@ class Upkeep:
         self._frames = int(frames)
         self._longest_s = max(self._longest_s, time.monotonic() - started)
 
-    def _prune_once(self, prune: Callable[[], int]) -> None:
+    def _prune_once(self, raise_floor: Callable[[], int]) -> None:
         try:
-            self._pruned += prune()
-            self._prunes += 1
+            self._backlog = raise_floor()
+            self._floor_raises += 1
         except Exception as exc:  # upkeep must outlive a bad moment; counted and shown
             self._errors += 1
-            self._last_error = f"prune: {type(exc).__name__}: {exc}"
+            self._last_error = f"raise floor: {type(exc).__name__}: {exc}"
 
     def statistics(self) -> UpkeepStatistics:
         return UpkeepStatistics(
@@ -124,8 +126,8 @@ class Upkeep:
             errors=self._errors,
             wal_frames=self._frames,
             longest_checkpoint_ms=round(self._longest_s * 1000, 3),
-            prunes=self._prunes,
-            pruned=self._pruned,
+            floor_raises=self._floor_raises,
+            backlog=self._backlog,
             last_error=self._last_error,
         )
 

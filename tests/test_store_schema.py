@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from store.errors import SchemaTooNew, StoreError
-from store.schema import LATEST, migrate, schema_version
+from store.schema import LATEST, MIGRATIONS, migrate, schema_version
 from store.sqlite import SqliteStore
 
 
@@ -73,4 +73,27 @@ def test_processes_opening_a_new_file_at_once_migrate_it_once(tmp_path: Path) ->
         assert pool.map(_open, [path] * 8) == [0] * 8
     conn = sqlite3.connect(path)
     assert conn.execute("SELECT count(*) FROM schema_version").fetchone()[0] == LATEST
+    conn.close()
+
+
+def test_a_version_1_database_is_migrated_in_place(tmp_path: Path) -> None:
+    path = tmp_path / "s.db"
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.execute("CREATE TABLE schema_version (version INTEGER NOT NULL)")
+    for statement in MIGRATIONS[0]:
+        conn.execute(statement)
+    conn.execute("INSERT INTO schema_version (version) VALUES (1)")
+    conn.execute(
+        "INSERT INTO render_schedule (key, route, sitemap, next_render_at, version) "
+        "VALUES ('/kept', 'product', 0, 5, 1)"
+    )
+    conn.close()
+    store = SqliteStore(path)
+    row = store.get("/kept")
+    assert row is not None and row.next_render_at == 5
+    store.close()
+    conn = sqlite3.connect(path)
+    assert schema_version(conn) == LATEST == 2
+    triggers = {n for (n,) in conn.execute("SELECT name FROM sqlite_master WHERE type='trigger'")}
+    assert "change_log_trimmed" in triggers
     conn.close()

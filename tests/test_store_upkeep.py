@@ -54,19 +54,31 @@ def test_without_the_thread_writers_checkpoint_as_sqlite_does(tmp_path: Path) ->
     store.close()
 
 
-def test_the_thread_prunes_behind_registered_consumers(tmp_path: Path) -> None:
+def test_the_thread_raises_the_floor_and_writes_trim_below_it(tmp_path: Path) -> None:
     store = SqliteStore(tmp_path / "s.db", prune_interval_s=0.1)
     sub = store.subscribe("keeper")
     store.write([put(i) for i in range(50)])
     sub.poll(limit=20)
     sub.save()  # passed entry 20
-    assert wait_for(lambda: store.statistics().upkeep.pruned == 19)
+    assert wait_for(lambda: store.statistics().upkeep.floor_raises > 0)
     stats = store.statistics()
-    assert (stats.floor, stats.log_rows, stats.upkeep.errors) == (20, 31, 0)
+    assert (stats.floor, stats.log_rows, stats.upkeep.backlog) == (20, 50, 19)
+    for i in range(100, 104):  # each write trims up to TRIM_PER_WRITE entries below it
+        store.write([put(i)])
+    stats = store.statistics()
+    assert (stats.floor, stats.log_rows) == (20, 54 - 16)
+    for i in range(104, 110):
+        store.write([put(i)])
+    assert store.statistics().log_rows == 60 - 19  # down to the floor's entry, no further
+    assert [e.key for e in sub.poll().events][:2] == ["/k20", "/k21"]  # nothing it needs went
     sub.close()
     store.drop_consumer("keeper")
-    store.write([put(99)])  # nobody registered: all but the head may go
-    assert wait_for(lambda: store.statistics().log_rows == 1)
+    store.write([put(999)])  # nobody registered: all but the head may go
+    assert wait_for(lambda: store.statistics().floor == store.statistics().head)
+    for i in range(200, 220):
+        store.write([put(i)])
+    assert store.statistics().upkeep.errors == 0
+    assert store.statistics().log_rows < 40
     store.close()
 
 
@@ -75,7 +87,7 @@ def test_no_pruning_thread_when_asked_for_none(tmp_path: Path) -> None:
     store.write([put(i) for i in range(10)])
     time.sleep(0.3)
     assert store.statistics().log_rows == 10
-    assert store.statistics().upkeep.prunes == 0
+    assert store.statistics().upkeep.floor_raises == 0
     store.close()
 
 
