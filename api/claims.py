@@ -2,7 +2,8 @@
 
 Claim: take ring entries in order -> point-read their rows -> skip any gone, no longer due
 or on a paused route -> grant an exclusive lease in the lease table, with the row's
-effective cadence as the hold cap. Completion: the lease must still be held by the token ->
+effective cadence as the hold cap -> read the granted rows again and hand back any that
+a result changed in the meantime. Completion: the lease must still be held by the token ->
 apply the result to the store -> release the lease. A stale token changes nothing.
 """
 
@@ -64,7 +65,14 @@ def unready(node: Node) -> Response:
 
 
 def grant_from_ring(node: Node, want: int, lease_ms: int) -> list[Lease]:
-    """Grant up to `want` leases from the published ring; fewer if the ring runs dry."""
+    """Grant up to `want` leases from the published ring; fewer if the ring runs dry.
+
+    Each row is read twice: before the grant, to skip what is not claimable and to learn
+    the cadence the grant needs (the hold cap); and again after it. Only the second read
+    is trusted. A completion commits its row before it releases its lease, so any result
+    that lands between the first read and our grant is seen by the read after it; a key
+    rendered in that gap is handed back instead of being granted twice.
+    """
     ring, store, leases, routes = node.ring, node.store, node.leases, node.routes
     granted: list[Lease] = []
     while len(granted) < want:
@@ -74,6 +82,7 @@ def grant_from_ring(node: Node, want: int, lease_ms: int) -> list[Lease]:
         keys = [entry.key.decode() for entry in entries]
         rows = store.get_many(keys)
         now = now_ms()
+        held: list[tuple[str, int, int, int]] = []  # key, key hash, token, lease expiry
         for entry, key in zip(entries, keys, strict=True):
             row = rows.get(key)
             # Gone, or rendered since the keeper published it: not claimable now.
@@ -83,15 +92,25 @@ def grant_from_ring(node: Node, want: int, lease_ms: int) -> list[Lease]:
             if cadence_s is None:
                 continue
             outcome = leases.grant(entry.key_hash, now, lease_ms, cadence_s * 1000)
-            if type(outcome) is not Grant:
+            if type(outcome) is Grant:
+                held.append((key, entry.key_hash, outcome.token, outcome.expires_at))
+        if not held:
+            continue
+        fresh = store.get_many([key for key, _, _, _ in held])
+        for key, hashed, token, expires_at in held:
+            row = fresh.get(key)
+            cadence_s = None if row is None else routes.grant_cadence_s(row)
+            if row is None or row.next_render_at > now or cadence_s is None:
+                # Hand it back: ending the lease is not a missed render.
+                leases.complete(hashed, token, now)
                 continue
             granted.append(
                 Lease(
                     key=key,
-                    token=str(outcome.token),
+                    token=str(token),
                     route=row.route,
                     due_at=row.next_render_at,
-                    lease_expires_at=outcome.expires_at,
+                    lease_expires_at=expires_at,
                     sitemap=row.sitemap,
                     cadence_s=cadence_s,
                 )

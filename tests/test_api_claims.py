@@ -19,6 +19,7 @@ from node_harness import (
     now_ms,
     seed_rows,
     thread_node,
+    unique,
     wait_for,
 )
 
@@ -266,3 +267,66 @@ def test_eight_processes_race_and_no_key_is_granted_twice(tmp_path: Path) -> Non
 
             state = wait_for(exact, 60, "queue-state's due count to match the table", 0.5)
         assert state["now"]["due"] == 0
+
+
+def test_a_result_landing_between_read_and_grant_is_not_granted_again(tmp_path: Path) -> None:
+    """The race the double read closes: worker A reads a due row, worker B's completion
+    commits and releases the lease, then A's grant succeeds. A must hand the key back."""
+    import numpy as np
+
+    from api.claims import grant_from_ring
+    from api.node import ApiSettings, Node
+    from shm import key_hash
+    from store import open_store
+    from store.rows import Completion
+    from store.sqlite import SqliteStore
+    from workers.segments import SegmentNames, Segments
+
+    db = tmp_path / "node.sqlite"
+    keys = seed_rows(db, 3)
+    raced = keys[1]
+
+    class RacingStore(SqliteStore):
+        """A real store; right after its first read another writer renders one key."""
+
+        def __init__(self, path: Path) -> None:
+            super().__init__(path)
+            self.armed = True
+
+        def get_many(self, keys: Any) -> Any:
+            rows = super().get_many(keys)
+            if self.armed:
+                self.armed = False
+                other = open_store(str(db))
+                other.complete([Completion(key=raced, outcome="rendered", now=now_ms())])
+                other.close()
+            return rows
+
+    segments = Segments.create(
+        SegmentNames.for_instance(unique("tr")), ring_entries=64, lease_slots=1024
+    )
+    store = RacingStore(db)
+    try:
+        node = Node(
+            settings=ApiSettings(node="t", instance="t"),
+            store=store,
+            ring=segments.ring,
+            leases=segments.leases,
+            state=segments.state,
+        )
+        now = now_ms()
+        hashes = np.array([key_hash(k.encode()) for k in keys], dtype=np.uint64)
+        segments.ring.publish(
+            [k.encode() for k in keys],
+            np.full(3, now - 1000, dtype=np.int64),
+            np.zeros(3, dtype=np.int32),
+            hashes,
+            now,
+        )
+        leases = grant_from_ring(node, 10, 60_000)
+        assert sorted(lease.key for lease in leases) == [keys[0], keys[2]]
+        assert not segments.leases.state(key_hash(raced.encode()), now_ms()).leased
+    finally:
+        store.close()
+        segments.close()
+        segments.unlink()

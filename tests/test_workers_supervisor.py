@@ -73,6 +73,31 @@ def test_every_worker_serves_on_the_one_socket(tmp_path: Path) -> None:
         assert pids == {node.worker_pid(0), node.worker_pid(1)}
 
 
+def test_the_supervisor_sweeps_dead_lease_slots(tmp_path: Path) -> None:
+    seed_rows(tmp_path / "node.sqlite", 10)
+    with (
+        node_process(tmp_path, workers=1, extra_args=("--lease-sweep-interval-s", "0.5")) as node,
+        node.client() as client,
+    ):
+        wait_for(lambda: client.get("/readyz").status_code == 200, 60, "readiness")
+        leases = client.post("/v1/claims", json={"max": 5, "worker": "t"}).json()["leases"]
+        items = [{"key": x["key"], "token": x["token"], "outcome": "rendered"} for x in leases]
+        assert all(
+            r["ok"] for r in client.post("/v1/completions", json={"items": items}).json()["results"]
+        )
+
+        def swept() -> Any:
+            overview = client.get("/prerender_admin/overview").json()
+            done = (
+                overview["leases"]["occupied"] == 0
+                and overview["supervisor"]["lease_slots_reclaimed"] >= 5
+            )
+            return overview if done else None
+
+        overview = wait_for(swept, 30, "the completed leases' slots to be reclaimed", 0.2)
+        assert overview["supervisor"]["lease_sweeps"] >= 2
+
+
 def test_sigkill_worker_0_claims_go_on_and_the_new_keeper_reloads(tmp_path: Path) -> None:
     seed_rows(tmp_path / "node.sqlite", 3000, due_share=0.5)
     with node_process(tmp_path, workers=2) as node:

@@ -58,6 +58,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     access_log: bool = False
     lease_slots: Annotated[int, msgspec.Meta(ge=1024, le=1 << 26)] = 1 << 20
     ring_entries: Annotated[int, msgspec.Meta(ge=16, le=1 << 20)] = 8192
+    # Completed leases leave dead slots; unswept, the table fills and grants start failing
+    # for a full probe window. The supervisor, otherwise idle, sweeps this often.
+    lease_sweep_interval_s: Annotated[float, msgspec.Meta(gt=0, le=3600)] = 10.0
     # Worker 0 hosts the keeper thread; a shorter GIL switch interval there bounds how long
     # the keeper can delay a claim in the same process (see bench/node.py).
     keeper_switch_interval_ms: Annotated[float, msgspec.Meta(ge=0.1, le=100)] = 1.0

@@ -75,6 +75,8 @@ class SupervisorStatistics(msgspec.Struct, frozen=True, kw_only=True):
     written_at: int
     restarts: int
     boot_failures: int
+    lease_sweeps: int
+    lease_slots_reclaimed: int
     workers: list[WorkerStatistics]
 
 
@@ -142,6 +144,9 @@ class Supervisor:
     _any_ready: bool = False
     _all_ready_logged: bool = False
     on_ready: Callable[[], object] | None = None  # called once, when every worker first serves
+    _next_sweep: float = 0.0
+    lease_sweeps: int = 0
+    lease_slots_reclaimed: int = 0
 
     # --- lifecycle ---------------------------------------------------------------------
 
@@ -280,8 +285,7 @@ class Supervisor:
                     self._stop_deadline = None
             else:
                 self._start_due()
-                if self.state == "failed":
-                    return
+                self._sweep_leases()
             for key, _ in self._selector.select(self._select_timeout()):
                 if key.data is None:
                     with contextlib.suppress(BlockingIOError):
@@ -290,9 +294,22 @@ class Supervisor:
                 else:
                     self._read_status(key.data)
 
+    def _sweep_leases(self) -> None:
+        if self._segments is None or time.monotonic() < self._next_sweep:
+            return
+        self._next_sweep = time.monotonic() + self.settings.lease_sweep_interval_s
+        try:
+            reclaimed = self._segments.leases.sweep(now_ms())
+        except Exception as exc:
+            logs.event(log, "lease_sweep_failed", logging.ERROR, error=str(exc))
+            return
+        self.lease_sweeps += 1
+        self.lease_slots_reclaimed += reclaimed
+        self._publish()
+
     def _select_timeout(self) -> float:
         now = time.monotonic()
-        timeout = 1.0
+        timeout = max(0.0, min(1.0, self._next_sweep - now))
         if self.state != "stopping":
             for slot in self.slots:
                 if slot.process is None and slot.next_start_at is not None:
@@ -514,6 +531,8 @@ class Supervisor:
             written_at=now_ms(),
             restarts=sum(slot.restarts for slot in self.slots),
             boot_failures=sum(slot.total_boot_failures for slot in self.slots),
+            lease_sweeps=self.lease_sweeps,
+            lease_slots_reclaimed=self.lease_slots_reclaimed,
             workers=[
                 WorkerStatistics(
                     index=slot.index,
