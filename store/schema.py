@@ -25,7 +25,11 @@ KIND_ROUTE = 1
 KIND_SETTINGS = 2
 DEFAULT_CADENCE_SETTING = "default_cadence_s"
 DEFAULT_CADENCE_S = 86_400
-TRIM_PER_WRITE = 4  # log entries below the floor removed by each logged write, at most
+# Every TRIM_EVERY-th log entry's write removes up to TRIM_ENTRIES below the floor (about a
+# page): the log can shrink four times as fast as it grows, and the page holding its oldest
+# entries is rewritten once per 16 writes rather than by every one.
+TRIM_EVERY = 16
+TRIM_ENTRIES = 64
 
 # The seq the next log entry will take, read inside the writing statement.
 NEXT_SEQ = "(SELECT coalesce(max(seq), 0) + 1 FROM change_log)"
@@ -97,15 +101,16 @@ _V1 = [
     END""",
 ]
 
-# Each write trims a few log entries below the floor, so the log shrinks by small steps
+# Writes trim log entries below the floor, so the log shrinks by small steps
 # inside the writers' own transactions instead of in bulk deletes that hold the write
 # lock for milliseconds. Only entries below the committed floor go: the floor is raised
 # first (SqliteStore.raise_floor), and the entry at the floor stays.
 _V2 = [
-    f"""CREATE TRIGGER change_log_trimmed AFTER INSERT ON change_log BEGIN
+    f"""CREATE TRIGGER change_log_trimmed AFTER INSERT ON change_log
+    WHEN NEW.seq % {TRIM_EVERY} = 0 BEGIN
         DELETE FROM change_log WHERE seq < min(
             (SELECT floor FROM feed_state WHERE id = 1),
-            (SELECT min(seq) FROM change_log) + {TRIM_PER_WRITE});
+            (SELECT min(seq) FROM change_log) + {TRIM_ENTRIES});
     END""",
 ]
 

@@ -60,16 +60,15 @@ def test_the_thread_raises_the_floor_and_writes_trim_below_it(tmp_path: Path) ->
     store.write([put(i) for i in range(50)])
     sub.poll(limit=20)
     sub.save()  # passed entry 20
-    assert wait_for(lambda: store.statistics().upkeep.floor_raises > 0)
+    assert wait_for(lambda: store.statistics().floor == 20)  # raised every 0.1 s
     stats = store.statistics()
     assert (stats.floor, stats.log_rows, stats.upkeep.backlog) == (20, 50, 19)
-    for i in range(100, 104):  # each write trims up to TRIM_PER_WRITE entries below it
+    for i in range(100, 113):  # seqs 51..63: no trimming yet
         store.write([put(i)])
+    assert store.statistics().log_rows == 63
+    store.write([put(113)])  # seq 64: every TRIM_EVERY-th write trims below the floor
     stats = store.statistics()
-    assert (stats.floor, stats.log_rows) == (20, 54 - 16)
-    for i in range(104, 110):
-        store.write([put(i)])
-    assert store.statistics().log_rows == 60 - 19  # down to the floor's entry, no further
+    assert (stats.floor, stats.log_rows) == (20, 64 - 19)  # down to the floor's entry
     assert [e.key for e in sub.poll().events if isinstance(e, RowEvent)][:2] == [
         "/k20",
         "/k21",
@@ -78,10 +77,10 @@ def test_the_thread_raises_the_floor_and_writes_trim_below_it(tmp_path: Path) ->
     store.drop_consumer("keeper")
     store.write([put(999)])  # nobody registered: all but the head may go
     assert wait_for(lambda: store.statistics().floor == store.statistics().head)
-    for i in range(200, 220):
+    for i in range(200, 240):
         store.write([put(i)])
     assert store.statistics().upkeep.errors == 0
-    assert store.statistics().log_rows < 40
+    assert store.statistics().log_rows < 45
     store.close()
 
 
