@@ -30,6 +30,7 @@ import numpy.typing as npt
 from keeper.config import KeeperConfig
 from keeper.core import KeeperCore
 from keeper.counts import count_queue, due_in_minute
+from keeper.feed import Feed
 from keeper.ownership import Ownership
 from keeper.protocols import LeaseTableLike, ReadyRingLike, StateBufferLike
 from keeper.report import build_queue_state
@@ -45,7 +46,7 @@ from keeper.state import (
     encode_queue_state,
 )
 from keeper.walk import RepairCounts, Walk, WalkReason
-from store.base import Cursor, CursorAhead, CursorBelowFloor, ScheduleStore, Subscription
+from store.base import ScheduleStore
 
 log = logging.getLogger("renderqueue.keeper")
 
@@ -116,11 +117,14 @@ class Keeper:
         self.status_reason = "the keeper has not published yet"
         self._exact_reason = "loading"
         self._loaded = False
-        self._sub: Subscription | None = None
-        self._cursor: Cursor | None = None
-        self._reopen_at = 0
-        self._backoff_s = config.feed_backoff_s
-        self._caught_up_at = 0
+        self.feed = Feed(
+            store,
+            config.consumer,
+            poll_limit=config.feed_poll_limit,
+            backoff_s=config.feed_backoff_s,
+            backoff_max_s=config.feed_backoff_max_s,
+            clock=clock,
+        )
         self._walk: Walk | None = None
         self._walk_retry_at = 0
         self._next_publish = 0
@@ -133,9 +137,6 @@ class Keeper:
         self._memory_bytes = 0  # the queue's buffers, as of the last full report
         self._tallies = 0
         # counters
-        self._feed_failures = 0
-        self._feed_reopens = 0
-        self._cursor_resets = 0
         self._resyncs = 0
         self._walk_errors = 0
         self._state_writes = 0
@@ -169,7 +170,7 @@ class Keeper:
     def step(self) -> float:
         """One bounded round of work; returns how long the loop may wait (s)."""
         now = self.clock()
-        if self._sub is None and now >= self._reopen_at:
+        if not self.feed.open and now >= self.feed.reopen_at:
             self._open_feed(now, resume=True)
         if self._ownership_generation != self.core.ownership.generation:
             self._ownership_changed(now)
@@ -196,93 +197,46 @@ class Keeper:
         return max(0.0, (self._next_publish - self.clock()) / 1000)
 
     def _wait(self, seconds: float, stop: threading.Event) -> None:
-        if self._sub is not None:
+        if self.feed.open:
             try:
-                self._sub.wait(seconds)
+                self.feed.wait(seconds)
                 return
             except Exception as exc:  # a broken wait is a broken feed
                 self._feed_failed(exc, self.clock())
         stop.wait(seconds)
 
     def close(self) -> None:
-        if self._sub is not None:
-            try:
-                self._sub.close()
-            except Exception:
-                log.debug("keeper: closing the feed failed", exc_info=True)
-            self._sub = None
+        self.feed.close()
 
     # -- the feed ------------------------------------------------------------------
 
     def _open_feed(self, now: int, *, resume: bool) -> None:
         """Subscribe (at the cursor reached, or the head), read settings, and walk."""
         try:
-            sub: Subscription | None = None
-            if resume and self._cursor is not None:
-                try:
-                    sub = self.store.subscribe(self.config.consumer, self._cursor)
-                except (CursorBelowFloor, CursorAhead) as exc:
-                    log.warning("keeper: feed cursor unusable (%s); walking from scratch", exc)
-                    self._cursor_resets += 1
-            if sub is None:
-                sub = self.store.subscribe(self.config.consumer, self.store.feed_head())
-            self._sub = sub
-            self._cursor = sub.cursor
+            self.feed.subscribe(now, resume=resume)
             self.core.load_settings(self.store.routes(), self.store.default_cadence_s())
         except Exception as exc:
             self._feed_failed(exc, now)
             return
-        self._backoff_s = self.config.feed_backoff_s
-        self._caught_up_at = now
-        if resume:
-            self._feed_reopens += 1
         if self._walk is not None:
             self.core.abandon_walk(self._walk)
             self._walk = None
         self._begin_walk(now, "load" if not self._loaded else "resync")
 
     def _feed_failed(self, exc: BaseException, now: int) -> None:
-        self._feed_failures += 1
-        log.warning(
-            "keeper: feed failed (%s: %s); reopening in %.1f s",
-            type(exc).__name__,
-            exc,
-            self._backoff_s,
-        )
-        if self._sub is not None:
-            try:
-                self._sub.close()
-            except Exception:
-                log.debug("keeper: closing the failed feed failed", exc_info=True)
-        self._sub = None
+        self.feed.failed(exc, now)
         if self._walk is not None:
             self.core.abandon_walk(self._walk)
             self._walk = None
         self._exact_reason = f"feed failed ({type(exc).__name__}); reopening"
-        self._reopen_at = now + int(self._backoff_s * 1000)
-        self._backoff_s = min(self._backoff_s * 2, self.config.feed_backoff_max_s)
         if self.phase == "live":
             self.phase = "resyncing"
         self._write_state(now)
 
     def _drain(self, until_ms: int) -> bool:
-        """Apply feed batches until caught up or `until_ms`; True when caught up."""
-        sub = self._sub
-        if sub is None:
-            return True
-        limit = self.config.feed_poll_limit
+        """Apply feed batches until the feed is empty or `until_ms`; True when emptied."""
         try:
-            while True:
-                batch = sub.poll(limit)
-                now = self.clock()
-                if batch.events:
-                    self.core.apply_events(batch.events, now)
-                self._cursor = batch.cursor
-                if len(batch.events) < limit:
-                    self._caught_up_at = now
-                    return True
-                if now >= until_ms:
-                    return False
+            return self.feed.drain(self.core.apply_events, until_ms)
         except Exception as exc:
             self._feed_failed(exc, self.clock())
             return True
@@ -314,7 +268,7 @@ class Keeper:
         except Exception as exc:
             self._walk_errors += 1
             log.warning("keeper: walk after %r failed (%s); retrying", walk.after, exc)
-            self._walk_retry_at = now + int(self._backoff_s * 1000)
+            self._walk_retry_at = now + int(self.config.feed_backoff_s * 1000)
             return
         self.core.apply_walked(walk, rows, self.clock())
         if walk.reason == "load":
@@ -364,7 +318,7 @@ class Keeper:
                     missed,
                     repairs.gained,
                 )
-        if self._sub is not None:
+        if self.feed.open:
             self.phase = "live"
             self._exact_reason = ""
         self._write_state(now, full=True)
@@ -455,10 +409,8 @@ class Keeper:
             log.warning("keeper: top check repaired %d rows", tally.missed)
 
     def _save_cursor(self) -> None:
-        if self._sub is None:
-            return
         try:
-            self._sub.save()
+            self.feed.save()
         except Exception as exc:
             self._feed_failed(exc, self.clock())
 
@@ -481,7 +433,7 @@ class Keeper:
         return True, "publishing"
 
     def _exact(self) -> bool:
-        return self._loaded and self._sub is not None and self.phase == "live"
+        return self._loaded and self.feed.open and self.phase == "live"
 
     def _trust(self, now: int, counts_at: int) -> TrustGroup:
         live, reason = self._live(now)
@@ -497,9 +449,9 @@ class Keeper:
             stall_after_ms=int(self.config.stall_after_s * 1000),
             counts_at=counts_at,
             counts_max_age_ms=int(2 * self.config.report_interval_s * 1000 + 1000),
-            feed_lag_ms=max(0, now - self._caught_up_at) if self._sub is not None else -1,
+            feed_lag_ms=max(0, now - self.feed.caught_up_at) if self.feed.open else -1,
             publish_age_ms=-1 if self._heartbeat_at == 0 else max(0, now - self._heartbeat_at),
-            feed_reopens=self._feed_reopens,
+            feed_reopens=self.feed.reopens,
             resyncs=self._resyncs,
             reclassifications=counters.reclassifications,
             rows_reclassified=counters.rows_reclassified,
@@ -607,9 +559,9 @@ class Keeper:
             rows_reclassified=counters.rows_reclassified,
             unreadable=counters.unreadable,
             collisions=counters.collisions,
-            feed_failures=self._feed_failures,
-            feed_reopens=self._feed_reopens,
-            cursor_resets=self._cursor_resets,
+            feed_failures=self.feed.failures,
+            feed_reopens=self.feed.reopens,
+            cursor_resets=self.feed.cursor_resets,
             resyncs=self._resyncs,
             walk_errors=self._walk_errors,
             verifications=self._verify.walks,

@@ -1,0 +1,117 @@
+"""The keeper's change feed: subscribe, read to the end, and come back after a failure.
+
+A failed feed is closed and reopened after a backoff that doubles up to a cap,
+at the cursor it had reached; if the store pruned past that cursor (or the log
+went backwards) it reopens at the head instead, and says so, since only a full
+walk can then put right what was missed. Whoever owns the feed decides what a
+reopen means (the keeper walks the table either way).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+from store.base import Cursor, CursorAhead, CursorBelowFloor, ScheduleStore, Subscription
+from store.rows import FeedEvent
+
+log = logging.getLogger("renderqueue.keeper")
+
+Apply = Callable[[Sequence[FeedEvent], int], None]
+
+
+class Feed:
+    def __init__(
+        self,
+        store: ScheduleStore,
+        consumer: str,
+        *,
+        poll_limit: int,
+        backoff_s: float,
+        backoff_max_s: float,
+        clock: Callable[[], int],
+    ) -> None:
+        self.store = store
+        self.consumer = consumer
+        self.poll_limit = poll_limit
+        self.clock = clock
+        self._first_backoff_s = backoff_s
+        self._backoff_max_s = backoff_max_s
+        self.backoff_s = backoff_s
+        self.sub: Subscription | None = None
+        self.cursor: Cursor | None = None
+        self.reopen_at = 0
+        self.caught_up_at = 0
+        self.failures = 0
+        self.reopens = 0
+        self.cursor_resets = 0  # reopened at the head: the cursor reached was pruned or ahead
+
+    @property
+    def open(self) -> bool:
+        return self.sub is not None
+
+    def subscribe(self, now: int, *, resume: bool) -> None:
+        """Open at the cursor reached (resume) or at the head; raises what the store raises."""
+        sub: Subscription | None = None
+        if resume and self.cursor is not None:
+            try:
+                sub = self.store.subscribe(self.consumer, self.cursor)
+            except (CursorBelowFloor, CursorAhead) as exc:
+                log.warning("keeper: feed cursor unusable (%s); reopening at the head", exc)
+                self.cursor_resets += 1
+        if sub is None:
+            sub = self.store.subscribe(self.consumer, self.store.feed_head())
+        self.sub = sub
+        self.cursor = sub.cursor
+        self.backoff_s = self._first_backoff_s
+        self.caught_up_at = now
+        if resume:
+            self.reopens += 1
+
+    def failed(self, exc: BaseException, now: int) -> None:
+        """Close the feed and schedule its reopening."""
+        self.failures += 1
+        log.warning(
+            "keeper: feed failed (%s: %s); reopening in %.1f s",
+            type(exc).__name__,
+            exc,
+            self.backoff_s,
+        )
+        self.close()
+        self.reopen_at = now + int(self.backoff_s * 1000)
+        self.backoff_s = min(self.backoff_s * 2, self._backoff_max_s)
+
+    def drain(self, apply: Apply, until_ms: int) -> bool:
+        """Apply batches until the feed is empty or `until_ms`; True when it was emptied.
+
+        Raises what the subscription raises; the caller calls `failed`.
+        """
+        sub = self.sub
+        if sub is None:
+            return True
+        while True:
+            batch = sub.poll(self.poll_limit)
+            now = self.clock()
+            self.cursor = batch.cursor
+            if not batch.events:
+                self.caught_up_at = now
+                return True
+            apply(batch.events, now)
+            if self.clock() >= until_ms:
+                return False
+
+    def wait(self, seconds: float) -> None:
+        if self.sub is not None:
+            self.sub.wait(seconds)
+
+    def save(self) -> None:
+        if self.sub is not None:
+            self.sub.save()
+
+    def close(self) -> None:
+        if self.sub is not None:
+            try:
+                self.sub.close()
+            except Exception:
+                log.debug("keeper: closing the feed failed", exc_info=True)
+            self.sub = None
