@@ -59,6 +59,7 @@ class _Reader:
         self.ranks: list[npt.NDArray[np.float64]] = []
         self.classes: list[npt.NDArray[np.int32]] = []
         self.eligible = 0
+        self._top: npt.NDArray[np.intp] | None = None  # the k best by kth_rank, if still current
         self.considered = 0
         self.blocked_count = 0
 
@@ -98,6 +99,7 @@ class _Reader:
         self.classes.append(np.take(np.array(self.class_ids, dtype=np.int32), part))
         self.ranks.append((self.now_ms - kept_dues) / cadence + boost)
         self.eligible += len(kept_dues)
+        self._top = None
         self.considered += len(slots)
         self.buckets.clear()
         self.class_ids.clear()
@@ -111,7 +113,9 @@ class _Reader:
         ranks = np.concatenate(self.ranks) if len(self.ranks) > 1 else self.ranks[0]
         self.ranks = [ranks]
         self._merge()
-        return float(np.partition(ranks, len(ranks) - k)[len(ranks) - k])
+        # The k best, kept: if no bucket left can beat the k-th, they are the answer.
+        self._top = np.argpartition(-ranks, k - 1)[:k] if len(ranks) > k else np.arange(len(ranks))
+        return float(ranks[self._top].min())
 
     def _merge(self) -> None:
         if len(self.slots) > 1:
@@ -134,7 +138,9 @@ class _Reader:
             )
         self._merge()
         ranks = np.concatenate(self.ranks) if len(self.ranks) > 1 else self.ranks[0]
-        top = np.argpartition(-ranks, k - 1)[:k] if len(ranks) > k else np.arange(len(ranks))
+        top = self._top
+        if top is None or len(self.ranks) > 1 or len(top) != min(k, len(ranks)):
+            top = np.argpartition(-ranks, k - 1)[:k] if len(ranks) > k else np.arange(len(ranks))
         order = np.take(top, np.argsort(-np.take(ranks, top)))
         return Selection(
             slots=np.take(self.slots[0], order),
