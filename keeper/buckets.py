@@ -280,21 +280,6 @@ class Buckets:
             return np.empty(0, dtype=np.int32)
         return np.concatenate([self.live_slots(b) for b in self.ids[class_id]])
 
-    def range_slots(self, class_id: int, low: int, high: int) -> npt.NDArray[np.int32]:
-        """Live slots of the class's buckets that may hold rows due in [low, high)."""
-        if class_id >= len(self.starts) or not self.starts[class_id]:
-            return np.empty(0, dtype=np.int32)
-        starts = self.starts[class_id]
-        first = max(0, bisect_right(starts, low) - 1)
-        end = max(bisect_left(starts, high), first + 1)
-        return np.concatenate([self.live_slots(b) for b in self.ids[class_id][first:end]])
-
-    def head_slots(self, class_id: int) -> npt.NDArray[np.int32]:
-        """Live slots of the class's first bucket: it holds the class's earliest due rows."""
-        if class_id >= len(self.starts) or not self.ids[class_id]:
-            return np.empty(0, dtype=np.int32)
-        return self.live_slots(self.ids[class_id][0])
-
     def nbytes(self) -> int:
         return len(self.members) * (4 + 8 + 4 + 4 + 4) + 4 * sum(
             m.buffer_info()[1] for m in self.members

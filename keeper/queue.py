@@ -241,18 +241,6 @@ class HeldQueue:
     def class_ids_in_use(self) -> list[int]:
         return [c for c, ids in enumerate(self.buckets.ids) if ids]
 
-    def minute_slots(self, class_id: int, minute: int) -> npt.NDArray[np.int32]:
-        """Slots of the class whose due time falls in `minute`."""
-        low = minute * MINUTE_MS
-        slots = self.buckets.range_slots(class_id, low, low + MINUTE_MS)
-        in_minute: npt.NDArray[np.int32] = slots[self.slots.dues()[slots] // MINUTE_MS == minute]
-        return in_minute
-
-    def oldest_due(self, class_id: int) -> int | None:
-        """The class's earliest due time (its first bucket holds its earliest rows)."""
-        slots = self.buckets.head_slots(class_id)
-        return int(self.slots.dues()[slots].min()) if len(slots) else None
-
     def best(self, k: int, now_ms: int, blocked: BlockedMask | None = None) -> Selection:
         """The best k claimable rows (due, class not paused, not blocked), best first."""
         return select_best(self, k, now_ms, blocked)

@@ -168,16 +168,6 @@ class SlotTable:
         dues: npt.NDArray[np.int64] = self.records()[:, DUE].view(np.int64)
         return dues
 
-    def versions(self) -> npt.NDArray[np.int64]:
-        versions: npt.NDArray[np.int64] = self.records()[:, VERSION].view(np.int64)
-        return versions
-
-    def buckets_of(self, slots: npt.NDArray[np.int32]) -> npt.NDArray[np.int64]:
-        buckets: npt.NDArray[np.int64] = (self.records()[slots, PLACE] >> np.uint64(32)).astype(
-            np.int64
-        )
-        return buckets
-
     def set_places(
         self,
         slots: npt.NDArray[np.int32],
