@@ -15,6 +15,7 @@
  *           copy, then check the buffer's generation (see shm/ring.py).
  *   Leases  the lease table's grant / renew / complete / state / blocked mask /
  *           sweep, each one call over the 8-slot probe window (shm/leases.py).
+ *   key_hash, key_hashes_into   XXH64 of key bytes, the lease table's key.
  *
  * Layout constants are exported (RING_LAYOUT, LEASE_LAYOUT, ...) so the Python
  * side describes the same words rather than restating them.
@@ -1406,6 +1407,172 @@ static PyTypeObject LeasesType = {
     .tp_methods = Leases_methods,
 };
 
+/* ================================================================ key hashes */
+
+/* XXH64 (seed 0) of a key's bytes: the key's 64-bit identity in shared memory
+ * (shm/keys.py says why this hash). 0 marks an empty lease slot, so 0 maps to 1.
+ * Written out from the published algorithm; reads are memcpy'd (unaligned and
+ * little-endian safe on the x86-64 and aarch64 hosts this runs on). */
+
+#define XXH_P1 0x9E3779B185EBCA87ULL
+#define XXH_P2 0xC2B2AE3D27D4EB4FULL
+#define XXH_P3 0x165667B19E3779F9ULL
+#define XXH_P4 0x85EBCA77C2B2AE63ULL
+#define XXH_P5 0x27D4EB2F165667C5ULL
+
+static inline uint64_t
+xxh_rotl(uint64_t x, int r)
+{
+    return (x << r) | (x >> (64 - r));
+}
+
+static inline uint64_t
+xxh_read64(const unsigned char *p)
+{
+    uint64_t v;
+    memcpy(&v, p, 8);
+    return v;
+}
+
+static inline uint32_t
+xxh_read32(const unsigned char *p)
+{
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+static inline uint64_t
+xxh_round(uint64_t acc, uint64_t input)
+{
+    acc += input * XXH_P2;
+    acc = xxh_rotl(acc, 31);
+    return acc * XXH_P1;
+}
+
+static inline uint64_t
+xxh_merge(uint64_t acc, uint64_t v)
+{
+    acc ^= xxh_round(0, v);
+    return acc * XXH_P1 + XXH_P4;
+}
+
+static uint64_t
+xxh64(const unsigned char *p, size_t len)
+{
+    const unsigned char *end = p + len;
+    uint64_t h;
+    if (len >= 32) {
+        const unsigned char *limit = end - 32;
+        uint64_t v1 = XXH_P1 + XXH_P2, v2 = XXH_P2, v3 = 0, v4 = 0 - XXH_P1;
+        do {
+            v1 = xxh_round(v1, xxh_read64(p));
+            v2 = xxh_round(v2, xxh_read64(p + 8));
+            v3 = xxh_round(v3, xxh_read64(p + 16));
+            v4 = xxh_round(v4, xxh_read64(p + 24));
+            p += 32;
+        } while (p <= limit);
+        h = xxh_rotl(v1, 1) + xxh_rotl(v2, 7) + xxh_rotl(v3, 12) + xxh_rotl(v4, 18);
+        h = xxh_merge(h, v1);
+        h = xxh_merge(h, v2);
+        h = xxh_merge(h, v3);
+        h = xxh_merge(h, v4);
+    } else {
+        h = XXH_P5;
+    }
+    h += (uint64_t)len;
+    while (p + 8 <= end) {
+        h ^= xxh_round(0, xxh_read64(p));
+        h = xxh_rotl(h, 27) * XXH_P1 + XXH_P4;
+        p += 8;
+    }
+    if (p + 4 <= end) {
+        h ^= (uint64_t)xxh_read32(p) * XXH_P1;
+        h = xxh_rotl(h, 23) * XXH_P2 + XXH_P3;
+        p += 4;
+    }
+    while (p < end) {
+        h ^= (*p) * XXH_P5;
+        h = xxh_rotl(h, 11) * XXH_P1;
+        p++;
+    }
+    h ^= h >> 33;
+    h *= XXH_P2;
+    h ^= h >> 29;
+    h *= XXH_P3;
+    h ^= h >> 32;
+    return h ? h : 1;
+}
+
+/* The hash of one key's bytes (bytes fast, any contiguous buffer otherwise). */
+static int
+hash_object(PyObject *key, uint64_t *out)
+{
+    if (PyBytes_CheckExact(key)) {
+        *out = xxh64((const unsigned char *)PyBytes_AS_STRING(key),
+                     (size_t)PyBytes_GET_SIZE(key));
+        return 0;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(key, &view, PyBUF_C_CONTIGUOUS) < 0) return -1;
+    *out = xxh64((const unsigned char *)view.buf, (size_t)view.len);
+    PyBuffer_Release(&view);
+    return 0;
+}
+
+/* key_hash(key) -> the key's nonzero 64-bit hash. */
+static PyObject *
+module_key_hash(PyObject *Py_UNUSED(module), PyObject *key)
+{
+    uint64_t h;
+    if (hash_object(key, &h) < 0) return NULL;
+    return PyLong_FromUnsignedLongLong(h);
+}
+
+/* key_hashes_into(keys, out) -> None: hash each key of a list or tuple into the
+ * aligned uint64 buffer `out` (one word per key). */
+static PyObject *
+module_key_hashes_into(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs("key_hashes_into", nargs, 2) < 0) return NULL;
+    PyObject *seq = PySequence_Fast(args[0], "key_hashes_into wants a sequence of keys");
+    if (seq == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    Py_buffer out;
+    if (PyObject_GetBuffer(args[1], &out, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+        Py_DECREF(seq);
+        return NULL;
+    }
+    if (out.len != n * 8 || ((uintptr_t)out.buf & 7u)) {
+        PyBuffer_Release(&out);
+        Py_DECREF(seq);
+        PyErr_SetString(PyExc_ValueError,
+                        "key_hashes_into wants an aligned uint64 buffer of one word per key");
+        return NULL;
+    }
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    uint64_t *o = out.buf;
+    int failed = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (hash_object(items[i], &o[i]) < 0) {
+            failed = 1;
+            break;
+        }
+    }
+    PyBuffer_Release(&out);
+    Py_DECREF(seq);
+    if (failed) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef module_methods[] = {
+    {"key_hash", (PyCFunction)module_key_hash, METH_O,
+     "key_hash(key) -> XXH64 of the key's bytes (seed 0), 0 mapped to 1."},
+    {"key_hashes_into", (PyCFunction)(void (*)(void))module_key_hashes_into, METH_FASTCALL,
+     "key_hashes_into(keys, out_u64) -> None: key_hash of each key into out."},
+    {NULL, NULL, 0, NULL},
+};
+
 /* =================================================================== module */
 
 static int
@@ -1427,7 +1594,7 @@ add_layout(PyObject *m, const char *name, const char *const *keys, const long *v
 
 static struct PyModuleDef atomics_module = {
     PyModuleDef_HEAD_INIT, "_atomics", "C11 atomics on shared memory, and the hot paths on them.",
-    -1, NULL,
+    -1, module_methods,
 };
 
 PyMODINIT_FUNC

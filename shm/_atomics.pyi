@@ -1,6 +1,6 @@
 """Types of the C extension (shm/_atomics.c)."""
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from typing_extensions import Buffer
@@ -9,6 +9,11 @@ RING_LAYOUT: dict[str, int]
 LEASE_LAYOUT: dict[str, int]
 STRIPES: int
 STRIPE_WORDS: int
+
+def key_hash(key: Buffer, /) -> int:
+    """XXH64 (seed 0) of the key's bytes; 0 is mapped to 1."""
+
+def key_hashes_into(keys: Sequence[Buffer], out: Any, /) -> None: ...
 
 class Words:
     def __init__(self, buffer: Buffer, offset: int = 0, nbytes: int = -1) -> None: ...
