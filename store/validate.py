@@ -27,11 +27,6 @@ def _where(what: str, index: int | None, key: object) -> str:
     return f"{what}[{index}] (key {shown})"
 
 
-def is_int(value: object) -> bool:
-    """An int that is not a bool: True is not a time or a cadence."""
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def check_key(key: object, *, what: str = "key", index: int | None = None) -> str:
     if isinstance(key, str) and key and key.isascii() and len(key) <= MAX_KEY_BYTES:
         return key  # the common case, without building the error prefix
