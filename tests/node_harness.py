@@ -31,6 +31,7 @@ import pytest
 import uvicorn
 
 from store.rows import RowWrite
+from workers.http11 import lean_protocol
 from workers.protocol import CoalescingH11Protocol
 
 
@@ -152,6 +153,7 @@ class ThreadNode:
         tokens: bool | str = False,  # True: both tokens; "fleet": the fleet token only
         max_body_bytes: int = 64 * 1024,
         keeper_config: dict[str, Any] | None = None,
+        http: str = "lean",
     ) -> None:
         from api.app import create_app
         from api.node import ApiSettings, Node
@@ -189,7 +191,8 @@ class ThreadNode:
         self.url = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(
             create_app(self.node),
-            http=CoalescingH11Protocol,
+            http=(CoalescingH11Protocol if http == "h11" else lean_protocol(max_body_bytes)),
+            proxy_headers=False,
             loop="asyncio",
             lifespan="off",
             log_config=None,

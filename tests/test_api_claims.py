@@ -229,6 +229,7 @@ def completer(url: str, leases: list[tuple[str, str]], out: Any) -> None:
     out.put(ok)
 
 
+@pytest.mark.slow
 def test_eight_processes_race_and_no_key_is_granted_twice(tmp_path: Path) -> None:
     total = 20_000
     seed_rows(tmp_path / "node.sqlite", total + 500, due_share=total / (total + 500))

@@ -66,7 +66,7 @@ def read_response(sock: socket.socket, buffer: bytes) -> tuple[bytes, bytes]:
 
 def test_pipelined_requests_get_their_responses_in_order(tmp_path: Path) -> None:
     with (
-        thread_node(tmp_path, keeper=False) as node,
+        thread_node(tmp_path, keeper=False, http="h11") as node,
         socket.create_connection(("127.0.0.1", node.port)) as sock,
     ):
         sock.sendall(

@@ -17,6 +17,7 @@ import sys
 import threading
 from collections.abc import Generator
 from types import FrameType
+from typing import Any
 
 import msgspec
 import uvicorn
@@ -24,7 +25,8 @@ import uvicorn
 from api.app import create_app
 from api.node import ApiSettings, Node
 from workers import logs
-from workers.config import keeper_config
+from workers.config import Settings, keeper_config
+from workers.http11 import lean_protocol
 from workers.keeper_host import KeeperHost
 from workers.protocol import CoalescingH11Protocol
 from workers.segments import Segments
@@ -69,6 +71,12 @@ class WorkerServer(uvicorn.Server):
         if self.started:
             with contextlib.suppress(OSError):
                 os.write(self._status_fd, b"ready\n")
+
+
+def http_protocol(settings: Settings) -> Any:
+    if settings.http == "h11":
+        return CoalescingH11Protocol
+    return lean_protocol(settings.max_body_bytes, settings.access_log)
 
 
 def die_with_parent(supervisor_pid: int) -> None:
@@ -135,7 +143,8 @@ def serve(spec: WorkerSpec) -> int:
         )
         config = uvicorn.Config(
             create_app(node),
-            http=CoalescingH11Protocol,
+            http=http_protocol(settings),
+            proxy_headers=False,
             loop="asyncio",
             lifespan="off",
             log_config=None,
