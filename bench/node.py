@@ -74,7 +74,7 @@ QUICK = Config(
     arm_max_s=6.0,
     claimants=(2, 4),
     writes=200,
-    probe_rounds=30,
+    probe_rounds=15,
     probe_churn_per_s=500,
 )
 
@@ -510,7 +510,10 @@ def run_peer_arms(name: str, rows: Rows, config: Config) -> list[ArmResult]:
 
 
 def figures(
-    arms: list[ArmResult], writes: dict[str, float | None], probe: dict[str, Any], config: Config
+    arms: list[ArmResult],
+    writes: dict[str, float | None],
+    probe: dict[str, dict[str, Any]],
+    config: Config,
 ) -> list[report.Figure]:
     table = f"Claim then complete through HTTP: {config.rows:,} rows, 20% due, two workers"
     out: list[report.Figure] = []
@@ -572,20 +575,25 @@ def figures(
     write_table = "Single-row schedule write through HTTP (POST /v1/schedule)"
     out.append(report.Figure(table=write_table, what="p50", unit="µs", ours=writes["p50_us"]))
     out.append(report.Figure(table=write_table, what="p99", unit="µs", ours=writes["p99_us"]))
-    probe_table = "Claim latency by worker (batch 10, keeper busy with a churn writer)"
-    zero = probe.get("0", {})
-    other = probe.get("1", {})
-    for label in ("p50_us", "p99_us"):
-        out.append(
-            report.Figure(
-                table=probe_table,
-                what=f"claim {label[:3]}",
-                unit="µs",
-                ours=zero.get(label),
-                peers={"worker 1": other.get(label)},
-                note="ours = worker 0 (hosts the keeper)",
+    probe_table = (
+        "Claim latency by worker (batch 10, keeper busy with a churn writer): worker 0 hosts "
+        "the keeper thread; its GIL switch interval is the node's setting (1 ms) or Python's "
+        "default (5 ms)"
+    )
+    for interval, by_worker in probe.items():
+        zero = by_worker.get("0", {})
+        other = by_worker.get("1", {})
+        for label in ("p50_us", "p99_us"):
+            out.append(
+                report.Figure(
+                    table=probe_table,
+                    what=f"switch interval {interval}: claim {label[:3]}",
+                    unit="µs",
+                    ours=zero.get(label),
+                    peers={"worker 1": other.get(label)},
+                    note="ours = worker 0",
+                )
             )
-        )
     return out
 
 
@@ -620,15 +628,15 @@ def main(argv: list[str] | None = None) -> int:
             failures.append(f"{name}: {type(exc).__name__}: {exc}")
             report.progress(f"node: {name} FAILED: {exc}")
     writes: dict[str, float | None] = {"p50_us": None, "p99_us": None}
-    probe: dict[str, Any] = {}
+    probe: dict[str, dict[str, Any]] = {}
     report.progress(f"node: loading {config.rows:,} rows ({due:,} due) into the node's store")
     node = Node(rows)
     try:
         started = time.perf_counter()
         node.start()
         report.progress(f"node: live and exact in {time.perf_counter() - started:.1f} s")
-        # Every arm drains due keys; a share is left over for the worker probe.
-        per_arm = min(config.arm_max_keys, due // (len(BATCHES) * len(config.claimants) + 1))
+        # Every arm drains due keys; a share is left over for the worker probes.
+        per_arm = min(config.arm_max_keys, due // (len(BATCHES) * len(config.claimants) + 2))
         for batch in BATCHES:
             for claimants in config.claimants:
                 arm = run_our_arm(node.port, batch, claimants, per_arm, config.arm_max_s)
@@ -639,8 +647,12 @@ def main(argv: list[str] | None = None) -> int:
                 arms.append(arm)
         report.progress(f"node: {config.writes} single-row schedule writes")
         writes = schedule_writes(node, config.writes)
-        report.progress("node: claim latency by worker")
-        probe = worker_probe(node, rows, config)
+        report.progress("node: claim latency by worker, switch interval 1 ms (the node's)")
+        probe["1 ms"] = worker_probe(node, rows, config)
+        node.stop()
+        node.start(keeper_switch_interval_ms=5.0)
+        report.progress("node: claim latency by worker, switch interval 5 ms (Python's)")
+        probe["5 ms"] = worker_probe(node, rows, config)
     except Exception as exc:
         failures.append(f"{OURS}: {type(exc).__name__}: {exc}")
         report.progress(f"node: FAILED: {exc}; log in {node.dir}")
