@@ -1,4 +1,4 @@
-"""The C extension lives here because setuptools declares ext_modules in setup.py."""
+"""The C extensions live here because setuptools declares ext_modules in setup.py."""
 
 from setuptools import Extension, setup
 
@@ -8,6 +8,11 @@ setup(
             "shm._atomics",
             sources=["shm/_atomics.c"],
             extra_compile_args=["-O2", "-std=c11"],
-        )
+        ),
+        Extension(
+            "keeper._select",
+            sources=["keeper/_select.c"],
+            extra_compile_args=["-O2", "-std=c11"],
+        ),
     ]
 )

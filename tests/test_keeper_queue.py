@@ -294,3 +294,20 @@ def test_move_class_carries_every_row(small_buckets: None) -> None:
     assert queue.move_class(0, 3) == 30
     check_invariants(queue, model)
     assert queue.class_sizes().tolist()[:4] == [0, 0, 0, 30]
+
+
+def test_best_k_reads_on_when_blocked_keys_outnumber_the_margin() -> None:
+    # The read takes K plus a margin for leased keys; with the best 500 leased it must
+    # read again, further down, and still equal the full sort.
+    queue, table = new_queue()
+    model: Model = {}
+    for i in range(2_000):
+        class_id = i % 3
+        due = NOW - (i * 37 % 1_999) * 60_000
+        queue.upsert(key(i), key_hash(key(i)), class_id, due, i + 1, NOW)
+        model[key(i)] = (class_id, due, i + 1)
+    ranked = brute_best(model, table, len(model), NOW, set())
+    blocked = {key_hash(k_) for _, k_ in ranked[:500]}
+    for k in (1, 40, 300):
+        assert_same_best(queue, model, table, k, NOW, blocked)
+        assert queue.best(k, NOW, lambda hs: np.isin(hs, list(blocked))).blocked >= 500

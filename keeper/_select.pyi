@@ -1,0 +1,21 @@
+"""Types of the C extension (keeper/_select.c)."""
+
+from typing import Any
+
+def best_read(
+    starts_of: list[list[int]],
+    ids_of: list[list[int]],
+    members: list[Any],
+    records: Any,
+    cadence: list[float],
+    boost: list[float],
+    paused: list[bool],
+    now: int,
+    need: int,
+    out_slots: Any,
+    out_rank: Any,
+    out_due: Any,
+    out_hash: Any,
+    out_class: Any,
+    /,
+) -> tuple[int, int, float]: ...
