@@ -10,8 +10,8 @@ setup(
             extra_compile_args=["-O2", "-std=c11"],
         ),
         Extension(
-            "keeper._select",
-            sources=["keeper/_select.c"],
+            "keeper._native",
+            sources=["keeper/_native.c"],
             extra_compile_args=["-O2", "-std=c11"],
         ),
     ]

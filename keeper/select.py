@@ -5,7 +5,7 @@ order too, and no row of a bucket ranks above the rank at its start (its upper
 bound). Buckets are taken in order of their upper bound from a heap of class
 heads; each one's live, due entries are ranked, and the reading stops once N
 rows are in hand and no untaken bucket's upper bound beats the N-th best. That
-read is C (`keeper._select.best_read`): in numpy it was some fifteen calls per
+read is C (`keeper._native.best_read`): in numpy it was some fifteen calls per
 batch of buckets, 0.5 ms for 5,000 rows.
 
 Leased or held keys are found after the read, on the N best only (one lease
@@ -24,7 +24,7 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from keeper._select import best_read
+from keeper._native import best_read
 
 if TYPE_CHECKING:
     from keeper.queue import HeldQueue

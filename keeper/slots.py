@@ -25,6 +25,8 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
+from keeper._native import find_many, index_many
+
 FIELDS = 4
 HASH, DUE, VERSION, PLACE = 0, 1, 2, 3
 POSITION_MASK = 0xFFFFFFFF
@@ -213,20 +215,10 @@ class SlotTable:
         return slots
 
     def find_many(self, key_hashes: npt.NDArray[np.uint64]) -> npt.NDArray[np.int32]:
-        """Slots of held keys by hash (ABSENT where not held)."""
-        table = np.frombuffer(self._table, dtype=np.int32)
-        hashes = self.hashes()
-        found = np.full(len(key_hashes), ABSENT, dtype=np.int32)
-        position = (key_hashes & np.uint64(self._mask)).astype(np.int64)
-        pending = np.arange(len(key_hashes))
-        while pending.size:
-            slot = table[position[pending]]
-            empty = slot < 0
-            hit = ~empty
-            hit[hit] = hashes[slot[hit]] == key_hashes[pending[hit]]
-            found[pending[hit]] = slot[hit]
-            pending = pending[~(empty | hit)]
-            position[pending] = (position[pending] + 1) & self._mask
+        """Slots of held keys by hash (ABSENT where not held): one C pass."""
+        found = np.empty(len(key_hashes), dtype=np.int32)
+        hashes = np.ascontiguousarray(key_hashes, dtype=np.uint64)
+        find_many(self._table, self.rec, self._mask, hashes, found)
         return found
 
     def live_slots(self) -> npt.NDArray[np.int32]:
@@ -234,19 +226,8 @@ class SlotTable:
         return np.sort(table[table >= 0])
 
     def _index_many(self, key_hashes: npt.NDArray[np.uint64], slots: npt.NDArray[np.int32]) -> None:
-        table = np.frombuffer(self._table, dtype=np.int32)
-        mask = self._mask
-        position = (key_hashes & np.uint64(mask)).astype(np.int64)
-        pending = np.arange(len(slots))
-        while pending.size:
-            at = position[pending]
-            open_ = pending[table[at] < 0]
-            # Several may aim at one open place: the last write wins it, the rest probe on.
-            table[position[open_]] = slots[open_]
-            won = np.zeros(len(slots), dtype=np.bool_)
-            won[open_[table[position[open_]] == slots[open_]]] = True
-            pending = pending[~won[pending]]
-            position[pending] = (position[pending] + 1) & mask
+        hashes = np.ascontiguousarray(key_hashes, dtype=np.uint64)
+        index_many(self._table, self.rec, self._mask, hashes, np.ascontiguousarray(slots, np.int32))
 
     def _grow(self) -> None:
         capacity = (self._mask + 1) * 2

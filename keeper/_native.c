@@ -1,5 +1,7 @@
-/* The keeper's best-K read (keeper/select.py), in C: the merge over class heads.
+/* The keeper's C paths: the best-K read (keeper/select.py) and the slot index's bulk
+ * probes (keeper/slots.py).
  *
+ * best_read: the merge over class heads.
  * In Python the read took about fifteen numpy calls per batch of buckets plus a
  * heap of tuples, 0.5 ms for 5,000 rows; here it is one pass over the buckets'
  * entries. The structures are the queue's own (keeper/buckets.py, slots.py):
@@ -305,7 +307,7 @@ best_read(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
     if (PyObject_GetBuffer(args[3], &rec, PyBUF_C_CONTIGUOUS) < 0) goto done;
     have_rec = 1;
     if (rec.len % 32 || (rec.len && ((uintptr_t)rec.buf & 7u))) {
-        PyErr_SetString(PyExc_ValueError, "best_read: records are 32-byte, 8-aligned");
+        PyErr_SetString(PyExc_ValueError, "records are 32-byte, 8-aligned");
         goto done;
     }
     for (; n_outs < 5; n_outs++) {
@@ -448,20 +450,136 @@ done:
     return result;
 }
 
+/* ------------------------------------------------------------ slot index */
+
+/* The slot index (keeper/slots.py): int32 slot numbers, -1 empty, linear probing
+ * from hash & mask; a slot's hash is word 0 of its 32-byte record. */
+typedef struct {
+    Py_buffer table, records, hashes, slots;
+    int n;
+} index_args_t;
+
+static void
+index_release(index_args_t *a)
+{
+    Py_buffer *views[4] = {&a->table, &a->records, &a->hashes, &a->slots};
+    for (int i = 0; i < a->n; i++) PyBuffer_Release(views[i]);
+}
+
+static int
+index_acquire(PyObject *const *args, Py_ssize_t nargs, int table_flags, int slots_flags,
+              index_args_t *a, uint64_t *mask, const char *name)
+{
+    a->n = 0;
+    if (nargs != 5) {
+        PyErr_Format(PyExc_TypeError, "%s takes 5 arguments, got %zd", name, nargs);
+        return -1;
+    }
+    *mask = (uint64_t)PyLong_AsUnsignedLongLong(args[2]);
+    if (PyErr_Occurred()) return -1;
+    PyObject *objs[4] = {args[0], args[1], args[3], args[4]};
+    int flags[4] = {table_flags, PyBUF_C_CONTIGUOUS, PyBUF_C_CONTIGUOUS, slots_flags};
+    Py_buffer *views[4] = {&a->table, &a->records, &a->hashes, &a->slots};
+    for (; a->n < 4; a->n++) {
+        if (PyObject_GetBuffer(objs[a->n], views[a->n], flags[a->n]) < 0) {
+            index_release(a);
+            return -1;
+        }
+    }
+    Py_ssize_t n = a->hashes.len / 8;
+    if (a->table.len != (Py_ssize_t)(*mask + 1) * 4 || a->records.len % 32 ||
+        a->hashes.len % 8 || a->slots.len != n * 4 ||
+        (a->records.len && ((uintptr_t)a->records.buf & 7u)) ||
+        (n && (((uintptr_t)a->hashes.buf & 7u) || ((uintptr_t)a->slots.buf & 3u))) ||
+        ((uintptr_t)a->table.buf & 3u)) {
+        index_release(a);
+        PyErr_Format(PyExc_ValueError, "%s: buffer sizes or alignment do not match", name);
+        return -1;
+    }
+    return 0;
+}
+
+/* find_many(table, records, mask, hashes, out) -> None: out[i] = the slot holding
+ * hashes[i], or -1. */
+static PyObject *
+find_many(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    index_args_t a;
+    uint64_t mask;
+    if (index_acquire(args, nargs, PyBUF_C_CONTIGUOUS, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS, &a,
+                      &mask, "find_many") < 0) {
+        return NULL;
+    }
+    const int32_t *table = a.table.buf;
+    const uint64_t *records = a.records.buf;
+    const uint64_t *hashes = a.hashes.buf;
+    int32_t *out = a.slots.buf;
+    Py_ssize_t n = a.hashes.len / 8, n_slots = a.records.len / 32;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint64_t h = hashes[i], at = h & mask;
+        int32_t found = -1;
+        for (uint64_t step = 0; step <= mask; step++) {
+            int32_t slot = table[at];
+            if (slot < 0) break;
+            if (slot < n_slots && records[(size_t)slot * 4] == h) {
+                found = slot;
+                break;
+            }
+            at = (at + 1) & mask;
+        }
+        out[i] = found;
+    }
+    index_release(&a);
+    Py_RETURN_NONE;
+}
+
+/* index_many(table, records, mask, hashes, slots) -> None: enter each slot at the
+ * first empty place from its hash (the caller keeps the table below its load). */
+static PyObject *
+index_many(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    index_args_t a;
+    uint64_t mask;
+    if (index_acquire(args, nargs, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS, PyBUF_C_CONTIGUOUS, &a,
+                      &mask, "index_many") < 0) {
+        return NULL;
+    }
+    int32_t *table = a.table.buf;
+    const uint64_t *hashes = a.hashes.buf;
+    const int32_t *slots = a.slots.buf;
+    Py_ssize_t n = a.hashes.len / 8;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint64_t at = hashes[i] & mask, step = 0;
+        while (table[at] >= 0 && step++ <= mask) at = (at + 1) & mask;
+        if (table[at] >= 0) {
+            index_release(&a);
+            PyErr_SetString(PyExc_RuntimeError, "index_many: the index is full");
+            return NULL;
+        }
+        table[at] = slots[i];
+    }
+    index_release(&a);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef select_methods[] = {
     {"best_read", (PyCFunction)(void (*)(void))best_read, METH_FASTCALL,
      "best_read(starts_of, ids_of, members, records, cadence, boost, paused, now, need, "
      "out_slots, out_rank, out_due, out_hash, out_class) -> (count, considered, next_upper)"},
+    {"find_many", (PyCFunction)(void (*)(void))find_many, METH_FASTCALL,
+     "find_many(table_i32, records, mask, hashes_u64, out_i32) -> None."},
+    {"index_many", (PyCFunction)(void (*)(void))index_many, METH_FASTCALL,
+     "index_many(table_i32, records, mask, hashes_u64, slots_i32) -> None."},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef select_module = {
-    PyModuleDef_HEAD_INIT, "_select", "The keeper's best-K read over class heads.", -1,
+    PyModuleDef_HEAD_INIT, "_native", "The keeper's C paths: best-K read, slot index probes.", -1,
     select_methods,
 };
 
 PyMODINIT_FUNC
-PyInit__select(void)
+PyInit__native(void)
 {
     return PyModule_Create(&select_module);
 }

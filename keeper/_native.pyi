@@ -1,4 +1,4 @@
-"""Types of the C extension (keeper/_select.c)."""
+"""Types of the C extension (keeper/_native.c)."""
 
 from typing import Any
 
@@ -19,3 +19,6 @@ def best_read(
     out_class: Any,
     /,
 ) -> tuple[int, int, float]: ...
+
+def find_many(table: Any, records: Any, mask: int, hashes: Any, out: Any, /) -> None: ...
+def index_many(table: Any, records: Any, mask: int, hashes: Any, slots: Any, /) -> None: ...
