@@ -562,10 +562,219 @@ index_many(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
+/* ------------------------------------------------------------ event path */
+
+/* A view of an int32 array('i') or int64 / uint64 one, for the duration of a call. */
+typedef struct {
+    Py_buffer views[9];
+    int n;
+} held_t;
+
+static void *
+hold(held_t *h, PyObject *obj, int writable, Py_ssize_t itemsize)
+{
+    Py_buffer *v = &h->views[h->n];
+    if (PyObject_GetBuffer(obj, v, PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0)) < 0) {
+        return NULL;
+    }
+    h->n++;
+    if (v->itemsize != itemsize) {
+        PyErr_SetString(PyExc_TypeError, "upsert_moved: an array has the wrong item size");
+        return NULL;
+    }
+    static uint64_t nothing[1];
+    return v->buf != NULL ? v->buf : (void *)nothing; /* an empty array may have no buffer */
+}
+
+static void
+unhold(held_t *h)
+{
+    while (h->n > 0) PyBuffer_Release(&h->views[--h->n]);
+}
+
+static inline long long
+list_ll(PyObject *list, Py_ssize_t i)
+{
+    return PyLong_AsLongLong(PyList_GET_ITEM(list, i));
+}
+
+#define NOT_HANDLED (-1)
+
+static PyObject *append_name; /* "append", interned at import */
+
+/* upsert_moved(records, b_class, b_live, b_stale, b_split_at, starts_of, ids_of, members,
+ *              tally_counts, tally_base, buckets, merge_below, stale_slack,
+ *              table, mask, key_hash, class_id, due, version, now)
+ * (the structures that live as long as the queue first, for a functools.partial)
+ *   -> TRIGGERED (1), RESCHEDULED (2), UNCHANGED (3), or -1
+ *
+ * The common case of HeldQueue.upsert (keeper/queue.py), whole: a held row that
+ * stays in its class, whose old and new due minutes are in the class's dense
+ * tally range, and whose new due time is not before the class's first bucket.
+ * Anything else returns -1 having changed nothing, and the Python path runs. A
+ * bucket left needing a rebuild or a tidy gets it through `buckets` (after every
+ * buffer is given back: those calls resize arrays). */
+static PyObject *
+upsert_moved(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 20) {
+        PyErr_Format(PyExc_TypeError, "upsert_moved takes 20 arguments, got %zd", nargs);
+        return NULL;
+    }
+    uint64_t mask = PyLong_AsUnsignedLongLong(args[14]);
+    uint64_t key_hash = PyLong_AsUnsignedLongLong(args[15]);
+    Py_ssize_t class_id = PyLong_AsSsize_t(args[16]);
+    long long due = PyLong_AsLongLong(args[17]);
+    unsigned long long version = PyLong_AsUnsignedLongLong(args[18]);
+    long long now = PyLong_AsLongLong(args[19]);
+    long long merge_below = PyLong_AsLongLong(args[11]);
+    long long stale_slack = PyLong_AsLongLong(args[12]);
+    if (PyErr_Occurred()) return NULL;
+    PyObject *starts_of = args[5], *ids_of = args[6], *members = args[7];
+    PyObject *tally_counts = args[8], *tally_base = args[9], *buckets = args[10];
+    if (!PyList_Check(starts_of) || !PyList_Check(ids_of) || !PyList_Check(members) ||
+        !PyList_Check(tally_counts) || !PyList_Check(tally_base)) {
+        PyErr_SetString(PyExc_TypeError, "upsert_moved wants the queue's lists");
+        return NULL;
+    }
+    held_t h = {.n = 0};
+    long result = NOT_HANDLED;
+    Py_ssize_t split_bucket = -1, tidy_bucket = -1;
+
+    const int32_t *table = hold(&h, args[13], 0, 4);
+    uint64_t *rec = table ? hold(&h, args[0], 1, 8) : NULL;
+    int32_t *b_class = rec ? hold(&h, args[1], 0, 4) : NULL;
+    int32_t *b_live = b_class ? hold(&h, args[2], 1, 4) : NULL;
+    int32_t *b_stale = b_live ? hold(&h, args[3], 1, 4) : NULL;
+    int32_t *b_split_at = b_stale ? hold(&h, args[4], 0, 4) : NULL;
+    if (b_split_at == NULL) goto fail;
+    if (h.views[0].len != (Py_ssize_t)(mask + 1) * 4) {
+        PyErr_SetString(PyExc_ValueError, "upsert_moved: the index does not match its mask");
+        goto fail;
+    }
+    Py_ssize_t n_slots = h.views[1].len / 32, n_buckets = h.views[2].len / 4;
+
+    /* The slot: linear probing on the hash. */
+    uint64_t at = key_hash & mask;
+    int32_t slot = -1;
+    for (uint64_t step = 0; step <= mask; step++) {
+        int32_t s = table[at];
+        if (s < 0) break;
+        if (s < n_slots && rec[(size_t)s * 4] == key_hash) {
+            slot = s;
+            break;
+        }
+        at = (at + 1) & mask;
+    }
+    if (slot < 0) goto done; /* a new row */
+    uint64_t *r = rec + (size_t)slot * 4;
+    long long old_due = (long long)r[1];
+    Py_ssize_t old_bucket = (Py_ssize_t)(r[3] >> 32);
+    if (old_bucket >= n_buckets || b_class[old_bucket] != class_id) goto done;
+    if (due == old_due) {
+        r[2] = version;
+        result = 3; /* UNCHANGED */
+        goto done;
+    }
+    if (class_id >= PyList_GET_SIZE(starts_of) || class_id >= PyList_GET_SIZE(tally_counts) ||
+        class_id >= PyList_GET_SIZE(tally_base)) {
+        goto done;
+    }
+    /* The tallies: both minutes inside the class's dense range, or not handled here. */
+    long long minute = due >= 0 ? due / 60000 : -((-due + 59999) / 60000);
+    long long old_minute = old_due >= 0 ? old_due / 60000 : -((-old_due + 59999) / 60000);
+    int32_t *counts = NULL;
+    long long first = 0;
+    if (minute != old_minute) {
+        first = list_ll(tally_base, class_id);
+        if (first == -1 && PyErr_Occurred()) goto fail;
+        counts = hold(&h, PyList_GET_ITEM(tally_counts, class_id), 1, 4);
+        if (counts == NULL) goto fail;
+        long long n_counts = h.views[h.n - 1].len / 4;
+        if (!(0 <= old_minute - first && old_minute - first < n_counts && 0 <= minute - first &&
+              minute - first < n_counts)) {
+            goto done;
+        }
+    }
+    /* The bucket: the last whose start is at or before due. */
+    PyObject *starts = PyList_GET_ITEM(starts_of, class_id);
+    PyObject *ids = PyList_GET_ITEM(ids_of, class_id);
+    Py_ssize_t lo = 0, hi = PyList_GET_SIZE(starts);
+    if (hi == 0 || PyList_GET_SIZE(ids) != hi) goto done;
+    while (lo < hi) {
+        Py_ssize_t mid = (lo + hi) / 2;
+        long long start = list_ll(starts, mid);
+        if (start == -1 && PyErr_Occurred()) goto fail;
+        if (due < start)
+            hi = mid;
+        else
+            lo = mid + 1;
+    }
+    if (lo == 0) goto done; /* before the class's first bucket: lower_first, in Python */
+    Py_ssize_t target = PyLong_AsSsize_t(PyList_GET_ITEM(ids, lo - 1));
+    if (target == -1 && PyErr_Occurred()) goto fail;
+    if (target < 0 || target >= n_buckets || target >= PyList_GET_SIZE(members)) goto done;
+    if (target != old_bucket) {
+        /* Push first: the new place makes the old entry stale before the old bucket
+         * looks at its entries. */
+        PyObject *target_members = PyList_GET_ITEM(members, target);
+        Py_ssize_t index = PyObject_Length(target_members);
+        if (index < 0) goto fail;
+        PyObject *boxed = PyLong_FromLong(slot);
+        if (boxed == NULL) goto fail;
+        PyObject *done_append = PyObject_CallMethodOneArg(target_members, append_name, boxed);
+        Py_DECREF(boxed);
+        if (done_append == NULL) goto fail;
+        Py_DECREF(done_append);
+        r[3] = ((uint64_t)target << 32) | (uint64_t)index;
+        b_live[target] += 1;
+        if (index + 1 >= b_split_at[target]) split_bucket = target;
+        int32_t left = b_live[old_bucket] - 1;
+        b_live[old_bucket] = left;
+        int32_t stale = b_stale[old_bucket] + 1;
+        b_stale[old_bucket] = stale;
+        if (left < merge_below || stale > left + stale_slack) tidy_bucket = old_bucket;
+    }
+    r[1] = (uint64_t)due;
+    r[2] = version;
+    if (counts != NULL) {
+        counts[old_minute - first] -= 1;
+        counts[minute - first] += 1;
+    }
+    result = (due <= now && now < old_due) ? 1 : 2; /* TRIGGERED : RESCHEDULED */
+
+done:
+    unhold(&h);
+    if (split_bucket >= 0) {
+        PyObject *kw = Py_BuildValue("{s:O}", "split", Py_True);
+        PyObject *pos = kw ? Py_BuildValue("(n)", split_bucket) : NULL;
+        PyObject *rebuild = pos ? PyObject_GetAttrString(buckets, "rebuild") : NULL;
+        PyObject *ok = rebuild ? PyObject_Call(rebuild, pos, kw) : NULL;
+        Py_XDECREF(kw);
+        Py_XDECREF(pos);
+        Py_XDECREF(rebuild);
+        if (ok == NULL) return NULL;
+        Py_DECREF(ok);
+    }
+    if (tidy_bucket >= 0) {
+        PyObject *ok = PyObject_CallMethod(buckets, "tidy", "n", tidy_bucket);
+        if (ok == NULL) return NULL;
+        Py_DECREF(ok);
+    }
+    return PyLong_FromLong(result);
+
+fail:
+    unhold(&h);
+    return NULL;
+}
+
 static PyMethodDef select_methods[] = {
     {"best_read", (PyCFunction)(void (*)(void))best_read, METH_FASTCALL,
      "best_read(starts_of, ids_of, members, records, cadence, boost, paused, now, need, "
      "out_slots, out_rank, out_due, out_hash, out_class) -> (count, considered, next_upper)"},
+    {"upsert_moved", (PyCFunction)(void (*)(void))upsert_moved, METH_FASTCALL,
+     "upsert_moved(...) -> TRIGGERED, RESCHEDULED, UNCHANGED, or -1: HeldQueue.upsert's "
+     "common case."},
     {"find_many", (PyCFunction)(void (*)(void))find_many, METH_FASTCALL,
      "find_many(table_i32, records, mask, hashes_u64, out_i32) -> None."},
     {"index_many", (PyCFunction)(void (*)(void))index_many, METH_FASTCALL,
@@ -581,5 +790,7 @@ static struct PyModuleDef select_module = {
 PyMODINIT_FUNC
 PyInit__native(void)
 {
+    append_name = PyUnicode_InternFromString("append");
+    if (append_name == NULL) return NULL;
     return PyModule_Create(&select_module);
 }

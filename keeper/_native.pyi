@@ -19,6 +19,28 @@ def best_read(
     out_class: Any,
     /,
 ) -> tuple[int, int, float]: ...
-
 def find_many(table: Any, records: Any, mask: int, hashes: Any, out: Any, /) -> None: ...
 def index_many(table: Any, records: Any, mask: int, hashes: Any, slots: Any, /) -> None: ...
+def upsert_moved(
+    records: Any,
+    b_class: Any,
+    b_live: Any,
+    b_stale: Any,
+    b_split_at: Any,
+    starts_of: list[list[int]],
+    ids_of: list[list[int]],
+    members: list[Any],
+    tally_counts: list[Any],
+    tally_base: list[int],
+    buckets: Any,
+    merge_below: int,
+    stale_slack: int,
+    table: Any,
+    mask: int,
+    key_hash: int,
+    class_id: int,
+    due: int,
+    version: int,
+    now: int,
+    /,
+) -> int: ...

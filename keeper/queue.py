@@ -14,11 +14,13 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections.abc import Sequence
+from functools import partial
 
 import msgspec
 import numpy as np
 import numpy.typing as npt
 
+from keeper._native import upsert_moved
 from keeper.buckets import MERGE_BELOW, STALE_SLACK, Buckets
 from keeper.classes import ClassTable
 from keeper.select import BlockedMask, Selection, select_best
@@ -49,6 +51,25 @@ class HeldQueue:
         self.rec = self.slots.rec  # grows in place, never replaced
         self.buckets = Buckets(self.slots)
         self.tallies = MinuteTallies()
+        buckets = self.buckets
+        # The event path's common case in C, bound to the structures that live as long
+        # as the queue (each grows in place, never replaced).
+        self._moved = partial(
+            upsert_moved,
+            self.rec,
+            buckets.b_class,
+            buckets.b_live,
+            buckets.b_stale,
+            buckets.b_split_at,
+            buckets.starts,
+            buckets.ids,
+            buckets.members,
+            self.tallies.counts,
+            self.tallies.base,
+            buckets,
+            MERGE_BELOW,
+            STALE_SLACK,
+        )
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -60,15 +81,20 @@ class HeldQueue:
     ) -> int:
         """Hold the row's current state; returns what changed (ADDED, TRIGGERED, ...).
 
-        The per-event path, so the common case is written out here rather than in
-        calls to the slot table, tallies and buckets: on this path a Python call costs
-        about as much as the work it would do. The slow cases are theirs.
+        The per-event path: a held row moving within its class is one C call
+        (`keeper._native.upsert_moved`, which changes nothing when it returns -1);
+        the rest is written out here rather than in calls to the slot table, tallies
+        and buckets: on this path a Python call costs about as much as the work it
+        would do. The slow cases are theirs.
         """
-        rec = self.rec
         tallies = self.tallies
         tallies.now_minute = now_ms // MINUTE_MS
-        # SlotTable.find, inline: linear probing on the hash, records four words apart.
         slots = self.slots
+        done = self._moved(slots._table, slots._mask, key_hash, class_id, due_at, version, now_ms)
+        if done >= 0:
+            return done
+        rec = self.rec
+        # SlotTable.find, inline: linear probing on the hash, records four words apart.
         table = slots._table
         mask = slots._mask
         i = key_hash & mask
