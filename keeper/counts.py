@@ -14,7 +14,7 @@ import msgspec
 import numpy as np
 
 from keeper.queue import HeldQueue
-from keeper.tallies import MINUTE_MS
+from keeper.tallies import KEY_SPAN, MINUTE_MS
 
 # Lateness in cadences: a due row falls in [edge_i, edge_i+1); the last bin is open.
 LATENESS_EDGES: tuple[float, ...] = (0.0, 0.1, 0.5, 1.0, 2.0, 5.0, 10.0)
@@ -105,58 +105,68 @@ def count_queue(queue: HeldQueue, now_ms: int) -> QueueCounts:
     oldest = np.full(n_classes, np.iinfo(np.int64).max, dtype=np.int64)
     np.minimum.at(oldest, row_owner[head], dues[head])
 
-    # Then the tallies, class by class: counts between minute boundaries are
-    # differences of one prefix sum.
+    # Then the tallies, every class at once: counts between minute boundaries are
+    # differences of one prefix sum over all the classes' dense ranges laid end to end.
     ahead = [1, 15, *range(60, 60 * HOURS_AHEAD + 1, 60)]
-    by_hour = [0] * HOURS_AHEAD
-    in_15 = 0
+    dense = [tallies.dense(c) for c in class_ids]
+    bases = np.array([base for base, _ in dense], dtype=np.int64)
+    lengths = np.array([len(d) for _, d in dense], dtype=np.int64)
+    offsets = np.zeros(n_classes, dtype=np.int64)
+    if n_classes > 1:
+        np.cumsum(lengths[:-1], out=offsets[1:])
+    prefix = np.zeros(int(lengths.sum()) + 1, dtype=np.int64)
+    if n_classes:
+        np.cumsum(np.concatenate([d for _, d in dense]), out=prefix[1:])
+    del dense
+    # Rows due before each boundary minute: the current minute, the coming windows,
+    # and for each lateness edge the first minute less late than it.
+    marks = np.empty((n_classes, 1 + len(ahead) + n_bins - 1), dtype=np.int64)
+    marks[:, 0] = now_minute
+    marks[:, 1 : 1 + len(ahead)] = now_minute + np.array(ahead, dtype=np.int64)
+    for e, edge in enumerate(LATENESS_EDGES[1:]):
+        marks[:, 1 + len(ahead) + e] = [
+            min(now_minute, _last_minute_at_least(edge, now_ms, c) + 1) for c in cadence
+        ]
+    index = np.clip(marks - bases[:, None], 0, lengths[:, None])
+    below = prefix[offsets[:, None] + index] - prefix[offsets][:, None]
+    held = prefix[offsets + lengths] - prefix[offsets]
+    position_of = {class_id: position for position, class_id in enumerate(class_ids)}
+    for key, n in tallies.outside.items():
+        class_id, minute = divmod(key, KEY_SPAN)
+        row = position_of.get(class_id)
+        if row is not None:
+            below[row] += n * (minute < marks[row])
+            held[row] += n
+    past = below[:, :1]
+    edges = below[:, 1 + len(ahead) :]
+    late = np.concatenate((past, edges), axis=1)
+    late[:, :-1] -= edges
+    late += late_now
+    windows = below[:, 1 : 1 + len(ahead)]
+    in_15 = int((windows[:, 1] - windows[:, 0] + rest_now).sum())
+    hours = windows[:, 2:] - np.concatenate((windows[:, :1], windows[:, 2:-1]), axis=1)
+    by_hour = hours.sum(axis=0).tolist() if n_classes else [0] * HOURS_AHEAD
+    by_hour[0] += int(rest_now.sum())
+    due_of = late.sum(axis=1).tolist()
+    held_of = held.tolist()
+    late_of = late.tolist()
     due_total = due_sitemap = paused_due = paused_held = 0
     counted: list[ClassCounts] = []
     for position, class_id in enumerate(class_ids):
-        base, dense = tallies.dense(class_id)
-        prefix = np.zeros(len(dense) + 1, dtype=np.int64)
-        np.cumsum(dense, out=prefix[1:])
-        # Rows due before each boundary minute: the current minute, the coming windows,
-        # and for each lateness edge the first minute less late than it.
-        marks = [now_minute]
-        marks += [now_minute + a for a in ahead]
-        marks += [
-            min(now_minute, _last_minute_at_least(e, now_ms, cadence[position]) + 1)
-            for e in LATENESS_EDGES[1:]
-        ]
-        below = prefix[np.clip(np.array(marks) - base, 0, len(dense))].tolist()
-        outside = tallies.outside_of(class_id)
-        for minute, n in outside:
-            for m, mark in enumerate(marks):
-                below[m] += n if minute < mark else 0
-        held = int(prefix[-1]) + sum(n for _, n in outside)
-        past = below[0]
-        edges = below[len(ahead) + 1 :]
-        late = [past - edges[0]] if edges else [past]
-        late += [edges[i] - edges[i + 1] for i in range(len(edges) - 1)]
-        late += [edges[-1]] if edges else []
-        late = [n + int(extra) for n, extra in zip(late, late_now[position], strict=True)]
-        rest = int(rest_now[position])
-        windows = below[1 : len(ahead) + 1]
-        in_15 += windows[1] - windows[0] + rest
-        for hour in range(HOURS_AHEAD):
-            low_mark = windows[0] if hour == 0 else windows[hour + 1]
-            by_hour[hour] += windows[hour + 2] - low_mark
-        by_hour[0] += rest
-        due = sum(late)
+        due = due_of[position]
         if paused[class_id]:
             paused_due += due
-            paused_held += held
+            paused_held += held_of[position]
         else:
             due_total += due
             due_sitemap += due if sitemap[class_id] else 0
         counted.append(
             ClassCounts(
                 class_id=class_id,
-                held=held,
+                held=held_of[position],
                 due=due,
                 oldest_due_at=int(oldest[position]) if due else None,
-                lateness=late,
+                lateness=late_of[position],
             )
         )
     return QueueCounts(
