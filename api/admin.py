@@ -85,9 +85,9 @@ def queue_state(node: Node) -> Response:
     and lease counts from the lease table. Never a stale or partial count."""
     now = now_ms()
     headers = {"Retry-After": str(node.settings.retry_after_s)}
-    leases = live_leases(node)
     snapshot = node.state.read()
     if snapshot is None:
+        leases = live_leases(node)
         body: dict[str, Any] = {
             "node": node.settings.node,
             "now": {
@@ -105,6 +105,7 @@ def queue_state(node: Node) -> Response:
     document["trust"]["state_age_ms"] = state_age_ms(state, now)
     if vouches(reported, now):
         return json_response(document)
+    leases = live_leases(node)
     body = {
         "node": state.node,
         "generated_at": state.generated_at,

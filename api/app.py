@@ -18,6 +18,7 @@ from api.endpoints import ENDPOINTS, Call, Endpoint
 from api.node import Node
 from api.openapi import openapi_document
 from api.problems import ApiError, problem_response
+from store.errors import StoreBusy
 
 log = logging.getLogger("renderqueue.api")
 
@@ -47,6 +48,14 @@ def make_handler(endpoint: Endpoint, node: Node, auth: Authenticator) -> Any:
             return _respond(endpoint, value)
         except ApiError as exc:
             return problem_response(exc, request.url.path)
+        except StoreBusy as exc:
+            busy = ApiError(
+                503,
+                "Store busy",
+                f"{exc}; retry shortly",
+                headers={"Retry-After": str(node.settings.retry_after_s)},
+            )
+            return problem_response(busy, request.url.path)
         except Exception:
             # Bad input never lands here (it is an ApiError); this is our fault.
             log.exception(

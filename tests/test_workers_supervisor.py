@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 from node_harness import (
     REPO,
     NodeProcess,
@@ -60,9 +61,10 @@ def is_alive(pid: int) -> bool:
     return True
 
 
-def test_every_worker_serves_on_the_one_socket(tmp_path: Path) -> None:
+@pytest.mark.parametrize("reuse_port", ["true", "false"])
+def test_every_worker_serves_on_the_one_port(tmp_path: Path, reuse_port: str) -> None:
     seed_rows(tmp_path / "node.sqlite", 10)
-    with node_process(tmp_path, workers=2) as node:
+    with node_process(tmp_path, workers=2, extra_args=("--reuse-port", reuse_port)) as node:
         assert all(path.exists() for path in segment_files(node.instance))
         pids = set()
         for _ in range(200):

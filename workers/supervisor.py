@@ -83,6 +83,7 @@ class SupervisorStatistics(msgspec.Struct, frozen=True, kw_only=True):
 @dataclass(eq=False)
 class WorkerSlot:
     index: int
+    sock: socket.socket | None = None  # this worker's own listener (reuse_port)
     process: subprocess.Popen[bytes] | None = None
     status_fd: int | None = None
     status_buffer: bytes = b""
@@ -134,7 +135,7 @@ class Supervisor:
     started_at_ms: int = field(default_factory=now_ms)
     port: int = 0
     exit_code: int = 0
-    _sock: socket.socket | None = None
+    _shared: socket.socket | None = None  # the one listener, unless reuse_port
     _segments: Segments | None = None
     _selector: selectors.BaseSelector = field(default_factory=selectors.DefaultSelector)
     _signals: list[int] = field(default_factory=list)
@@ -171,14 +172,13 @@ class Supervisor:
         self.node = settings.node or self.node
         self._install_signals()
         self._prepare_store()
-        self._sock = self._bind()
-        self.port = self._sock.getsockname()[1]
+        self.slots = [WorkerSlot(index=i) for i in range(settings.workers)]
+        self.port = self._bind()
         self.instance = settings.instance or default_instance(settings, self.port)
         names = SegmentNames.for_instance(self.instance)
         self._segments = Segments.create(
             names, ring_entries=settings.ring_entries, lease_slots=settings.lease_slots
         )
-        self.slots = [WorkerSlot(index=i) for i in range(settings.workers)]
         logs.event(
             log,
             "listening",
@@ -219,7 +219,7 @@ class Supervisor:
         store = open_store(url)
         store.close()
 
-    def _bind(self) -> socket.socket:
+    def _listener(self, port: int, *, reuse_port: bool) -> socket.socket:
         host = self.settings.host.strip("[]")
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         # proto must be IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY on accepted sockets
@@ -227,14 +227,43 @@ class Supervisor:
         # about 40 ms to every response.
         sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         try:
-            sock.bind((host, self.settings.port))
+            sock.bind((host, port))
+            sock.listen(LISTEN_BACKLOG)
         except OSError as exc:
             sock.close()
-            raise ListenFailed(f"{self.settings.host}:{self.settings.port}", str(exc)) from exc
-        sock.listen(LISTEN_BACKLOG)
+            raise ListenFailed(f"{self.settings.host}:{port}", str(exc)) from exc
         sock.set_inheritable(True)
         return sock
+
+    def _bind(self) -> int:
+        """Bind the node's port once and return it.
+
+        A plain bind first proves the port is free (and picks one for port 0): a socket
+        with SO_REUSEPORT would share a port with another node's instead of failing. Then,
+        with `reuse_port`, each worker gets a listener of its own on that port, and the
+        kernel spreads new connections evenly over them. On one shared socket the workers
+        race to accept and one often takes nearly all of a few long-lived fleet
+        connections; when that one is worker 0, the keeper and every claim share one GIL.
+        """
+        probe = self._listener(self.settings.port, reuse_port=False)
+        port = int(probe.getsockname()[1])
+        if not self.settings.reuse_port:
+            self._shared = probe
+            return port
+        probe.close()
+        for slot in self.slots:
+            slot.sock = self._listener(port, reuse_port=True)
+        return port
+
+    def _slot_socket(self, slot: WorkerSlot) -> socket.socket:
+        if self._shared is not None:
+            return self._shared
+        if slot.sock is None:
+            slot.sock = self._listener(self.port, reuse_port=True)
+        return slot.sock
 
     def _install_signals(self) -> None:
         self._wake_r, self._wake_w = socket.socketpair()
@@ -254,8 +283,12 @@ class Supervisor:
                 slot.process.kill()
                 slot.process.wait()
             self._close_status(slot)
-        if self._sock is not None:
-            self._sock.close()
+        for slot in self.slots:
+            if slot.sock is not None:
+                slot.sock.close()
+                slot.sock = None
+        if self._shared is not None:
+            self._shared.close()
         self.state = "stopped"
         if self._segments is not None:
             with contextlib.suppress(Exception):
@@ -362,11 +395,16 @@ class Supervisor:
                 self._spawn(slot)
 
     def _spawn(self, slot: WorkerSlot) -> None:
-        assert self._sock is not None and self._segments is not None
+        assert self._segments is not None
+        try:
+            listener = self._slot_socket(slot)
+        except ListenFailed as exc:
+            self._boot_failed(slot, f"listen failed: {exc.reason}")
+            return
         status_r, status_w = os.pipe()
         spec = WorkerSpec(
             index=slot.index,
-            listen_fd=self._sock.fileno(),
+            listen_fd=listener.fileno(),
             status_fd=status_w,
             supervisor_pid=os.getpid(),
             node=self.node,
@@ -378,7 +416,7 @@ class Supervisor:
             process = subprocess.Popen(
                 [sys.executable, "-m", "workers.worker"],
                 stdin=subprocess.PIPE,
-                pass_fds=(self._sock.fileno(), status_w),
+                pass_fds=(listener.fileno(), status_w),
                 close_fds=True,
             )
         except OSError as exc:
@@ -506,6 +544,11 @@ class Supervisor:
                         other.process.send_signal(signal.SIGINT)
             return
         slot.next_start_at = time.monotonic() + delay
+        if slot.sock is not None and delay >= 1.0:
+            # Connections the kernel hashes to this listener would wait out the backoff;
+            # closed, its share goes to the workers that serve.
+            slot.sock.close()
+            slot.sock = None
         logs.event(
             log,
             "worker_boot_failed",
