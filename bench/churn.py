@@ -194,7 +194,8 @@ def run(config: Config) -> dict[str, Any]:
                 lags.append(lag)
             report.progress(f"churn: {time.monotonic() - churn_started:5.0f} s, feed lag {lag} ms")
         report.progress("churn: restarting the keeper while the writer goes on")
-        raw["repairs_first_keeper"] = _missed(_statistics(node))
+        raw["first_keeper_statistics"] = _statistics(node)
+        raw["repairs_first_keeper"] = _missed(raw["first_keeper_statistics"])
         node.stop_keeper()
         generation = node.segments.ring.generation
         since = time.time_ns() // 1_000_000

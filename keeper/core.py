@@ -284,7 +284,8 @@ class KeeperCore:
     # -- walks ---------------------------------------------------------------------
 
     def begin_walk(self, reason: WalkReason, now_ms: int) -> Walk:
-        return Walk(reason, self.open_window(), now_ms)
+        judges = reason != "load" or len(self.queue) > 0
+        return Walk(reason, self.open_window(), now_ms, judges=judges)
 
     def apply_walked(self, walk: Walk, rows: Sequence[Row], now_ms: int) -> None:
         """Apply one chunk of a walk: rows no event touched since the walk began."""

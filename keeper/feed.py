@@ -100,6 +100,10 @@ class Feed:
             if self.clock() >= until_ms:
                 return False
 
+    def has_delivered(self, head: Cursor) -> bool:
+        """True when the open feed has handed every event up to `head` to `apply`."""
+        return self.sub is not None and self.sub.has_delivered(head)
+
     def wait(self, seconds: float) -> None:
         if self.sub is not None:
             self.sub.wait(seconds)

@@ -14,6 +14,12 @@ backoff at the cursor reached (at the head, if the store pruned past it), and
 the table is walked again to repair whatever the gap hid; the keeper is not
 exact until that walk ends. It never reloads: settings changes reclassify in
 memory.
+
+The self-checks (the top check, the walks) read the table together with the
+feed's head, in one snapshot, and judge what they read only once the feed has
+delivered that head: until then a difference may be a write the feed has yet
+to deliver, not one it missed (under a busy writer the feed lags by seconds,
+and counting those as missed writes made every trust figure lie).
 """
 
 from __future__ import annotations
@@ -46,7 +52,7 @@ from keeper.state import (
     encode_queue_state,
 )
 from keeper.walk import RepairCounts, Walk, WalkReason
-from store.base import ScheduleStore
+from store.base import RowsRead, ScheduleStore
 
 log = logging.getLogger("renderqueue.keeper")
 
@@ -56,6 +62,16 @@ MAX_WAIT_S = 0.25  # an idle keeper still looks at the clock this often
 
 def wall_clock_ms() -> int:
     return time.time_ns() // 1_000_000
+
+
+class TopRead(msgspec.Struct, kw_only=True):
+    """A top check's read, waiting for the feed to deliver what it saw."""
+
+    keys: list[bytes]
+    token: int  # the touch window opened before the read
+    read: RowsRead
+    read_at: int
+    waited: bool = False
 
 
 class KeeperStatistics(msgspec.Struct, frozen=True, kw_only=True):
@@ -76,6 +92,8 @@ class KeeperStatistics(msgspec.Struct, frozen=True, kw_only=True):
     rows_reclassified: int
     unreadable: int
     collisions: int
+    top_checks_waited: int  # top checks judged only once the feed caught up with their read
+    walk_chunks_waited: int  # the same, for walk chunks
     feed_failures: int
     feed_reopens: int
     cursor_resets: int  # reopens where the saved cursor was pruned or ahead: walked from scratch
@@ -126,7 +144,10 @@ class Keeper:
             clock=clock,
         )
         self._walk: Walk | None = None
+        self._walk_read: RowsRead | None = None  # a chunk read, waiting for the feed
+        self._walk_read_waited = False
         self._walk_retry_at = 0
+        self._top_read: TopRead | None = None
         self._next_publish = 0
         self._next_report = 0
         self._next_verify = 0
@@ -139,6 +160,8 @@ class Keeper:
         # counters
         self._resyncs = 0
         self._walk_errors = 0
+        self._top_checks_waited = 0
+        self._walk_chunks_waited = 0
         self._state_writes = 0
         self._state_write_failures = 0
         self._load = LoadStats()
@@ -206,6 +229,7 @@ class Keeper:
         stop.wait(seconds)
 
     def close(self) -> None:
+        self._drop_top_read()
         self.feed.close()
 
     # -- the feed ------------------------------------------------------------------
@@ -221,10 +245,14 @@ class Keeper:
         if self._walk is not None:
             self.core.abandon_walk(self._walk)
             self._walk = None
+        self._drop_top_read()
         self._begin_walk(now, "load" if not self._loaded else "resync")
 
     def _feed_failed(self, exc: BaseException, now: int) -> None:
         self.feed.failed(exc, now)
+        # A reopened feed may start at the head: its position says nothing of what the
+        # reads below saw, so they are dropped unjudged (the resync walk reads afresh).
+        self._drop_top_read()
         if self._walk is not None:
             self.core.abandon_walk(self._walk)
             self._walk = None
@@ -246,6 +274,7 @@ class Keeper:
     def _begin_walk(self, now: int, reason: WalkReason) -> None:
         walk = self.core.begin_walk(reason, now)
         self._walk = walk
+        self._walk_read = None
         if reason == "load":
             self.phase = "loading"
             self._exact_reason = "loading: walking the table"
@@ -261,15 +290,33 @@ class Keeper:
         self._write_state(now)
 
     def _walk_chunk(self, now: int) -> None:
+        """Read a chunk, and apply it once the feed has delivered what the read saw.
+
+        Applied earlier, a row the feed has yet to deliver would read as a missed write,
+        and a held row deleted before the read as a missed delete at the sweep. A load
+        into an empty queue compares nothing (see Walk.judges) and never waits: a
+        restart under a busy writer serves and loads at the pace of the table.
+        """
         walk = self._walk
         assert walk is not None
-        try:
-            rows = self.store.walk(walk.after, self.config.walk_chunk)
-        except Exception as exc:
-            self._walk_errors += 1
-            log.warning("keeper: walk after %r failed (%s); retrying", walk.after, exc)
-            self._walk_retry_at = now + int(self.config.feed_backoff_s * 1000)
-            return
+        read = self._walk_read
+        if read is None:
+            try:
+                read = self.store.walk_at(walk.after, self.config.walk_chunk)
+            except Exception as exc:
+                self._walk_errors += 1
+                log.warning("keeper: walk after %r failed (%s); retrying", walk.after, exc)
+                self._walk_retry_at = now + int(self.config.feed_backoff_s * 1000)
+                return
+            self._walk_read = read
+            self._walk_read_waited = False
+        if walk.judges and not self.feed.has_delivered(read.head):
+            if not self._walk_read_waited:
+                self._walk_read_waited = True
+                self._walk_chunks_waited += 1
+            return  # the step drains the feed; the chunk is applied at a later step
+        self._walk_read = None
+        rows = read.rows
         self.core.apply_walked(walk, rows, self.clock())
         if walk.reason == "load":
             self._load = msgspec.structs.replace(
@@ -283,8 +330,10 @@ class Keeper:
             self._finish_walk(walk)
 
     def _finish_walk(self, walk: Walk) -> None:
-        # Bring the feed to the present first, so a delete the table already shows is
-        # applied (and the key touched) before the sweep looks for rows gone missing.
+        # The feed has delivered every chunk's head (see _walk_chunk): a delete any read
+        # showed has been applied, its key touched, before the sweep looks for rows gone.
+        # (A walk that judges nothing has no untouched held rows to sweep.) The drain
+        # brings the feed nearer the present before the keeper says it is exact.
         self._drain(self.clock() + 1000)
         now = self.clock()
         self.core.finish_walk(walk, now)
@@ -325,6 +374,7 @@ class Keeper:
 
     def _ownership_changed(self, now: int) -> None:
         self._ownership_generation = self.core.ownership.generation
+        self._drop_top_read()
         dropped = self.core.drop_unowned()
         log.info("keeper: ownership changed; dropped %d rows no longer owned", dropped)
         if self._walk is not None:
@@ -378,7 +428,50 @@ class Keeper:
         self._write_state(self.clock())
 
     def _top_check(self, keys: list[bytes], now: int) -> None:
-        """Re-read the top published rows (each at most once a minute); repair what differs."""
+        """Re-read the top published rows (each at most once a minute); repair what differs.
+
+        A read is judged once the feed has delivered its head, at this publish or a later
+        one; no new read is taken while one waits.
+        """
+        check = self._top_read
+        if check is None:
+            check = self._read_top(keys, now)
+            if check is None:
+                return
+            self._top_read = check
+            # As much of the feed as a second allows (the check's old budget, which also
+            # keeps a busy feed ahead of publishing); usually the read is then covered.
+            self._drain(self.clock() + 1000)
+            if self._top_read is not check:
+                return  # the feed failed meanwhile: the read was dropped
+        if not self.feed.has_delivered(check.read.head):
+            if not check.waited:
+                check.waited = True
+                self._top_checks_waited += 1
+            return
+        self._top_read = None
+        names = [k.decode() for k in check.keys]
+        try:
+            tally = self.core.reconcile(
+                names, {r.key: r for r in check.read.rows}, check.token, self.clock()
+            )
+        except Exception as exc:
+            log.warning("keeper: top check failed (%s)", exc)
+            return
+        finally:
+            self.core.close_window(check.token)
+        checked = self._checked_at
+        for key in check.keys:
+            checked[key] = check.read_at
+        self._publish = msgspec.structs.replace(
+            self._publish,
+            top_checked=self._publish.top_checked + len(check.keys),
+            top_repaired=self._publish.top_repaired + tally.missed,
+        )
+        if tally.missed:
+            log.warning("keeper: top check repaired %d rows", tally.missed)
+
+    def _read_top(self, keys: list[bytes], now: int) -> TopRead | None:
         due_again = now - int(self.config.top_check_every_s * 1000)
         checked = self._checked_at
         if len(checked) > 16 * self.config.top_check:
@@ -386,27 +479,22 @@ class Keeper:
                 del checked[key]
         picked = [k for k in keys[: self.config.top_check] if checked.get(k, -1) <= due_again]
         if not picked:
-            return
-        names = [k.decode() for k in picked]
+            return None
+        # The window opens before the read: an event from here on marks its key, and a
+        # marked key is left to its event.
         token = self.core.open_window()
         try:
-            rows = self.store.get_many(names)
-            self._drain(self.clock() + 1000)
-            tally = self.core.reconcile(names, rows, token, self.clock())
+            read = self.store.get_many_at([k.decode() for k in picked])
         except Exception as exc:
-            log.warning("keeper: top check failed (%s)", exc)
-            return
-        finally:
             self.core.close_window(token)
-        for key in picked:
-            checked[key] = now
-        self._publish = msgspec.structs.replace(
-            self._publish,
-            top_checked=self._publish.top_checked + len(picked),
-            top_repaired=self._publish.top_repaired + tally.missed,
-        )
-        if tally.missed:
-            log.warning("keeper: top check repaired %d rows", tally.missed)
+            log.warning("keeper: top check failed (%s)", exc)
+            return None
+        return TopRead(keys=picked, token=token, read=read, read_at=now)
+
+    def _drop_top_read(self) -> None:
+        if self._top_read is not None:
+            self.core.close_window(self._top_read.token)
+            self._top_read = None
 
     def _save_cursor(self) -> None:
         try:
@@ -559,6 +647,8 @@ class Keeper:
             rows_reclassified=counters.rows_reclassified,
             unreadable=counters.unreadable,
             collisions=counters.collisions,
+            top_checks_waited=self._top_checks_waited,
+            walk_chunks_waited=self._walk_chunks_waited,
             feed_failures=self.feed.failures,
             feed_reopens=self.feed.reopens,
             cursor_resets=self.feed.cursor_resets,

@@ -66,9 +66,15 @@ class WalkSummary(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class Walk:
-    def __init__(self, reason: WalkReason, token: int, started_at: int) -> None:
+    def __init__(
+        self, reason: WalkReason, token: int, started_at: int, *, judges: bool = True
+    ) -> None:
         self.reason: WalkReason = reason
         self.token = token  # the touch window this walk reads under
+        # False only for a load into an empty queue: every row held during it came from an
+        # event inside its window, so a walked row is either new (loaded) or left to its
+        # event, and nothing it reads is compared with a held row.
+        self.judges = judges
         self.started_at = started_at
         self.finished_at: int | None = None
         self.after: str | None = None  # the last key read; the next chunk starts after it

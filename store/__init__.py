@@ -4,7 +4,15 @@
 implement, `store.rows` the records that cross it.
 """
 
-from store.base import Cursor, CursorAhead, CursorBelowFloor, FeedBatch, ScheduleStore, Subscription
+from store.base import (
+    Cursor,
+    CursorAhead,
+    CursorBelowFloor,
+    FeedBatch,
+    RowsRead,
+    ScheduleStore,
+    Subscription,
+)
 from store.errors import SchemaTooNew, StoreBusy, StoreError
 from store.rows import (
     Completion,
@@ -30,6 +38,7 @@ __all__ = [
     "Row",
     "RowEvent",
     "RowWrite",
+    "RowsRead",
     "ScheduleStore",
     "SchemaTooNew",
     "SettingsEvent",

@@ -21,6 +21,18 @@ class FeedBatch(msgspec.Struct, frozen=True, kw_only=True):
     cursor: Cursor  # the position after the last event; save it to resume there
 
 
+class RowsRead(msgspec.Struct, frozen=True, kw_only=True):
+    """Rows read from the table and the feed's head, in one snapshot.
+
+    Once a subscription has delivered `head`, every write this read saw has been
+    delivered too: a difference between the rows and a copy kept from the feed is
+    then a write the feed missed, not one it has yet to deliver.
+    """
+
+    rows: list[Row]
+    head: Cursor
+
+
 class CursorBelowFloor(Exception):
     """The log below this cursor was pruned: replaying from it would be short."""
 
@@ -43,6 +55,10 @@ class Subscription(Protocol):
         """Block until a commit may have happened (a hint) or the timeout passes."""
         ...
 
+    def has_delivered(self, cursor: Cursor) -> bool:
+        """True when every event at or before `cursor` (a head from this store) was polled."""
+        ...
+
     def save(self) -> None:
         """Persist the cursor for this consumer; pruning may remove what is below it."""
         ...
@@ -63,8 +79,16 @@ class ScheduleStore(Protocol):
 
     def get_many(self, keys: Sequence[str]) -> dict[str, Row]: ...
 
+    def get_many_at(self, keys: Sequence[str]) -> RowsRead:
+        """`get_many`, with the feed's head read in the same snapshot."""
+        ...
+
     def walk(self, after: str | None, limit: int) -> list[Row]:
         """Rows with key > after, by primary key, at most `limit`."""
+        ...
+
+    def walk_at(self, after: str | None, limit: int) -> RowsRead:
+        """`walk`, with the feed's head read in the same snapshot."""
         ...
 
     def count(self) -> int: ...

@@ -25,7 +25,7 @@ from typing import TypeVar
 import msgspec
 
 from store import sqlite_sql as sql
-from store.base import Cursor
+from store.base import Cursor, RowsRead
 from store.errors import StoreError
 from store.rows import Completion, Route, Row, RowWrite
 from store.schema import KIND_ROW, migrate, schema_version
@@ -252,17 +252,29 @@ class SqliteStore:
         return None if found is None else sql.row_from(found)
 
     def get_many(self, keys: Sequence[str]) -> dict[str, Row]:
+        wanted = self._wanted(keys)
+        if wanted is None:
+            return {}
+        found = self._read(
+            "get_many", lambda conn: conn.execute(sql.GET_MANY, (wanted,)).fetchall()
+        )
+        return {values[0]: sql.row_from(values) for values in found}
+
+    def get_many_at(self, keys: Sequence[str]) -> RowsRead:
+        wanted = self._wanted(keys)
+        if wanted is None:
+            return RowsRead(rows=[], head=self.feed_head())
+        return self._read_at("get_many_at", sql.GET_MANY, (wanted,))
+
+    def _wanted(self, keys: Sequence[str]) -> str | None:
+        """The keys as the JSON array GET_MANY takes; None when there are none."""
         if isinstance(keys, str):
             raise ValueError("get_many: expected a sequence of keys, got one string")
         for index, key in enumerate(keys):
             check_key(key, what="get_many", index=index)
         if not keys:
-            return {}
-        wanted = msgspec.json.encode(list(keys)).decode()
-        found = self._read(
-            "get_many", lambda conn: conn.execute(sql.GET_MANY, (wanted,)).fetchall()
-        )
-        return {values[0]: sql.row_from(values) for values in found}
+            return None
+        return msgspec.json.encode(list(keys)).decode()
 
     def walk(self, after: str | None, limit: int) -> list[Row]:
         if limit < 1:
@@ -274,6 +286,24 @@ class SqliteStore:
                 "walk", lambda c: c.execute(sql.WALK_AFTER, (after, limit)).fetchall()
             )
         return [sql.row_from(values) for values in found]
+
+    def walk_at(self, after: str | None, limit: int) -> RowsRead:
+        if limit < 1:
+            raise ValueError(f"walk: limit must be at least 1, got {limit}")
+        if after is None:
+            return self._read_at("walk_at", sql.WALK_FIRST, (limit,))
+        return self._read_at("walk_at", sql.WALK_AFTER, (after, limit))
+
+    def _read_at(self, what: str, statement: str, params: tuple[object, ...]) -> RowsRead:
+        """Rows and the log's head in one read transaction: one snapshot for both."""
+
+        def body(conn: sqlite3.Connection) -> tuple[list[Row], tuple[int, int]]:
+            rows = [sql.row_from(values) for values in conn.execute(statement, params)]
+            return rows, head(conn)
+
+        state = self._state()
+        rows, (seq, stamp) = state.retry.transaction(state.conn, what, body, write=False)
+        return RowsRead(rows=rows, head=cursor_token(seq, stamp))
 
     def count(self) -> int:
         query = "SELECT count(*) FROM render_schedule"

@@ -227,6 +227,12 @@ class SqliteSubscription:
                 self._woken += 1
                 return True
 
+    def has_delivered(self, cursor: Cursor) -> bool:
+        # Seq order is commit order (one writer at a time): every entry up to the
+        # cursor's seq was committed when that head was read, and polls read in seq order.
+        seq, _ = parse_cursor(cursor)
+        return self._seq >= seq
+
     def save(self) -> None:
         seq, stamp = self._seq, self._stamp
         saved_at = time.time_ns() // 1_000_000

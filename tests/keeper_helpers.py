@@ -17,7 +17,7 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from store.base import Cursor, CursorAhead, CursorBelowFloor, FeedBatch
+from store.base import Cursor, CursorAhead, CursorBelowFloor, FeedBatch, RowsRead
 from store.rows import (
     Completion,
     FeedEvent,
@@ -66,6 +66,9 @@ class MemorySubscription:
 
     def wait(self, timeout_s: float) -> bool:
         return self.position < len(self._store.log)
+
+    def has_delivered(self, cursor: Cursor) -> bool:
+        return self.position >= int(cursor.token)
 
     def save(self) -> None:
         self._store.saved[self._store.consumer] = self.position
@@ -159,6 +162,12 @@ class MemoryStore:
 
     def get_many(self, keys: Sequence[str]) -> dict[str, Row]:
         return {k: self.rows[k] for k in keys if k in self.rows}
+
+    def get_many_at(self, keys: Sequence[str]) -> RowsRead:
+        return RowsRead(rows=list(self.get_many(keys).values()), head=self.feed_head())
+
+    def walk_at(self, after: str | None, limit: int) -> RowsRead:
+        return RowsRead(rows=self.walk(after, limit), head=self.feed_head())
 
     def walk(self, after: str | None, limit: int) -> list[Row]:
         self.walks += 1

@@ -332,3 +332,211 @@ def test_with_the_real_store_and_shared_memory_the_keeper_ends_equal_to_the_tabl
             segment.unlink()
         store.close()
     assert not thread.is_alive()
+
+
+# -- self-checks under a lagging feed (bench churn's false "missed writes") -------------
+
+
+class StepClock:
+    """Wall time that moves `step_ms` at every reading: each feed batch the keeper applies
+    seems to take that long, so its feed falls behind a busy writer, as it did under
+    bench churn (feed lag up to seconds)."""
+
+    def __init__(self, step_ms: int) -> None:
+        self.at = NOW_REAL()
+        self.step_ms = step_ms
+
+    def __call__(self) -> int:
+        self.at += self.step_ms
+        return self.at
+
+
+LAG_ROWS = 400
+LAG_HOT = 100  # the writer rewrites these, as the most overdue rows: the top check's keys
+
+
+def _lag_key(i: int) -> str:
+    return f"https://shop.example.com/lag/{i:04}"
+
+
+def _reschedule_hot_rows(path: str, seed: int, commits: int) -> None:
+    """Another process's reschedules of the hot rows, 10 per commit; each stays overdue
+    by days (so in the published top) and lands at a new due time (so a stale copy differs).
+    """
+    import random
+    import time
+
+    from store.rows import RowWrite
+    from store.sqlite import SqliteStore
+
+    rng = random.Random(seed)
+    store = SqliteStore(path, prune_interval_s=None)
+    try:
+        for _ in range(commits):
+            now = NOW_REAL()
+            store.write(
+                [
+                    RowWrite(
+                        key=_lag_key(i),
+                        route="product",
+                        next_render_at=now - 5 * 86_400_000 - rng.randrange(86_400_000),
+                    )
+                    for i in rng.sample(range(LAG_HOT), 10)
+                ]
+            )
+            time.sleep(0.001)
+    finally:
+        store.close()
+
+
+def _held_content(keeper: Keeper) -> dict[str, tuple[object, int, int]]:
+    core = keeper.core
+    queue = core.queue
+    return {
+        r.key: (core.classes.get(r.class_id), r.due_at, r.version)
+        for r in (queue.held_slot(s) for s in queue.slots.live_slots().tolist())
+    }
+
+
+def _table_content(store: object) -> dict[str, tuple[object, int, int]]:
+    from keeper.classes import classify
+    from store.sqlite import SqliteStore
+
+    assert isinstance(store, SqliteStore)
+    routes = {r.route: r for r in store.routes()}
+    default = store.default_cadence_s()
+    return {
+        r.key: (classify(r, routes, default), r.next_render_at, r.version)
+        for r in store.walk(None, 100_000)
+    }
+
+
+def _lagging_keeper_under_churn(
+    tmp_path: object, config: KeeperConfig
+) -> tuple[Keeper, object, list[int]]:
+    """A keeper on a real SQLite file whose feed lags a real writer process; stepped until
+    the writer is done and the feed has caught up. Returns the keeper, the store, and the
+    missed-write count seen after each step."""
+    import multiprocessing
+    from pathlib import Path
+
+    from store.rows import RowWrite
+    from store.sqlite import SqliteStore
+
+    path = str(Path(str(tmp_path)) / "schedule.db")
+    store = SqliteStore(path, prune_interval_s=None)
+    now = NOW_REAL()
+    store.write(
+        [
+            RowWrite(key=_lag_key(i), route="product", next_render_at=now - 1000 * i)
+            for i in range(LAG_ROWS)
+        ]
+    )
+    keeper = Keeper(
+        store,
+        MemoryRing(),
+        MemoryLeases(),
+        MemoryStateBuffer(),
+        config,
+        node="n1",
+        clock=StepClock(400),
+    )
+    keeper.start()
+    for _ in range(200):
+        keeper.step()
+        if keeper.statistics().phase == "live":
+            break
+    assert keeper.statistics().phase == "live"
+    missed: list[int] = []
+    writer = multiprocessing.get_context("spawn").Process(
+        target=_reschedule_hot_rows, args=(path, 7, 150)
+    )
+    writer.start()
+    try:
+        while writer.is_alive():
+            keeper.step()
+            missed.append(keeper.statistics().repairs.missed)
+        writer.join(60)
+        assert writer.exitcode == 0
+        head = store.feed_head()
+        for _ in range(2000):  # the feed catches up at a batch or two per step
+            keeper.step()
+            missed.append(keeper.statistics().repairs.missed)
+            if keeper.feed.has_delivered(head) and not keeper.statistics().verification.running:
+                break
+        assert keeper.feed.has_delivered(head)
+        for _ in range(20):  # and the checks read while it lagged are judged
+            keeper.step()
+            missed.append(keeper.statistics().repairs.missed)
+    finally:
+        writer.join(5)
+    return keeper, store, missed
+
+
+def test_the_top_check_counts_no_missed_writes_while_the_feed_lags_a_real_writer(
+    tmp_path: object,
+) -> None:
+    config = KeeperConfig(
+        walk_chunk=100,
+        best_k=128,
+        feed_poll_limit=4,
+        top_check=64,
+        top_check_every_s=1,
+        verify_interval_s=1_000_000,
+    )
+    keeper, store, missed = _lagging_keeper_under_churn(tmp_path, config)
+    try:
+        stats = keeper.statistics()
+        assert stats.repairs.missed == 0, (
+            f"{missed[-1]} false missed writes over {len(missed)} steps"
+        )
+        assert _held_content(keeper) == _table_content(store)
+        assert stats.publish.top_checked >= 64
+        assert stats.top_checks_waited > 0, "the feed never lagged a read: nothing was tested"
+    finally:
+        keeper.close()
+        store.close()  # type: ignore[attr-defined]
+
+
+def test_the_verification_walk_counts_no_missed_writes_while_the_feed_lags_a_real_writer(
+    tmp_path: object,
+) -> None:
+    config = KeeperConfig(
+        walk_chunk=50,
+        best_k=128,
+        feed_poll_limit=4,
+        top_check=0,
+        verify_interval_s=20,
+    )
+    keeper, store, missed = _lagging_keeper_under_churn(tmp_path, config)
+    try:
+        stats = keeper.statistics()
+        assert stats.repairs.missed == 0, (
+            f"{missed[-1]} false missed writes over {len(missed)} steps"
+        )
+        assert _held_content(keeper) == _table_content(store)
+        assert stats.verification.walks >= 1
+        assert stats.walk_chunks_waited > 0, "the feed never lagged a read: nothing was tested"
+        # A real difference is still found and counted, exactly once: corrupt one held row.
+        queue = keeper.core.queue
+        slot = queue.slot_of(key_hash(_lag_key(3).encode()))
+        queue.upsert(
+            _lag_key(3).encode(),
+            key_hash(_lag_key(3).encode()),
+            queue.class_of(slot),
+            1,
+            queue.version_of(slot),
+            NOW_REAL(),
+        )
+        walks = stats.verification.walks + 2  # then one whole walk began after the damage
+        for _ in range(1000):
+            keeper.step()
+            if keeper.statistics().verification.walks >= walks:
+                break
+        after = keeper.statistics()
+        assert after.verification.walks >= walks
+        assert (after.repairs.missed_changed, after.repairs.missed) == (1, 1)
+        assert _held_content(keeper) == _table_content(store)
+    finally:
+        keeper.close()
+        store.close()  # type: ignore[attr-defined]

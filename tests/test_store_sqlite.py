@@ -11,9 +11,11 @@ from pathlib import Path
 
 import pytest
 
+from store.base import RowsRead
 from store.errors import StoreError
 from store.rows import Completion, Route, Row, RowWrite
 from store.sqlite import SqliteStore
+from store.sqlite_feed import parse_cursor
 
 
 @pytest.fixture
@@ -300,3 +302,78 @@ def test_writer_processes_never_see_database_is_locked(tmp_path: Path) -> None:
     # every write reached the log, in one unbroken sequence
     assert store.statistics().head == sum(written for written, _ in results)
     store.close()
+
+
+def _reschedule_ops(keys: int, commits: int) -> Iterator[tuple[list[str], str]]:
+    """Each commit's upserted keys and deleted key, the same in the writer and the test."""
+    rng = random.Random(3)
+    for _ in range(commits):
+        chosen = [f"/k/{j:03d}" for j in rng.sample(range(keys), 6)]
+        yield chosen[:5], chosen[5]
+
+
+def _reschedule(path: str, keys: int, commits: int) -> None:
+    store = SqliteStore(path, prune_interval_s=None)
+    try:
+        for i, (upserted, deleted) in enumerate(_reschedule_ops(keys, commits)):
+            store.write([put(key, i) for key in upserted], delete=[deleted])
+    finally:
+        store.close()
+
+
+def test_reads_at_a_head_show_exactly_the_table_as_of_that_head(tmp_path: Path) -> None:
+    """get_many_at and walk_at read the rows and the head in one snapshot while another
+    process writes: replaying the writer's commits up to each read's head gives exactly
+    the rows it returned, versions included (so a feed that delivered the head has
+    delivered every write the read saw, and no write the read did not see is below it)."""
+    path = tmp_path / "schedule.db"
+    store = SqliteStore(path, prune_interval_s=None)
+    keys, commits = 60, 3000
+    names = [f"/k/{j:03d}" for j in range(keys)]
+    store.write([put(name) for name in names])
+    assert store.get_many_at([]) == RowsRead(rows=[], head=store.feed_head())
+    table = {row.key: row.version for row in store.walk(None, keys)}
+    start = parse_cursor(store.feed_head())[0]
+    writer = multiprocessing.get_context("spawn").Process(
+        target=_reschedule, args=(str(path), keys, commits)
+    )
+    writer.start()
+    reads: list[tuple[str, str | None, RowsRead]] = []
+    try:
+        while writer.is_alive() or len(reads) < 30:
+            reads.append(("get_many", None, store.get_many_at(names[::3])))
+            first = store.walk_at(None, 20)
+            after = first.rows[-1].key if first.rows else None
+            reads += [("walk", None, first), ("walk", after, store.walk_at(after, 100))]
+        writer.join(60)
+        assert writer.exitcode == 0
+    finally:
+        writer.join(5)
+        store.close()
+    # Replay the commits in seq order (a delete of an absent row logs nothing), checking
+    # each read against the table as of its head.
+    reads.sort(key=lambda read: parse_cursor(read[2].head)[0])
+    seq = start
+    ops = iter(_reschedule_ops(keys, commits))
+    heads = set()
+    for kind, after, read in reads:
+        head = parse_cursor(read.head)[0]
+        heads.add(head)
+        while seq < head:
+            upserted, deleted = next(ops)
+            for key in upserted:
+                seq += 1
+                table[key] = seq
+            if deleted in table:
+                seq += 1
+                del table[deleted]
+        assert seq == head, "a read's head fell inside a commit"
+        got = {row.key: row.version for row in read.rows}
+        if kind == "get_many":
+            assert got == {k: v for k, v in table.items() if k in names[::3]}
+        else:
+            limit = 20 if after is None else 100
+            later = sorted(k for k in table if after is None or k > after)[:limit]
+            assert [row.key for row in read.rows] == later
+            assert got == {k: table[k] for k in later}
+    assert len(heads) > 10, "the writer never moved the head between reads: nothing tested"

@@ -370,3 +370,20 @@ def test_drop_consumer_removes_a_semaphore_left_behind(store: SqliteStore) -> No
     conn.close()
     assert store.drop_consumer("keeper") is True
     assert not sem_exists(left)
+
+
+def test_has_delivered_is_true_once_polls_pass_a_head(store: SqliteStore) -> None:
+    sub = store.subscribe("keeper")
+    assert sub.has_delivered(store.feed_head())
+    store.write([put("/a"), put("/b")])
+    read = store.get_many_at(["/a", "/b"])
+    store.write([put("/c")])
+    assert not sub.has_delivered(read.head)
+    assert keys_of(sub.poll(limit=1).events) == ["/a"]
+    assert not sub.has_delivered(read.head)
+    assert keys_of(sub.poll(limit=1).events) == ["/b"]
+    assert sub.has_delivered(read.head)  # "/c" came after the read: not needed for it
+    assert not sub.has_delivered(store.feed_head())
+    with pytest.raises(ValueError):
+        sub.has_delivered(Cursor(token="postgres:1"))
+    sub.close()
