@@ -42,6 +42,7 @@ SQLITE = "SQLite index scan"
 POSTGRES = "PostgreSQL SKIP LOCKED"
 BATCHES = (10, 100)
 PEER_CLAIMANTS = 2  # as bench/peers.py runs every peer
+CONNECTIONS_PER_CLAIMANT = 4
 LEASE_S = 900
 WRITE_CHUNK = 5000
 ADMIN_TOKEN = "bench-node-admin-" + "a" * 16
@@ -133,7 +134,11 @@ def claimant(
     not_ok = 0
     error = ""
     started = finished = time.perf_counter()
-    client = NodeClient(port)
+    # A few connections per claimant, used in turn: each worker has its own listener and
+    # the kernel hashes connections over them, so two claimants with one connection each
+    # would land on one worker half the time. A fleet has many connections.
+    clients = [NodeClient(port) for _ in range(CONNECTIONS_PER_CLAIMANT)]
+    turn = 0
     try:
         ready.put(index)
         start.wait()
@@ -142,6 +147,8 @@ def claimant(
         empty_since: float | None = None
         request = {"max": batch, "worker": f"bench-{index}", "lease_s": LEASE_S}
         while len(keys) < max_keys and time.perf_counter() < deadline:
+            client = clients[turn % len(clients)]
+            turn += 1
             t0 = time.perf_counter_ns()
             status, body = client.call("POST", "/v1/claims", request)
             t1 = time.perf_counter_ns()
@@ -172,7 +179,8 @@ def claimant(
         error = f"{type(exc).__name__}: {exc}"
         ready.put(index)
     finally:
-        client.close()
+        for client in clients:
+            client.close()
     results.put(
         msgspec.msgpack.encode(
             {

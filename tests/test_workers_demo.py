@@ -76,6 +76,7 @@ def test_demo_serves_the_example_and_prints_the_addresses(tmp_path: Path) -> Non
         text = "".join(lines)
         base = next(word for word in text.split() if word.startswith("http://"))
         assert "/prerender_admin/queue-state" in text and "/metrics" in text
+        assert "/console" in text
         with httpx.Client(base_url=base) as client:
             wait_for(lambda: client.get("/readyz").status_code == 200, 60, "the demo to be ready")
             leases = client.post("/v1/claims", json={"max": 5, "worker": "demo"}).json()["leases"]

@@ -99,6 +99,7 @@ def start_fleet(settings: Settings, base_url: str) -> None:
 
 def addresses(base_url: str) -> list[tuple[str, str]]:
     return [
+        ("console", f"{base_url}/console"),
         ("queue state", f"{base_url}/prerender_admin/queue-state"),
         ("overview", f"{base_url}/prerender_admin/overview"),
         (
