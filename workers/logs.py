@@ -61,6 +61,13 @@ def get_logger(name: str) -> logging.Logger:
     return logging.getLogger("renderqueue." + name)
 
 
-def event(logger: logging.Logger, name: str, level: int = logging.INFO, **fields: Any) -> None:
+def event(
+    logger: logging.Logger,
+    name: str,
+    level: int = logging.INFO,
+    *,
+    exc_info: bool = False,
+    **fields: Any,
+) -> None:
     """Log one event: `name` is a stable identifier, fields are its facts."""
-    logger.log(level, name, extra={"event": name, **fields})
+    logger.log(level, name, exc_info=exc_info, extra={"event": name, **fields})
