@@ -23,6 +23,12 @@ def _verdict(figure: report.Figure, other: float | None) -> str:
     )
 
 
+def _label(result: report.SectionResult, figure: report.Figure) -> str:
+    """The row's name, with its table's when the section repeats it (one row per scale)."""
+    repeats = sum(1 for f in result.figures if f.what == figure.what)
+    return f"{figure.what} ({figure.table})" if repeats > 1 else figure.what
+
+
 def against_seed(results: list[report.SectionResult]) -> list[str]:
     lines = [
         "| section | what | unit | seed | ours | ours ÷ seed | standing |",
@@ -35,7 +41,7 @@ def against_seed(results: list[report.SectionResult]) -> list[str]:
                 continue
             rows += 1
             lines.append(
-                f"| {result.section} | {figure.what} | {figure.unit} | "
+                f"| {result.section} | {_label(result, figure)} | {figure.unit} | "
                 f"{figure.seed_text or report.fmt(figure.seed)} | {report.fmt(figure.ours)} | "
                 f"{report.ratio(figure.ours, figure.seed)} | {_verdict(figure, figure.seed)} |"
             )
@@ -63,7 +69,8 @@ def against_peers(results: list[report.SectionResult]) -> list[str]:
             ahead = sum(1 for value in peers.values() if report.verdict(figure, value) == "ahead")
             rows += 1
             lines.append(
-                f"| {result.section} | {figure.what} | {figure.unit} | {report.fmt(figure.ours)} | "
+                f"| {result.section} | {_label(result, figure)} | {figure.unit} | "
+                f"{report.fmt(figure.ours)} | "
                 f"{best} | {report.fmt(peers[best])} | {report.ratio(figure.ours, peers[best])} | "
                 f"{ahead} of {len(peers)} |"
             )
