@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -64,21 +65,21 @@ def run_section(
     command = [sys.executable, "-m", f"{package}.{section}", *(["--quick"] if quick else [])]
     report.progress(f"{section}: running {' '.join(command[1:])}")
     started = time.monotonic()
+    # stderr is inherited so the section's progress shows live; stdout is its tables.
+    child = subprocess.Popen(
+        command, cwd=cwd, stdout=subprocess.PIPE, text=True, env=os.environ.copy()
+    )
     try:
-        # stderr is inherited so the section's progress shows live; stdout is its tables.
-        done = subprocess.run(
-            command,
-            cwd=cwd,
-            stdout=subprocess.PIPE,
-            text=True,
-            timeout=timeout_s,
-            env=os.environ.copy(),
-        )
-    except subprocess.TimeoutExpired as exc:
+        stdout_text, _ = child.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        stop_section(child)
         elapsed = round(time.monotonic() - started, 1)
-        out = exc.stdout if isinstance(exc.stdout, str) else ""
         report.progress(f"{section}: TIMED OUT after {elapsed} s")
-        return SectionRun(section=section, status="timed out", elapsed_s=elapsed), out
+        return SectionRun(section=section, status="timed out", elapsed_s=elapsed), ""
+    except BaseException:
+        stop_section(child)
+        raise
+    done = subprocess.CompletedProcess(command, child.returncode, stdout_text)
     elapsed = round(time.monotonic() - started, 1)
     record = SectionRun(
         section=section,
@@ -101,6 +102,16 @@ def run_section(
         record.detail = f"exit status {done.returncode}"
     report.progress(f"{section}: {record.status} in {elapsed} s {record.detail}".rstrip())
     return record, stdout
+
+
+def stop_section(child: subprocess.Popen[str]) -> None:
+    """SIGTERM first, so the section drops its tables, segments and files; then SIGKILL."""
+    child.terminate()
+    try:
+        child.wait(30)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait(10)
 
 
 def _shown(path: Path) -> str:
@@ -213,6 +224,9 @@ def main(argv: list[str] | None = None) -> int:
         help="run nothing: rewrite the summary from the last run's results files",
     )
     args = parser.parse_args(argv)
+    # SIGTERM as an exception: subprocess.run then kills the running section on its way
+    # out, so a stopped run leaves no section (and no claimant or node) behind.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     if args.resummarize:
         return resummarize(args.quick)
     quick: bool = args.quick

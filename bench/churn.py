@@ -134,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=0)
     parser.add_argument("--churn-s", type=float, default=0)
     args = parser.parse_args(argv)
+    report.exit_on_sigterm()
     config = QUICK if args.quick else FULL
     if args.rows:
         config = msgspec.structs.replace(config, rows=args.rows)

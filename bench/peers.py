@@ -477,6 +477,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default="", help="comma-separated peer names to run")
     parser.add_argument("--rows", type=int, default=0, help="override the workload size")
     args = parser.parse_args(argv)
+    report.exit_on_sigterm()
     config = QUICK if args.quick else FULL
     if args.rows:
         config = msgspec.structs.replace(config, rows=args.rows)

@@ -243,6 +243,14 @@ def load(path: Path) -> SectionResult:
     return msgspec.json.decode(path.read_bytes(), type=SectionResult)
 
 
+def exit_on_sigterm() -> None:
+    """Turn SIGTERM into SystemExit, so a stopped section still runs its cleanup
+    (drops its tables, unlinks its shared memory, removes its files)."""
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
 def progress(message: str) -> None:
     print(f"[bench] {message}", file=sys.stderr, flush=True)
 

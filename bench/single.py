@@ -294,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.single", description=__doc__)
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args(argv)
+    report.exit_on_sigterm()
     config = QUICK if args.quick else FULL
     result = report.new_result("single", args.quick)
     try:
