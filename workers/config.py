@@ -48,6 +48,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     # A listener per worker on the one port (SO_REUSEPORT): the kernel spreads connections
     # evenly; with one shared listener a busy worker can end up with most of them.
     reuse_port: bool = True
+    # With reuse_port, listeners each worker but worker 0 (which hosts the keeper) gets;
+    # worker 0 gets one, so it is handed 1 / (1 + (workers - 1) * this) of new connections.
+    listeners_per_worker: Annotated[int, msgspec.Meta(ge=1, le=8)] = 2
     fleet_token: Token | None = None
     admin_token: Token | None = None
     # Past this many bytes a request body is refused with 413 before it is parsed.

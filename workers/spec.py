@@ -11,7 +11,7 @@ from workers.segments import SegmentNames
 
 class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
     index: int
-    listen_fd: int  # the supervisor's listening socket, inherited
+    listen_fds: list[int]  # the supervisor's listening sockets for this worker, inherited
     status_fd: int  # write end of a pipe: the worker writes "ready\n" once it serves
     supervisor_pid: int
     node: str

@@ -83,7 +83,7 @@ class SupervisorStatistics(msgspec.Struct, frozen=True, kw_only=True):
 @dataclass(eq=False)
 class WorkerSlot:
     index: int
-    sock: socket.socket | None = None  # this worker's own listener (reuse_port)
+    socks: list[socket.socket] = field(default_factory=list)  # its own listeners (reuse_port)
     process: subprocess.Popen[bytes] | None = None
     status_fd: int | None = None
     status_buffer: bytes = b""
@@ -243,10 +243,12 @@ class Supervisor:
 
         A plain bind first proves the port is free (and picks one for port 0): a socket
         with SO_REUSEPORT would share a port with another node's instead of failing. Then,
-        with `reuse_port`, each worker gets a listener of its own on that port, and the
-        kernel spreads new connections evenly over them. On one shared socket the workers
-        race to accept and one often takes nearly all of a few long-lived fleet
-        connections; when that one is worker 0, the keeper and every claim share one GIL.
+        with `reuse_port`, each worker gets listeners of its own on that port and the
+        kernel spreads new connections evenly over all the listeners. On one shared socket
+        the workers race to accept, and one often takes nearly all of a few long-lived
+        fleet connections; when that one is worker 0, the keeper and every claim share one
+        GIL. Worker 0 gets one listener and every other worker `listeners_per_worker`, so
+        worker 0 is handed a smaller share of the connections (a third, with two workers).
         """
         probe = self._listener(self.settings.port, reuse_port=False)
         port = int(probe.getsockname()[1])
@@ -254,16 +256,27 @@ class Supervisor:
             self._shared = probe
             return port
         probe.close()
+        self.port = port
         for slot in self.slots:
-            slot.sock = self._listener(port, reuse_port=True)
+            self._slot_sockets(slot)
         return port
 
-    def _slot_socket(self, slot: WorkerSlot) -> socket.socket:
+    def _listeners_for(self, slot: WorkerSlot) -> int:
+        if slot.index == 0 and len(self.slots) > 1:
+            return 1
+        return self.settings.listeners_per_worker
+
+    def _slot_sockets(self, slot: WorkerSlot) -> list[socket.socket]:
         if self._shared is not None:
-            return self._shared
-        if slot.sock is None:
-            slot.sock = self._listener(self.port, reuse_port=True)
-        return slot.sock
+            return [self._shared]
+        while len(slot.socks) < self._listeners_for(slot):
+            slot.socks.append(self._listener(self.port, reuse_port=True))
+        return slot.socks
+
+    def _close_slot_sockets(self, slot: WorkerSlot) -> None:
+        for sock in slot.socks:
+            sock.close()
+        slot.socks = []
 
     def _install_signals(self) -> None:
         self._wake_r, self._wake_w = socket.socketpair()
@@ -284,9 +297,7 @@ class Supervisor:
                 slot.process.wait()
             self._close_status(slot)
         for slot in self.slots:
-            if slot.sock is not None:
-                slot.sock.close()
-                slot.sock = None
+            self._close_slot_sockets(slot)
         if self._shared is not None:
             self._shared.close()
         self.state = "stopped"
@@ -397,14 +408,14 @@ class Supervisor:
     def _spawn(self, slot: WorkerSlot) -> None:
         assert self._segments is not None
         try:
-            listener = self._slot_socket(slot)
+            listeners = self._slot_sockets(slot)
         except ListenFailed as exc:
             self._boot_failed(slot, f"listen failed: {exc.reason}")
             return
         status_r, status_w = os.pipe()
         spec = WorkerSpec(
             index=slot.index,
-            listen_fd=listener.fileno(),
+            listen_fds=[sock.fileno() for sock in listeners],
             status_fd=status_w,
             supervisor_pid=os.getpid(),
             node=self.node,
@@ -416,7 +427,7 @@ class Supervisor:
             process = subprocess.Popen(
                 [sys.executable, "-m", "workers.worker"],
                 stdin=subprocess.PIPE,
-                pass_fds=(listener.fileno(), status_w),
+                pass_fds=(*[sock.fileno() for sock in listeners], status_w),
                 close_fds=True,
             )
         except OSError as exc:
@@ -544,11 +555,10 @@ class Supervisor:
                         other.process.send_signal(signal.SIGINT)
             return
         slot.next_start_at = time.monotonic() + delay
-        if slot.sock is not None and delay >= 1.0:
-            # Connections the kernel hashes to this listener would wait out the backoff;
-            # closed, its share goes to the workers that serve.
-            slot.sock.close()
-            slot.sock = None
+        if slot.socks and delay >= 1.0:
+            # Connections the kernel hashes to these listeners would wait out the backoff;
+            # closed, their share goes to the workers that serve.
+            self._close_slot_sockets(slot)
         logs.event(
             log,
             "worker_boot_failed",

@@ -115,7 +115,7 @@ def serve(spec: WorkerSpec) -> int:
     from store import open_store
 
     settings = spec.settings
-    sock = socket.socket(fileno=spec.listen_fd)
+    sockets = [socket.socket(fileno=fd) for fd in spec.listen_fds]
     segments = Segments.attach(spec.segments)
     store = open_store(settings.store_url())
     keeper: KeeperHost | None = None
@@ -155,7 +155,7 @@ def serve(spec: WorkerSpec) -> int:
         )
         server = WorkerServer(config, spec.status_fd)
         logs.event(log, "worker_serving", worker=spec.index)
-        server.run(sockets=[sock])
+        server.run(sockets=sockets)
     finally:
         if keeper is not None and not keeper.stop():
             logs.event(log, "keeper_stop_timeout", worker=spec.index)
