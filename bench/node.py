@@ -93,6 +93,12 @@ class ArmResult(msgspec.Struct, kw_only=True):
     complete_p99_us: float | None
     granted_twice: int
     not_ok: int = 0
+    # Our arms: claims by the worker that served them (worker 0 hosts the keeper).
+    worker0_share: float | None = None
+    worker0_claim_p50_us: float | None = None
+    worker0_claim_p99_us: float | None = None
+    others_claim_p50_us: float | None = None
+    others_claim_p99_us: float | None = None
 
 
 # --- a lean HTTP client ---------------------------------------------------------------
@@ -138,6 +144,9 @@ def claimant(
     # the kernel hashes connections over them, so two claimants with one connection each
     # would land on one worker half the time. A fleet has many connections.
     clients = [NodeClient(port) for _ in range(CONNECTIONS_PER_CLAIMANT)]
+    # Which worker each keep-alive connection landed on, by the pid that answers on it.
+    pids = [int(client.call("GET", "/healthz")[1]["pid"]) for client in clients]
+    claim_pid: list[int] = []
     turn = 0
     try:
         ready.put(index)
@@ -148,6 +157,7 @@ def claimant(
         request = {"max": batch, "worker": f"bench-{index}", "lease_s": LEASE_S}
         while len(keys) < max_keys and time.perf_counter() < deadline:
             client = clients[turn % len(clients)]
+            pid = pids[turn % len(clients)]
             turn += 1
             t0 = time.perf_counter_ns()
             status, body = client.call("POST", "/v1/claims", request)
@@ -163,6 +173,7 @@ def claimant(
                 continue
             empty_since = None
             claim_ns.append(t1 - t0)
+            claim_pid.append(pid)
             keys.extend(lease["key"] for lease in leases)
             items = [
                 {"key": lease["key"], "token": lease["token"], "outcome": "rendered"}
@@ -187,6 +198,7 @@ def claimant(
                 "started": started,
                 "finished": finished,
                 "claim_ns": claim_ns,
+                "claim_pid": claim_pid,
                 "complete_ns": complete_ns,
                 "keys": keys,
                 "not_ok": not_ok,
@@ -196,7 +208,14 @@ def claimant(
     )
 
 
-def run_our_arm(port: int, batch: int, claimants: int, max_keys: int, max_s: float) -> ArmResult:
+def run_our_arm(
+    port: int,
+    batch: int,
+    claimants: int,
+    max_keys: int,
+    max_s: float,
+    worker_of: dict[int, int] | None = None,
+) -> ArmResult:
     ctx = mp.get_context("spawn")
     ready: Any = ctx.Queue()
     results: Any = ctx.Queue()
@@ -232,7 +251,17 @@ def run_our_arm(port: int, batch: int, claimants: int, max_keys: int, max_s: flo
     claim_ns = [ns for r in reports for ns in r["claim_ns"]]
     complete_ns = [ns for r in reports for ns in r["complete_ns"]]
     seconds = max(r["finished"] for r in reports) - min(r["started"] for r in reports)
+    by_worker: dict[bool, list[int]] = {True: [], False: []}
+    for r in reports:
+        for ns, pid in zip(r["claim_ns"], r["claim_pid"], strict=True):
+            by_worker[(worker_of or {}).get(pid) == 0].append(ns)
+    zero, others = by_worker[True], by_worker[False]
     return ArmResult(
+        worker0_share=round(len(zero) / len(claim_ns), 3) if claim_ns and worker_of else None,
+        worker0_claim_p50_us=us(report.percentile(zero, 50)),
+        worker0_claim_p99_us=us(report.percentile(zero, 99)),
+        others_claim_p50_us=us(report.percentile(others, 50)),
+        others_claim_p99_us=us(report.percentile(others, 99)),
         peer=OURS,
         batch=batch,
         claimants=claimants,
@@ -320,6 +349,15 @@ class Node:
 
     def admin(self) -> NodeClient:
         return NodeClient(self.port, ADMIN_TOKEN)
+
+    def worker_of(self) -> dict[int, int]:
+        """pid -> worker index, from the supervisor's statistics."""
+        client = self.admin()
+        try:
+            _, overview = client.call("GET", "/prerender_admin/overview")
+        finally:
+            client.close()
+        return {w["pid"]: w["index"] for w in overview["supervisor"]["workers"] if w["pid"]}
 
     def wait_live(self, timeout_s: float) -> None:
         """Until the keeper has loaded every row and vouches for exact numbers."""
@@ -580,6 +618,36 @@ def figures(
             target="0",
         )
     )
+    split_table = (
+        "Claims by the worker that served them, under the arms' load (worker 0 hosts the "
+        "keeper and has one listener to every other worker's two)"
+    )
+    for batch in BATCHES:
+        for claimants in config.claimants:
+            arm = find(OURS, batch, claimants)
+            if arm is None:
+                continue
+            label = f"batch {batch}, {claimants} claimants"
+            out.append(
+                report.Figure(
+                    table=split_table,
+                    what=f"{label}: worker 0's share of claims",
+                    unit="share",
+                    ours=arm.worker0_share,
+                    note="equal share would be 0.5",
+                )
+            )
+            for pct in ("p50", "p99"):
+                out.append(
+                    report.Figure(
+                        table=split_table,
+                        what=f"{label}: claim {pct}",
+                        unit="µs",
+                        ours=getattr(arm, f"worker0_claim_{pct}_us"),
+                        peers={"worker 1": getattr(arm, f"others_claim_{pct}_us")},
+                        note="ours = worker 0",
+                    )
+                )
     write_table = "Single-row schedule write through HTTP (POST /v1/schedule)"
     out.append(report.Figure(table=write_table, what="p50", unit="µs", ours=writes["p50_us"]))
     out.append(report.Figure(table=write_table, what="p99", unit="µs", ours=writes["p99_us"]))
@@ -647,7 +715,9 @@ def main(argv: list[str] | None = None) -> int:
         per_arm = min(config.arm_max_keys, due // (len(BATCHES) * len(config.claimants) + 2))
         for batch in BATCHES:
             for claimants in config.claimants:
-                arm = run_our_arm(node.port, batch, claimants, per_arm, config.arm_max_s)
+                arm = run_our_arm(
+                    node.port, batch, claimants, per_arm, config.arm_max_s, node.worker_of()
+                )
                 report.progress(
                     f"node: batch {batch}, {claimants} claimants: {arm.keys_per_s:,.0f} keys/s, "
                     f"claim p50 {arm.claim_p50_us} us p99 {arm.claim_p99_us} us"
