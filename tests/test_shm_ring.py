@@ -95,7 +95,7 @@ def test_an_attached_ring_sees_the_writers_publishes(name: str) -> None:
 def _claim_all(name: str, start: Any, seed: int) -> list[int]:
     ring = ReadyRing.attach(name)
     rng = np.random.default_rng(seed)
-    start.wait(60)
+    start.wait(60)  # a barrier: nobody claims until all four are attached and waiting
     taken: list[int] = []
     last_due = -1
     while True:
@@ -119,11 +119,11 @@ def test_four_processes_take_every_entry_of_100k_exactly_once(name: str) -> None
         keys = [b"key-%06d" % i for i in range(n)]
         ring.publish(keys, np.arange(n), np.zeros(n), key_hashes(keys), 1)
         ctx = multiprocessing.get_context("spawn")
-        start = ctx.Manager().Event()
+        # A barrier, not an event set after a sleep: on a loaded machine a pool process
+        # can start late enough that one claimant drains the whole ring alone.
+        start = ctx.Manager().Barrier(4)
         with ctx.Pool(4) as pool:
             results = [pool.apply_async(_claim_all, (name, start, seed)) for seed in range(4)]
-            time.sleep(0.5)
-            start.set()
             taken = [r.get(120) for r in results]
         every = np.sort(np.concatenate([np.array(t, dtype=np.int64) for t in taken]))
         assert every.size == n
