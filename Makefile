@@ -20,7 +20,7 @@ build: $(STAMP)
 	$(PY) setup.py --quiet build_ext --inplace
 
 run: build
-	$(PY) -m workers.cli demo
+	$(PY) -m workers.cli demo --with-fleet
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -1,8 +1,11 @@
 """`renderqueue demo` (what `make run` starts): a node on SQLite under ./var, loaded with the
 example schedule from examples/, printing the addresses to open.
 
-Hooks run once the node is ready (`DemoHook`); `--with-fleet` adds the simulated fleet
-there, so more demo parts (a sitemap import, say) slot in the same way.
+A fresh demo database also gets the example site's sitemap (an index of gzipped
+children, under examples/site/) imported through `renderqueue import-sitemap`, as an
+operator would feed a real site. Hooks run once the node is ready (`DemoHook`);
+`--with-fleet` adds the simulated fleet there (`make run` passes it), so a newcomer sees
+due counts fall, flow per minute and lateness move on the console.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from workers.config import Settings
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 DEMO_DB = "var/renderqueue.sqlite"
+EXAMPLE_SITEMAP = EXAMPLES / "site" / "sitemap.xml"
+EXAMPLE_ROUTE_RULES = EXAMPLES / "route-rules.toml"
 BATCH = 1000
 
 
@@ -90,11 +95,26 @@ def load_example(store: ScheduleStore, directory: Path, now_ms: int) -> Loaded:
 DemoHook = Callable[[Settings, str], None]
 
 
+FLEET: list[subprocess.Popen[bytes]] = []  # stopped when the node stops
+
+
 def start_fleet(settings: Settings, base_url: str) -> None:
     """The simulated fleet, in its own process, pointed at the demo node (it reads the
     tokens from the environment, as the node does)."""
     command = [sys.executable, "-m", "workers.cli", "fleet", "--node", base_url, "--simulate"]
-    subprocess.Popen(command)
+    FLEET.append(subprocess.Popen(command))
+
+
+def stop_fleet(grace_s: float = 10.0) -> None:
+    """A fleet outliving its node would only retry against a closed port."""
+    for process in FLEET:
+        if process.poll() is None:
+            process.terminate()  # the fleet's graceful stop: finish or hand back in-flight keys
+    for process in FLEET:
+        try:
+            process.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
 
 
 def addresses(base_url: str) -> list[tuple[str, str]]:
@@ -129,7 +149,8 @@ def run_demo(
         Path(db_path[len("sqlite:///") :]).parent.mkdir(parents=True, exist_ok=True)
     store = open_store(db_path)
     try:
-        if args.reset or store.count() == 0:
+        fresh = args.reset or store.count() == 0
+        if fresh:
             loaded = load_example(store, directory, time.time_ns() // 1_000_000)
             print(
                 f"loaded the example schedule: {loaded.rows} rows ({loaded.due} due) "
@@ -143,6 +164,8 @@ def run_demo(
             )
     finally:
         store.close()
+    if fresh:
+        import_example_site(db_path)
     hooks: list[DemoHook] = [print_addresses]
     if args.with_fleet:
         hooks.append(start_fleet)
@@ -151,6 +174,18 @@ def run_demo(
         hook(settings, f"http://{url_host(settings.host)}:{supervisor.port}") for hook in hooks
     ]
     return supervisor.run()
+
+
+def import_example_site(store_url: str) -> None:
+    """Feed the example site's sitemap in the way an operator would: the import command."""
+    from sitemap.cli import main as import_sitemap
+
+    print(f"importing the example site's sitemap, {EXAMPLE_SITEMAP}", file=sys.stderr)
+    status = import_sitemap(
+        [str(EXAMPLE_SITEMAP), "--route-rules", str(EXAMPLE_ROUTE_RULES), "--db", store_url]
+    )
+    if status != 0:
+        print("the example sitemap was not imported; the demo goes on without it", file=sys.stderr)
 
 
 def url_host(host: str) -> str:
