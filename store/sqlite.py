@@ -147,6 +147,7 @@ class SqliteStore:
         try:
             retry.call("open", lambda: configure(conn))
             retry.call("open", lambda: migrate(conn, str(self.path)))
+            retry.call("open", lambda: conn.execute(sql.CREATE_COMPLETING))
             if self._upkeep is not None:
                 conn.execute(f"PRAGMA wal_autocheckpoint = {WRITER_CHECKPOINT_PAGES}")
         except BaseException:
@@ -225,23 +226,28 @@ class SqliteStore:
         if not items:
             return []
 
+        rounds = _rounds(items)
+
         def body(conn: sqlite3.Connection) -> list[Row | None]:
-            out: list[Row | None] = []
-            for item in items:
-                if item.outcome == "gone":
-                    conn.execute(sql.DELETE, (item.key,))
-                    out.append(None)
-                    continue
-                if item.outcome == "rendered":
-                    params = {
-                        "key": item.key,
-                        "now": item.now,
-                        "next_render_at": item.next_render_at,
-                    }
-                    found = conn.execute(sql.COMPLETE_RENDERED, params).fetchall()
-                else:
-                    found = conn.execute(sql.COMPLETE_FAILED, {"key": item.key}).fetchall()
-                out.append(sql.row_from(found[0]) if found else None)
+            out: list[Row | None] = [None] * len(items)
+            for indices in rounds:
+                staged = [items[i] for i in indices]
+                conn.executemany(
+                    sql.STAGE_COMPLETING,
+                    [(c.key, c.outcome, c.now, c.next_render_at) for c in staged],
+                )
+                outcomes = {c.outcome for c in staged}
+                found: dict[str, Row] = {}
+                for outcome, statement in _COMPLETE_STATEMENTS:
+                    if outcome in outcomes:
+                        for values in conn.execute(statement):
+                            row = sql.row_from(values)
+                            found[row.key] = row
+                if "gone" in outcomes:
+                    conn.execute(sql.COMPLETE_GONE)
+                conn.execute(sql.CLEAR_COMPLETING)
+                for index, item in zip(indices, staged, strict=True):
+                    out[index] = found.get(item.key)  # gone or missing: None
             return out
 
         return self._write("complete", body, rows=len(items), logged=True)
@@ -559,6 +565,23 @@ class SqliteStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+_COMPLETE_STATEMENTS = (("rendered", sql.COMPLETE_RENDERED), ("failed", sql.COMPLETE_FAILED))
+
+
+def _rounds(items: Sequence[Completion]) -> list[list[int]]:
+    """Indices of `items` split so no round names a key twice: round n holds each key's
+    n-th completion, so applying the rounds in order applies a key's completions in order."""
+    seen: dict[str, int] = {}
+    rounds: list[list[int]] = [[]]
+    for index, item in enumerate(items):
+        n = seen.get(item.key, 0)
+        seen[item.key] = n + 1
+        if n == len(rounds):
+            rounds.append([])
+        rounds[n].append(index)
+    return rounds
 
 
 assert KIND_ROW == 0  # the triggers in store.schema write row entries as kind 0

@@ -59,23 +59,50 @@ GLOBAL_CADENCE = (
     f"{DEFAULT_CADENCE_S})"
 )
 
+# complete() stages each round of a batch (no key twice) in this per-connection table, so
+# one statement per outcome applies the round. Created outside any transaction: a table
+# created inside one would vanish with a BUSY rollback.
+CREATE_COMPLETING = """
+CREATE TEMP TABLE IF NOT EXISTS completing (
+    key TEXT PRIMARY KEY NOT NULL,
+    outcome TEXT NOT NULL,
+    now INTEGER NOT NULL,
+    next_render_at INTEGER
+) WITHOUT ROWID
+"""
+STAGE_COMPLETING = "INSERT INTO temp.completing VALUES (?, ?, ?, ?)"
+CLEAR_COMPLETING = "DELETE FROM temp.completing"
+
+# NEXT_SEQ is read once per statement; this one names the updated row, so SQLite reads it
+# again for each row, after the previous row's trigger logged its entry: each row's
+# version is the seq of its own log entry, as with one statement per row.
+_NEXT_SEQ_PER_ROW = (
+    "(SELECT coalesce(max(seq), 0) + 1 + 0 * render_schedule.version FROM change_log)"
+)
+
+COMPLETE_GONE = """
+DELETE FROM render_schedule
+WHERE key IN (SELECT key FROM temp.completing WHERE outcome = 'gone')
+"""
+
 COMPLETE_RENDERED = f"""
 UPDATE render_schedule SET
-    last_rendered_at = :now,
+    (last_rendered_at, next_render_at) = (
+        SELECT c.now, coalesce(c.next_render_at, c.now + 1000 * coalesce(
+            render_schedule.cadence_s,
+            (SELECT default_cadence_s FROM routes WHERE routes.route = render_schedule.route),
+            {GLOBAL_CADENCE}))
+        FROM temp.completing AS c WHERE c.key = render_schedule.key),
     last_outcome = 'rendered',
-    next_render_at = coalesce(:next_render_at, :now + 1000 * coalesce(
-        cadence_s,
-        (SELECT default_cadence_s FROM routes WHERE routes.route = render_schedule.route),
-        {GLOBAL_CADENCE})),
-    version = {NEXT_SEQ}
-WHERE key = :key
+    version = {_NEXT_SEQ_PER_ROW}
+WHERE key IN (SELECT key FROM temp.completing WHERE outcome = 'rendered')
 RETURNING {ROW_COLUMNS}
 """
 
 # A failure keeps the row due: next_render_at and last_rendered_at stay as they were.
 COMPLETE_FAILED = f"""
-UPDATE render_schedule SET last_outcome = 'failed', version = {NEXT_SEQ}
-WHERE key = :key
+UPDATE render_schedule SET last_outcome = 'failed', version = {_NEXT_SEQ_PER_ROW}
+WHERE key IN (SELECT key FROM temp.completing WHERE outcome = 'failed')
 RETURNING {ROW_COLUMNS}
 """
 

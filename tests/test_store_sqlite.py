@@ -9,6 +9,7 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from store.base import RowsRead
@@ -193,6 +194,60 @@ def test_complete_failed_keeps_it_due_and_gone_deletes(store: SqliteStore) -> No
     assert failed.last_outcome == "failed" and failed.version > before.version
     assert gone is None and store.get("/g") is None
     assert missing is None and store.get("/nope") is None
+
+
+def test_a_key_completed_twice_in_one_call_is_applied_in_order(tmp_path: Path) -> None:
+    """A batch gives each item's row as one call per item would (versions aside)."""
+    keys = ["/a", "/b", "/c", "/d\x00nul", '/e "quote\\']
+    rng = random.Random(7)
+    items = [
+        Completion(
+            key=rng.choice([*keys, "/missing"]),
+            outcome=rng.choice(["rendered", "rendered", "failed", "gone"]),
+            now=1_000 * i,
+            next_render_at=rng.choice([None, 77_000 + i]),
+        )
+        for i in range(60)
+    ]
+    batched, one_by_one = SqliteStore(tmp_path / "b.db"), SqliteStore(tmp_path / "o.db")
+    for opened in (batched, one_by_one):
+        opened.set_route("article", default_cadence_s=3600)
+        opened.write([put(k, route="article" if i % 2 else "product") for i, k in enumerate(keys)])
+    try:
+        got = batched.complete(items)
+        want = [one_by_one.complete([item])[0] for item in items]
+        unversioned = [None if r is None else msgspec.structs.replace(r, version=0) for r in got]
+        assert unversioned == [
+            None if r is None else msgspec.structs.replace(r, version=0) for r in want
+        ]
+        assert any(r is None for r in got) and any(r is not None for r in got)
+        assert [r.key for r in batched.walk(None, 10)] == [r.key for r in one_by_one.walk(None, 10)]
+        assert log_size(batched) == log_size(one_by_one)  # one log entry per changed row
+    finally:
+        batched.close()
+        one_by_one.close()
+
+
+def test_each_completed_row_takes_the_seq_of_its_own_log_entry(store: SqliteStore) -> None:
+    keys = [f"/v/{i:03d}" for i in range(120)]
+    store.write([put(k, cadence_s=60 if i % 2 else None) for i, k in enumerate(keys)])
+    size = log_size(store)
+    outcomes = ["rendered", "failed", "gone"]
+    got = store.complete(
+        [Completion(key=k, outcome=outcomes[i % 3], now=5_000) for i, k in enumerate(keys)]
+        + [Completion(key="/v/none", outcome="rendered", now=5_000)]
+    )
+    assert log_size(store) == size + len(keys)  # each changed row logged once, nothing else
+    rows = [r for r in got if r is not None]
+    assert [r.key for r in rows] == [k for i, k in enumerate(keys) if i % 3 != 2]
+    conn = sqlite3.connect(store.path)
+    try:
+        logged = dict(conn.execute("SELECT key, max(seq) FROM change_log GROUP BY key"))
+    finally:
+        conn.close()
+    assert [r.version for r in rows] == [logged[r.key] for r in rows]
+    assert len({r.version for r in rows}) == len(rows)
+    assert rows == [store.get(r.key) for r in rows]
 
 
 def test_a_bad_completion_changes_nothing(store: SqliteStore) -> None:
