@@ -226,6 +226,9 @@ class SqliteStore:
         if not items:
             return []
 
+        # One statement per outcome per round, not per item: within a round the log holds
+        # the rendered rows, then the failed, then the gone (input order is lost there);
+        # a key named twice is in two rounds, so its own completions apply in order.
         rounds = _rounds(items)
 
         def body(conn: sqlite3.Connection) -> list[Row | None]:
@@ -573,6 +576,8 @@ _COMPLETE_STATEMENTS = (("rendered", sql.COMPLETE_RENDERED), ("failed", sql.COMP
 def _rounds(items: Sequence[Completion]) -> list[list[int]]:
     """Indices of `items` split so no round names a key twice: round n holds each key's
     n-th completion, so applying the rounds in order applies a key's completions in order."""
+    if len({item.key for item in items}) == len(items):
+        return [list(range(len(items)))]  # the usual batch: every key once
     seen: dict[str, int] = {}
     rounds: list[list[int]] = [[]]
     for index, item in enumerate(items):
