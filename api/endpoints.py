@@ -14,7 +14,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from api import admin, claims, metrics, schedule
+from api import admin, claims, metrics, schedule, sitemaps
 from api.auth import Scope
 from api.node import Node
 from api.schemas import (
@@ -36,6 +36,7 @@ from api.schemas import (
     ScheduleResult,
     SettingsUpdate,
 )
+from sitemap.importer import ImportReport
 from store.rows import Route, Row
 
 
@@ -75,6 +76,10 @@ class Endpoint:
 
 async def _claim(call: Call) -> ClaimResponse | Response:
     return await claims.claim(call.node, call.body)
+
+
+async def _import_sitemap(call: Call) -> ImportReport:
+    return await sitemaps.import_upload(call.node, call.request)
 
 
 def _query(call: Call, name: str) -> str | None:
@@ -118,6 +123,15 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         lambda call: schedule.write(call.node, call.body),
         body=ScheduleRequest,
         response=ScheduleResult,
+    ),
+    Endpoint(
+        "POST",
+        "/v1/sitemaps",
+        "admin",
+        "Import one sitemap (XML or gzip, as the raw body) with the node's route rules; "
+        "a refused document writes nothing.",
+        _import_sitemap,
+        response=ImportReport,
     ),
     Endpoint(
         "GET",

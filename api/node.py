@@ -28,6 +28,7 @@ class ApiSettings(msgspec.Struct, frozen=True, kw_only=True):
     poll_interval_s: float = 0.025
     retry_after_s: int = 1
     sitemap_boost: float = 1.0  # the keeper's, so explain ranks a row as the keeper does
+    sitemap_route_rules: str | None = None  # a TOML file of URL-pattern rules
 
 
 @dataclass(eq=False)

@@ -154,6 +154,7 @@ class ThreadNode:
         max_body_bytes: int = 64 * 1024,
         keeper_config: dict[str, Any] | None = None,
         http: str = "lean",
+        sitemap_route_rules: str | None = None,
     ) -> None:
         from api.app import create_app
         from api.node import ApiSettings, Node
@@ -179,6 +180,7 @@ class ThreadNode:
                 fleet_token=FLEET_TOKEN if tokens else None,
                 admin_token=ADMIN_TOKEN if tokens is True else None,
                 max_body_bytes=max_body_bytes,
+                sitemap_route_rules=sitemap_route_rules,
             ),
             store=self.store,
             ring=self.segments.ring,

@@ -73,6 +73,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     # the keeper can delay a claim in the same process (see bench/node.py).
     keeper_switch_interval_ms: Annotated[float, msgspec.Meta(ge=0.1, le=100)] = 1.0
     keeper: dict[str, Any] = {}  # passed to keeper.config.KeeperConfig
+    # URL-pattern rules (TOML, as `import-sitemap --route-rules`) for POST /v1/sitemaps;
+    # without them every uploaded URL goes to the route "page".
+    sitemap_route_rules: str | None = None
 
     @property
     def auth_enabled(self) -> bool:
@@ -188,6 +191,15 @@ def _check_consistency(settings: Settings, sources: Mapping[str, str]) -> None:
     except msgspec.ValidationError as exc:
         name, message = _split_validation_error(str(exc))
         raise ConfigError("keeper." + name, message, sources.get("keeper")) from exc
+    if settings.sitemap_route_rules is not None:
+        from sitemap.rules import RouteRules, RouteRulesError
+
+        try:
+            RouteRules.load(settings.sitemap_route_rules)
+        except RouteRulesError as exc:
+            raise ConfigError(
+                "sitemap_route_rules", str(exc), sources.get("sitemap_route_rules")
+            ) from exc
     if config.best_k > settings.ring_entries:
         raise ConfigError(
             "keeper.best_k",

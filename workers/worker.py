@@ -134,6 +134,7 @@ def serve(spec: WorkerSpec) -> int:
                 admin_token=settings.admin_token,
                 max_body_bytes=settings.max_body_bytes,
                 sitemap_boost=keeper_config(settings).sitemap_boost,
+                sitemap_route_rules=settings.sitemap_route_rules,
             ),
             store=store,
             ring=segments.ring,
