@@ -278,22 +278,23 @@ def _wait(check: Callable[[], object], timeout_s: float, what: str) -> object:
 
 @needs_node
 def test_real_node_503_with_retry_after_during_start_up(tmp_path: Path) -> None:
-    from node_harness import NodeProcess, seed_rows
+    from node_harness import thread_node
 
-    keys = seed_rows(tmp_path / "node.sqlite", 20_000, due_share=0.01)
-    running = NodeProcess(tmp_path, workers=2)
-    try:
-        # claim the moment the socket listens, before the keeper's first publish
-        running.start(wait_ready=False)
-        with FleetClient(running.url, worker="early") as client:
-            leases = client.claim(10)
+    # The keeper starts only after the client has met the node unready, so the 503 (and
+    # its Retry-After) is certain rather than a race with the first publish.
+    with thread_node(tmp_path, keeper=False) as node:
+        with node.client() as admin:
+            admin.post("/v1/schedule", json={"upsert": [{"key": "k-start", "route": "page"}]})
+        with FleetClient(node.url, worker="early") as client:
+            result: list[list[Lease]] = []
+            claimer = threading.Thread(target=lambda: result.append(client.claim(10)))
+            claimer.start()
+            _wait(lambda: client.statistics().unready_waits > 0, 10, "a 503 waited out")
+            node.start_keeper()
+            claimer.join(30)
             stats = client.statistics()
-    finally:
-        running.stop()
-    assert leases, "no lease once the node was ready"
-    assert {lease.key for lease in leases} <= set(keys)
-    if stats.unready_waits == 0:
-        pytest.skip("the node published before the first claim arrived: no 503 to wait out")
+    assert [lease.key for lease in result[0]] == ["k-start"]
+    assert stats.unready_waits >= 1
 
 
 @needs_node
