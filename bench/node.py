@@ -21,7 +21,6 @@ import argparse
 import http.client
 import multiprocessing as mp
 import os
-import queue
 import shutil
 import signal
 import socket
@@ -36,6 +35,7 @@ import msgspec
 
 from bench import report
 from bench.peer_base import PG_DSN, Rows, Workload, due_count, generate, reachable, unique_suffix
+from bench.race import race
 
 OURS = "renderqueue HTTP"
 SQLITE = "SQLite index scan"
@@ -216,34 +216,12 @@ def run_our_arm(
     max_s: float,
     worker_of: dict[int, int] | None = None,
 ) -> ArmResult:
-    ctx = mp.get_context("spawn")
-    ready: Any = ctx.Queue()
-    results: Any = ctx.Queue()
-    start = ctx.Event()
-    processes = [
-        ctx.Process(
-            target=claimant,
-            args=(port, i, batch, max_keys // claimants, max_s, ready, start, results),
-            daemon=True,
-        )
-        for i in range(claimants)
-    ]
-    for process in processes:
-        process.start()
-    for _ in processes:
-        ready.get(timeout=120)
-    start.set()
-    reports = []
-    try:
-        for _ in processes:
-            reports.append(msgspec.msgpack.decode(results.get(timeout=max_s + 120)))
-    except queue.Empty as exc:
-        raise RuntimeError("a claimant never reported") from exc
-    finally:
-        for process in processes:
-            process.join(timeout=30)
-            if process.is_alive():
-                process.kill()
+    raw = race(
+        claimant,
+        [(port, i, batch, max_keys // claimants, max_s) for i in range(claimants)],
+        max_s + 120,
+    )
+    reports = [msgspec.msgpack.decode(report) for report in raw]
     errors = [r["error"] for r in reports if r["error"]]
     if errors:
         raise RuntimeError("; ".join(errors))

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
-import queue
 import sys
 import time
 from collections.abc import Callable
@@ -37,6 +36,7 @@ from bench.peer_base import (
     generate,
     reachable,
 )
+from bench.race import race
 
 OURS = "renderqueue"
 OURS_HTTP = "renderqueue HTTP"
@@ -205,46 +205,12 @@ def claimant_process(
 
 
 def run_arm(spec: Spec, batch: int, complete: bool, max_keys: int, config: Config) -> ArmResult:
-    ctx = mp.get_context("spawn")
-    ready: mp.Queue = ctx.Queue()  # type: ignore[type-arg]
-    results: mp.Queue = ctx.Queue()  # type: ignore[type-arg]
-    start = ctx.Event()
-    processes = [
-        ctx.Process(
-            target=claimant_process,
-            args=(
-                spec,
-                i,
-                batch,
-                complete,
-                max_keys // CLAIMANTS,
-                config.arm_max_s,
-                config.lease_ms,
-                ready,
-                start,
-                results,
-            ),
-            daemon=True,
-        )
+    own_args = [
+        (spec, i, batch, complete, max_keys // CLAIMANTS, config.arm_max_s, config.lease_ms)
         for i in range(CLAIMANTS)
     ]
-    for process in processes:
-        process.start()
-    for _ in processes:
-        ready.get(timeout=120)
-    start.set()
-    reports: list[ClaimantReport] = []
-    try:
-        for _ in processes:
-            raw = results.get(timeout=config.arm_max_s + 120)
-            reports.append(msgspec.msgpack.decode(raw, type=ClaimantReport))
-    except queue.Empty as exc:
-        raise RuntimeError(f"a claimant of {spec.kind} never reported") from exc
-    finally:
-        for process in processes:
-            process.join(timeout=30)
-            if process.is_alive():
-                process.kill()
+    raw = race(claimant_process, own_args, config.arm_max_s + 120, f"a claimant of {spec.kind}")
+    reports = [msgspec.msgpack.decode(report, type=ClaimantReport) for report in raw]
     errors = [r.error for r in reports if r.error]
     if errors:
         raise RuntimeError("; ".join(errors))
