@@ -20,7 +20,14 @@ from api.problems import invalid_query
 from api.schedule import check_key
 from api.schemas import Explain, Health, Overview, Readiness
 from keeper.classes import classify, rank
-from keeper.state import LeaseCounts, as_read, decode_queue_state, state_age_ms, vouches
+from keeper.state import (
+    LeaseCounts,
+    as_read,
+    decode_queue_state,
+    lease_counts,
+    state_age_ms,
+    vouches,
+)
 from shm import key_hash
 
 
@@ -68,15 +75,7 @@ def readyz(node: Node) -> Response:
 
 def live_leases(node: Node) -> LeaseCounts:
     """Lease counts read now from the lease table: true with or without the keeper."""
-    stats = node.leases.statistics()
-    return LeaseCounts(
-        in_flight=stats.live_leases,
-        held_keys=stats.held_keys,
-        hold_events=stats.hold_events,
-        refusals_taken=stats.refusals_taken,
-        refusals_held=stats.refusals_held,
-        refusals_probe_full=stats.refusals_probe_full,
-    )
+    return lease_counts(node.leases.statistics())
 
 
 def queue_state(node: Node) -> Response:

@@ -50,6 +50,7 @@ from keeper.state import (
     TrustGroup,
     VerifyStats,
     encode_queue_state,
+    lease_counts,
 )
 from keeper.walk import RepairCounts, Walk, WalkReason
 from store.base import RowsRead, ScheduleStore
@@ -559,14 +560,7 @@ class Keeper:
         except Exception:
             log.debug("keeper: lease statistics failed", exc_info=True)
             return LeaseCounts()
-        return LeaseCounts(
-            in_flight=s.live_leases,
-            held_keys=s.held_keys,
-            hold_events=s.hold_events,
-            refusals_taken=s.refusals_taken,
-            refusals_held=s.refusals_held,
-            refusals_probe_full=s.refusals_probe_full,
-        )
+        return lease_counts(s)
 
     def queue_state(self, now: int, *, full: bool) -> QueueState:
         """The full record (counts taken now), or the last one with trust and status refreshed."""

@@ -19,6 +19,7 @@ from typing import Literal
 import msgspec
 
 from keeper.flow import FlowMinute
+from keeper.protocols import LeaseStatisticsLike
 from keeper.walk import RepairCounts
 
 SCHEMA = 1
@@ -33,6 +34,18 @@ class LeaseCounts(msgspec.Struct, frozen=True, kw_only=True):
     refusals_taken: int = 0
     refusals_held: int = 0
     refusals_probe_full: int = 0  # the bounded probe window, which can refuse below 100%
+
+
+def lease_counts(stats: LeaseStatisticsLike) -> LeaseCounts:
+    """The lease table's statistics as queue-state reports them (keeper and workers alike)."""
+    return LeaseCounts(
+        in_flight=stats.live_leases,
+        held_keys=stats.held_keys,
+        hold_events=stats.hold_events,
+        refusals_taken=stats.refusals_taken,
+        refusals_held=stats.refusals_held,
+        refusals_probe_full=stats.refusals_probe_full,
+    )
 
 
 class NowGroup(msgspec.Struct, frozen=True, kw_only=True):
