@@ -3,7 +3,6 @@ with a SIGINT stop in the middle of renders."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import signal
 import subprocess
@@ -71,16 +70,6 @@ def test_hidden_failures_are_counted_when_the_window_turns() -> None:
     ]
 
 
-NODE_BUILT = (
-    all(
-        importlib.util.find_spec(name) is not None
-        for name in ("api.app", "workers.supervisor", "keeper.runner")
-    )
-    and (Path(__file__).parent / "node_harness.py").exists()
-)
-
-
-@pytest.mark.skipif(not NODE_BUILT, reason="node not built yet")
 def test_exec_outcomes_and_a_sigint_stop_against_a_real_node(tmp_path: Path) -> None:
     from node_harness import node_process, now_ms, wait_for
 

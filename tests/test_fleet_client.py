@@ -5,7 +5,6 @@ starts, completions fenced by tokens)."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import random
 import threading
 import time
@@ -248,15 +247,6 @@ def test_async_client_honours_retry_after() -> None:
 
 # -- against a real node --------------------------------------------------------------
 
-NODE_BUILT = (
-    all(
-        importlib.util.find_spec(name) is not None
-        for name in ("api.app", "workers.supervisor", "keeper.runner")
-    )
-    and (Path(__file__).parent / "node_harness.py").exists()
-)
-needs_node = pytest.mark.skipif(not NODE_BUILT, reason="node not built yet")
-
 
 @pytest.fixture
 def node(tmp_path: Path) -> Iterator[object]:
@@ -276,7 +266,6 @@ def _wait(check: Callable[[], object], timeout_s: float, what: str) -> object:
     raise AssertionError(f"timed out waiting for {what}")
 
 
-@needs_node
 def test_real_node_503_with_retry_after_during_start_up(tmp_path: Path) -> None:
     from node_harness import thread_node
 
@@ -297,7 +286,6 @@ def test_real_node_503_with_retry_after_during_start_up(tmp_path: Path) -> None:
     assert stats.unready_waits >= 1
 
 
-@needs_node
 def test_real_node_long_poll_wakes_when_a_row_comes_due(node: object) -> None:
     from node_harness import NodeProcess
 
@@ -318,7 +306,6 @@ def test_real_node_long_poll_wakes_when_a_row_comes_due(node: object) -> None:
     assert client.statistics().requests == 1
 
 
-@needs_node
 def test_real_node_renewal_keeps_a_lease_past_its_first_term(tmp_path: Path) -> None:
     from node_harness import node_process, seed_rows
 

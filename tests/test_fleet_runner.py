@@ -5,7 +5,6 @@ scripted in-process node (exact control of leases and timing), then `renderqueue
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import os
 import signal
@@ -17,7 +16,6 @@ from pathlib import Path
 
 import httpx
 import msgspec
-import pytest
 
 from fleet.client import AsyncFleetClient
 from fleet.messages import Lease
@@ -294,15 +292,6 @@ def test_a_refused_claim_is_fatal() -> None:
 
 # -- `renderqueue fleet --simulate` against a real node -------------------------------
 
-NODE_BUILT = (
-    all(
-        importlib.util.find_spec(name) is not None
-        for name in ("api.app", "workers.supervisor", "keeper.runner")
-    )
-    and (Path(__file__).parent / "node_harness.py").exists()
-)
-needs_node = pytest.mark.skipif(not NODE_BUILT, reason="node not built yet")
-
 
 def queue_due(client: httpx.Client) -> int | None:
     from fleet.nodeview import summarize_queue_state
@@ -313,7 +302,6 @@ def queue_due(client: httpx.Client) -> int | None:
     return summarize_queue_state(response.status_code, response.json()).due
 
 
-@needs_node
 def test_simulated_fleet_drains_a_real_node(tmp_path: Path) -> None:
     from node_harness import due_in_table, node_process, seed_rows, wait_for
 

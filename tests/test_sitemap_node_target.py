@@ -4,7 +4,6 @@ the same rows and the same report as writing to the store directly."""
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import io
 import json
 import time
@@ -21,14 +20,6 @@ from sitemap.rules import RouteRules
 from store import open_store
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-NODE_BUILT = (
-    all(
-        importlib.util.find_spec(name) is not None
-        for name in ("api.app", "workers.supervisor", "keeper.runner")
-    )
-    and (Path(__file__).parent / "node_harness.py").exists()
-)
-needs_node = pytest.mark.skipif(not NODE_BUILT, reason="node not built yet")
 
 
 def test_a_refusing_node_is_reported_with_its_problem_detail() -> None:
@@ -49,7 +40,6 @@ def test_a_refusing_node_is_reported_with_its_problem_detail() -> None:
         )
 
 
-@needs_node
 def test_import_through_a_real_node(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from node_harness import ADMIN_TOKEN, node_process
 
