@@ -28,7 +28,7 @@ FULL_TIMEOUT_S = 4 * 3600
 
 class SectionRun(msgspec.Struct, kw_only=True):
     section: str
-    status: str  # ok | failed | not built yet | missing rows | timed out
+    status: str  # ok | failed | missing rows | timed out
     elapsed_s: float = 0.0
     returncode: int | None = None
     gaps: list[str] = []
@@ -47,7 +47,7 @@ class Summary(msgspec.Struct, kw_only=True):
     machine: dict[str, str]
 
 
-def is_built(section: str, directory: Path = BENCH_DIR) -> bool:
+def exists(section: str, directory: Path = BENCH_DIR) -> bool:
     return (directory / f"{section}.py").is_file()
 
 
@@ -56,9 +56,9 @@ def run_section(
 ) -> tuple[SectionRun, str]:
     """Run one section in a child process; returns its record and its markdown."""
     cwd = cwd or BENCH_DIR.parent
-    if not is_built(section, cwd / package.replace(".", "/")):
-        report.progress(f"{section}: not built yet (no bench/{section}.py)")
-        return SectionRun(section=section, status="not built yet"), ""
+    if not exists(section, cwd / package.replace(".", "/")):
+        report.progress(f"{section}: FAILED: no bench/{section}.py")
+        return SectionRun(section=section, status="failed", detail=f"no bench/{section}.py"), ""
     path = report.results_path(section, quick)
     # A stale file from an earlier run must never pass for this run's output.
     path.unlink(missing_ok=True)
@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     timeout_s = args.timeout or (QUICK_TIMEOUT_S if quick else FULL_TIMEOUT_S)
     if args.section == "all":
         sections: tuple[str, ...] = SECTIONS
-    elif args.section in SECTIONS or is_built(args.section):
+    elif args.section in SECTIONS or exists(args.section):
         sections = (args.section,)
     else:
         parser.error(f"no section {args.section!r}; known: {', '.join(SECTIONS)}")
@@ -246,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         record, markdown = run_section(section, quick, timeout_s)
         runs.append(record)
         tables.append((section, markdown))
-    failed = [r for r in runs if r.status not in ("ok", "not built yet")]
+    failed = [r for r in runs if r.status != "ok"]
     command = "make bench-quick" if quick and args.section == "all" else "make bench"
     if args.section != "all":
         command = f".venv/bin/python -m bench {args.section}" + (" --quick" if quick else "")

@@ -143,15 +143,6 @@ def main(argv: list[str] | None = None) -> int:
             config, churn_s=args.churn_s, restart_before_end_s=min(args.churn_s / 3, 60)
         )
     result = report.new_result("churn", args.quick)
-    try:
-        from bench.peer_renderqueue import OURS, missing_pieces
-    except ImportError as exc:
-        result.pending["churn"] = f"pending: renderqueue pieces not built yet ({exc})"
-        return _finish(result, config, {})
-    gone = missing_pieces().get(OURS)
-    if gone:
-        result.pending["churn"] = gone
-        return _finish(result, config, {})
     return _finish(result, config, run(config))
 
 

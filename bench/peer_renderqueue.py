@@ -26,7 +26,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import report
 from bench.peer_base import Claimant, Rows, Spec, unique_suffix
 
 OURS = "renderqueue"
@@ -433,52 +432,5 @@ def open_renderqueue_claimant(spec: Spec) -> Claimant:
     return InProcessClaimant(spec.params)
 
 
-def missing_pieces() -> dict[str, str]:
-    """Which renderqueue arm cannot run yet, and why (a piece not landed is not faked)."""
-    import importlib.util
-
-    def absent(*modules: str) -> list[str]:
-        out = []
-        for module in modules:
-            try:
-                if importlib.util.find_spec(module) is None:
-                    out.append(module)
-            except ImportError:
-                out.append(module)
-        return out
-
-    pending: dict[str, str] = {}
-    gone = absent("store.sqlite", "keeper.runner", "keeper.state", "shm", "api.claims")
-    gone += [] if _shm_built() else ["shm.ReadyRing"]
-    if gone:
-        pending[OURS] = f"pending: {', '.join(gone)} not built yet"
-    node = absent("workers.cli", "api.app", "workers.worker")
-    if node or gone:
-        pending[OURS_HTTP] = f"pending: node ({', '.join(node + gone)} not built yet)"
-    return pending
-
-
-def _shm_built() -> bool:
-    try:
-        import shm
-
-        return hasattr(shm, "ReadyRing") and hasattr(shm, "LeaseTable")
-    except ImportError:
-        return False
-
-
 def factories() -> dict[str, Any]:
-    pending = missing_pieces()
-    made: dict[str, Any] = {}
-    if OURS not in pending:
-        made[OURS] = RenderqueuePeer
-    if OURS_HTTP not in pending:
-        made[OURS_HTTP] = HttpPeer
-    return made
-
-
-def pending() -> dict[str, str]:
-    found = missing_pieces()
-    for name, why in found.items():
-        report.progress(f"peers: {name}: {why}")
-    return found
+    return {OURS: RenderqueuePeer, OURS_HTTP: HttpPeer}

@@ -313,18 +313,11 @@ def run_peer(name: str, factory: PeerFactory, config: Config) -> PeerRun:
 
 def factories(only: set[str] | None) -> tuple[dict[str, PeerFactory], dict[str, str]]:
     """The peers this run can measure, and why each other one cannot be measured."""
-    from bench import peer_pgqueuer, peer_redis, peer_sql
+    from bench import peer_pgqueuer, peer_redis, peer_renderqueue, peer_sql
 
     made: dict[str, PeerFactory] = {}
     pending: dict[str, str] = {}
-    try:
-        from bench import peer_renderqueue
-
-        made.update(peer_renderqueue.factories())
-        pending.update(peer_renderqueue.pending())
-    except ImportError as exc:
-        pending[OURS] = f"pending: renderqueue pieces not built yet ({exc})"
-        pending[OURS_HTTP] = "pending: node"
+    made.update(peer_renderqueue.factories())
     made[SQLITE] = peer_sql.SqlitePeer
     pg_down = reachable(*_host_port(PG_DSN, 5432))
     redis_down = reachable(*_host_port(REDIS_URL, 6379))

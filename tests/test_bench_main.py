@@ -1,5 +1,5 @@
 """The bench runner's own contract: a section fails the run when it crashes, writes no
-results, or leaves a promised row unmeasured; a missing section is "not built yet"."""
+results, or leaves a promised row unmeasured; a missing section fails."""
 
 from __future__ import annotations
 
@@ -104,8 +104,10 @@ def test_a_stale_result_file_never_passes_for_a_new_run(sandbox: Path) -> None:
     assert run(sandbox, "silent").status == "failed"
 
 
-def test_a_missing_section_is_not_built_yet(sandbox: Path) -> None:
-    assert run(sandbox, "nothing_here").status == "not built yet"
+def test_a_missing_section_fails(sandbox: Path) -> None:
+    record = run(sandbox, "nothing_here")
+    assert record.status == "failed"
+    assert "no bench/nothing_here.py" in record.detail
 
 
 def test_markdown_puts_the_seed_and_each_peer_beside_ours() -> None:
