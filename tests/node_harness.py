@@ -31,8 +31,8 @@ import pytest
 import uvicorn
 
 from store.rows import RowWrite
-from workers.http11 import lean_protocol
-from workers.protocol import CoalescingH11Protocol
+from workers.body_limit import BodyLimit
+from workers.protocol import PROTOCOLS
 
 
 def _pieces_missing() -> str | None:
@@ -153,7 +153,7 @@ class ThreadNode:
         tokens: bool | str = False,  # True: both tokens; "fleet": the fleet token only
         max_body_bytes: int = 64 * 1024,
         keeper_config: dict[str, Any] | None = None,
-        http: str = "lean",
+        http: str = "httptools",
         sitemap_route_rules: str | None = None,
     ) -> None:
         from api.app import create_app
@@ -163,6 +163,7 @@ class ThreadNode:
 
         self.dir = directory
         self.db = directory / "node.sqlite"
+        self.http = http
         self.instance = unique("ta")
         self.segments = Segments.create(
             SegmentNames.for_instance(self.instance), ring_entries=8192, lease_slots=1 << 16
@@ -192,8 +193,8 @@ class ThreadNode:
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(
-            create_app(self.node),
-            http=(CoalescingH11Protocol if http == "h11" else lean_protocol(max_body_bytes)),
+            BodyLimit(create_app(self.node), max_body_bytes),
+            http=PROTOCOLS[http],
             proxy_headers=False,
             loop="asyncio",
             lifespan="off",

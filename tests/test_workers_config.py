@@ -48,6 +48,7 @@ def test_config_file_named_by_the_environment(tmp_path: Path) -> None:
         ({"RENDERQUEUE_MAX_BODY_BYTES": "12"}, {}, "max_body_bytes", "RENDERQUEUE_MAX_BODY_BYTES"),
         ({"RENDERQUEUE_ADMIN_TOKEN": "short"}, {}, "admin_token", "RENDERQUEUE_ADMIN_TOKEN"),
         ({"RENDERQUEUE_LOG_LEVEL": "loud"}, {}, "log_level", "RENDERQUEUE_LOG_LEVEL"),
+        ({"RENDERQUEUE_HTTP": "lean"}, {}, "http", "RENDERQUEUE_HTTP"),
     ],
 )
 def test_a_bad_value_names_its_setting_and_source(
@@ -58,6 +59,11 @@ def test_a_bad_value_names_its_setting_and_source(
     assert raised.value.setting == setting
     assert raised.value.source == source
     assert f"`{setting}`" in str(raised.value)
+
+
+def test_the_http_protocol_is_httptools_unless_h11_is_asked_for() -> None:
+    assert load_settings(environ={}).http == "httptools"
+    assert load_settings(environ={"RENDERQUEUE_HTTP": "h11"}).http == "h11"
 
 
 def test_unknown_setting_in_file_is_named(tmp_path: Path) -> None:

@@ -62,8 +62,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     graceful_timeout_s: Annotated[float, msgspec.Meta(ge=0, le=3600)] = 30.0
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     access_log: bool = False
-    # "lean": workers/http11.py, about a tenth of h11's CPU per request; "h11": uvicorn's.
-    http: Literal["lean", "h11"] = "lean"
+    # uvicorn's HTTP protocol: "httptools" (the llhttp parser, in C) or "h11" (pure Python,
+    # 1.7-2x the server CPU per small request), a fallback should httptools misbehave.
+    http: Literal["httptools", "h11"] = "httptools"
     lease_slots: Annotated[int, msgspec.Meta(ge=1024, le=1 << 26)] = 1 << 20
     ring_entries: Annotated[int, msgspec.Meta(ge=16, le=1 << 20)] = 8192
     # Completed leases leave dead slots; unswept, the table fills and grants start failing

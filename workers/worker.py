@@ -17,7 +17,6 @@ import sys
 import threading
 from collections.abc import Generator
 from types import FrameType
-from typing import Any
 
 import msgspec
 import uvicorn
@@ -25,10 +24,10 @@ import uvicorn
 from api.app import create_app
 from api.node import ApiSettings, Node
 from workers import logs
-from workers.config import Settings, keeper_config
-from workers.http11 import lean_protocol
+from workers.body_limit import BodyLimit
+from workers.config import keeper_config
 from workers.keeper_host import KeeperHost
-from workers.protocol import CoalescingH11Protocol
+from workers.protocol import PROTOCOLS
 from workers.segments import Segments
 from workers.spec import WorkerSpec
 
@@ -71,12 +70,6 @@ class WorkerServer(uvicorn.Server):
         if self.started:
             with contextlib.suppress(OSError):
                 os.write(self._status_fd, b"ready\n")
-
-
-def http_protocol(settings: Settings) -> Any:
-    if settings.http == "h11":
-        return CoalescingH11Protocol
-    return lean_protocol(settings.max_body_bytes, settings.access_log)
 
 
 def die_with_parent(supervisor_pid: int) -> None:
@@ -143,8 +136,8 @@ def serve(spec: WorkerSpec) -> int:
             supervisor_state=segments.supervisor,
         )
         config = uvicorn.Config(
-            create_app(node),
-            http=http_protocol(settings),
+            BodyLimit(create_app(node), settings.max_body_bytes),
+            http=PROTOCOLS[settings.http],
             proxy_headers=False,
             loop="asyncio",
             lifespan="off",
