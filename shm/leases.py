@@ -240,3 +240,48 @@ class LeaseTable:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    # --------------------------------------------------------------- snapshots
+
+    def export_slots(self) -> np.ndarray:
+        """A copy of every slot (`SLOT` records, by index), for a snapshot; consistent only
+        once no other process changes the table (the supervisor's, after its workers)."""
+        view = np.frombuffer(self._segment.mmap, dtype=SLOT, count=self.capacity, offset=_SLOTS)
+        try:
+            return view.copy()
+        finally:
+            del view  # the mapping must not stay exported, or close() cannot unmap it
+
+    def import_slots(self, slots: np.ndarray) -> None:
+        """Write exported slots into this fresh table, each at its own index (tokens name
+        the index). Only before any other process uses the table: plain stores, no CAS.
+
+        A removal that was under way is finished here (its remover is gone), and the
+        incarnation counter starts past every stamp the slots carry, so a stamp is still
+        never reused (see remove_slot in _atomics.c)."""
+        if slots.dtype != SLOT or slots.shape != (self.capacity,):
+            raise ValueError(
+                f"slots of {slots.dtype} x {slots.shape} do not fit this table "
+                f"({SLOT} x {self.capacity})"
+            )
+        words = slots.copy()
+        state = words["state"]
+        # The state word's layout (_atomics.c): phase in bits 0-1 (0 free, 3 removing),
+        # the token in bits 6-21, the time (an emptied slot's stamp) from bit 22.
+        phase = state & np.uint64(3)
+        stamped = (phase == 0) & (((state >> np.uint64(6)) & np.uint64(0xFFFF)) == 0)
+        incarnation = int((state[stamped] >> np.uint64(22)).max(initial=0))
+        removing = np.flatnonzero(phase == 3)
+        stamps = np.arange(incarnation + 1, incarnation + 1 + removing.size, dtype=np.uint64)
+        words["key_hash"][removing] = 0
+        words["state"][removing] = stamps << np.uint64(22)
+        words["hold"][removing] = 0
+        words["reserved"][removing] = 0
+        view = np.frombuffer(self._segment.mmap, dtype=SLOT, count=self.capacity, offset=_SLOTS)
+        try:
+            if view["key_hash"].any() or view["state"].any():
+                raise ValueError(f"lease table {self.name} is in use; import into a fresh one")
+            view[:] = words
+        finally:
+            del view
+        self._words.store(_CTRL // 8 + 1, incarnation + removing.size)  # LEASE_INCARNATION
