@@ -731,14 +731,25 @@ enum { PH_FREE = 0, PH_LEASED = 1, PH_HELD = 2, PH_REMOVING = 3 };
 /* How long a sweep (by default) and a full window keep an ended hold's misses. */
 #define KEEP_MISSES_MS 3600000ull
 #define SLOT_WORDS 4
-enum { SLOT_KEY = 0, SLOT_STATE = 1, SLOT_HOLD = 2 };
+/* SLOT_COUNTED: the HELD state word whose hold the live held counter includes, 0
+ * if none (see count_hold / uncount_hold). */
+enum { SLOT_KEY = 0, SLOT_STATE = 1, SLOT_HOLD = 2, SLOT_COUNTED = 3 };
 
 enum {
     LEASE_SWEEPER = 0,  /* pid of the process sweeping, 0 when none */
     LEASE_INCARNATION = 1, /* stamps each emptied slot's state word, see remove_slot */
     LEASE_STRIPES = 8,  /* STRIPES x STRIPE_WORDS counters */
-    LEASE_CTRL_WORDS = LEASE_STRIPES + STRIPES * STRIPE_WORDS,
+    /* Live counts, each word on a cache line of its own (every claimant changes
+     * them), kept by the ops so statistics() never scans the table:
+     *   occupied  slots with a key (+1 insert, -1 when a removal clears the key)
+     *   leased    slots in phase LEASED (an expired lease stays until settled)
+     *   held      settled holds not yet seen ended by a sweep, grant or removal */
+    LEASE_OCCUPIED = LEASE_STRIPES + STRIPES * STRIPE_WORDS,
+    LEASE_LEASED = LEASE_OCCUPIED + 8,
+    LEASE_HELD = LEASE_LEASED + 8,
+    LEASE_CTRL_WORDS = LEASE_HELD + 8,
 };
+_Static_assert(LEASE_OCCUPIED % 8 == 0, "live counters start a cache line");
 enum {
     LS_GRANTS = 0,
     LS_RENEWALS = 1,
@@ -756,6 +767,9 @@ enum {
 };
 enum { GRANTED = 0, REFUSED_TAKEN = 1, REFUSED_HELD = 2, REFUSED_PROBE_FULL = 3 };
 #define LEASE_MAX_ATTEMPTS 256
+/* Tag words for a capacity: one lane per slot, plus a word so a window's two-word
+ * read never runs past the end. */
+#define LEASE_TAG_WORDS(capacity) (((capacity) + 7) / 8 + 1)
 
 typedef struct {
     PyObject_HEAD
@@ -763,6 +777,10 @@ typedef struct {
     int held;
     aword *ctrl;
     aword *slots;
+    /* One byte lane per slot, 8 lanes a word: bit (key hash & 7) of each key the
+     * slot held since it was last emptied. A window whose lanes lack the key's bit
+     * holds no slot of the key, so blocked_mask skips the probe (see mark_tag). */
+    aword *tags;
     uint64_t capacity;
     aword *stripe;
     uint64_t rng;
@@ -771,11 +789,12 @@ typedef struct {
 static int
 Leases_init(LeasesObject *self, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"buffer", "ctrl_offset", "slots_offset", "capacity", NULL};
+    static char *kwlist[] = {"buffer", "ctrl_offset", "slots_offset", "tags_offset", "capacity",
+                             NULL};
     PyObject *obj;
-    Py_ssize_t ctrl_off, slots_off, capacity;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "Onnn", kwlist, &obj, &ctrl_off, &slots_off,
-                                     &capacity)) {
+    Py_ssize_t ctrl_off, slots_off, tags_off, capacity;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "Onnnn", kwlist, &obj, &ctrl_off, &slots_off,
+                                     &tags_off, &capacity)) {
         return -1;
     }
     if (self->held) {
@@ -790,19 +809,21 @@ Leases_init(LeasesObject *self, PyObject *args, PyObject *kwds)
     Py_ssize_t length;
     if (acquire_region(obj, 0, -1, &self->view, &base, &length) < 0) return -1;
     self->held = 1;
-    if (ctrl_off < 0 || slots_off < 0 || (ctrl_off & 63) || (slots_off & 63) ||
-        ctrl_off + LEASE_CTRL_WORDS * 8 > length ||
-        slots_off + capacity * SLOT_WORDS * 8 > length) {
+    if (ctrl_off < 0 || slots_off < 0 || tags_off < 0 || (ctrl_off & 63) || (slots_off & 63) ||
+        (tags_off & 63) || ctrl_off + LEASE_CTRL_WORDS * 8 > length ||
+        slots_off + capacity * SLOT_WORDS * 8 > length ||
+        tags_off + LEASE_TAG_WORDS(capacity) * 8 > length) {
         PyErr_Format(PyExc_ValueError,
-                     "lease layout (ctrl %zd, slots %zd, capacity %zd) does not fit a buffer of "
-                     "%zd bytes with aligned words",
-                     ctrl_off, slots_off, capacity, length);
+                     "lease layout (ctrl %zd, slots %zd, tags %zd, capacity %zd) does not fit a "
+                     "buffer of %zd bytes with aligned words",
+                     ctrl_off, slots_off, tags_off, capacity, length);
         PyBuffer_Release(&self->view);
         self->held = 0;
         return -1;
     }
     self->ctrl = (aword *)(base + ctrl_off);
     self->slots = (aword *)(base + slots_off);
+    self->tags = (aword *)(base + tags_off);
     self->capacity = (uint64_t)capacity;
     self->stripe = self->ctrl + LEASE_STRIPES + stripe_of_process() * STRIPE_WORDS;
     struct timespec ts;
@@ -845,6 +866,85 @@ static inline aword *
 slot_word(LeasesObject *self, uint64_t s, int which)
 {
     return &self->slots[s * SLOT_WORDS + which];
+}
+
+static inline void
+live_add(LeasesObject *self, int which, int64_t delta)
+{
+    atomic_fetch_add_explicit(&self->ctrl[which], (uint64_t)delta, memory_order_relaxed);
+}
+
+_Static_assert(PROBE == 8, "a window is the 8 byte lanes of one tag word");
+
+static inline uint64_t
+tag_bit(uint64_t h)
+{
+    return 1ull << (h & 7u);
+}
+
+/* Set the key's bit in its slot's lane before the CAS that leases the slot, so a
+ * lease or hold is never without its bit: lanes are cleared only by remove_slot,
+ * on a slot parked REMOVING, and parking changes the state word, so a grant whose
+ * CAS succeeds set its bit after any clear of that slot. */
+static inline void
+mark_tag(LeasesObject *self, uint64_t s, uint64_t h)
+{
+    aword *t = &self->tags[s >> 3];
+    uint64_t bit = tag_bit(h) << (8 * (s & 7u));
+    if (!(LOAD_SC(t) & bit)) atomic_fetch_or_explicit(t, bit, memory_order_seq_cst);
+}
+
+static inline void
+clear_tag(LeasesObject *self, uint64_t s)
+{
+    atomic_fetch_and_explicit(&self->tags[s >> 3], ~(0xffull << (8 * (s & 7u))),
+                              memory_order_seq_cst);
+}
+
+/* 0 if no slot of the key's window has the key's bit: then no slot holds the key
+ * leased or held (mark_tag), and blocked_mask needs no probe. A false 1 (another
+ * key's bit, about one window in eight per occupied slot) costs only the probe. */
+static inline int
+window_may_hold(LeasesObject *self, uint64_t h)
+{
+    uint64_t start = window_start(self, h);
+    if (start + PROBE > self->capacity) {
+        for (int i = 0; i < PROBE; i++) {
+            uint64_t s = slot_at(self, start, i);
+            if ((LOAD_SC(&self->tags[s >> 3]) >> (8 * (s & 7u))) & tag_bit(h)) return 1;
+        }
+        return 0;
+    }
+    uint64_t o = start & 7u;
+    uint64_t lanes = LOAD_SC(&self->tags[start >> 3]) >> (8 * o);
+    if (o) lanes |= LOAD_SC(&self->tags[(start >> 3) + 1]) << (64 - 8 * o);
+    return (lanes & (0x0101010101010101ull << (h & 7u))) != 0;
+}
+
+/* The held counter: the winner of a settle CAS that started a hold ending after
+ * now counts it, then names the HELD word in the slot's COUNTED word; exactly one
+ * uncount_hold (a sweep that sees the hold ended, the grant or removal that takes
+ * the slot) takes it off again, by CAS on that name. If the state moved on before
+ * the name was written, nobody could take it off, so the settler does: one of the
+ * two CASes on the name wins (all sequentially consistent). */
+static void
+count_hold(LeasesObject *self, uint64_t s, uint64_t held_word)
+{
+    aword *named = slot_word(self, s, SLOT_COUNTED);
+    live_add(self, LEASE_HELD, 1);
+    atomic_store_explicit(named, held_word, memory_order_seq_cst);
+    if (LOAD_SC(slot_word(self, s, SLOT_STATE)) != held_word && cas_word(named, held_word, 0)) {
+        live_add(self, LEASE_HELD, -1);
+    }
+}
+
+static inline void
+uncount_hold(LeasesObject *self, uint64_t s, uint64_t held_word)
+{
+    aword *named = slot_word(self, s, SLOT_COUNTED);
+    if (held_word != 0 && LOAD_SC(named) == held_word && cas_word(named, held_word, 0)) {
+        live_add(self, LEASE_HELD, -1);
+    }
 }
 
 static uint64_t
@@ -895,12 +995,14 @@ settled_word(LeasesObject *self, uint64_t s, uint64_t w)
 
 /* LEASED with expiry <= now and no result: record the miss and start the hold. */
 static void
-settle(LeasesObject *self, uint64_t s, uint64_t w)
+settle(LeasesObject *self, uint64_t s, uint64_t w, uint64_t now)
 {
     uint64_t nw = settled_word(self, s, w);
     if (cas_word(slot_word(self, s, SLOT_STATE), w, nw)) {
         bump(self, LS_EXPIRIES, 1);
         if (W_TIME(nw) > W_TIME(w)) bump(self, LS_HOLD_EVENTS, 1);
+        live_add(self, LEASE_LEASED, -1);
+        if (W_TIME(nw) > now) count_hold(self, s, nw);
     }
 }
 
@@ -931,7 +1033,12 @@ remove_slot(LeasesObject *self, uint64_t s, uint64_t k, uint64_t parked)
 {
     uint64_t incarnation =
         atomic_fetch_add_explicit(&self->ctrl[LEASE_INCARNATION], 1, memory_order_relaxed) + 1;
-    cas_word(slot_word(self, s, SLOT_KEY), k, 0);
+    /* A hold still counted (ended, but no sweep saw it end) goes with its slot. */
+    uncount_hold(self, s, LOAD_SC(slot_word(self, s, SLOT_COUNTED)));
+    /* The lane before the key: once the key is 0 another key may take the slot and
+     * set its own bit, which a later clear would wipe. */
+    clear_tag(self, s);
+    if (k != 0 && cas_word(slot_word(self, s, SLOT_KEY), k, 0)) live_add(self, LEASE_OCCUPIED, -1);
     cas_word(slot_word(self, s, SLOT_STATE), parked, W_MAKE(PH_FREE, 0, 0, incarnation & TIME_MAX));
 }
 
@@ -1038,7 +1145,7 @@ Leases_grant(LeasesObject *self, PyObject *const *args, Py_ssize_t nargs)
                 if (W_TIME(w) > now) {
                     if (W_TIME(w) > taken_until) taken_until = W_TIME(w);
                 } else {
-                    settle(self, p.slot[i], w);
+                    settle(self, p.slot[i], w, now);
                     settled = 1;
                 }
             } else if (W_PHASE(w) == PH_HELD && W_TIME(w) > now) {
@@ -1073,6 +1180,7 @@ Leases_grant(LeasesObject *self, PyObject *const *args, Py_ssize_t nargs)
             }
             s = (uint64_t)p.empty;
             if (!cas_word(slot_word(self, s, SLOT_KEY), 0, h)) continue;
+            live_add(self, LEASE_OCCUPIED, 1);
             bump(self, LS_INSERTS, 1);
             /* A sweep may have emptied the slot again since the insert: then the key
              * read after the state is no longer ours, and the probe starts over. */
@@ -1085,7 +1193,11 @@ Leases_grant(LeasesObject *self, PyObject *const *args, Py_ssize_t nargs)
         uint64_t tok = next_token(self, w);
         uint64_t expires = now + lease_ms;
         uint64_t nw = W_MAKE(PH_LEASED, W_MISSES(w), tok, expires);
+        mark_tag(self, s, h);
         if (!cas_word(slot_word(self, s, SLOT_STATE), w, nw)) continue;
+        live_add(self, LEASE_LEASED, 1);
+        /* A HELD slot is granted only once its hold ended: no longer held. */
+        if (W_PHASE(w) == PH_HELD) uncount_hold(self, s, w);
         STORE(slot_word(self, s, SLOT_HOLD),
               (tok << 48) | hold_if_missed(W_MISSES(w), lease_ms, cadence_ms));
         /* Verify: no other slot of this key holds a live lease. */
@@ -1098,7 +1210,7 @@ Leases_grant(LeasesObject *self, PyObject *const *args, Py_ssize_t nargs)
             if (W_PHASE(ow) == PH_LEASED && W_TIME(ow) > now) conflict = 1;
         }
         if (conflict) {
-            cas_word(slot_word(self, s, SLOT_STATE), nw, w);
+            if (cas_word(slot_word(self, s, SLOT_STATE), nw, w)) live_add(self, LEASE_LEASED, -1);
             bump(self, LS_CONFLICTS, 1);
             continue;
         }
@@ -1186,6 +1298,7 @@ Leases_complete(LeasesObject *self, PyObject *const *args, Py_ssize_t nargs)
         if (w == 0) break;
         /* A result ends the lease and forgives the misses. */
         if (cas_word(slot_word(self, s, SLOT_STATE), w, W_MAKE(PH_FREE, 0, tok, 0))) {
+            live_add(self, LEASE_LEASED, -1);
             bump(self, LS_COMPLETIONS, 1);
             Py_RETURN_TRUE;
         }
@@ -1250,7 +1363,9 @@ prefetch_window(LeasesObject *self, uint64_t h)
 }
 
 /* blocked_mask(hashes, out, now): out[i] = 1 if hashes[i] is leased or held now.
- * hashes: contiguous uint64 buffer; out: writable contiguous uint8/bool buffer. */
+ * hashes: contiguous uint64 buffer; out: writable contiguous uint8/bool buffer.
+ * First the tag lanes (a compact array, mostly cached) rule out the keys no slot
+ * can hold; only the rest are probed, their windows fetched a few keys ahead. */
 static PyObject *
 Leases_blocked_mask(LeasesObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -1274,18 +1389,28 @@ Leases_blocked_mask(LeasesObject *self, PyObject *const *args, Py_ssize_t nargs)
     }
     const uint64_t *hs = in.buf;
     unsigned char *o = out.buf;
-    Py_ssize_t blocked = 0;
+    Py_ssize_t *probe_at = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(Py_ssize_t));
+    if (probe_at == NULL) {
+        PyBuffer_Release(&in);
+        PyBuffer_Release(&out);
+        return PyErr_NoMemory();
+    }
+    Py_ssize_t candidates = 0, blocked = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
-        keystate_t ks;
         o[i] = 0;
-        if (i + BLOCKED_AHEAD < n) prefetch_window(self, hs[i + BLOCKED_AHEAD]);
-        if (hs[i] == 0) continue;
+        if (hs[i] != 0 && window_may_hold(self, hs[i])) probe_at[candidates++] = i;
+    }
+    for (Py_ssize_t c = 0; c < candidates; c++) {
+        keystate_t ks;
+        if (c + BLOCKED_AHEAD < candidates) prefetch_window(self, hs[probe_at[c + BLOCKED_AHEAD]]);
+        Py_ssize_t i = probe_at[c];
         key_state(self, hs[i], now, &ks);
         if ((ks.leased && ks.lease_expires_at > now) || ks.held) {
             o[i] = 1;
             blocked++;
         }
     }
+    PyMem_Free(probe_at);
     PyBuffer_Release(&in);
     PyBuffer_Release(&out);
     return PyLong_FromSsize_t(blocked);
@@ -1329,9 +1454,10 @@ Leases_sweep(LeasesObject *self, PyObject *const *args, Py_ssize_t nargs)
         }
         if (k == 0) continue;
         if (W_PHASE(w) == PH_LEASED && W_TIME(w) <= now) {
-            settle(self, s, w);
+            settle(self, s, w, now);
             w = LOAD_SC(sw);
         }
+        if (W_PHASE(w) == PH_HELD && W_TIME(w) <= now) uncount_hold(self, s, w);
         int dead = W_PHASE(w) == PH_FREE ||
                    (W_PHASE(w) == PH_HELD && W_TIME(w) + keep <= now);
         if (dead && cas_word(sw, w, parked)) {
@@ -1378,13 +1504,59 @@ Leases_census(LeasesObject *self, PyObject *const *args, Py_ssize_t nargs)
                          (unsigned long long)removing);
 }
 
+/* live() -> (occupied, leased, held): the counters the ops keep, read as signed (a
+ * process killed between a CAS and its count can leave one off until recount). */
+static PyObject *
+Leases_live(LeasesObject *self, PyObject *Py_UNUSED(ignored))
+{
+    if (!self->held) return released_error();
+    return Py_BuildValue("(LLL)", (long long)(int64_t)LOAD(&self->ctrl[LEASE_OCCUPIED]),
+                         (long long)(int64_t)LOAD(&self->ctrl[LEASE_LEASED]),
+                         (long long)(int64_t)LOAD(&self->ctrl[LEASE_HELD]));
+}
+
+/* recount(now) -> (occupied, leased, held): rebuild the counters, the held names
+ * and the tag lanes from the slots, for a table whose slots were written whole
+ * (an import). Only while no other process uses the table: it stores, not CASes. */
+static PyObject *
+Leases_recount(LeasesObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs("recount", nargs, 1) < 0) return NULL;
+    if (!self->held) return released_error();
+    uint64_t now;
+    if (parse_time(args[0], &now, "now") < 0) return NULL;
+    for (uint64_t t = 0; t < LEASE_TAG_WORDS(self->capacity); t++) STORE(&self->tags[t], 0);
+    uint64_t occupied = 0, leased = 0, held = 0;
+    for (uint64_t s = 0; s < self->capacity; s++) {
+        uint64_t k = LOAD_SC(slot_word(self, s, SLOT_KEY));
+        uint64_t w = LOAD_SC(slot_word(self, s, SLOT_STATE));
+        uint64_t named = 0;
+        if (k != 0) occupied++; /* a removal's key too, until the key is cleared */
+        if (k != 0 && W_PHASE(w) != PH_REMOVING) {
+            mark_tag(self, s, k);
+            if (W_PHASE(w) == PH_LEASED) {
+                leased++;
+            } else if (W_PHASE(w) == PH_HELD && W_TIME(w) > now) {
+                held++;
+                named = w;
+            }
+        }
+        atomic_store_explicit(slot_word(self, s, SLOT_COUNTED), named, memory_order_seq_cst);
+    }
+    atomic_store_explicit(&self->ctrl[LEASE_OCCUPIED], occupied, memory_order_seq_cst);
+    atomic_store_explicit(&self->ctrl[LEASE_LEASED], leased, memory_order_seq_cst);
+    atomic_store_explicit(&self->ctrl[LEASE_HELD], held, memory_order_seq_cst);
+    return Py_BuildValue("(KKK)", (unsigned long long)occupied, (unsigned long long)leased,
+                         (unsigned long long)held);
+}
+
 static PyObject *
 Leases_release(LeasesObject *self, PyObject *Py_UNUSED(ignored))
 {
     if (self->held) {
         PyBuffer_Release(&self->view);
         self->held = 0;
-        self->ctrl = self->slots = NULL;
+        self->ctrl = self->slots = self->tags = NULL;
     }
     Py_RETURN_NONE;
 }
@@ -1406,6 +1578,10 @@ static PyMethodDef Leases_methods[] = {
      "sweep(now, keep_misses_ms) -> reclaimed, or -1 if another process is sweeping."},
     {"census", (PyCFunction)(void (*)(void))Leases_census, METH_FASTCALL,
      "census(now) -> (occupied, live, held, expired_unsettled, removing)."},
+    {"live", (PyCFunction)Leases_live, METH_NOARGS,
+     "live() -> (occupied, leased, held), the counters the ops keep."},
+    {"recount", (PyCFunction)(void (*)(void))Leases_recount, METH_FASTCALL,
+     "recount(now) -> (occupied, leased, held): rebuild counters and tags from the slots."},
     {"release", (PyCFunction)Leases_release, METH_NOARGS, "Give the buffer back (idempotent)."},
     {NULL, NULL, 0, NULL},
 };
@@ -1414,7 +1590,8 @@ static PyTypeObject LeasesType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "shm._atomics.Leases",
     .tp_basicsize = sizeof(LeasesObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Leases(buffer, ctrl_offset, slots_offset, capacity): the lease table's hot paths.",
+    .tp_doc = "Leases(buffer, ctrl_offset, slots_offset, tags_offset, capacity): the lease "
+              "table's hot paths.",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)Leases_init,
     .tp_dealloc = (destructor)Leases_dealloc,
@@ -1649,14 +1826,14 @@ PyInit__atomics(void)
         "s_completions", "s_expiries", "s_hold_events", "s_refused_taken", "s_refused_held",
         "s_refused_probe_full", "s_inserts", "s_reclaimed", "s_conflicts", "s_stale_tokens",
         "s_sweeps", "granted", "refused_taken", "refused_held", "refused_probe_full",
-        "misses_max", "keep_misses_ms",
+        "misses_max", "keep_misses_ms", "occupied", "leased", "held",
     };
     static const long lease_values[] = {
         LEASE_SWEEPER, LEASE_STRIPES, LEASE_CTRL_WORDS, SLOT_WORDS, PROBE, LS_GRANTS,
         LS_RENEWALS, LS_COMPLETIONS, LS_EXPIRIES, LS_HOLD_EVENTS, LS_REFUSED_TAKEN,
         LS_REFUSED_HELD, LS_REFUSED_PROBE_FULL, LS_INSERTS, LS_RECLAIMED, LS_CONFLICTS,
         LS_STALE_TOKENS, LS_SWEEPS, GRANTED, REFUSED_TAKEN, REFUSED_HELD, REFUSED_PROBE_FULL,
-        MISSES_MAX, (long)KEEP_MISSES_MS,
+        MISSES_MAX, (long)KEEP_MISSES_MS, LEASE_OCCUPIED, LEASE_LEASED, LEASE_HELD,
     };
     _Static_assert(sizeof(ring_keys) / sizeof(ring_keys[0]) ==
                        sizeof(ring_values) / sizeof(ring_values[0]),

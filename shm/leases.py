@@ -49,6 +49,21 @@ plus the keys held back, and sweep it (the keeper, every few seconds).
 A claimant SIGKILLed at any point leaves at worst a lease that expires on time,
 an inserted key with no lease, or a half-emptied slot; the next sweep reclaims
 the last two.
+
+**Tag lanes** (a byte per slot beside the slots, 1/32 of their size): a grant sets
+bit (hash & 7) of the key in its slot's lane before the CAS that leases it, and
+only a removal clears a lane, while the slot is parked. A window whose eight lanes
+lack a key's bit holds no lease or hold of it, so `blocked_mask` probes only the
+few keys whose bit is set somewhere in their window: the keeper asks about every
+candidate of a publish, nearly all of them absent from the table.
+
+**Live counters** (occupied, leased, held; each word on its own cache line) are
+kept by the ops with atomic adds, so `statistics()` reads three words instead of
+scanning the table. They count states, not time: an expired, unanswered lease
+stays leased and an ended hold stays held until a grant of the key or a sweep
+settles it; after a sweep at `now` they equal `census(now)`, the full scan. A
+process killed between a CAS and its count can leave a counter one off;
+`recount()` rebuilds counters and lanes from the slots (after an import).
 """
 
 from __future__ import annotations
@@ -81,8 +96,13 @@ _REASONS: dict[int, Literal["taken", "held", "probe_full"]] = {
 _GRANTED = LEASE_LAYOUT["granted"]
 
 
-def table_size(capacity: int, _extra: int = 0) -> int:
+def _tags_offset(capacity: int) -> int:
     return align(_SLOTS + capacity * SLOT.itemsize)
+
+
+def table_size(capacity: int, _extra: int = 0) -> int:
+    # The tag lanes: a byte per slot, in words, plus one (see LEASE_TAG_WORDS).
+    return align(_tags_offset(capacity) + ((capacity + 7) // 8 + 1) * 8)
 
 
 class Grant(msgspec.Struct, frozen=True):
@@ -105,12 +125,17 @@ class KeyLeaseState(msgspec.Struct, frozen=True):
 
 
 class LeaseStatistics(msgspec.Struct, frozen=True):
+    """Counters the ops keep (O(1) to read). Time passing changes no counter: a lease
+    that expired unanswered counts as live, and an ended hold as held, until a grant of
+    the key or a sweep settles it (the keeper sweeps every few seconds). `census()`
+    counts the same from a full scan, exactly at a given time."""
+
     capacity: int
     occupied: int
     occupancy: float
-    live_leases: int
-    held_keys: int  # distinct keys held back now
-    expired_unanswered: int  # expired with no result, not yet settled by a grant or sweep
+    live_leases: int  # granted, not yet completed nor settled as expired
+    held_keys: int  # holds started, not yet seen ended by a sweep or taken by a grant
+    expired_unanswered: int  # only census() can see expiry without settling: 0 here
     grants: int
     renewals: int
     completions: int
@@ -126,6 +151,17 @@ class LeaseStatistics(msgspec.Struct, frozen=True):
     sweeps: int
 
 
+class LeaseCensus(msgspec.Struct, frozen=True):
+    """A full scan of the table at `now` (milliseconds of work on a large table)."""
+
+    now: int
+    occupied: int  # slots with a key, removals under way left out
+    live_leases: int  # expiry after now
+    held_keys: int  # held back at now, expired unanswered leases read as their holds
+    expired_unanswered: int
+    removing: int  # slots a remover parked (a dead one's are finished by a sweep)
+
+
 class LeaseTable:
     """Use `create` (the owner) or `attach` (any spawned process)."""
 
@@ -134,7 +170,9 @@ class LeaseTable:
         self.name = segment.name
         self.capacity = segment.capacity
         self._words = segment.register(Words(segment.mmap))
-        self._c = segment.register(Leases(segment.mmap, _CTRL, _SLOTS, self.capacity))
+        self._c = segment.register(
+            Leases(segment.mmap, _CTRL, _SLOTS, _tags_offset(self.capacity), self.capacity)
+        )
 
     @classmethod
     def create(cls, name: str, capacity: int = 1 << 16) -> LeaseTable:
@@ -193,8 +231,10 @@ class LeaseTable:
         return max(reclaimed, 0)
 
     def statistics(self, now_ms: int | None = None) -> LeaseStatistics:
-        now = now_ms if now_ms is not None else wall_clock_ms()
-        occupied, live, held, expired, _removing = self._c.census(now)
+        """O(1): the live counters and the per-process stripes; `now_ms` is unused (the
+        counters need no clock) and kept for callers that pass it."""
+        del now_ms
+        occupied, live, held = (max(count, 0) for count in self._c.live())
         sums = [0] * STRIPE_WORDS
         for stripe in range(STRIPES):
             base = _STRIPES + stripe * STRIPE_WORDS
@@ -210,7 +250,7 @@ class LeaseTable:
             occupancy=occupied / self.capacity,
             live_leases=live,
             held_keys=held,
-            expired_unanswered=expired,
+            expired_unanswered=0,
             grants=total("grants"),
             renewals=total("renewals"),
             completions=total("completions"),
@@ -225,6 +265,25 @@ class LeaseTable:
             conflicts=total("conflicts"),
             sweeps=total("sweeps"),
         )
+
+    def census(self, now_ms: int | None = None) -> LeaseCensus:
+        """Exact counts at `now_ms` from a full scan; for tests and tools, not for paths
+        that run often (statistics() is the cheap one)."""
+        now = now_ms if now_ms is not None else wall_clock_ms()
+        occupied, live, held, expired, removing = self._c.census(now)
+        return LeaseCensus(
+            now=now,
+            occupied=occupied,
+            live_leases=live,
+            held_keys=held,
+            expired_unanswered=expired,
+            removing=removing,
+        )
+
+    def recount(self, now_ms: int | None = None) -> None:
+        """Rebuild the live counters and tag lanes from the slots: after slots were
+        written whole (an import). Only while no other process uses the table."""
+        self._c.recount(now_ms if now_ms is not None else wall_clock_ms())
 
     # ----------------------------------------------------------------- closing
 
@@ -285,3 +344,4 @@ class LeaseTable:
         finally:
             del view
         self._words.store(_CTRL // 8 + 1, incarnation + removing.size)  # LEASE_INCARNATION
+        self.recount()

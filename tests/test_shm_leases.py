@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
@@ -103,9 +103,42 @@ def test_state_and_blocked_mask_read_an_expired_lease_as_its_hold(table: LeaseTa
     assert table.state(H, 150) == KeyLeaseState(False, 0, True, 300, 1)
     assert table.blocked_mask(hashes, 299).tolist() == [True, False, False]
     assert table.blocked_mask(hashes, 300).tolist() == [False, False, False]
-    assert table.statistics(150).expired_unanswered == 1
-    assert table.statistics(150).held_keys == 1
-    assert table.statistics(150).expiries == 0  # reading does not settle
+    census = table.census(150)
+    assert (census.expired_unanswered, census.held_keys, census.live_leases) == (1, 1, 0)
+    stats = table.statistics(150)
+    assert stats.expiries == 0  # reading does not settle ...
+    assert (stats.live_leases, stats.held_keys) == (1, 0)  # ... so the counters lag
+    assert table.sweep(150) == 0
+    stats = table.statistics()
+    assert (stats.live_leases, stats.held_keys, stats.expiries) == (0, 1, 1)
+    assert table.sweep(300) == 0  # the hold ended: the sweep takes it off the count
+    assert table.statistics().held_keys == 0 and table.census(300).held_keys == 0
+
+
+def test_counters_follow_grant_renew_complete_settle_and_sweep(table: LeaseTable) -> None:
+    keys = [key_hash(b"/c/%d" % i) for i in range(4)]
+    grants = [table.grant(h, 0, 100, 10_000) for h in keys]
+    assert all(isinstance(g, Grant) for g in grants)
+
+    def live() -> tuple[int, int, int]:
+        stats = table.statistics()
+        return stats.occupied, stats.live_leases, stats.held_keys
+
+    assert live() == (4, 4, 0)
+    assert isinstance(grants[0], Grant) and table.renew(keys[0], grants[0].token, 50, 100)
+    assert isinstance(grants[1], Grant) and table.complete(keys[1], grants[1].token, 50)
+    assert live() == (4, 3, 0)
+    assert table.grant(keys[2], 100, 100, 10_000) == Refusal("held", 300)  # settles keys[2]
+    assert live() == (4, 2, 1)
+    assert table.sweep(120, keep_misses_ms=1_000) == 1  # keys[1]'s slot; settles keys[3]
+    assert live() == (3, 1, 2)
+    census = table.census(120)
+    assert (census.occupied, census.live_leases, census.held_keys) == live()
+    assert isinstance(table.grant(keys[2], 300, 100, 10_000), Grant)  # the hold ended
+    assert live() == (3, 2, 1)
+    assert table.sweep(1_300, keep_misses_ms=1_000) == 1  # keys[3]'s hold, forgotten
+    census = table.census(1_300)
+    assert live() == (census.occupied, census.live_leases, census.held_keys) == (2, 0, 0)
 
 
 def test_a_full_probe_window_refuses_and_is_counted() -> None:
@@ -174,9 +207,11 @@ def test_a_key_in_two_slots_is_granted_once_and_swept_back_to_one(table: LeaseTa
     first = (H * table.capacity) >> 64  # the window's first slot
     second = (first + 1) % table.capacity
     slots["key_hash"][second] = H
+    table.recount(0)  # slots written by hand: counters and tag lanes from the slots
     held = table.grant(H, 0, 100, 10_000)
     assert isinstance(held, Grant) and held.token >> 16 == second  # found, not re-inserted
     slots["key_hash"][first] = H  # a duplicate, idle, ahead of the live lease
+    table.recount(20)
     assert table.grant(H, 20, 100, 10_000) == Refusal("taken", 100)  # seen across both
     assert table.blocked_mask(np.array([H], dtype=np.uint64), 20).tolist() == [True]
     assert table.state(H, 20).leased
@@ -187,6 +222,62 @@ def test_a_key_in_two_slots_is_granted_once_and_swept_back_to_one(table: LeaseTa
     assert table.holds(H, again.token, 50)
     assert table.statistics(50).occupied == 1
     del slots
+
+
+_OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["grant", "complete", "sweep", "advance"]),
+        st.integers(0, 39),  # which key
+        st.integers(1, 300),  # lease ms, or how far to advance
+    ),
+    max_size=120,
+)
+
+
+@given(ops=_OPS, capacity=st.sampled_from([8, 16, 64]))
+@settings(max_examples=60, deadline=None)
+def test_blocked_mask_with_tag_lanes_equals_a_probe_of_every_key(
+    ops: list[tuple[str, int, int]], capacity: int
+) -> None:
+    """The tag lanes let blocked_mask skip keys no slot holds; against brute force (a
+    probe of every key, and the lanes read from the raw slots) in crowded tables where
+    slots are emptied and taken by other keys."""
+    from shm.leases import _SLOTS, SLOT, _tags_offset
+
+    table = LeaseTable.create(_name("tags"), capacity=capacity)
+    try:
+        keys = [key_hash(b"/t/%d" % i) for i in range(40)]
+        never = [key_hash(b"/never/%d" % i) for i in range(20)]
+        hashes = np.array(keys + never, dtype=np.uint64)
+        tokens: dict[int, int] = {}
+        now = 1_000
+        slots = np.ndarray((capacity,), dtype=SLOT, buffer=table._segment.mmap, offset=_SLOTS)
+        lanes = np.ndarray(
+            (capacity,), dtype=np.uint8, buffer=table._segment.mmap, offset=_tags_offset(capacity)
+        )
+        for op, i, amount in ops:
+            h = keys[i]
+            if op == "grant":
+                got = table.grant(h, now, amount, 500)
+                if isinstance(got, Grant):
+                    tokens[h] = got.token
+            elif op == "complete" and h in tokens:
+                table.complete(h, tokens.pop(h), now)
+            elif op == "sweep":
+                table.sweep(now, amount)
+            else:
+                now += amount
+            expected = [(lambda s: s.leased or s.held)(table.state(int(x), now)) for x in hashes]
+            assert table.blocked_mask(hashes, now).tolist() == expected
+            # Every key in a leased or held slot has its bit in the slot's lane.
+            phase = slots["state"] & 3
+            for slot in np.flatnonzero((slots["key_hash"] != 0) & ((phase == 1) | (phase == 2))):
+                bit = 1 << (int(slots["key_hash"][slot]) & 7)
+                assert int(lanes[slot]) & bit, (slot, op)
+        del slots, lanes
+    finally:
+        table.close()
+        table.unlink()
 
 
 def test_bad_arguments_are_refused(table: LeaseTable) -> None:
@@ -223,6 +314,7 @@ class LeaseTableMachine(RuleBasedStateMachine):
         self.model: dict[int, ModelKey] = {h: ModelKey() for h in self.keys}
         self.now = 1_000
         self.counts = {"grants": 0, "taken": 0, "held": 0, "expiries": 0, "completions": 0}
+        self.swept_at = -1
 
     def teardown(self) -> None:
         self.table.close()
@@ -321,6 +413,7 @@ class LeaseTableMachine(RuleBasedStateMachine):
     @rule(keep=st.sampled_from([0, 100, 10_000]))
     def sweep(self, keep: int) -> None:
         self.table.sweep(self.now, keep)
+        self.swept_at = self.now
         for key in self.model.values():
             self.settle(key)
             if key.phase == "held" and key.held_until + keep <= self.now:
@@ -332,6 +425,15 @@ class LeaseTableMachine(RuleBasedStateMachine):
         assert [self.table.state(h, self.now) for h in self.keys] == expected
         mask = self.table.blocked_mask(np.array(self.keys, dtype=np.uint64), self.now)
         assert mask.tolist() == [s.leased or s.held for s in expected]
+
+    @invariant()
+    def live_counters_agree(self) -> None:
+        stats, census = self.table.statistics(), self.table.census(self.now)
+        assert stats.occupied == census.occupied
+        # Expiry changes no counter: expired unanswered leases count as live until settled.
+        assert stats.live_leases == census.live_leases + census.expired_unanswered
+        if self.swept_at == self.now:  # nothing expired or ended since the sweep
+            assert stats.held_keys == census.held_keys
 
     @invariant()
     def counters_agree(self) -> None:
@@ -404,9 +506,19 @@ def _race(
             last_sweep = now
     for h, (_token, start, expires) in mine.items():
         intervals.append((h, start, expires))
+    # Leases left behind, live for a minute, then held back: the live counters have
+    # something to count once the race is over.
+    # (A crowded table can refuse them probe_full.)
+    left = 0
+    for i in range(LEFT_PER_PROCESS):
+        got = table.grant(key_hash(b"/left/%d/%d" % (seed, i)), _clock(), 60_000, 600_000)
+        left += isinstance(got, Grant)
     stats = table.statistics()
     table.close()
-    return intervals, stats
+    return intervals, stats, left
+
+
+LEFT_PER_PROCESS = 20
 
 
 def _overlaps(intervals: list[tuple[int, int, int]]) -> list[tuple[Any, ...]]:
@@ -457,14 +569,32 @@ def test_four_processes_never_hold_overlapping_leases_on_one_key(
                 for seed in range(4)
             ]
             results = [r.get(seconds + 120) for r in runs]
-        intervals = [span for spans, _ in results for span in spans]
+        intervals = [span for spans, _, _ in results for span in spans]
         assert _overlaps(intervals) == []
         stats = table.statistics()
         assert len(intervals) > 3_000  # plenty of leases changed hands
         assert stats.grants >= len(intervals)
         assert stats.refusals_taken > 0 and stats.completions > 0 and stats.expiries > 0
         assert stats.reclaimed > 0  # the sweep ran under the race and reclaimed slots
-        print(f"intervals={len(intervals)} {stats}")
+        # The live counters, kept by every op of four processes, against a full scan:
+        # once a sweep has settled what expired, they are the census exactly. Twice:
+        # with the leases left behind live, then a minute on, with them held back.
+        left = sum(n for _, _, n in results)
+        assert left > 0 or keys > capacity  # a crowded table may refuse every one
+        for now, later in ((_clock(), False), (_clock() + 60_000, True)):
+            table.sweep(now, 50)
+            census, after = table.census(now), table.statistics()
+            assert census.removing == 0 and census.expired_unanswered == 0
+            if later:  # the race's own leases and holds (cadence 60 ms) are over
+                assert (census.live_leases, census.held_keys) == (0, left)
+            else:
+                assert census.live_leases >= left
+            assert (after.occupied, after.live_leases, after.held_keys) == (
+                census.occupied,
+                census.live_leases,
+                census.held_keys,
+            )
+        print(f"intervals={len(intervals)} {stats} {census}")
     finally:
         table.close()
         remove(name)
@@ -508,9 +638,12 @@ def test_a_claimant_killed_mid_claim_leaves_no_key_stuck_beyond_its_lease() -> N
                 assert isinstance(got, Grant), (h, got, table.state(h, later))
                 assert table.complete(h, got.token, later)
             assert table.sweep(later + 1) > 0
-            stats = table.statistics(later + 1)
-            assert stats.live_leases == 0 and stats.conflicts == 0
-        assert table.statistics().occupied == 0  # every slot reclaimed: nothing leaked
+            assert table.census(later + 1).live_leases == 0
+            assert table.statistics().conflicts == 0
+        assert table.census().occupied == 0  # every slot reclaimed: nothing leaked
+        # A kill between a CAS and its count leaves a live counter off by one at most.
+        stats = table.statistics()
+        assert stats.occupied <= 3 and stats.live_leases <= 3 and stats.held_keys <= 3
     finally:
         table.close()
         remove(name)
