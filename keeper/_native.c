@@ -190,7 +190,7 @@ get_out(PyObject *obj, Py_buffer *view, Py_ssize_t itemsize, Py_ssize_t n, const
     if (PyObject_GetBuffer(obj, view, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) return -1;
     if (view->len < n * itemsize || (n && ((uintptr_t)view->buf % (uintptr_t)itemsize))) {
         PyBuffer_Release(view);
-        PyErr_Format(PyExc_ValueError, "best_read: %s is too short or misaligned", name);
+        PyErr_Format(PyExc_ValueError, "%s is too short or misaligned", name);
         return -1;
     }
     return 0;
@@ -768,7 +768,61 @@ fail:
     return NULL;
 }
 
+/* keep_unblocked(blocked_u8, limit, slots_i32, rank_f64, due_i64, hash_u64, class_i32)
+ *   -> kept
+ * After best_read and the lease table's blocked mask: move the rows not blocked to
+ * the front of the five arrays, in order, stopping at `limit`. One pass in place,
+ * where numpy took a mask, an index and five gathers (about 30 us for 5,000 rows). */
+static PyObject *
+keep_unblocked(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "keep_unblocked takes 7 arguments");
+        return NULL;
+    }
+    Py_ssize_t limit = PyLong_AsSsize_t(args[1]);
+    if (limit == -1 && PyErr_Occurred()) return NULL;
+    Py_buffer mask;
+    if (PyObject_GetBuffer(args[0], &mask, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    Py_ssize_t n = mask.len;
+    static const Py_ssize_t sizes[5] = {4, 8, 8, 8, 4};
+    static const char *const names[5] = {"slots", "rank", "due", "hash", "class"};
+    Py_buffer out[5];
+    int got = 0;
+    for (; got < 5; got++) {
+        if (get_out(args[2 + got], &out[got], sizes[got], n, names[got]) < 0) break;
+    }
+    if (got < 5) {
+        while (got > 0) PyBuffer_Release(&out[--got]);
+        PyBuffer_Release(&mask);
+        return NULL;
+    }
+    const unsigned char *blocked = mask.buf;
+    int32_t *slot = out[0].buf, *cls = out[4].buf;
+    double *rank = out[1].buf;
+    int64_t *due = out[2].buf;
+    uint64_t *hash = out[3].buf;
+    Py_ssize_t kept = 0;
+    for (Py_ssize_t i = 0; i < n && kept < limit; i++) {
+        if (blocked[i]) continue;
+        if (kept != i) {
+            slot[kept] = slot[i];
+            rank[kept] = rank[i];
+            due[kept] = due[i];
+            hash[kept] = hash[i];
+            cls[kept] = cls[i];
+        }
+        kept++;
+    }
+    for (int j = 0; j < 5; j++) PyBuffer_Release(&out[j]);
+    PyBuffer_Release(&mask);
+    return PyLong_FromSsize_t(kept);
+}
+
 static PyMethodDef select_methods[] = {
+    {"keep_unblocked", (PyCFunction)(void (*)(void))keep_unblocked, METH_FASTCALL,
+     "keep_unblocked(blocked_u8, limit, slots, rank, due, hash, class) -> rows kept, moved "
+     "to the front in order."},
     {"best_read", (PyCFunction)(void (*)(void))best_read, METH_FASTCALL,
      "best_read(starts_of, ids_of, members, records, cadence, boost, paused, now, need, "
      "out_slots, out_rank, out_due, out_hash, out_class) -> (count, considered, next_upper)"},

@@ -19,6 +19,16 @@ def best_read(
     out_class: Any,
     /,
 ) -> tuple[int, int, float]: ...
+def keep_unblocked(
+    blocked: Any,
+    limit: int,
+    out_slots: Any,
+    out_rank: Any,
+    out_due: Any,
+    out_hash: Any,
+    out_class: Any,
+    /,
+) -> int: ...
 def find_many(table: Any, records: Any, mask: int, hashes: Any, out: Any, /) -> None: ...
 def index_many(table: Any, records: Any, mask: int, hashes: Any, slots: Any, /) -> None: ...
 def upsert_moved(

@@ -24,7 +24,7 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from keeper._native import best_read
+from keeper._native import best_read, keep_unblocked
 
 if TYPE_CHECKING:
     from keeper.queue import HeldQueue
@@ -91,21 +91,21 @@ def select_best(
             classes,
         )
         if blocked is None:
-            chosen = slice(0, count)
+            kept = count
             n_blocked = 0
             break
         stopped = blocked(hashes[:count])
-        n_blocked = int(np.count_nonzero(stopped))
-        if count - n_blocked >= k or count < need:  # enough, or every due row was read
-            chosen = np.flatnonzero(~stopped)[:k]  # type: ignore[assignment]
+        kept = keep_unblocked(stopped, k, slots, rank, due, hashes, classes)
+        if kept == k or count < need:  # enough, or every due row was read
+            n_blocked = int(np.count_nonzero(stopped))
             break
-        need += 2 * (k - (count - n_blocked)) + 64
+        need += 2 * (k - kept) + 64
     return Selection(
-        slots=slots[chosen],
-        due_at=due[chosen],
-        class_id=classes[chosen],
-        key_hash=hashes[chosen],
-        rank=rank[chosen],
+        slots=slots[:kept],
+        due_at=due[:kept],
+        class_id=classes[:kept],
+        key_hash=hashes[:kept],
+        rank=rank[:kept],
         considered=considered,
         blocked=n_blocked,
     )
