@@ -26,6 +26,7 @@ from keeper.queue import (
     HeldQueue,
 )
 from keeper.select import BlockedMask, Selection
+from keeper.tallies import MINUTE_MS
 from keeper.walk import RepairTally, Walk, WalkReason
 from shm import key_hash, key_hashes
 from store.rows import MAX_KEY_BYTES, FeedEvent, Route, RouteEvent, Row, RowEvent, SettingsEvent
@@ -43,22 +44,6 @@ _EMPTY = (
     np.empty(0, dtype=np.int64),
     np.empty(0, dtype=np.int64),
 )
-
-
-def _readable(row: Row, key: object) -> bool:
-    """The checks a feed row must pass before anything changes: a bad field must not
-    leave half a row."""
-    due = row.next_render_at
-    version = row.version
-    cadence = row.cadence_s
-    return (
-        type(due) is int
-        and type(version) is int
-        and 0 <= due < MAX_DUE_MS
-        and version >= 0
-        and (cadence is None or (type(cadence) is int and cadence > 0))
-        and row.key == key
-    )
 
 
 def _batch_keys(events: Sequence[FeedEvent]) -> tuple[list[bytes], list[int]]:
@@ -228,6 +213,13 @@ class KeeperCore:
         self.counters.row_events += len(events)
         keys, hashes = _batch_keys(events)
         queue = self.queue
+        # HeldQueue.upsert, unrolled: its C path first (most events move a held row
+        # within its class), the rest only when that returns -1. A Python call per event
+        # is a tenth of the budget here.
+        queue.tallies.now_minute = now_ms // MINUTE_MS
+        slots = queue.slots
+        moved = queue.moved
+        upsert_unmoved = queue.upsert_unmoved
         class_id = self.classifier.class_id
         known = self.classifier.cache.get
         touched = self._touched
@@ -255,7 +247,16 @@ class KeeperCore:
             cadence = row.cadence_s
             due = row.next_render_at
             version = row.version
-            if not _readable(row, event.key):
+            # The checks a feed row must pass before anything changes (a bad field must
+            # not leave half a row), inline: this is the per-event path.
+            if not (
+                type(due) is int
+                and type(version) is int
+                and 0 <= due < MAX_DUE_MS
+                and version >= 0
+                and (cadence is None or (type(cadence) is int and cadence > 0))
+                and row.key == event.key
+            ):
                 self._unreadable(row, "event")
                 continue
             try:
@@ -265,7 +266,10 @@ class KeeperCore:
             except TypeError:  # an unhashable field
                 self._unreadable(row, "event")
                 continue
-            tally[queue.upsert(key, h, cls, due, version, now_ms)] += 1
+            done = moved(slots._table, slots._mask, h, cls, due, version, now_ms)
+            if done < 0:
+                done = upsert_unmoved(key, h, cls, due, version, now_ms)
+            tally[done] += 1
 
     def _unreadable(self, row: Row | None, where: str, key: object = None) -> None:
         self.counters.unreadable += 1

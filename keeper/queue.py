@@ -53,8 +53,10 @@ class HeldQueue:
         self.tallies = MinuteTallies()
         buckets = self.buckets
         # The event path's common case in C, bound to the structures that live as long
-        # as the queue (each grows in place, never replaced).
-        self._moved = partial(
+        # as the queue (each grows in place, never replaced); called with the slot
+        # index's table and mask, which are replaced when the index doubles. The feed's
+        # batches call it directly (KeeperCore._apply_rows), then `upsert_unmoved`.
+        self.moved = partial(
             upsert_moved,
             self.rec,
             buckets.b_class,
@@ -87,12 +89,20 @@ class HeldQueue:
         and buckets: on this path a Python call costs about as much as the work it
         would do. The slow cases are theirs.
         """
-        tallies = self.tallies
-        tallies.now_minute = now_ms // MINUTE_MS
+        self.tallies.now_minute = now_ms // MINUTE_MS
         slots = self.slots
-        done = self._moved(slots._table, slots._mask, key_hash, class_id, due_at, version, now_ms)
+        done = self.moved(slots._table, slots._mask, key_hash, class_id, due_at, version, now_ms)
         if done >= 0:
             return done
+        return self.upsert_unmoved(key, key_hash, class_id, due_at, version, now_ms)
+
+    def upsert_unmoved(
+        self, key: bytes, key_hash: int, class_id: int, due_at: int, version: int, now_ms: int
+    ) -> int:
+        """`upsert` once `moved` returned -1 (and tallies.now_minute is now's minute):
+        a new row, a move to another class, or one outside the C path's dense case."""
+        tallies = self.tallies
+        slots = self.slots
         rec = self.rec
         # SlotTable.find, inline: linear probing on the hash, records four words apart.
         table = slots._table
