@@ -127,8 +127,8 @@ class KeyLeaseState(msgspec.Struct, frozen=True):
 class LeaseStatistics(msgspec.Struct, frozen=True):
     """Counters the ops keep (O(1) to read). Time passing changes no counter: a lease
     that expired unanswered counts as live, and an ended hold as held, until a grant of
-    the key or a sweep settles it (the keeper sweeps every few seconds). `census()`
-    counts the same from a full scan, exactly at a given time."""
+    the key or a sweep settles it (the supervisor sweeps every lease_sweep_interval_s,
+    10 s by default). `census()` counts the same from a full scan, exact at a time."""
 
     capacity: int
     occupied: int
