@@ -301,10 +301,11 @@ class NodeProcess:
         tokens: bool = False,
         extra_args: tuple[str, ...] = (),
         env: dict[str, str] | None = None,
+        instance: str | None = None,  # another run's, to restart "the same node"
     ) -> None:
         self.dir = directory
         self.db = directory / "node.sqlite"
-        self.instance = unique("tn")
+        self.instance = instance or unique("tn")
         self.workers = workers
         self.tokens = tokens
         self.extra_args = extra_args

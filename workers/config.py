@@ -66,6 +66,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     # 1.7-2x the server CPU per small request), a fallback should httptools misbehave.
     http: Literal["httptools", "h11"] = "httptools"
     lease_slots: Annotated[int, msgspec.Meta(ge=1024, le=1 << 26)] = 1 << 20
+    # Where a graceful stop (SIGTERM) leaves the lease table for the next start, so live
+    # leases outlive a restart (shm/lease_snapshot.py). By default `<db>.leases` beside a
+    # SQLite database, and `var/<instance>.leases` for a store URL.
+    lease_snapshot: str | None = None
     ring_entries: Annotated[int, msgspec.Meta(ge=16, le=1 << 20)] = 8192
     # Completed leases leave dead slots; unswept, the table fills and grants start failing
     # for a full probe window. The supervisor, otherwise idle, sweeps this often.

@@ -5,8 +5,11 @@ N workers by index (worker 0 also hosts the keeper) and keeps them running.
   backoff, so a boot error never becomes a respawn storm. If no worker has ever come up
   and a slot keeps failing to boot, the node gives up and exits non-zero.
 - SIGTERM stops gracefully: workers stop accepting, finish the requests in flight, and
-  the lease table outlives them until the supervisor exits. SIGINT stops quickly. A
-  second signal while stopping kills what is left.
+  the lease table outlives them: once they have exited, the supervisor writes it to the
+  lease snapshot file, and the next start loads it before any worker spawns, so live
+  leases stay valid for their term across the restart (shm/lease_snapshot.py). SIGINT
+  stops quickly and writes no snapshot, nor does a crash. A second signal while
+  stopping kills what is left (a second SIGINT also drops the snapshot).
 - The segments are unlinked on every exit path the process survives.
 
 Each event is one JSON log line, and `statistics()` is also published into a small
@@ -27,9 +30,11 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import msgspec
 
+from shm import lease_snapshot
 from workers import logs
 from workers.config import Settings
 from workers.segments import SegmentNames, Segments
@@ -125,6 +130,15 @@ def now_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
+def lease_snapshot_path(settings: Settings, instance: str) -> Path:
+    if settings.lease_snapshot:
+        return Path(settings.lease_snapshot).expanduser()
+    url = settings.store_url()
+    if url.startswith("sqlite:///"):
+        return Path(url[len("sqlite:///") :] + ".leases")
+    return Path("var") / f"{instance}.leases"
+
+
 @dataclass(eq=False)
 class Supervisor:
     settings: Settings
@@ -148,6 +162,8 @@ class Supervisor:
     _next_sweep: float = 0.0
     lease_sweeps: int = 0
     lease_slots_reclaimed: int = 0
+    _snapshot_on_exit: bool = False  # a graceful stop asked for, and the loop ended
+    _loop_ended: bool = False
 
     # --- lifecycle ---------------------------------------------------------------------
 
@@ -156,6 +172,7 @@ class Supervisor:
         try:
             self._setup()
             self._loop()
+            self._loop_ended = True
         except ListenFailed as exc:
             logs.event(log, "listen_failed", logging.ERROR, address=exc.address, error=exc.reason)
             self.exit_code = 1
@@ -179,6 +196,7 @@ class Supervisor:
         self._segments = Segments.create(
             names, ring_entries=settings.ring_entries, lease_slots=settings.lease_slots
         )
+        self._restore_leases()
         logs.event(
             log,
             "listening",
@@ -302,6 +320,8 @@ class Supervisor:
             self._shared.close()
         self.state = "stopped"
         if self._segments is not None:
+            if self._snapshot_on_exit and self._loop_ended:
+                self._save_leases()
             with contextlib.suppress(Exception):
                 self._publish()
             self._segments.close()
@@ -374,8 +394,11 @@ class Supervisor:
             if self.state == "stopping":
                 logs.event(log, "stop_forced", signal=name)
                 self._kill_all(f"second {name}")
+                if signum == signal.SIGINT:
+                    self._snapshot_on_exit = False
                 continue
             graceful = signum == signal.SIGTERM
+            self._snapshot_on_exit = graceful
             self.state = "stopping"
             timeout = self.settings.graceful_timeout_s + 5.0 if graceful else QUICK_STOP_S
             self._stop_deadline = time.monotonic() + timeout
@@ -395,6 +418,76 @@ class Supervisor:
                 )
                 with contextlib.suppress(ProcessLookupError):
                     slot.process.kill()
+
+    # --- the lease snapshot --------------------------------------------------------------
+
+    def _restore_leases(self) -> None:
+        """Before any worker spawns: the leases a graceful stop left, if any. A bad file
+        is logged and set aside; the node starts with an empty table either way."""
+        assert self._segments is not None
+        path = lease_snapshot_path(self.settings, self.instance)
+        try:
+            outcome = lease_snapshot.restore(
+                path, self._segments.leases, instance=self.instance, now_ms=now_ms()
+            )
+        except Exception as exc:  # restore reports a bad file itself; this is the unforeseen
+            logs.event(
+                log, "lease_snapshot_rejected", logging.ERROR, path=str(path), reason=repr(exc)
+            )
+            return
+        if isinstance(outcome, lease_snapshot.Rejected):
+            logs.event(
+                log,
+                "lease_snapshot_rejected",
+                logging.WARNING,
+                path=outcome.path,
+                reason=outcome.reason,
+                moved_to=outcome.moved_to,
+                detail="starting with an empty lease table",
+            )
+        elif isinstance(outcome, lease_snapshot.Restored):
+            logs.event(
+                log,
+                "lease_snapshot_restored",
+                path=outcome.path,
+                age_ms=outcome.age_ms,
+                occupied=outcome.occupied,
+                live_leases=outcome.live_leases,
+                held_keys=outcome.held_keys,
+            )
+            if not outcome.removed:
+                logs.event(
+                    log,
+                    "lease_snapshot_not_removed",
+                    logging.WARNING,
+                    path=outcome.path,
+                    detail="remove it by hand: a start after a crash would load it again",
+                )
+
+    def _save_leases(self) -> None:
+        assert self._segments is not None
+        path = lease_snapshot_path(self.settings, self.instance)
+        started = time.monotonic()
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            saved = lease_snapshot.save(
+                path, self._segments.leases, instance=self.instance, now_ms=now_ms()
+            )
+        except Exception as exc:
+            logs.event(
+                log, "lease_snapshot_write_failed", logging.ERROR, path=str(path), error=str(exc)
+            )
+            return
+        logs.event(
+            log,
+            "lease_snapshot_written",
+            path=saved.path,
+            bytes=saved.bytes,
+            occupied=saved.occupied,
+            live_leases=saved.live_leases,
+            held_keys=saved.held_keys,
+            ms=round((time.monotonic() - started) * 1000, 1),
+        )
 
     # --- workers -----------------------------------------------------------------------
 
