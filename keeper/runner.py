@@ -52,6 +52,7 @@ from keeper.state import (
     encode_queue_state,
     lease_counts,
 )
+from keeper.topcheck import TopCheck
 from keeper.walk import RepairCounts, Walk, WalkReason
 from store.base import RowsRead, ScheduleStore
 
@@ -63,16 +64,6 @@ MAX_WAIT_S = 0.25  # an idle keeper still looks at the clock this often
 
 def wall_clock_ms() -> int:
     return time.time_ns() // 1_000_000
-
-
-class TopRead(msgspec.Struct, kw_only=True):
-    """A top check's read, waiting for the feed to deliver what it saw."""
-
-    keys: list[bytes]
-    token: int  # the touch window opened before the read
-    read: RowsRead
-    read_at: int
-    waited: bool = False
 
 
 class KeeperStatistics(msgspec.Struct, frozen=True, kw_only=True):
@@ -148,12 +139,11 @@ class Keeper:
         self._walk_read: RowsRead | None = None  # a chunk read, waiting for the feed
         self._walk_read_waited = False
         self._walk_retry_at = 0
-        self._top_read: TopRead | None = None
+        self._top = TopCheck(self.core, store, self.feed, config, clock)
         self._next_publish = 0
         self._next_report = 0
         self._next_verify = 0
         self._heartbeat_at = 0
-        self._checked_at: dict[bytes, int] = {}  # top-check: key -> when last re-read
         self._state: QueueState | None = None
         self._started = False
         self._memory_bytes = 0  # the queue's buffers, as of the last full report
@@ -161,7 +151,6 @@ class Keeper:
         # counters
         self._resyncs = 0
         self._walk_errors = 0
-        self._top_checks_waited = 0
         self._walk_chunks_waited = 0
         self._state_writes = 0
         self._state_write_failures = 0
@@ -230,7 +219,7 @@ class Keeper:
         stop.wait(seconds)
 
     def close(self) -> None:
-        self._drop_top_read()
+        self._top.drop()
         self.feed.close()
 
     # -- the feed ------------------------------------------------------------------
@@ -246,14 +235,14 @@ class Keeper:
         if self._walk is not None:
             self.core.abandon_walk(self._walk)
             self._walk = None
-        self._drop_top_read()
+        self._top.drop()
         self._begin_walk(now, "load" if not self._loaded else "resync")
 
     def _feed_failed(self, exc: BaseException, now: int) -> None:
         self.feed.failed(exc, now)
         # A reopened feed may start at the head: its position says nothing of what the
         # reads below saw, so they are dropped unjudged (the resync walk reads afresh).
-        self._drop_top_read()
+        self._top.drop()
         if self._walk is not None:
             self.core.abandon_walk(self._walk)
             self._walk = None
@@ -375,7 +364,7 @@ class Keeper:
 
     def _ownership_changed(self, now: int) -> None:
         self._ownership_generation = self.core.ownership.generation
-        self._drop_top_read()
+        self._top.drop()
         dropped = self.core.drop_unowned()
         log.info("keeper: ownership changed; dropped %d rows no longer owned", dropped)
         if self._walk is not None:
@@ -429,73 +418,13 @@ class Keeper:
         self._write_state(self.clock())
 
     def _top_check(self, keys: list[bytes], now: int) -> None:
-        """Re-read the top published rows (each at most once a minute); repair what differs.
-
-        A read is judged once the feed has delivered its head, at this publish or a later
-        one; no new read is taken while one waits.
-        """
-        check = self._top_read
-        if check is None:
-            check = self._read_top(keys, now)
-            if check is None:
-                return
-            self._top_read = check
-            # As much of the feed as a second allows (the check's old budget, which also
-            # keeps a busy feed ahead of publishing); usually the read is then covered.
-            self._drain(self.clock() + 1000)
-            if self._top_read is not check:
-                return  # the feed failed meanwhile: the read was dropped
-        if not self.feed.has_delivered(check.read.head):
-            if not check.waited:
-                check.waited = True
-                self._top_checks_waited += 1
-            return
-        self._top_read = None
-        names = [k.decode() for k in check.keys]
-        try:
-            tally = self.core.reconcile(
-                names, {r.key: r for r in check.read.rows}, check.token, self.clock()
+        checked = self._top.after_publish(keys, now, self._drain)
+        if checked is not None:
+            self._publish = msgspec.structs.replace(
+                self._publish,
+                top_checked=self._publish.top_checked + checked.checked,
+                top_repaired=self._publish.top_repaired + checked.repaired,
             )
-        except Exception as exc:
-            log.warning("keeper: top check failed (%s)", exc)
-            return
-        finally:
-            self.core.close_window(check.token)
-        checked = self._checked_at
-        for key in check.keys:
-            checked[key] = check.read_at
-        self._publish = msgspec.structs.replace(
-            self._publish,
-            top_checked=self._publish.top_checked + len(check.keys),
-            top_repaired=self._publish.top_repaired + tally.missed,
-        )
-        if tally.missed:
-            log.warning("keeper: top check repaired %d rows", tally.missed)
-
-    def _read_top(self, keys: list[bytes], now: int) -> TopRead | None:
-        due_again = now - int(self.config.top_check_every_s * 1000)
-        checked = self._checked_at
-        if len(checked) > 16 * self.config.top_check:
-            for key in [k for k, at in checked.items() if at <= due_again]:
-                del checked[key]
-        picked = [k for k in keys[: self.config.top_check] if checked.get(k, -1) <= due_again]
-        if not picked:
-            return None
-        # The window opens before the read: an event from here on marks its key, and a
-        # marked key is left to its event.
-        token = self.core.open_window()
-        try:
-            read = self.store.get_many_at([k.decode() for k in picked])
-        except Exception as exc:
-            self.core.close_window(token)
-            log.warning("keeper: top check failed (%s)", exc)
-            return None
-        return TopRead(keys=picked, token=token, read=read, read_at=now)
-
-    def _drop_top_read(self) -> None:
-        if self._top_read is not None:
-            self.core.close_window(self._top_read.token)
-            self._top_read = None
 
     def _save_cursor(self) -> None:
         try:
@@ -641,7 +570,7 @@ class Keeper:
             rows_reclassified=counters.rows_reclassified,
             unreadable=counters.unreadable,
             collisions=counters.collisions,
-            top_checks_waited=self._top_checks_waited,
+            top_checks_waited=self._top.waited,
             walk_chunks_waited=self._walk_chunks_waited,
             feed_failures=self.feed.failures,
             feed_reopens=self.feed.reopens,

@@ -17,6 +17,9 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
+from keeper.config import KeeperConfig
+from keeper.runner import Keeper
+from keeper.state import QueueState, decode_queue_state
 from store.base import Cursor, CursorAhead, CursorBelowFloor, FeedBatch, RowsRead
 from store.rows import (
     Completion,
@@ -267,3 +270,43 @@ class MemoryStateBuffer:
 
     def last(self) -> bytes:
         return self.writes[-1][0]
+
+
+RIG_CONFIG = KeeperConfig(walk_chunk=10, best_k=100, verify_interval_s=3600, top_check=5)
+
+
+class Rig:
+    """A Keeper over the stand-ins below on a manual clock, stepped by hand."""
+
+    def __init__(self, rows: int = 35, config: KeeperConfig = RIG_CONFIG) -> None:
+        self.clock = ManualClock()
+        self.store = MemoryStore()
+        for i in range(rows):
+            self.store.put(f"/k{i:03}", NOW - 1000 * i)
+        self.ring = MemoryRing()
+        self.leases = MemoryLeases()
+        self.state = MemoryStateBuffer()
+        self.keeper = Keeper(
+            self.store, self.ring, self.leases, self.state, config, node="n1", clock=self.clock
+        )
+
+    def states(self) -> list[QueueState]:
+        return [decode_queue_state(payload) for payload, _ in self.state.writes]
+
+    def last(self) -> QueueState:
+        return decode_queue_state(self.state.last())
+
+    def steps(self, n: int, advance_ms: int = 0) -> None:
+        for _ in range(n):
+            self.clock.advance(advance_ms)
+            self.keeper.step()
+
+    def held(self) -> dict[str, tuple[int, int]]:
+        queue = self.keeper.core.queue
+        return {
+            r.key: (r.due_at, r.version)
+            for r in (queue.held_slot(s) for s in queue.slots.live_slots().tolist())
+        }
+
+    def table(self) -> dict[str, tuple[int, int]]:
+        return {k: (r.next_render_at, r.version) for k, r in self.store.rows.items()}

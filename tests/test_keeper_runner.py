@@ -5,55 +5,20 @@ from __future__ import annotations
 import msgspec
 from keeper_helpers import (
     NOW,
-    ManualClock,
+    RIG_CONFIG,
     MemoryLeases,
     MemoryRing,
     MemoryStateBuffer,
-    MemoryStore,
+    Rig,
 )
 
 from keeper.config import KeeperConfig
 from keeper.runner import Keeper
-from keeper.state import QueueState, decode_queue_state, liveness, vouches
+from keeper.state import decode_queue_state, liveness, vouches
 from shm import key_hash
 from store.rows import Row
 
-CONFIG = KeeperConfig(walk_chunk=10, best_k=100, verify_interval_s=3600, top_check=5)
-
-
-class Rig:
-    def __init__(self, rows: int = 35, config: KeeperConfig = CONFIG) -> None:
-        self.clock = ManualClock()
-        self.store = MemoryStore()
-        for i in range(rows):
-            self.store.put(f"/k{i:03}", NOW - 1000 * i)
-        self.ring = MemoryRing()
-        self.leases = MemoryLeases()
-        self.state = MemoryStateBuffer()
-        self.keeper = Keeper(
-            self.store, self.ring, self.leases, self.state, config, node="n1", clock=self.clock
-        )
-
-    def states(self) -> list[QueueState]:
-        return [decode_queue_state(payload) for payload, _ in self.state.writes]
-
-    def last(self) -> QueueState:
-        return decode_queue_state(self.state.last())
-
-    def steps(self, n: int, advance_ms: int = 0) -> None:
-        for _ in range(n):
-            self.clock.advance(advance_ms)
-            self.keeper.step()
-
-    def held(self) -> dict[str, tuple[int, int]]:
-        queue = self.keeper.core.queue
-        return {
-            r.key: (r.due_at, r.version)
-            for r in (queue.held_slot(s) for s in queue.slots.live_slots().tolist())
-        }
-
-    def table(self) -> dict[str, tuple[int, int]]:
-        return {k: (r.next_render_at, r.version) for k, r in self.store.rows.items()}
+CONFIG = RIG_CONFIG
 
 
 def test_status_is_unready_until_the_first_publish_which_comes_after_the_first_chunk() -> None:
@@ -182,26 +147,6 @@ def test_the_hourly_verification_walk_repairs_missed_writes() -> None:
     assert rig.held() == rig.table()
     r = rig.keeper.statistics().repairs
     assert (r.missed_added, r.missed_changed, r.missed_removed) == (1, 1, 1)
-
-
-def test_the_top_check_re_reads_published_rows_at_most_once_a_minute() -> None:
-    rig = Rig()
-    rig.keeper.start()
-    rig.steps(5)
-    rig.steps(1, advance_ms=1000)  # a publish of the whole table
-    top = rig.ring.keys[0].decode()
-    assert top == "/k034"
-    rig.store.silent(None, key=top)  # the most overdue row is gone and nobody said so
-    rig.steps(1, advance_ms=61_000)
-    stats = rig.keeper.statistics()
-    assert stats.publish.top_repaired == 1
-    assert rig.held() == rig.table()
-    checked = stats.publish.top_checked
-    rig.steps(1, advance_ms=1000)
-    # Only /k029, new to the top five since the repair, is read; the rest were just read.
-    assert rig.keeper.statistics().publish.top_checked == checked + 1
-    rig.steps(1, advance_ms=1000)
-    assert rig.keeper.statistics().publish.top_checked == checked + 1, "once a minute at most"
 
 
 def test_leased_keys_are_not_published() -> None:
