@@ -73,7 +73,7 @@ from typing import Literal
 import msgspec
 import numpy as np
 
-from shm._atomics import LEASE_LAYOUT, STRIPE_WORDS, STRIPES, Leases, Words
+from shm._atomics import LEASE_LAYOUT, Leases, Words
 from shm.segment import HEADER_BYTES, Segment, align
 from shm.segment import now_ms as wall_clock_ms
 
@@ -86,7 +86,6 @@ assert SLOT.itemsize == LEASE_LAYOUT["slot_words"] * 8
 KEEP_MISSES_MS = LEASE_LAYOUT["keep_misses_ms"]
 
 _CTRL = HEADER_BYTES
-_STRIPES = _CTRL // 8 + LEASE_LAYOUT["stripes"]
 _SLOTS = align(_CTRL + LEASE_LAYOUT["ctrl_words"] * 8)
 _REASONS: dict[int, Literal["taken", "held", "probe_full"]] = {
     LEASE_LAYOUT["refused_taken"]: "taken",
@@ -235,11 +234,7 @@ class LeaseTable:
         counters need no clock) and kept for callers that pass it."""
         del now_ms
         occupied, live, held = (max(count, 0) for count in self._c.live())
-        sums = [0] * STRIPE_WORDS
-        for stripe in range(STRIPES):
-            base = _STRIPES + stripe * STRIPE_WORDS
-            for i in range(STRIPE_WORDS):
-                sums[i] += self._words.load(base + i)
+        sums = self._c.totals()
 
         def total(name: str) -> int:
             return sums[LEASE_LAYOUT[f"s_{name}"]]
