@@ -4,7 +4,9 @@ One `Keeper` runs in a thread of worker 0. Each `step` does a bounded amount of
 work (a walk chunk, the feed up to the next deadline, a publish, a report), so
 the publish every second is never starved by a long walk or a burst of events;
 `run` loops `step` until asked to stop. Everything it decides is in
-`KeeperCore`; this module only reads, writes and keeps time.
+`KeeperCore`; this module only reads, writes and keeps time. The publish step
+is `keeper.publish.Publisher`, the re-read of the top published rows
+`keeper.topcheck.TopCheck`; the runner sequences them.
 
 The order of a start: write queue-state (unready, starting), subscribe at the
 feed's head, read routes and the default cadence (so a change after the
@@ -30,8 +32,6 @@ import time
 from collections.abc import Callable
 
 import msgspec
-import numpy as np
-import numpy.typing as npt
 
 from keeper.config import KeeperConfig
 from keeper.core import KeeperCore
@@ -39,6 +39,7 @@ from keeper.counts import count_queue, due_in_minute
 from keeper.feed import Feed
 from keeper.ownership import Ownership
 from keeper.protocols import LeaseTableLike, ReadyRingLike, StateBufferLike
+from keeper.publish import Publisher, PublishFailed
 from keeper.report import build_queue_state
 from keeper.state import (
     LeaseCounts,
@@ -139,6 +140,7 @@ class Keeper:
         self._walk_read: RowsRead | None = None  # a chunk read, waiting for the feed
         self._walk_read_waited = False
         self._walk_retry_at = 0
+        self._publisher = Publisher(self.core, ring, leases, config)
         self._top = TopCheck(self.core, store, self.feed, config, clock)
         self._next_publish = 0
         self._next_report = 0
@@ -155,7 +157,6 @@ class Keeper:
         self._state_writes = 0
         self._state_write_failures = 0
         self._load = LoadStats()
-        self._publish = PublishStats()
         self._verify = VerifyStats()
 
     # -- the loop ------------------------------------------------------------------
@@ -374,57 +375,21 @@ class Keeper:
 
     # -- publishing ----------------------------------------------------------------
 
-    def _blocked(self, now: int) -> Callable[[npt.NDArray[np.uint64]], npt.NDArray[np.bool_]]:
-        leases = self.leases
-
-        def blocked(hashes: npt.NDArray[np.uint64]) -> npt.NDArray[np.bool_]:
-            return leases.blocked_mask(hashes, now)
-
-        return blocked
-
     def _publish_now(self, now: int) -> None:
-        started = time.perf_counter_ns()
-        try:
-            selection = self.core.select(self.config.best_k, now, self._blocked(now))
-            keys = self.core.queue.slots.keys(selection.slots)
-            generation = self.ring.publish(
-                keys, selection.due_at, selection.class_id, selection.key_hash, now
-            )
-        except Exception as exc:
-            log.exception("keeper: publish failed")
-            self._publish = msgspec.structs.replace(
-                self._publish, failures=self._publish.failures + 1
-            )
-            self._set_status(now, "stalled", f"publish failed: {type(exc).__name__}: {exc}")
+        keys = self._publisher.publish(now)
+        if isinstance(keys, PublishFailed):
+            self._set_status(now, "stalled", keys.reason)
             return
-        elapsed_us = (time.perf_counter_ns() - started) // 1000
         self._heartbeat_at = now
-        self._publish = msgspec.structs.replace(
-            self._publish,
-            publishes=self._publish.publishes + 1,
-            last_at=now,
-            last_count=len(keys),
-            last_duration_us=elapsed_us,
-            last_considered=selection.considered,
-            last_blocked=selection.blocked,
-            generation=generation,
-        )
         if self._load.first_publish_at is None:
             self._load = msgspec.structs.replace(self._load, first_publish_at=now)
         if self.status != "ready":
             self._set_status(now, "ready", "publishing")
-        self._top_check(keys, now)
-        self._save_cursor()
-        self._write_state(self.clock())
-
-    def _top_check(self, keys: list[bytes], now: int) -> None:
         checked = self._top.after_publish(keys, now, self._drain)
         if checked is not None:
-            self._publish = msgspec.structs.replace(
-                self._publish,
-                top_checked=self._publish.top_checked + checked.checked,
-                top_repaired=self._publish.top_repaired + checked.repaired,
-            )
+            self._publisher.count_top_check(checked)
+        self._save_cursor()
+        self._write_state(self.clock())
 
     def _save_cursor(self) -> None:
         try:
@@ -478,7 +443,7 @@ class Keeper:
             unreadable=counters.unreadable,
             memory_bytes=self._memory_bytes,
             load=self._load,
-            publish=self._publish,
+            publish=self._publisher.stats,
             verification=self._verify,
             repairs=self.core.repairs.snapshot(),
         )
@@ -500,7 +465,7 @@ class Keeper:
             self._memory_bytes = queue.nbytes()
             self._tallies = len(queue.tallies)
             self.core.flow.tick(now, lambda minute: due_in_minute(queue, minute))
-            blocked = self._blocked(now)
+            blocked = self._publisher.blocked(now)
             return build_queue_state(
                 node=self.node,
                 now_ms=now,
@@ -581,7 +546,7 @@ class Keeper:
             state_writes=self._state_writes,
             state_write_failures=self._state_write_failures,
             load=self._load,
-            publish=self._publish,
+            publish=self._publisher.stats,
             verification=self._verify,
             repairs=core.repairs.snapshot(),
         )

@@ -1,0 +1,105 @@
+"""keeper/publish.py: what a publish puts into the ring, with a real shared-memory lease
+table deciding which keys are leased or held; and a failing ring."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from keeper_helpers import NOW, MemoryRing
+
+from keeper.config import KeeperConfig
+from keeper.core import KeeperCore
+from keeper.publish import Publisher, PublishFailed
+from shm import Grant, LeaseTable, key_hash, segment_name
+from store.rows import Row, RowEvent
+
+ROUTES = ["product", "category", "home"]
+
+
+def _core(dues: list[int], best_k: int) -> KeeperCore:
+    core = KeeperCore(KeeperConfig(best_k=best_k))
+    events = [
+        RowEvent(
+            key=f"/p/{i}",
+            row=Row(
+                key=f"/p/{i}",
+                route=ROUTES[i % 3],
+                cadence_s=None,
+                sitemap=i % 4 == 0,
+                next_render_at=NOW + due,
+                version=i + 1,
+            ),
+        )
+        for i, due in enumerate(dues)
+    ]
+    core.apply_events(events, NOW)
+    return core
+
+
+def _table() -> LeaseTable:
+    return LeaseTable.create(
+        segment_name(f"t{os.getpid()}x{uuid.uuid4().hex[:8]}", "publish"), capacity=1 << 12
+    )
+
+
+@given(
+    dues=st.lists(st.integers(-7_200_000, 600_000), min_size=1, max_size=300),
+    leased=st.sets(st.integers(0, 299), max_size=200),
+    expired=st.sets(st.integers(0, 299), max_size=50),
+    best_k=st.integers(1, 120),
+)
+@settings(max_examples=40, deadline=None)
+def test_a_publish_is_the_best_rows_whose_keys_the_lease_table_neither_leases_nor_holds(
+    dues: list[int], leased: set[int], expired: set[int], best_k: int
+) -> None:
+    """Against brute force: every claimable row best first (a selection with no lease
+    table), less each key the table's own per-key probe (state) says is leased or held."""
+    core = _core(dues, best_k)
+    table = _table()
+    try:
+        for i in leased | expired:
+            if i < len(dues):
+                lease_ms = 1_000 if i in expired else 600_000  # expired: held back now
+                got = table.grant(key_hash(b"/p/%d" % i), NOW - 1_500, lease_ms, 3_600_000)
+                assert isinstance(got, Grant)
+        ring = MemoryRing()
+        publisher = Publisher(core, ring, table, core.config)
+        keys = publisher.publish(NOW)
+        assert not isinstance(keys, PublishFailed)
+        everything = core.select(len(dues), NOW, None)
+        claimable = core.queue.slots.keys(everything.slots)
+        free = [k for k in claimable if not _blocked(table, k)]
+        assert keys == ring.keys == free[:best_k]
+        stats = publisher.stats
+        assert stats.publishes == 1 and stats.last_count == len(keys)
+        assert stats.last_blocked <= len(claimable) - len(free)
+    finally:
+        table.close()
+        table.unlink()
+
+
+def _blocked(table: LeaseTable, key: bytes) -> bool:
+    state = table.state(key_hash(key), NOW)
+    return state.leased or state.held
+
+
+def test_a_ring_that_fails_is_counted_and_reported_and_the_next_publish_goes_on() -> None:
+    core = _core([-1_000, -2_000, 5_000], best_k=10)
+    ring = MemoryRing()
+    table = _table()
+    try:
+        publisher = Publisher(core, ring, table, core.config)
+        ring.fail = True
+        failed = publisher.publish(NOW)
+        assert failed == PublishFailed("publish failed: OSError: ring unavailable (test)")
+        assert publisher.stats.failures == 1 and publisher.stats.publishes == 0
+        ring.fail = False
+        # /p/0 is less late but from a sitemap (boosted); /p/2 is not due yet.
+        assert publisher.publish(NOW) == [b"/p/0", b"/p/1"]
+        assert publisher.stats.publishes == 1 and publisher.stats.generation == 1
+    finally:
+        table.close()
+        table.unlink()
