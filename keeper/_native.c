@@ -614,126 +614,169 @@ static PyObject *append_name; /* "append", interned at import */
  * Anything else returns -1 having changed nothing, and the Python path runs. A
  * bucket left needing a rebuild or a tidy gets it through `buckets` (after every
  * buffer is given back: those calls resize arrays). */
-static PyObject *
-upsert_moved(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+/* The structures upsert_moved works on, their buffers held for a call (upsert_moved)
+ * or a run of events (apply_moves). Nothing here may resize them while held: the
+ * Python calls that can (a bucket's rebuild or tidy, an add) run after unhold. */
+typedef struct {
+    held_t h;
+    const int32_t *table;
+    uint64_t *rec;
+    int32_t *b_class, *b_live, *b_stale, *b_split_at;
+    Py_ssize_t n_slots, n_buckets;
+    uint64_t mask;
+    long long merge_below, stale_slack;
+    PyObject *starts_of, *ids_of, *members, *tally_counts, *tally_base, *buckets;
+} moved_ctx;
+
+/* ctx from upsert_moved's first 15 arguments (records ... stale_slack, table, mask). */
+static int
+moved_open(moved_ctx *c, PyObject *const *args, const char *who)
 {
-    if (nargs != 20) {
-        PyErr_Format(PyExc_TypeError, "upsert_moved takes 20 arguments, got %zd", nargs);
-        return NULL;
+    c->h.n = 0;
+    c->mask = PyLong_AsUnsignedLongLong(args[14]);
+    c->merge_below = PyLong_AsLongLong(args[11]);
+    c->stale_slack = PyLong_AsLongLong(args[12]);
+    if (PyErr_Occurred()) return -1;
+    c->starts_of = args[5];
+    c->ids_of = args[6];
+    c->members = args[7];
+    c->tally_counts = args[8];
+    c->tally_base = args[9];
+    c->buckets = args[10];
+    if (!PyList_Check(c->starts_of) || !PyList_Check(c->ids_of) || !PyList_Check(c->members) ||
+        !PyList_Check(c->tally_counts) || !PyList_Check(c->tally_base)) {
+        PyErr_Format(PyExc_TypeError, "%s wants the queue's lists", who);
+        return -1;
     }
-    uint64_t mask = PyLong_AsUnsignedLongLong(args[14]);
-    uint64_t key_hash = PyLong_AsUnsignedLongLong(args[15]);
-    Py_ssize_t class_id = PyLong_AsSsize_t(args[16]);
-    long long due = PyLong_AsLongLong(args[17]);
-    unsigned long long version = PyLong_AsUnsignedLongLong(args[18]);
-    long long now = PyLong_AsLongLong(args[19]);
-    long long merge_below = PyLong_AsLongLong(args[11]);
-    long long stale_slack = PyLong_AsLongLong(args[12]);
-    if (PyErr_Occurred()) return NULL;
-    PyObject *starts_of = args[5], *ids_of = args[6], *members = args[7];
-    PyObject *tally_counts = args[8], *tally_base = args[9], *buckets = args[10];
-    if (!PyList_Check(starts_of) || !PyList_Check(ids_of) || !PyList_Check(members) ||
-        !PyList_Check(tally_counts) || !PyList_Check(tally_base)) {
-        PyErr_SetString(PyExc_TypeError, "upsert_moved wants the queue's lists");
-        return NULL;
+    c->table = hold(&c->h, args[13], 0, 4);
+    c->rec = c->table ? hold(&c->h, args[0], 1, 8) : NULL;
+    c->b_class = c->rec ? hold(&c->h, args[1], 0, 4) : NULL;
+    c->b_live = c->b_class ? hold(&c->h, args[2], 1, 4) : NULL;
+    c->b_stale = c->b_live ? hold(&c->h, args[3], 1, 4) : NULL;
+    c->b_split_at = c->b_stale ? hold(&c->h, args[4], 0, 4) : NULL;
+    if (c->b_split_at == NULL) {
+        unhold(&c->h);
+        return -1;
     }
-    held_t h = {.n = 0};
-    long result = NOT_HANDLED;
-    Py_ssize_t split_bucket = -1, tidy_bucket = -1;
+    if (c->h.views[0].len != (Py_ssize_t)(c->mask + 1) * 4) {
+        unhold(&c->h);
+        PyErr_Format(PyExc_ValueError, "%s: the index does not match its mask", who);
+        return -1;
+    }
+    c->n_slots = c->h.views[1].len / 32;
+    c->n_buckets = c->h.views[2].len / 4;
+    return 0;
+}
 
-    const int32_t *table = hold(&h, args[13], 0, 4);
-    uint64_t *rec = table ? hold(&h, args[0], 1, 8) : NULL;
-    int32_t *b_class = rec ? hold(&h, args[1], 0, 4) : NULL;
-    int32_t *b_live = b_class ? hold(&h, args[2], 1, 4) : NULL;
-    int32_t *b_stale = b_live ? hold(&h, args[3], 1, 4) : NULL;
-    int32_t *b_split_at = b_stale ? hold(&h, args[4], 0, 4) : NULL;
-    if (b_split_at == NULL) goto fail;
-    if (h.views[0].len != (Py_ssize_t)(mask + 1) * 4) {
-        PyErr_SetString(PyExc_ValueError, "upsert_moved: the index does not match its mask");
-        goto fail;
-    }
-    Py_ssize_t n_slots = h.views[1].len / 32, n_buckets = h.views[2].len / 4;
-
+/* HeldQueue.upsert's common case for one row: TRIGGERED (1), RESCHEDULED (2),
+ * UNCHANGED (3); NOT_HANDLED having changed nothing; -2 on an error. A bucket that
+ * now needs a rebuild (split) or a tidy is named in *split / *tidy, for the caller
+ * to call once the buffers are given back. */
+static long
+moved_one(moved_ctx *c, uint64_t key_hash, Py_ssize_t class_id, long long due,
+          unsigned long long version, long long now, Py_ssize_t *split, Py_ssize_t *tidy)
+{
+    const int32_t *table = c->table;
+    uint64_t *rec = c->rec;
+    uint64_t mask = c->mask;
     /* The slot: linear probing on the hash. */
     uint64_t at = key_hash & mask;
     int32_t slot = -1;
     for (uint64_t step = 0; step <= mask; step++) {
         int32_t s = table[at];
         if (s < 0) break;
-        if (s < n_slots && rec[(size_t)s * 4] == key_hash) {
+        if (s < c->n_slots && rec[(size_t)s * 4] == key_hash) {
             slot = s;
             break;
         }
         at = (at + 1) & mask;
     }
-    if (slot < 0) goto done; /* a new row */
+    if (slot < 0) return NOT_HANDLED; /* a new row */
     uint64_t *r = rec + (size_t)slot * 4;
     long long old_due = (long long)r[1];
     Py_ssize_t old_bucket = (Py_ssize_t)(r[3] >> 32);
-    if (old_bucket >= n_buckets || b_class[old_bucket] != class_id) goto done;
+    if (old_bucket >= c->n_buckets || c->b_class[old_bucket] != class_id) return NOT_HANDLED;
     if (due == old_due) {
         r[2] = version;
-        result = 3; /* UNCHANGED */
-        goto done;
+        return 3; /* UNCHANGED */
     }
-    if (class_id >= PyList_GET_SIZE(starts_of) || class_id >= PyList_GET_SIZE(tally_counts) ||
-        class_id >= PyList_GET_SIZE(tally_base)) {
-        goto done;
+    if (class_id >= PyList_GET_SIZE(c->starts_of) || class_id >= PyList_GET_SIZE(c->tally_counts) ||
+        class_id >= PyList_GET_SIZE(c->tally_base)) {
+        return NOT_HANDLED;
     }
     /* The tallies: both minutes inside the class's dense range, or not handled here. */
     long long minute = due >= 0 ? due / 60000 : -((-due + 59999) / 60000);
     long long old_minute = old_due >= 0 ? old_due / 60000 : -((-old_due + 59999) / 60000);
+    Py_buffer counts_view;
     int32_t *counts = NULL;
     long long first = 0;
     if (minute != old_minute) {
-        first = list_ll(tally_base, class_id);
-        if (first == -1 && PyErr_Occurred()) goto fail;
-        counts = hold(&h, PyList_GET_ITEM(tally_counts, class_id), 1, 4);
-        if (counts == NULL) goto fail;
-        long long n_counts = h.views[h.n - 1].len / 4;
+        first = list_ll(c->tally_base, class_id);
+        if (first == -1 && PyErr_Occurred()) return -2;
+        PyObject *arr = PyList_GET_ITEM(c->tally_counts, class_id);
+        if (PyObject_GetBuffer(arr, &counts_view, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0) {
+            return -2;
+        }
+        if (counts_view.itemsize != 4) {
+            PyBuffer_Release(&counts_view);
+            PyErr_SetString(PyExc_TypeError, "upsert_moved: tallies of the wrong item size");
+            return -2;
+        }
+        counts = counts_view.buf;
+        long long n_counts = counts_view.len / 4;
         if (!(0 <= old_minute - first && old_minute - first < n_counts && 0 <= minute - first &&
               minute - first < n_counts)) {
-            goto done;
+            PyBuffer_Release(&counts_view);
+            return NOT_HANDLED;
         }
     }
+    long result = NOT_HANDLED;
     /* The bucket: the last whose start is at or before due. */
-    PyObject *starts = PyList_GET_ITEM(starts_of, class_id);
-    PyObject *ids = PyList_GET_ITEM(ids_of, class_id);
+    PyObject *starts = PyList_GET_ITEM(c->starts_of, class_id);
+    PyObject *ids = PyList_GET_ITEM(c->ids_of, class_id);
     Py_ssize_t lo = 0, hi = PyList_GET_SIZE(starts);
-    if (hi == 0 || PyList_GET_SIZE(ids) != hi) goto done;
+    if (hi == 0 || PyList_GET_SIZE(ids) != hi) goto out;
     while (lo < hi) {
         Py_ssize_t mid = (lo + hi) / 2;
         long long start = list_ll(starts, mid);
-        if (start == -1 && PyErr_Occurred()) goto fail;
+        if (start == -1 && PyErr_Occurred()) {
+            result = -2;
+            goto out;
+        }
         if (due < start)
             hi = mid;
         else
             lo = mid + 1;
     }
-    if (lo == 0) goto done; /* before the class's first bucket: lower_first, in Python */
+    if (lo == 0) goto out; /* before the class's first bucket: lower_first, in Python */
     Py_ssize_t target = PyLong_AsSsize_t(PyList_GET_ITEM(ids, lo - 1));
-    if (target == -1 && PyErr_Occurred()) goto fail;
-    if (target < 0 || target >= n_buckets || target >= PyList_GET_SIZE(members)) goto done;
+    if (target == -1 && PyErr_Occurred()) {
+        result = -2;
+        goto out;
+    }
+    if (target < 0 || target >= c->n_buckets || target >= PyList_GET_SIZE(c->members)) goto out;
     if (target != old_bucket) {
         /* Push first: the new place makes the old entry stale before the old bucket
          * looks at its entries. */
-        PyObject *target_members = PyList_GET_ITEM(members, target);
+        PyObject *target_members = PyList_GET_ITEM(c->members, target);
         Py_ssize_t index = PyObject_Length(target_members);
-        if (index < 0) goto fail;
-        PyObject *boxed = PyLong_FromLong(slot);
-        if (boxed == NULL) goto fail;
-        PyObject *done_append = PyObject_CallMethodOneArg(target_members, append_name, boxed);
-        Py_DECREF(boxed);
-        if (done_append == NULL) goto fail;
-        Py_DECREF(done_append);
+        PyObject *boxed = index < 0 ? NULL : PyLong_FromLong(slot);
+        PyObject *appended =
+            boxed ? PyObject_CallMethodOneArg(target_members, append_name, boxed) : NULL;
+        Py_XDECREF(boxed);
+        if (appended == NULL) {
+            result = -2;
+            goto out;
+        }
+        Py_DECREF(appended);
         r[3] = ((uint64_t)target << 32) | (uint64_t)index;
-        b_live[target] += 1;
-        if (index + 1 >= b_split_at[target]) split_bucket = target;
-        int32_t left = b_live[old_bucket] - 1;
-        b_live[old_bucket] = left;
-        int32_t stale = b_stale[old_bucket] + 1;
-        b_stale[old_bucket] = stale;
-        if (left < merge_below || stale > left + stale_slack) tidy_bucket = old_bucket;
+        c->b_live[target] += 1;
+        if (index + 1 >= c->b_split_at[target]) *split = target;
+        int32_t left = c->b_live[old_bucket] - 1;
+        c->b_live[old_bucket] = left;
+        int32_t stale = c->b_stale[old_bucket] + 1;
+        c->b_stale[old_bucket] = stale;
+        if (left < c->merge_below || stale > left + c->stale_slack) *tidy = old_bucket;
     }
     r[1] = (uint64_t)due;
     r[2] = version;
@@ -742,30 +785,214 @@ upsert_moved(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t narg
         counts[minute - first] += 1;
     }
     result = (due <= now && now < old_due) ? 1 : 2; /* TRIGGERED : RESCHEDULED */
+out:
+    if (counts != NULL) PyBuffer_Release(&counts_view);
+    return result;
+}
 
-done:
-    unhold(&h);
-    if (split_bucket >= 0) {
+/* The rebuild and tidy a move asked for, once the buffers are given back. */
+static int
+moved_finish(PyObject *buckets, Py_ssize_t split, Py_ssize_t tidy)
+{
+    if (split >= 0) {
         PyObject *kw = Py_BuildValue("{s:O}", "split", Py_True);
-        PyObject *pos = kw ? Py_BuildValue("(n)", split_bucket) : NULL;
+        PyObject *pos = kw ? Py_BuildValue("(n)", split) : NULL;
         PyObject *rebuild = pos ? PyObject_GetAttrString(buckets, "rebuild") : NULL;
         PyObject *ok = rebuild ? PyObject_Call(rebuild, pos, kw) : NULL;
         Py_XDECREF(kw);
         Py_XDECREF(pos);
         Py_XDECREF(rebuild);
-        if (ok == NULL) return NULL;
+        if (ok == NULL) return -1;
         Py_DECREF(ok);
     }
-    if (tidy_bucket >= 0) {
-        PyObject *ok = PyObject_CallMethod(buckets, "tidy", "n", tidy_bucket);
-        if (ok == NULL) return NULL;
+    if (tidy >= 0) {
+        PyObject *ok = PyObject_CallMethod(buckets, "tidy", "n", tidy);
+        if (ok == NULL) return -1;
         Py_DECREF(ok);
     }
-    return PyLong_FromLong(result);
+    return 0;
+}
 
-fail:
-    unhold(&h);
-    return NULL;
+static PyObject *
+upsert_moved(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 20) {
+        PyErr_Format(PyExc_TypeError, "upsert_moved takes 20 arguments, got %zd", nargs);
+        return NULL;
+    }
+    uint64_t key_hash = PyLong_AsUnsignedLongLong(args[15]);
+    Py_ssize_t class_id = PyLong_AsSsize_t(args[16]);
+    long long due = PyLong_AsLongLong(args[17]);
+    unsigned long long version = PyLong_AsUnsignedLongLong(args[18]);
+    long long now = PyLong_AsLongLong(args[19]);
+    if (PyErr_Occurred()) return NULL;
+    moved_ctx c;
+    if (moved_open(&c, args, "upsert_moved") < 0) return NULL;
+    Py_ssize_t split = -1, tidy = -1;
+    long result = moved_one(&c, key_hash, class_id, due, version, now, &split, &tidy);
+    unhold(&c.h);
+    if (result == -2 || moved_finish(c.buckets, split, tidy) < 0) return NULL;
+    return PyLong_FromLong(result);
+}
+
+/* apply_moves(<upsert_moved's first 15 arguments>, events, start, hashes, row_event_type,
+ *             class_cache, touched, epoch, now, max_due, tally) -> the next index
+ *
+ * KeeperCore._apply_rows's loop for a run of events that move held rows within their
+ * class, from events[start]: the same checks and the same moves as the Python loop,
+ * one C loop with the buffers held once. It stops at the first event it does not
+ * take whole (not a row event, a delete, a bad hash, a row that fails a check, a class
+ * not yet in the classifier's cache, anything upsert_moved does not handle) and
+ * returns its index, for the Python loop; or after an event whose bucket needs a
+ * rebuild or tidy (done here, buffers given back), returning the index after it.
+ * tally[result] += 1 for each event taken; touched[hash] = epoch if touched is not
+ * None. */
+static PyObject *
+apply_moves(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 25) {
+        PyErr_Format(PyExc_TypeError, "apply_moves takes 25 arguments, got %zd", nargs);
+        return NULL;
+    }
+    PyObject *events = args[15], *hashes = args[17], *row_event_type = args[18];
+    PyObject *cache = args[19], *touched = args[20], *epoch = args[21], *tally = args[24];
+    Py_ssize_t start = PyLong_AsSsize_t(args[16]);
+    long long now = PyLong_AsLongLong(args[22]);
+    long long max_due = PyLong_AsLongLong(args[23]);
+    if (PyErr_Occurred()) return NULL;
+    if (!PyList_Check(events) || !PyList_Check(hashes) || !PyDict_Check(cache) ||
+        !PyList_Check(tally) || PyList_GET_SIZE(tally) < 4 ||
+        PyList_GET_SIZE(hashes) != PyList_GET_SIZE(events) ||
+        (touched != Py_None && !PyDict_Check(touched))) {
+        PyErr_SetString(PyExc_TypeError, "apply_moves: events and hashes lists, a cache dict, "
+                                         "a tally list, touched a dict or None");
+        return NULL;
+    }
+    static PyObject *s_row, *s_key, *s_route, *s_cadence, *s_sitemap, *s_due, *s_version;
+    if (s_row == NULL) {
+        s_row = PyUnicode_InternFromString("row");
+        s_key = PyUnicode_InternFromString("key");
+        s_route = PyUnicode_InternFromString("route");
+        s_cadence = PyUnicode_InternFromString("cadence_s");
+        s_sitemap = PyUnicode_InternFromString("sitemap");
+        s_due = PyUnicode_InternFromString("next_render_at");
+        s_version = PyUnicode_InternFromString("version");
+        if (!s_row || !s_key || !s_route || !s_cadence || !s_sitemap || !s_due || !s_version) {
+            return NULL;
+        }
+    }
+    moved_ctx c;
+    if (moved_open(&c, args, "apply_moves") < 0) return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(events), i = start;
+    Py_ssize_t split = -1, tidy = -1;
+    long counted[4] = {0, 0, 0, 0};
+    int failed = 0;
+    for (; i < n && split < 0 && tidy < 0; i++) {
+        PyObject *event = PyList_GET_ITEM(events, i);
+        if ((PyObject *)Py_TYPE(event) != row_event_type) break;
+        /* A hash is a uint64; -1 marks a key the Python loop encodes by itself. */
+        PyObject *boxed_hash = PyList_GET_ITEM(hashes, i);
+        int negative = 0;
+        long long signed_hash = PyLong_AsLongLongAndOverflow(boxed_hash, &negative);
+        if (signed_hash == -1 && PyErr_Occurred()) {
+            failed = 1;
+            break;
+        }
+        if (negative < 0 || (negative == 0 && signed_hash < 0)) break;
+        uint64_t h = PyLong_AsUnsignedLongLong(boxed_hash);
+        if (h == (uint64_t)-1 && PyErr_Occurred()) {
+            failed = 1;
+            break;
+        }
+        PyObject *row = PyObject_GetAttr(event, s_row);
+        if (row == NULL) {
+            failed = 1;
+            break;
+        }
+        PyObject *f[7] = {NULL};
+        long result = NOT_HANDLED;
+        if (row == Py_None) goto next;
+        f[0] = PyObject_GetAttr(row, s_due);
+        f[1] = f[0] ? PyObject_GetAttr(row, s_version) : NULL;
+        f[2] = f[1] ? PyObject_GetAttr(row, s_cadence) : NULL;
+        f[3] = f[2] ? PyObject_GetAttr(row, s_key) : NULL;
+        f[4] = f[3] ? PyObject_GetAttr(event, s_key) : NULL;
+        f[5] = f[4] ? PyObject_GetAttr(row, s_route) : NULL;
+        f[6] = f[5] ? PyObject_GetAttr(row, s_sitemap) : NULL;
+        if (f[6] == NULL) {
+            result = -2;
+            goto next;
+        }
+        /* The checks the Python loop makes (a bad field must not leave half a row):
+         * anything doubtful goes back to it, which logs and counts it. */
+        if (!PyLong_CheckExact(f[0]) || !PyLong_CheckExact(f[1]) ||
+            !(f[2] == Py_None || PyLong_CheckExact(f[2]))) {
+            goto next;
+        }
+        int overflow = 0;
+        long long due = PyLong_AsLongLongAndOverflow(f[0], &overflow);
+        if (overflow || due < 0 || due >= max_due) goto next;
+        long long version = PyLong_AsLongLongAndOverflow(f[1], &overflow);
+        if (overflow || version < 0) goto next;
+        if (f[2] != Py_None) {
+            long long cadence = PyLong_AsLongLongAndOverflow(f[2], &overflow);
+            if (overflow || cadence <= 0) goto next;
+        }
+        if (!PyUnicode_CheckExact(f[3]) || !PyUnicode_CheckExact(f[4])) goto next;
+        int same = PyUnicode_Compare(f[3], f[4]);
+        if (same == -1 && PyErr_Occurred()) {
+            PyErr_Clear();
+            goto next;
+        }
+        if (same != 0) goto next;
+        PyObject *class_key = PyTuple_Pack(3, f[5], f[2], f[6]);
+        if (class_key == NULL) {
+            result = -2;
+            goto next;
+        }
+        PyObject *cls = PyDict_GetItemWithError(cache, class_key); /* borrowed */
+        Py_DECREF(class_key);
+        if (cls == NULL) {
+            if (PyErr_Occurred()) PyErr_Clear(); /* unhashable: the Python loop says so */
+            goto next;
+        }
+        Py_ssize_t class_id = PyLong_AsSsize_t(cls);
+        if (class_id == -1 && PyErr_Occurred()) {
+            result = -2;
+            goto next;
+        }
+        if (touched != Py_None) {
+            if (PyDict_SetItem(touched, boxed_hash, epoch) < 0) {
+                result = -2;
+                goto next;
+            }
+        }
+        result = moved_one(&c, h, class_id, due, (unsigned long long)version, now,
+                           &split, &tidy);
+    next:
+        Py_DECREF(row);
+        for (int j = 0; j < 7; j++) Py_XDECREF(f[j]);
+        if (result == -2) {
+            failed = 1;
+            break;
+        }
+        if (result == NOT_HANDLED) break;
+        counted[result]++;
+    }
+    unhold(&c.h);
+    for (int j = 1; j < 4; j++) {
+        if (!counted[j]) continue;
+        PyObject *more = failed ? NULL : PyLong_FromLong(counted[j]);
+        PyObject *sum = more ? PyNumber_Add(PyList_GET_ITEM(tally, j), more) : NULL;
+        Py_XDECREF(more);
+        if (sum == NULL) {
+            failed = 1;
+            break;
+        }
+        PyList_SetItem(tally, j, sum); /* steals sum, releases old */
+    }
+    if (failed || moved_finish(c.buckets, split, tidy) < 0) return NULL;
+    return PyLong_FromSsize_t(i);
 }
 
 /* keep_unblocked(blocked_u8, limit, slots_i32, rank_f64, due_i64, hash_u64, class_i32)
@@ -820,6 +1047,9 @@ keep_unblocked(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t na
 }
 
 static PyMethodDef select_methods[] = {
+    {"apply_moves", (PyCFunction)(void (*)(void))apply_moves, METH_FASTCALL,
+     "apply_moves(...upsert_moved's first 15, events, start, hashes, row_event_type, "
+     "class_cache, touched, epoch, now, max_due, tally) -> next index."},
     {"keep_unblocked", (PyCFunction)(void (*)(void))keep_unblocked, METH_FASTCALL,
      "keep_unblocked(blocked_u8, limit, slots, rank, due, hash, class) -> rows kept, moved "
      "to the front in order."},

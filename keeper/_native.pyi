@@ -31,6 +31,34 @@ def keep_unblocked(
 ) -> int: ...
 def find_many(table: Any, records: Any, mask: int, hashes: Any, out: Any, /) -> None: ...
 def index_many(table: Any, records: Any, mask: int, hashes: Any, slots: Any, /) -> None: ...
+def apply_moves(
+    records: Any,
+    b_class: Any,
+    b_live: Any,
+    b_stale: Any,
+    b_split_at: Any,
+    starts_of: list[list[int]],
+    ids_of: list[list[int]],
+    members: list[Any],
+    tally_counts: list[Any],
+    tally_base: list[int],
+    buckets: Any,
+    merge_below: int,
+    stale_slack: int,
+    table: Any,
+    mask: int,
+    events: list[Any],
+    start: int,
+    hashes: list[int],
+    row_event_type: type,
+    class_cache: dict[Any, int],
+    touched: dict[int, int] | None,
+    epoch: int,
+    now: int,
+    max_due: int,
+    tally: list[int],
+    /,
+) -> int: ...
 def upsert_moved(
     records: Any,
     b_class: Any,

@@ -225,7 +225,32 @@ class KeeperCore:
         touched = self._touched
         epoch = self._epoch
         owns = None if self.ownership.owns_all else self.ownership.owns
-        for event, key, h in zip(events, keys, hashes, strict=True):
+        cache = self.classifier.cache
+        apply_moves = queue.apply_moves
+        rows = events if type(events) is list else list(events)
+        i, n = 0, len(rows)
+        while i < n:
+            if owns is None:
+                # Runs of held rows moving within their class, in C; it stops at the
+                # first event it does not take whole, which the loop below takes.
+                i = apply_moves(
+                    slots._table,
+                    slots._mask,
+                    rows,
+                    i,
+                    hashes,
+                    RowEvent,
+                    cache,
+                    touched,
+                    epoch,
+                    now_ms,
+                    MAX_DUE_MS,
+                    tally,
+                )
+                if i >= n:
+                    break
+            event, key, h = rows[i], keys[i], hashes[i]
+            i += 1
             assert type(event) is RowEvent
             row = event.row
             if h < 0:  # the batch's keys could not all be encoded at once

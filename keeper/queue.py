@@ -20,7 +20,7 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from keeper._native import upsert_moved
+from keeper._native import apply_moves, upsert_moved
 from keeper.buckets import MERGE_BELOW, STALE_SLACK, Buckets
 from keeper.classes import ClassTable
 from keeper.select import BlockedMask, Selection, select_best
@@ -56,8 +56,7 @@ class HeldQueue:
         # as the queue (each grows in place, never replaced); called with the slot
         # index's table and mask, which are replaced when the index doubles. The feed's
         # batches call it directly (KeeperCore._apply_rows), then `upsert_unmoved`.
-        self.moved = partial(
-            upsert_moved,
+        bound = (
             self.rec,
             buckets.b_class,
             buckets.b_live,
@@ -72,6 +71,9 @@ class HeldQueue:
             MERGE_BELOW,
             STALE_SLACK,
         )
+        self.moved = partial(upsert_moved, *bound)
+        # The same for a run of feed events at once (KeeperCore._apply_rows).
+        self.apply_moves = partial(apply_moves, *bound)
 
     def __len__(self) -> int:
         return len(self.slots)

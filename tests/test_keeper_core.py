@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import msgspec
 import numpy as np
 import numpy.typing as npt
 from hypothesis import given, settings
@@ -12,7 +13,7 @@ from keeper_helpers import NOW, MemoryStore
 
 from keeper.classes import RenderClass, classify
 from keeper.config import KeeperConfig
-from keeper.core import KeeperCore
+from keeper.core import MAX_DUE_MS, KeeperCore
 from shm import key_hash
 from store.rows import Row, RowWrite
 
@@ -360,3 +361,38 @@ def test_an_unreadable_row_in_the_feed_is_skipped_and_leaves_no_half_row() -> No
     core.apply_events(bad, NOW)
     assert core.counters.unreadable == 3
     assert_equal_to_table(core, store)
+
+
+def test_a_held_row_moved_by_an_unreadable_event_stays_as_it_was() -> None:
+    """Held rows take the C path (apply_moves): each bad field must still send the event
+    to the Python loop, which counts it and changes nothing; good events around them
+    are applied."""
+    from store.rows import RowEvent
+
+    store = MemoryStore()
+    for i in range(8):
+        store.put(f"/h{i}", NOW - 1_000 * i)
+    core = KeeperCore(KeeperConfig())
+    load(core, store)
+    before = held_state(core)
+
+    def moved(i: int, **fields: object) -> RowEvent:
+        row = store.rows[f"/h{i}"]
+        return RowEvent(key=f"/h{i}", row=Row(**{**msgspec.structs.asdict(row), **fields}))  # type: ignore[arg-type]
+
+    bad = [
+        moved(0, version="9"),
+        moved(1, next_render_at=float(NOW)),
+        moved(2, next_render_at=True),
+        moved(3, cadence_s=0),
+        moved(4, next_render_at=-5),
+        moved(5, next_render_at=MAX_DUE_MS),
+        RowEvent(key="/h7", row=store.rows["/h6"]),  # the event's key is not the row's
+    ]
+    good = moved(6, next_render_at=NOW + 60_000, version=99)
+    core.apply_events([bad[0], bad[1], good, *bad[2:]], NOW)
+    assert core.counters.unreadable == len(bad)
+    after = held_state(core)
+    assert after.pop("/h6")[1:] == (NOW + 60_000, 99)
+    before.pop("/h6")
+    assert after == before
