@@ -47,6 +47,9 @@ def test_the_example_loads_as_shipped(tmp_path: Path) -> None:
 
 def test_demo_serves_the_example_and_prints_the_addresses(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RENDERQUEUE_")}
+    # A lease snapshot left beside a database the demo loads afresh names old rows.
+    leftover = tmp_path / "demo.sqlite.leases"
+    leftover.write_bytes(b"a previous run's leases")
     process = subprocess.Popen(
         [
             sys.executable,
@@ -77,6 +80,7 @@ def test_demo_serves_the_example_and_prints_the_addresses(tmp_path: Path) -> Non
         base = next(word for word in text.split() if word.startswith("http://"))
         assert "/prerender_admin/queue-state" in text and "/metrics" in text
         assert "/console" in text
+        assert not leftover.exists()
         with httpx.Client(base_url=base) as client:
             wait_for(lambda: client.get("/readyz").status_code == 200, 60, "the demo to be ready")
             leases = client.post("/v1/claims", json={"max": 5, "worker": "demo"}).json()["leases"]

@@ -137,7 +137,7 @@ def run_demo(
 ) -> int:
     from store import open_store
     from workers import logs
-    from workers.supervisor import Supervisor
+    from workers.supervisor import Supervisor, default_instance, lease_snapshot_path
 
     if getattr(args, "db", None) is None:
         args.db = DEMO_DB
@@ -166,6 +166,12 @@ def run_demo(
         store.close()
     if fresh:
         import_example_site(db_path)
+        # Leases a graceful stop left name the rows just replaced: a fresh demo has none.
+        instance = settings.instance or default_instance(settings, settings.port)
+        snapshot = lease_snapshot_path(settings, instance)
+        if snapshot.exists():
+            snapshot.unlink()
+            print(f"removed the previous run's lease snapshot, {snapshot}", file=sys.stderr)
     hooks: list[DemoHook] = [print_addresses]
     if args.with_fleet:
         hooks.append(start_fleet)
