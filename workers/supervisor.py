@@ -162,7 +162,7 @@ class Supervisor:
     _next_sweep: float = 0.0
     lease_sweeps: int = 0
     lease_slots_reclaimed: int = 0
-    _snapshot_on_exit: bool = False  # a graceful stop asked for, and the loop ended
+    _snapshot_on_exit: bool = False  # the stop was graceful (SIGTERM) and not overridden
     _loop_ended: bool = False
 
     # --- lifecycle ---------------------------------------------------------------------
