@@ -881,9 +881,17 @@ apply_moves(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs
             return NULL;
         }
     }
+    Py_ssize_t n = PyList_GET_SIZE(events), i = start;
+    if (i >= n) return PyLong_FromSsize_t(i);
+    /* A run that cannot start (a delete, or not a row event) costs no buffers. */
+    PyObject *first = PyList_GET_ITEM(events, i);
+    if ((PyObject *)Py_TYPE(first) != row_event_type) return PyLong_FromSsize_t(i);
+    PyObject *first_row = PyObject_GetAttr(first, s_row);
+    if (first_row == NULL) return NULL;
+    Py_DECREF(first_row); /* the event still holds it */
+    if (first_row == Py_None) return PyLong_FromSsize_t(i);
     moved_ctx c;
     if (moved_open(&c, args, "apply_moves") < 0) return NULL;
-    Py_ssize_t n = PyList_GET_SIZE(events), i = start;
     Py_ssize_t split = -1, tidy = -1;
     long counted[4] = {0, 0, 0, 0};
     int failed = 0;
