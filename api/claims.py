@@ -1,10 +1,10 @@
 """The claim path, on any worker with no mutex, and the results and renewals that follow it.
 
-Claim: take ring entries in order -> point-read their rows -> skip any gone, no longer due
-or on a paused route -> grant an exclusive lease in the lease table, with the row's
-effective cadence as the hold cap -> read the granted rows again and hand back any that
-a result changed in the meantime. Completion: the lease must still be held by the token ->
-apply the result to the store -> release the lease. A stale token changes nothing.
+Claim: take ring entries in order -> grant an exclusive lease in the lease table, with
+the cadence the entry was published with as the hold cap -> read the granted rows and
+hand back any gone, no longer due or on a paused route. Completion: the lease must still
+be held by the token -> apply the result to the store -> release the lease. A stale
+token changes nothing.
 """
 
 from __future__ import annotations
@@ -67,11 +67,13 @@ def unready(node: Node) -> Response:
 def grant_from_ring(node: Node, want: int, lease_ms: int) -> list[Lease]:
     """Grant up to `want` leases from the published ring; fewer if the ring runs dry.
 
-    Each row is read twice: before the grant, to skip what is not claimable and to learn
-    the cadence the grant needs (the hold cap); and again after it. Only the second read
-    is trusted. A completion commits its row before it releases its lease, so any result
-    that lands between the first read and our grant is seen by the read after it; a key
-    rendered in that gap is handed back instead of being granted twice.
+    Grant first, then read the granted rows once. The grant's hold cap is the cadence
+    the entry was published with (its class's, as of that publish). The read after the
+    grant is the one trusted: a completion commits its row before it releases its lease,
+    so a result that landed before our grant is in the row we read, and a key that is
+    gone, no longer due or on a paused route is handed back instead of granted twice.
+    Entries published without a cadence (0) are read once before their grant too, to
+    learn it.
     """
     ring, store, leases, routes = node.ring, node.store, node.leases, node.routes
     granted: list[Lease] = []
@@ -79,26 +81,29 @@ def grant_from_ring(node: Node, want: int, lease_ms: int) -> list[Lease]:
         entries = ring.claim(want - len(granted))
         if not entries:
             break
-        keys = [entry.key.decode() for entry in entries]
-        rows = store.get_many(keys)
         now = now_ms()
+        unknown = [entry.key.decode() for entry in entries if not entry.cadence_s]
+        before = store.get_many(unknown) if unknown else {}
         held: list[tuple[str, int, int, int]] = []  # key, key hash, token, lease expiry
-        for entry, key in zip(entries, keys, strict=True):
-            row = rows.get(key)
-            # Gone, or rendered since the keeper published it: not claimable now.
-            if row is None or row.next_render_at > now:
-                continue
-            cadence_s = routes.grant_cadence_s(row)
-            if cadence_s is None:
-                continue
+        for entry in entries:
+            key = entry.key.decode()
+            cadence_s: int | None = entry.cadence_s
+            if not cadence_s:
+                row = before.get(key)
+                # Gone, or rendered since the keeper published it: not claimable now.
+                if row is None or row.next_render_at > now:
+                    continue
+                cadence_s = routes.grant_cadence_s(row)
+                if cadence_s is None:
+                    continue
             outcome = leases.grant(entry.key_hash, now, lease_ms, cadence_s * 1000)
             if type(outcome) is Grant:
                 held.append((key, entry.key_hash, outcome.token, outcome.expires_at))
         if not held:
             continue
-        fresh = store.get_many([key for key, _, _, _ in held])
+        rows = store.get_many([key for key, _, _, _ in held])
         for key, hashed, token, expires_at in held:
-            row = fresh.get(key)
+            row = rows.get(key)
             cadence_s = None if row is None else routes.grant_cadence_s(row)
             if row is None or row.next_render_at > now or cadence_s is None:
                 # Hand it back: ending the lease is not a missed render.

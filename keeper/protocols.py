@@ -22,6 +22,7 @@ class ReadyRingLike(Protocol):
         class_id: npt.NDArray[np.int32],
         key_hash: npt.NDArray[np.uint64],
         now_ms: int,
+        cadence_s: npt.NDArray[np.uint32] | None = None,
     ) -> int:
         """Replace the published set; returns the new generation."""
         ...

@@ -60,8 +60,13 @@ class Publisher:
         try:
             selection = self.core.select(self.config.best_k, now, self.blocked(now))
             keys = self.core.queue.slots.keys(selection.slots)
+            # Each entry carries its class's cadence: the grant's hold cap, so a claimant
+            # grants first and reads the row once, after.
+            cadence_s = (self.core.classes.cadence_ms()[selection.class_id] // 1000).astype(
+                np.uint32
+            )
             generation = self.ring.publish(
-                keys, selection.due_at, selection.class_id, selection.key_hash, now
+                keys, selection.due_at, selection.class_id, selection.key_hash, now, cadence_s
             )
         except Exception as exc:
             log.exception("keeper: publish failed")

@@ -388,7 +388,7 @@ typedef struct {
     uint32_t key_off;
     uint32_t key_len;
     int32_t class_id;
-    uint32_t reserved;
+    uint32_t cadence_s; /* the row's effective cadence at publish; 0: not known */
 } ring_entry;
 
 _Static_assert(sizeof(ring_entry) == 32, "ring entry is 32 bytes");
@@ -518,7 +518,7 @@ ring_cursor(RingObject *self, uint64_t b)
     return self->ctrl + (b ? RING_CURSOR1 : RING_CURSOR0);
 }
 
-/* claim(n) -> list of factory(key, due_at, class_id, key_hash).
+/* claim(n) -> list of factory(key, due_at, class_id, key_hash, cadence_s).
  *
  * The cursor word packs (generation tag << 32 | index). A fetch-add returns the
  * old word, so a claimant learns which generation its reservation belongs to:
@@ -622,17 +622,18 @@ Ring_claim(RingObject *self, PyObject *const *args, Py_ssize_t nargs)
     const char *kp = sc.keys;
     for (uint64_t i = 0; i < got; i++) {
         const ring_entry *e = &sc.entries[i];
-        PyObject *fields[4];
+        PyObject *fields[5];
         fields[0] = PyBytes_FromStringAndSize(kp, e->key_len);
         fields[1] = PyLong_FromLongLong(e->due_at);
         fields[2] = PyLong_FromLong(e->class_id);
         fields[3] = PyLong_FromUnsignedLongLong(e->key_hash);
+        fields[4] = PyLong_FromUnsignedLong(e->cadence_s);
         kp += e->key_len;
         PyObject *item = NULL;
-        if (fields[0] && fields[1] && fields[2] && fields[3]) {
-            item = PyObject_Vectorcall(self->factory, fields, 4, NULL);
+        if (fields[0] && fields[1] && fields[2] && fields[3] && fields[4]) {
+            item = PyObject_Vectorcall(self->factory, fields, 5, NULL);
         }
-        for (int f = 0; f < 4; f++) Py_XDECREF(fields[f]);
+        for (int f = 0; f < 5; f++) Py_XDECREF(fields[f]);
         if (item == NULL) {
             Py_CLEAR(out);
             goto done;
@@ -1836,7 +1837,7 @@ PyInit__atomics(void)
         "publishes", "truncated", "stripes", "ctrl_words", "buf_gen", "buf_count",
         "buf_published_at", "buf_arena_used", "s_claimed", "s_claim_calls", "s_torn",
         "s_stale", "s_empty", "entry_size", "entry_due_at", "entry_key_hash", "entry_key_off",
-        "entry_key_len", "entry_class_id", "key_max",
+        "entry_key_len", "entry_class_id", "entry_cadence_s", "key_max",
     };
     static const long ring_values[] = {
         RING_ACTIVE, RING_BUF0, RING_CURSOR0, RING_BUF1, RING_CURSOR1, RING_GENERATION,
@@ -1844,7 +1845,8 @@ PyInit__atomics(void)
         BUF_COUNT, BUF_PUBLISHED_AT, BUF_ARENA_USED, RS_CLAIMED, RS_CLAIM_CALLS, RS_TORN,
         RS_STALE, RS_EMPTY, (long)sizeof(ring_entry), (long)offsetof(ring_entry, due_at),
         (long)offsetof(ring_entry, key_hash), (long)offsetof(ring_entry, key_off),
-        (long)offsetof(ring_entry, key_len), (long)offsetof(ring_entry, class_id), RING_KEY_MAX,
+        (long)offsetof(ring_entry, key_len), (long)offsetof(ring_entry, class_id),
+        (long)offsetof(ring_entry, cadence_s), RING_KEY_MAX,
     };
     static const char *const lease_keys[] = {
         "sweeper", "stripes", "ctrl_words", "slot_words", "probe", "s_grants", "s_renewals",

@@ -20,10 +20,10 @@ generation stays live, every entry is taken exactly once. A drained buffer is
 detected before the fetch-add, so idle polling never runs the cursor up.
 
 Entries are 32 bytes (`ENTRY`: due time, key hash, key offset and length in the
-arena, class id); keys are at most 2,048 bytes. A batch larger than the ring
-(entries or arena) is cut to the prefix that fits: publishing is in priority
-order, so the prefix is the best part, and the cut is counted in
-`statistics().truncated`.
+arena, class id, the row's effective cadence); keys are at most 2,048 bytes. A
+batch larger than the ring (entries or arena) is cut to the prefix that fits:
+publishing is in priority order, so the prefix is the best part, and the cut is
+counted in `statistics().truncated`.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ KEY_MAX = RING_LAYOUT["key_max"]
 MAX_CAPACITY = 1 << 24
 ENTRY = np.dtype(
     {
-        "names": ["due_at", "key_hash", "key_off", "key_len", "class_id", "reserved"],
+        "names": ["due_at", "key_hash", "key_off", "key_len", "class_id", "cadence_s"],
         "formats": ["<i8", "<u8", "<u4", "<u4", "<i4", "<u4"],
         "offsets": [
             RING_LAYOUT["entry_due_at"],
@@ -49,7 +49,7 @@ ENTRY = np.dtype(
             RING_LAYOUT["entry_key_off"],
             RING_LAYOUT["entry_key_len"],
             RING_LAYOUT["entry_class_id"],
-            RING_LAYOUT["entry_class_id"] + 4,
+            RING_LAYOUT["entry_cadence_s"],
         ],
         "itemsize": RING_LAYOUT["entry_size"],
     }
@@ -87,6 +87,9 @@ class ReadyEntry(msgspec.Struct, frozen=True):
     due_at: int
     class_id: int
     key_hash: int
+    # The row's effective cadence when it was published (a grant's hold cap), so a
+    # claimant need not read the row before granting; 0 when the publisher did not say.
+    cadence_s: int = 0
 
 
 class RingStatistics(msgspec.Struct, frozen=True):
@@ -154,10 +157,12 @@ class ReadyRing:
         class_id: np.ndarray,
         key_hash: np.ndarray,
         now_ms: int,
+        cadence_s: np.ndarray | None = None,
     ) -> int:
         """Replace the ring's contents with these entries; returns the new generation.
 
-        Single writer. Entries past the ring's capacity or arena are cut off.
+        Single writer. Entries past the ring's capacity or arena are cut off. Without
+        `cadence_s` the entries say 0 (not known) and claimants read the row first.
         """
         n_in = len(keys)
         if not len(due_at) == len(class_id) == len(key_hash) == n_in:
@@ -165,6 +170,8 @@ class ReadyRing:
                 f"publish: {n_in} keys but {len(due_at)} due times, {len(class_id)} class ids "
                 f"and {len(key_hash)} hashes"
             )
+        if cadence_s is not None and len(cadence_s) != n_in:
+            raise ValueError(f"publish: {n_in} keys but {len(cadence_s)} cadences")
         lengths = np.fromiter((len(k) for k in keys), dtype=np.int64, count=n_in)
         too_long = np.flatnonzero(lengths > KEY_MAX)
         if too_long.size:
@@ -185,6 +192,7 @@ class ReadyRing:
         entries["due_at"] = due_at[:n]
         entries["key_hash"] = key_hash[:n]
         entries["class_id"] = class_id[:n]
+        entries["cadence_s"] = 0 if cadence_s is None else cadence_s[:n]
         entries["key_len"] = lengths[:n]
         entries["key_off"] = ends[:n] - lengths[:n]
         del entries

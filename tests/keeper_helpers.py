@@ -214,6 +214,7 @@ class MemoryRing:
         self.published_at = 0
         self.keys: list[bytes] = []
         self.due_at: npt.NDArray[np.int64] = np.empty(0, dtype=np.int64)
+        self.cadence_s: npt.NDArray[np.uint32] = np.empty(0, dtype=np.uint32)
         self.fail = False
 
     def publish(
@@ -223,12 +224,15 @@ class MemoryRing:
         class_id: npt.NDArray[np.int32],
         key_hash: npt.NDArray[np.uint64],
         now_ms: int,
+        cadence_s: npt.NDArray[np.uint32] | None = None,
     ) -> int:
         if self.fail:
             raise OSError("ring unavailable (test)")
         assert len(keys) == len(due_at) == len(class_id) == len(key_hash)
+        assert cadence_s is not None and len(cadence_s) == len(keys)
         self.keys = list(keys)
         self.due_at = due_at.copy()
+        self.cadence_s = cadence_s.copy()
         self.published_at = now_ms
         self.generation += 1
         return self.generation

@@ -331,3 +331,84 @@ def test_a_result_landing_between_read_and_grant_is_not_granted_again(tmp_path: 
         store.close()
         segments.close()
         segments.unlink()
+
+
+def _local_node(tmp_path: Path, db: Path) -> tuple[Any, Any, Any]:
+    from api.node import ApiSettings, Node
+    from store import open_store
+    from workers.segments import SegmentNames, Segments
+
+    segments = Segments.create(
+        SegmentNames.for_instance(unique("tc")), ring_entries=64, lease_slots=1024
+    )
+    store = open_store(str(db))
+    node = Node(
+        settings=ApiSettings(node="t", instance="t"),
+        store=store,
+        ring=segments.ring,
+        leases=segments.leases,
+        state=segments.state,
+    )
+    return node, store, segments
+
+
+def _publish_with_cadence(node: Any, keys: list[str], cadence_s: int) -> None:
+    import numpy as np
+
+    from shm import key_hash
+
+    now = now_ms()
+    node.ring.publish(
+        [k.encode() for k in keys],
+        np.full(len(keys), now - 1000, dtype=np.int64),
+        np.zeros(len(keys), dtype=np.int32),
+        np.array([key_hash(k.encode()) for k in keys], dtype=np.uint64),
+        now,
+        np.full(len(keys), cadence_s, dtype=np.uint32),
+    )
+
+
+def test_an_entry_rendered_since_its_publish_is_handed_back(tmp_path: Path) -> None:
+    """Entries that carry their cadence are granted before their row is read; the read
+    after the grant is the check. A key whose result committed (and whose lease ended)
+    after the publish is handed back, not granted a second time."""
+    from api.claims import grant_from_ring
+    from shm import key_hash
+    from store.rows import Completion
+
+    db = tmp_path / "node.sqlite"
+    keys = seed_rows(db, 3)
+    node, store, segments = _local_node(tmp_path, db)
+    try:
+        _publish_with_cadence(node, keys, 3600)
+        store.complete([Completion(key=keys[1], outcome="rendered", now=now_ms())])
+        leases = grant_from_ring(node, 10, 60_000)
+        assert sorted(lease.key for lease in leases) == [keys[0], keys[2]]
+        assert all(lease.cadence_s == 3600 for lease in leases)
+        assert not segments.leases.state(key_hash(keys[1].encode()), now_ms()).leased
+    finally:
+        store.close()
+        segments.close()
+        segments.unlink()
+
+
+def test_a_grant_takes_its_hold_cap_from_the_ring_entry(tmp_path: Path) -> None:
+    """The hold after a lease expires unanswered is min(2 lease lengths, cadence): with a
+    1 s lease, the entry's 1 s cadence caps it at 1 s where the row's 3,600 s would not."""
+    from api.claims import grant_from_ring
+    from shm import key_hash
+
+    db = tmp_path / "node.sqlite"
+    keys = seed_rows(db, 1, cadence_s=3600)
+    node, store, segments = _local_node(tmp_path, db)
+    try:
+        _publish_with_cadence(node, keys, 1)
+        (lease,) = grant_from_ring(node, 1, 1000)
+        assert lease.cadence_s == 3600  # what the fleet is told is the row's
+        time.sleep((lease.lease_expires_at - now_ms()) / 1000 + 0.05)
+        state = segments.leases.state(key_hash(keys[0].encode()), now_ms())
+        assert state.held and state.held_until - lease.lease_expires_at == 1000
+    finally:
+        store.close()
+        segments.close()
+        segments.unlink()

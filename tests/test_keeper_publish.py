@@ -103,3 +103,41 @@ def test_a_ring_that_fails_is_counted_and_reported_and_the_next_publish_goes_on(
     finally:
         table.close()
         table.unlink()
+
+
+def test_each_entry_carries_its_rows_effective_cadence() -> None:
+    """The row's own cadence, else its route's default, else the global default: the
+    hold cap a claimant grants with before it reads the row."""
+    from store.rows import Route
+
+    core = KeeperCore(KeeperConfig(best_k=10))
+    core.load_settings([Route(route="category", default_cadence_s=7_200, paused=False)], 86_400)
+    own = {"/p/0": 60, "/p/1": None, "/p/2": None}
+    routes = {"/p/0": "product", "/p/1": "category", "/p/2": "product"}
+    core.apply_events(
+        [
+            RowEvent(
+                key=key,
+                row=Row(
+                    key=key,
+                    route=routes[key],
+                    cadence_s=cadence_s,
+                    sitemap=False,
+                    next_render_at=NOW - 1_000 * (i + 1),
+                    version=i + 1,
+                ),
+            )
+            for i, (key, cadence_s) in enumerate(own.items())
+        ],
+        NOW,
+    )
+    ring = MemoryRing()
+    table = _table()
+    try:
+        keys = Publisher(core, ring, table, core.config).publish(NOW)
+        assert not isinstance(keys, PublishFailed)
+        expected = {b"/p/0": 60, b"/p/1": 7_200, b"/p/2": 86_400}
+        assert dict(zip(ring.keys, ring.cadence_s.tolist(), strict=True)) == expected
+    finally:
+        table.close()
+        table.unlink()

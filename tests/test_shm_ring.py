@@ -36,6 +36,29 @@ def _publish(ring: ReadyRing, keys: list[bytes], now: int = 1_000) -> int:
     )
 
 
+def test_an_entry_carries_the_cadence_it_was_published_with(name: str) -> None:
+    ring = ReadyRing.create(name, capacity=8, arena_bytes=256)
+    try:
+        keys = [b"/a", b"/b", b"/c"]
+        ring.publish(
+            keys,
+            np.zeros(3, dtype=np.int64),
+            np.zeros(3, dtype=np.int32),
+            key_hashes(keys),
+            1,
+            np.array([60, 3600, 86400], dtype=np.uint32),
+        )
+        assert [e.cadence_s for e in ring.claim(3)] == [60, 3600, 86400]
+        _publish(ring, keys)  # a publisher that does not say: 0, "read the row"
+        assert [e.cadence_s for e in ring.claim(3)] == [0, 0, 0]
+        with pytest.raises(ValueError, match="cadences"):
+            ring.publish(
+                keys, np.zeros(3), np.zeros(3), key_hashes(keys), 1, np.zeros(2, dtype=np.uint32)
+            )
+    finally:
+        ring.close()
+
+
 def test_claims_come_in_published_order_until_drained(name: str) -> None:
     ring = ReadyRing.create(name, capacity=32, arena_bytes=1024)
     try:
