@@ -740,17 +740,8 @@ enum {
     LEASE_SWEEPER = 0,  /* pid of the process sweeping, 0 when none */
     LEASE_INCARNATION = 1, /* stamps each emptied slot's state word, see remove_slot */
     LEASE_STRIPES = 8,  /* STRIPES x STRIPE_WORDS counters */
-    /* Live counts, each word on a cache line of its own (every claimant changes
-     * them), kept by the ops so statistics() never scans the table:
-     *   occupied  slots with a key (+1 insert, -1 when a removal clears the key)
-     *   leased    slots in phase LEASED (an expired lease stays until settled)
-     *   held      settled holds not yet seen ended by a sweep, grant or removal */
-    LEASE_OCCUPIED = LEASE_STRIPES + STRIPES * STRIPE_WORDS,
-    LEASE_LEASED = LEASE_OCCUPIED + 8,
-    LEASE_HELD = LEASE_LEASED + 8,
-    LEASE_CTRL_WORDS = LEASE_HELD + 8,
+    LEASE_CTRL_WORDS = LEASE_STRIPES + STRIPES * STRIPE_WORDS,
 };
-_Static_assert(LEASE_OCCUPIED % 8 == 0, "live counters start a cache line");
 enum {
     LS_GRANTS = 0,
     LS_RENEWALS = 1,
@@ -765,7 +756,18 @@ enum {
     LS_CONFLICTS = 10,
     LS_STALE_TOKENS = 11,
     LS_SWEEPS = 12,
+    /* Live counts, kept by the ops so statistics() never scans the table. In the
+     * process stripes like the counters above, so claimants on other cores never
+     * share a cache line; each sums (mod 2**64, read as signed) over the stripes, as
+     * one process may add what another takes off:
+     *   occupied  slots with a key (+1 insert, -1 when a removal clears the key)
+     *   leased    slots in phase LEASED (an expired lease stays until settled)
+     *   held      settled holds not yet seen ended by a sweep, grant or removal */
+    LS_OCCUPIED = 13,
+    LS_LEASED = 14,
+    LS_HELD = 15,
 };
+_Static_assert(LS_HELD < STRIPE_WORDS, "live counters inside a stripe");
 enum { GRANTED = 0, REFUSED_TAKEN = 1, REFUSED_HELD = 2, REFUSED_PROBE_FULL = 3 };
 #define LEASE_MAX_ATTEMPTS 256
 /* Tag words for a capacity: one lane per slot, plus a word so a window's two-word
@@ -872,7 +874,17 @@ slot_word(LeasesObject *self, uint64_t s, int which)
 static inline void
 live_add(LeasesObject *self, int which, int64_t delta)
 {
-    atomic_fetch_add_explicit(&self->ctrl[which], (uint64_t)delta, memory_order_relaxed);
+    atomic_fetch_add_explicit(&self->stripe[which], (uint64_t)delta, memory_order_relaxed);
+}
+
+static uint64_t
+stripes_sum(LeasesObject *self, int which)
+{
+    uint64_t sum = 0;
+    for (int stripe = 0; stripe < STRIPES; stripe++) {
+        sum += LOAD(&self->ctrl[LEASE_STRIPES + stripe * STRIPE_WORDS + which]);
+    }
+    return sum;
 }
 
 _Static_assert(PROBE == 8, "a window is the 8 byte lanes of one tag word");
@@ -932,10 +944,10 @@ static void
 count_hold(LeasesObject *self, uint64_t s, uint64_t held_word)
 {
     aword *named = slot_word(self, s, SLOT_COUNTED);
-    live_add(self, LEASE_HELD, 1);
+    live_add(self, LS_HELD, 1);
     atomic_store_explicit(named, held_word, memory_order_seq_cst);
     if (LOAD_SC(slot_word(self, s, SLOT_STATE)) != held_word && cas_word(named, held_word, 0)) {
-        live_add(self, LEASE_HELD, -1);
+        live_add(self, LS_HELD, -1);
     }
 }
 
@@ -944,7 +956,7 @@ uncount_hold(LeasesObject *self, uint64_t s, uint64_t held_word)
 {
     aword *named = slot_word(self, s, SLOT_COUNTED);
     if (held_word != 0 && LOAD_SC(named) == held_word && cas_word(named, held_word, 0)) {
-        live_add(self, LEASE_HELD, -1);
+        live_add(self, LS_HELD, -1);
     }
 }
 
@@ -1002,7 +1014,7 @@ settle(LeasesObject *self, uint64_t s, uint64_t w, uint64_t now)
     if (cas_word(slot_word(self, s, SLOT_STATE), w, nw)) {
         bump(self, LS_EXPIRIES, 1);
         if (W_TIME(nw) > W_TIME(w)) bump(self, LS_HOLD_EVENTS, 1);
-        live_add(self, LEASE_LEASED, -1);
+        live_add(self, LS_LEASED, -1);
         if (W_TIME(nw) > now) count_hold(self, s, nw);
     }
 }
@@ -1039,7 +1051,7 @@ remove_slot(LeasesObject *self, uint64_t s, uint64_t k, uint64_t parked)
     /* The lane before the key: once the key is 0 another key may take the slot and
      * set its own bit, which a later clear would wipe. */
     clear_tag(self, s);
-    if (k != 0 && cas_word(slot_word(self, s, SLOT_KEY), k, 0)) live_add(self, LEASE_OCCUPIED, -1);
+    if (k != 0 && cas_word(slot_word(self, s, SLOT_KEY), k, 0)) live_add(self, LS_OCCUPIED, -1);
     cas_word(slot_word(self, s, SLOT_STATE), parked, W_MAKE(PH_FREE, 0, 0, incarnation & TIME_MAX));
 }
 
@@ -1181,7 +1193,7 @@ Leases_grant(LeasesObject *self, PyObject *const *args, Py_ssize_t nargs)
             }
             s = (uint64_t)p.empty;
             if (!cas_word(slot_word(self, s, SLOT_KEY), 0, h)) continue;
-            live_add(self, LEASE_OCCUPIED, 1);
+            live_add(self, LS_OCCUPIED, 1);
             bump(self, LS_INSERTS, 1);
             /* A sweep may have emptied the slot again since the insert: then the key
              * read after the state is no longer ours, and the probe starts over. */
@@ -1196,7 +1208,7 @@ Leases_grant(LeasesObject *self, PyObject *const *args, Py_ssize_t nargs)
         uint64_t nw = W_MAKE(PH_LEASED, W_MISSES(w), tok, expires);
         mark_tag(self, s, h);
         if (!cas_word(slot_word(self, s, SLOT_STATE), w, nw)) continue;
-        live_add(self, LEASE_LEASED, 1);
+        live_add(self, LS_LEASED, 1);
         /* A HELD slot is granted only once its hold ended: no longer held. */
         if (W_PHASE(w) == PH_HELD) uncount_hold(self, s, w);
         STORE(slot_word(self, s, SLOT_HOLD),
@@ -1211,7 +1223,7 @@ Leases_grant(LeasesObject *self, PyObject *const *args, Py_ssize_t nargs)
             if (W_PHASE(ow) == PH_LEASED && W_TIME(ow) > now) conflict = 1;
         }
         if (conflict) {
-            if (cas_word(slot_word(self, s, SLOT_STATE), nw, w)) live_add(self, LEASE_LEASED, -1);
+            if (cas_word(slot_word(self, s, SLOT_STATE), nw, w)) live_add(self, LS_LEASED, -1);
             bump(self, LS_CONFLICTS, 1);
             continue;
         }
@@ -1299,7 +1311,7 @@ Leases_complete(LeasesObject *self, PyObject *const *args, Py_ssize_t nargs)
         if (w == 0) break;
         /* A result ends the lease and forgives the misses. */
         if (cas_word(slot_word(self, s, SLOT_STATE), w, W_MAKE(PH_FREE, 0, tok, 0))) {
-            live_add(self, LEASE_LEASED, -1);
+            live_add(self, LS_LEASED, -1);
             bump(self, LS_COMPLETIONS, 1);
             Py_RETURN_TRUE;
         }
@@ -1511,9 +1523,9 @@ static PyObject *
 Leases_live(LeasesObject *self, PyObject *Py_UNUSED(ignored))
 {
     if (!self->held) return released_error();
-    return Py_BuildValue("(LLL)", (long long)(int64_t)LOAD(&self->ctrl[LEASE_OCCUPIED]),
-                         (long long)(int64_t)LOAD(&self->ctrl[LEASE_LEASED]),
-                         (long long)(int64_t)LOAD(&self->ctrl[LEASE_HELD]));
+    return Py_BuildValue("(LLL)", (long long)(int64_t)stripes_sum(self, LS_OCCUPIED),
+                         (long long)(int64_t)stripes_sum(self, LS_LEASED),
+                         (long long)(int64_t)stripes_sum(self, LS_HELD));
 }
 
 /* totals() -> each statistics counter summed over the process stripes (STRIPE_WORDS
@@ -1525,11 +1537,7 @@ Leases_totals(LeasesObject *self, PyObject *Py_UNUSED(ignored))
     PyObject *out = PyTuple_New(STRIPE_WORDS);
     if (out == NULL) return NULL;
     for (int i = 0; i < STRIPE_WORDS; i++) {
-        uint64_t sum = 0;
-        for (int stripe = 0; stripe < STRIPES; stripe++) {
-            sum += LOAD(&self->ctrl[LEASE_STRIPES + stripe * STRIPE_WORDS + i]);
-        }
-        PyObject *v = PyLong_FromUnsignedLongLong(sum);
+        PyObject *v = PyLong_FromUnsignedLongLong(stripes_sum(self, i));
         if (v == NULL) {
             Py_DECREF(out);
             return NULL;
@@ -1567,9 +1575,14 @@ Leases_recount(LeasesObject *self, PyObject *const *args, Py_ssize_t nargs)
         }
         atomic_store_explicit(slot_word(self, s, SLOT_COUNTED), named, memory_order_seq_cst);
     }
-    atomic_store_explicit(&self->ctrl[LEASE_OCCUPIED], occupied, memory_order_seq_cst);
-    atomic_store_explicit(&self->ctrl[LEASE_LEASED], leased, memory_order_seq_cst);
-    atomic_store_explicit(&self->ctrl[LEASE_HELD], held, memory_order_seq_cst);
+    const int live[3] = {LS_OCCUPIED, LS_LEASED, LS_HELD};
+    const uint64_t counted[3] = {occupied, leased, held};
+    for (int j = 0; j < 3; j++) {
+        for (int stripe = 0; stripe < STRIPES; stripe++) {
+            atomic_store_explicit(&self->ctrl[LEASE_STRIPES + stripe * STRIPE_WORDS + live[j]],
+                                  stripe == 0 ? counted[j] : 0, memory_order_seq_cst);
+        }
+    }
     return Py_BuildValue("(KKK)", (unsigned long long)occupied, (unsigned long long)leased,
                          (unsigned long long)held);
 }
@@ -1853,14 +1866,14 @@ PyInit__atomics(void)
         "s_completions", "s_expiries", "s_hold_events", "s_refused_taken", "s_refused_held",
         "s_refused_probe_full", "s_inserts", "s_reclaimed", "s_conflicts", "s_stale_tokens",
         "s_sweeps", "granted", "refused_taken", "refused_held", "refused_probe_full",
-        "misses_max", "keep_misses_ms", "occupied", "leased", "held",
+        "misses_max", "keep_misses_ms", "s_occupied", "s_leased", "s_held",
     };
     static const long lease_values[] = {
         LEASE_SWEEPER, LEASE_STRIPES, LEASE_CTRL_WORDS, SLOT_WORDS, PROBE, LS_GRANTS,
         LS_RENEWALS, LS_COMPLETIONS, LS_EXPIRIES, LS_HOLD_EVENTS, LS_REFUSED_TAKEN,
         LS_REFUSED_HELD, LS_REFUSED_PROBE_FULL, LS_INSERTS, LS_RECLAIMED, LS_CONFLICTS,
         LS_STALE_TOKENS, LS_SWEEPS, GRANTED, REFUSED_TAKEN, REFUSED_HELD, REFUSED_PROBE_FULL,
-        MISSES_MAX, (long)KEEP_MISSES_MS, LEASE_OCCUPIED, LEASE_LEASED, LEASE_HELD,
+        MISSES_MAX, (long)KEEP_MISSES_MS, LS_OCCUPIED, LS_LEASED, LS_HELD,
     };
     _Static_assert(sizeof(ring_keys) / sizeof(ring_keys[0]) ==
                        sizeof(ring_values) / sizeof(ring_values[0]),

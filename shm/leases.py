@@ -57,9 +57,10 @@ lack a key's bit holds no lease or hold of it, so `blocked_mask` probes only the
 few keys whose bit is set somewhere in their window: the keeper asks about every
 candidate of a publish, nearly all of them absent from the table.
 
-**Live counters** (occupied, leased, held; each word on its own cache line) are
-kept by the ops with atomic adds, so `statistics()` reads three words instead of
-scanning the table. They count states, not time: an expired, unanswered lease
+**Live counters** (occupied, leased, held) are kept by the ops with atomic adds,
+in each process's counter stripe (its own cache lines, so claimants on two cores
+never bounce one line), so `statistics()` sums a few words instead of scanning the
+table. They count states, not time: an expired, unanswered lease
 stays leased and an ended hold stays held until a grant of the key or a sweep
 settles it; after a sweep at `now` they equal `census(now)`, the full scan. A
 process killed between a CAS and its count can leave a counter one off;
