@@ -647,3 +647,39 @@ def test_a_claimant_killed_mid_claim_leaves_no_key_stuck_beyond_its_lease() -> N
     finally:
         table.close()
         remove(name)
+
+
+def test_imported_slots_come_with_their_counters_and_tag_lanes() -> None:
+    """import_slots writes slots whole: the live counters and the tag lanes blocked_mask
+    reads first must be rebuilt from them, or a restarted node would publish a key whose
+    lease outlived the restart. (An import recounts at the wall clock, so real times.)"""
+    from shm.segment import now_ms
+
+    source, target = LeaseTable.create(_name("export")), LeaseTable.create(_name("import"))
+    try:
+        keys = [key_hash(b"/imp/%d" % i) for i in range(40)]
+        start = now_ms() - 20_000
+        for i, h in enumerate(keys[:30]):
+            got = source.grant(h, start, 30_000 if i % 3 == 0 else 3_600_000, 3_600_000)
+            assert isinstance(got, Grant)
+            if i % 3 == 1:
+                assert source.complete(h, got.token, start + 10)
+        # Settle the short leases: held back until start + 90 s, a minute from now.
+        source.sweep(start + 30_001, keep_misses_ms=3_600_000)
+        target.import_slots(source.export_slots())
+        now = now_ms()
+        hashes = np.array(keys, dtype=np.uint64)
+        blocked = target.blocked_mask(hashes, now).tolist()
+        assert blocked == source.blocked_mask(hashes, now).tolist()
+        assert sum(blocked) == 20  # 10 leased, 10 held
+        census, stats = target.census(now), target.statistics()
+        assert (stats.occupied, stats.live_leases, stats.held_keys) == (
+            census.occupied,
+            census.live_leases,
+            census.held_keys,
+        )
+        assert (census.occupied, census.live_leases, census.held_keys) == (20, 10, 10)
+    finally:
+        for table in (source, target):
+            table.close()
+            table.unlink()
