@@ -20,6 +20,12 @@ that delivered the event. CPU per write is the writer's process CPU (plus the
 consumer's, in the feed arm). Each percentile is the median over rounds of that
 round's percentile (the pooled ones are in the JSON's raw section). Then: a full
 walk by primary key in 5,000-row chunks (the keeper's chunk) and random point reads.
+
+The claim and complete path (`--part hot`; 1M rows, quick 100k): per key, a claim's
+`get_many` of 100 random keys and their `complete` (rendered), alone and beside another
+writer (which empties this connection's page cache before each batch, as the node's
+other worker does), with the bytes written per completed key into the WAL and by the
+checkpoints, and the checkpoints' CPU.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import shutil
 import sqlite3
 import statistics
 import tempfile
+import threading
 import time
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -305,119 +312,320 @@ def us(values: list[int], q: float) -> float | None:
     return None if found is None else found / 1000
 
 
+HOT_TABLE = "store: the node's claim and complete path"
+HOT_BATCH = 100
+UPKEEP_THREAD = "rq-store-upkeep"
+HOT_ARMS = ("alone", "beside another writer")
+
+
+class HotConfig(msgspec.Struct, frozen=True, kw_only=True):
+    rows: int
+    batches: int  # measured batches of HOT_BATCH keys, per arm
+    warmup: int = 20
+
+
+HOT_FULL = HotConfig(rows=1_000_000, batches=300)
+HOT_QUICK = HotConfig(rows=100_000, batches=40)
+
+
+class ThreadUse(msgspec.Struct, frozen=True, kw_only=True):
+    cpu_ns: int
+    write_bytes: int | None  # None: no per-thread I/O accounting here (not Linux)
+
+
+def thread_use(thread: threading.Thread | None) -> ThreadUse:
+    """CPU and bytes written so far by one thread of this process (None: the calling one)."""
+    if thread is None:
+        cpu_ns, native_id = time.thread_time_ns(), threading.get_native_id()
+    else:
+        if thread.ident is None or thread.native_id is None:
+            return ThreadUse(cpu_ns=0, write_bytes=None)
+        cpu_ns = time.clock_gettime_ns(time.pthread_getcpuclockid(thread.ident))
+        native_id = thread.native_id
+    try:
+        text = Path(f"/proc/self/task/{native_id}/io").read_text()
+    except OSError:
+        return ThreadUse(cpu_ns=cpu_ns, write_bytes=None)
+    fields = dict(line.split(": ", 1) for line in text.splitlines() if ": " in line)
+    return ThreadUse(cpu_ns=cpu_ns, write_bytes=int(fields["write_bytes"]))
+
+
+def per_key(after: int | None, before: int | None, keys: int) -> float | None:
+    return None if after is None or before is None else (after - before) / keys
+
+
+class HotArm(msgspec.Struct, kw_only=True):
+    read_ns: list[float] = []  # per key, one figure per batch
+    complete_ns: list[float] = []
+    read_cpu_ns: int = 0
+    complete_cpu_ns: int = 0
+    keys: int = 0
+
+
+def run_hot(config: HotConfig, work: Path, result: report.SectionResult) -> None:
+    """The node's store work per key: a claim's point read of 100 keys (`get_many`), then
+    their completion (`complete`, all rendered), on random keys of a large table, with the
+    store's background checkpoints. "alone": this store is the only writer, so its page
+    cache survives between batches; "beside another writer": another store commits one
+    row before each batch, as the node's other worker does, and SQLite drops this
+    connection's page cache at its next transaction. Bytes are the kernel's per-thread
+    accounting (whole 4 KiB pages dirtied): the caller's are its commits' WAL appends,
+    the upkeep thread's its checkpoints' writes into the database file."""
+    from store.rows import Completion, RowWrite
+    from store.sqlite import SqliteStore
+
+    path = str(work / "hot.db")
+    report.progress(f"store: loading {config.rows:,} rows for the claim and complete path")
+    rows = generate(Workload(rows=config.rows, now_ms=time.time_ns() // 1_000_000))
+    store = SqliteStore(path)
+    for part in rows.chunks(5000):
+        store.write(
+            [
+                RowWrite(
+                    key=rows.keys[i],
+                    route=rows.routes[i],
+                    next_render_at=rows.next_render_at[i],
+                    sitemap=rows.sitemaps[i],
+                )
+                for i in part
+            ]
+        )
+    store.prune()
+    other = SqliteStore(path)
+    keys = rows.keys
+    rng = random.Random(17)
+    now_ms = time.time_ns() // 1_000_000
+
+    def batch() -> tuple[list[str], list[Completion]]:
+        picked = rng.sample(keys, HOT_BATCH)
+        return picked, [Completion(key=k, outcome="rendered", now=now_ms) for k in picked]
+
+    nudge = RowWrite(key=keys[0], route=rows.routes[0], next_render_at=now_ms)
+    for _ in range(config.warmup):
+        picked, done = batch()
+        store.get_many(picked)
+        store.complete(done)
+    other.write([nudge])
+    time.sleep(0.3)  # the warm-up's checkpoint lands before the counters are read
+    # Both stores' threads: whichever finds the WAL grown checkpoints it.
+    upkeep = [t for t in threading.enumerate() if t.name == UPKEEP_THREAD]
+    arms = {name: HotArm() for name in HOT_ARMS}
+    theirs0 = [thread_use(t) for t in upkeep]
+    wal_bytes: int | None = 0
+    report.progress(f"store: {config.batches} batches of {HOT_BATCH} per arm: get_many, complete")
+    for n in range(config.batches * len(HOT_ARMS)):
+        arm = arms[HOT_ARMS[n % len(HOT_ARMS)]]
+        picked, done = batch()
+        if arm is arms["beside another writer"]:
+            other.write([nudge])
+        mine0 = thread_use(None)
+        cpu0, started = time.thread_time_ns(), time.perf_counter_ns()
+        found = store.get_many(picked)
+        cpu1, read = time.thread_time_ns(), time.perf_counter_ns()
+        store.complete(done)
+        cpu2, completed = time.thread_time_ns(), time.perf_counter_ns()
+        written = per_key(thread_use(None).write_bytes, mine0.write_bytes, 1)
+        wal_bytes = None if wal_bytes is None or written is None else wal_bytes + int(written)
+        assert len(found) == HOT_BATCH
+        arm.read_ns.append((read - started) / HOT_BATCH)
+        arm.complete_ns.append((completed - read) / HOT_BATCH)
+        arm.read_cpu_ns += cpu1 - cpu0
+        arm.complete_cpu_ns += cpu2 - cpu1
+        arm.keys += HOT_BATCH
+    time.sleep(0.3)  # the checkpoint of the last batches, counted with the rest
+    theirs1 = [thread_use(t) for t in upkeep]
+    checkpoint_cpu_ns = sum(b.cpu_ns - a.cpu_ns for a, b in zip(theirs0, theirs1, strict=True))
+    checkpoint_bytes: int | None = 0
+    for a, b in zip(theirs0, theirs1, strict=True):
+        done_bytes = per_key(b.write_bytes, a.write_bytes, 1)
+        checkpoint_bytes = (
+            None
+            if checkpoint_bytes is None or done_bytes is None
+            else checkpoint_bytes + int(done_bytes)
+        )
+    stats = store.statistics()
+    other.close()
+    store.close()
+    keys_done = sum(arm.keys for arm in arms.values())
+    scale = (
+        f"{config.rows // 1_000_000}M rows"
+        if config.rows >= 1_000_000
+        else f"{config.rows // 1000}k rows"
+    )
+
+    def fig(what: str, unit: str, ours: float | None, note: str = "") -> None:
+        result.figures.append(
+            report.Figure(table=HOT_TABLE, what=what, unit=unit, ours=ours, note=note)
+        )
+
+    for name, arm in arms.items():
+        fig(
+            f"get_many, {HOT_BATCH} random keys of {scale}, per key, {name}",
+            "us",
+            statistics.median(arm.read_ns) / 1000,
+            note=f"CPU {arm.read_cpu_ns / arm.keys / 1000:.2f} us",
+        )
+        fig(
+            f"complete, {HOT_BATCH} random keys of {scale}, per key, {name}",
+            "us",
+            statistics.median(arm.complete_ns) / 1000,
+            note=f"CPU {arm.complete_cpu_ns / arm.keys / 1000:.2f} us; all rendered",
+        )
+    fig(
+        "WAL bytes written per completed key",
+        "B",
+        None if wal_bytes is None else wal_bytes / keys_done,
+        note="the caller's thread, in get_many and complete",
+    )
+    fig(
+        "checkpoint bytes written per completed key",
+        "B",
+        None if checkpoint_bytes is None else checkpoint_bytes / keys_done,
+        note="the stores' upkeep threads",
+    )
+    fig(
+        "checkpoint CPU per completed key",
+        "us",
+        checkpoint_cpu_ns / keys_done / 1000,
+        note="the stores' upkeep threads",
+    )
+    result.raw["hot"] = {
+        "config": msgspec.to_builtins(config),
+        "read_us_p99": {n: us([int(v) for v in a.read_ns], 99) for n, a in arms.items()},
+        "complete_us_p99": {n: us([int(v) for v in a.complete_ns], 99) for n, a in arms.items()},
+        "upkeep": msgspec.to_builtins(stats.upkeep),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.store", description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="20k rows, 2 rounds of 2k writes")
+    parser.add_argument(
+        "--quick", action="store_true", help="20k rows, 2 rounds of 2k writes; 100k rows hot"
+    )
+    parser.add_argument(
+        "--part",
+        choices=("all", "feed", "hot"),
+        default="all",
+        help="feed: puts, the feed's lag, walk and reads; hot: the claim and complete path",
+    )
     args = parser.parse_args(argv)
-    config = QUICK if args.quick else FULL
     result = report.new_result("store", args.quick)
+    work = Path(tempfile.mkdtemp(prefix=f"rq-bench-store-{os.getpid()}-"))
+    try:
+        if args.part != "hot":
+            run_feed(QUICK if args.quick else FULL, work, result)
+        if args.part != "feed":
+            run_hot(HOT_QUICK if args.quick else HOT_FULL, work, result)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    result.promised = [f.key for f in result.figures]
+    return report.emit(result)
+
+
+def run_feed(config: Config, work: Path, result: report.SectionResult) -> None:
     from store.rows import RowWrite
     from store.sqlite import SqliteStore
 
-    work = Path(tempfile.mkdtemp(prefix=f"rq-bench-store-{os.getpid()}-"))
-    try:
-        path = str(work / "schedule.db")
-        report.progress(f"store: loading {config.rows:,} rows into {path}")
-        rows = generate(Workload(rows=config.rows, now_ms=time.time_ns() // 1_000_000))
-        store = SqliteStore(path)
-        for part in rows.chunks(5000):
-            store.write(
-                [
-                    RowWrite(
-                        key=rows.keys[i],
-                        route=rows.routes[i],
-                        next_render_at=rows.next_render_at[i],
-                        sitemap=rows.sitemaps[i],
-                    )
-                    for i in part
-                ]
-            )
-        bare = bare_open(str(work / "bare.db"), rows)
-        keys = rows.keys
-        rng = random.Random(11)
-        arms = {name: Arm() for name in ARMS}
-        woken = noticed = 0
-        ctx = mp.get_context("spawn")
-        tag = TAG_BASE
-        for round_no in range(config.rounds):
-            order = list(ARMS)
-            if round_no % 2:
-                order.reverse()
-            for name in order:
-                report.progress(f"store: round {round_no + 1}/{config.rounds}, {name}")
-                arm = arms[name]
-                if name == "bare sqlite3":
-                    run_bare(bare, keys, config.writes, config.warmup, rng, arm)
-                    arm.end_round()
-                    continue
-                if name == "semaphore wake-up alone":
-                    run_wakeups(ctx, config.writes // 2, arm)
-                    arm.end_round()
-                    continue
-                if name == "no consumer":
-                    run_puts(store, keys, config.writes, config.warmup, tag, rng, arm)
-                    tag += config.warmup + config.writes
-                    arm.end_round()
-                    continue
-                ours, theirs = ctx.Pipe()
-                process = ctx.Process(target=consumer_process, args=(theirs, path), daemon=True)
-                process.start()
-                assert ours.recv() == "ready"
-                is_paced = name == "feed tailing, paced"
-                commits = run_puts(
-                    store,
-                    keys,
-                    config.writes // 2 if is_paced else config.writes,
-                    config.warmup,
-                    tag,
-                    rng,
-                    arm,
-                    interval_ns=PACED_INTERVAL_NS if is_paced else 0,
+    path = str(work / "schedule.db")
+    report.progress(f"store: loading {config.rows:,} rows into {path}")
+    rows = generate(Workload(rows=config.rows, now_ms=time.time_ns() // 1_000_000))
+    store = SqliteStore(path)
+    for part in rows.chunks(5000):
+        store.write(
+            [
+                RowWrite(
+                    key=rows.keys[i],
+                    route=rows.routes[i],
+                    next_render_at=rows.next_render_at[i],
+                    sitemap=rows.sitemaps[i],
                 )
-                tag += config.warmup + config.writes
-                ours.send("stop")
-                delivered = msgspec.msgpack.decode(ours.recv_bytes(), type=Delivered)
-                process.join(30)
-                arm.cpu_s += delivered.cpu_s
-                woken += delivered.woken
-                noticed += delivered.noticed
-                for event_tag, at in zip(delivered.tags, delivered.at_ns, strict=True):
-                    committed = commits.get(event_tag)
-                    if committed is not None:
-                        arm.lag_ns.append(at - committed)
-                        arm.delivered += 1
+                for i in part
+            ]
+        )
+    bare = bare_open(str(work / "bare.db"), rows)
+    keys = rows.keys
+    rng = random.Random(11)
+    arms = {name: Arm() for name in ARMS}
+    woken = noticed = 0
+    ctx = mp.get_context("spawn")
+    tag = TAG_BASE
+    for round_no in range(config.rounds):
+        order = list(ARMS)
+        if round_no % 2:
+            order.reverse()
+        for name in order:
+            report.progress(f"store: round {round_no + 1}/{config.rounds}, {name}")
+            arm = arms[name]
+            if name == "bare sqlite3":
+                run_bare(bare, keys, config.writes, config.warmup, rng, arm)
                 arm.end_round()
+                continue
+            if name == "semaphore wake-up alone":
+                run_wakeups(ctx, config.writes // 2, arm)
+                arm.end_round()
+                continue
+            if name == "no consumer":
+                run_puts(store, keys, config.writes, config.warmup, tag, rng, arm)
+                tag += config.warmup + config.writes
+                arm.end_round()
+                continue
+            ours, theirs = ctx.Pipe()
+            process = ctx.Process(target=consumer_process, args=(theirs, path), daemon=True)
+            process.start()
+            assert ours.recv() == "ready"
+            is_paced = name == "feed tailing, paced"
+            commits = run_puts(
+                store,
+                keys,
+                config.writes // 2 if is_paced else config.writes,
+                config.warmup,
+                tag,
+                rng,
+                arm,
+                interval_ns=PACED_INTERVAL_NS if is_paced else 0,
+            )
+            tag += config.warmup + config.writes
+            ours.send("stop")
+            delivered = msgspec.msgpack.decode(ours.recv_bytes(), type=Delivered)
+            process.join(30)
+            arm.cpu_s += delivered.cpu_s
+            woken += delivered.woken
+            noticed += delivered.noticed
+            for event_tag, at in zip(delivered.tags, delivered.at_ns, strict=True):
+                committed = commits.get(event_tag)
+                if committed is not None:
+                    arm.lag_ns.append(at - committed)
+                    arm.delivered += 1
+            arm.end_round()
 
-        report.progress("store: walk and point reads")
-        walks: list[float] = []
-        for _ in range(3):
-            started = time.perf_counter()
-            walked, after = 0, None
-            while True:
-                chunk = store.walk(after, 5000)
-                walked += len(chunk)
-                if len(chunk) < 5000:
-                    break
-                after = chunk[-1].key
-            walks.append(time.perf_counter() - started)
-            assert walked == config.rows
-        walk_s = sorted(walks)[1]
-        reads: list[int] = []
-        for _ in range(config.reads):
-            wanted = keys[rng.randrange(len(keys))]
-            started = time.perf_counter_ns()
-            store.get(wanted)
-            reads.append(time.perf_counter_ns() - started)
+    report.progress("store: walk and point reads")
+    walks: list[float] = []
+    for _ in range(3):
+        started = time.perf_counter()
+        walked, after = 0, None
+        while True:
+            chunk = store.walk(after, 5000)
+            walked += len(chunk)
+            if len(chunk) < 5000:
+                break
+            after = chunk[-1].key
+        walks.append(time.perf_counter() - started)
+        assert walked == config.rows
+    walk_s = sorted(walks)[1]
+    reads: list[int] = []
+    for _ in range(config.reads):
+        wanted = keys[rng.randrange(len(keys))]
         started = time.perf_counter_ns()
-        batches = max(1, config.reads // 100)
-        for _ in range(batches):
-            store.get_many(rng.sample(keys, 100))
-        get_many_us = (time.perf_counter_ns() - started) / (batches * 100) / 1000
-        stats = store.statistics()
-        store.close()
-        bare.close()
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+        store.get(wanted)
+        reads.append(time.perf_counter_ns() - started)
+    started = time.perf_counter_ns()
+    batches = max(1, config.reads // 100)
+    for _ in range(batches):
+        store.get_many(rng.sample(keys, 100))
+    get_many_us = (time.perf_counter_ns() - started) / (batches * 100) / 1000
+    stats = store.statistics()
+    store.close()
+    bare.close()
 
     quiet, fed, peer = arms["no consumer"], arms["feed tailing"], arms["bare sqlite3"]
     paced = arms["feed tailing, paced"]
@@ -506,22 +714,24 @@ def main(argv: list[str] | None = None) -> int:
     fig("point read p50 (get)", "us", us(reads, 50))
     fig("point read p99 (get)", "us", us(reads, 99))
     fig("get_many, per key (100 keys a call)", "us", get_many_us)
-    result.promised = [f.key for f in result.figures]
-    result.raw = {
-        "config": msgspec.to_builtins(config),
-        "writes_per_arm": {name: arm.writes for name, arm in arms.items()},
-        "events_per_write": {name: a.delivered / a.writes for name, a in arms.items() if a.lag_ns},
-        "put_p999_us": {name: arm.put_us(99.9) for name, arm in arms.items()},
-        "pooled_put_p99_us": {name: us(arm.put_ns, 99) for name, arm in arms.items()},
-        "pooled_lag_p99_ms": {name: ms(arm.lag_ns, 99) for name, arm in arms.items()},
-        "lag_max_ms": {n: max(a.lag_ns) / 1e6 for n, a in arms.items() if a.lag_ns},
-        "put_us_paced": {"p50": paced.put_us(50), "p99": paced.put_us(99)},
-        "consumer_waits_ended_by_post": woken,
-        "consumer_waits_ended_by_data_version": noticed,
-        "walk_s_runs": walks,
-        "store_statistics": msgspec.to_builtins(stats),
-    }
-    return report.emit(result)
+    result.raw.update(
+        {
+            "config": msgspec.to_builtins(config),
+            "writes_per_arm": {name: arm.writes for name, arm in arms.items()},
+            "events_per_write": {
+                name: a.delivered / a.writes for name, a in arms.items() if a.lag_ns
+            },
+            "put_p999_us": {name: arm.put_us(99.9) for name, arm in arms.items()},
+            "pooled_put_p99_us": {name: us(arm.put_ns, 99) for name, arm in arms.items()},
+            "pooled_lag_p99_ms": {name: ms(arm.lag_ns, 99) for name, arm in arms.items()},
+            "lag_max_ms": {n: max(a.lag_ns) / 1e6 for n, a in arms.items() if a.lag_ns},
+            "put_us_paced": {"p50": paced.put_us(50), "p99": paced.put_us(99)},
+            "consumer_waits_ended_by_post": woken,
+            "consumer_waits_ended_by_data_version": noticed,
+            "walk_s_runs": walks,
+            "store_statistics": msgspec.to_builtins(stats),
+        }
+    )
 
 
 if __name__ == "__main__":
