@@ -80,6 +80,8 @@ from shm.segment import now_ms as wall_clock_ms
 
 KIND = "lease_table"
 PROBE_WINDOW = LEASE_LAYOUT["probe"]
+# "reserved" is the counted-hold word (SLOT_COUNTED in _atomics.c): which HELD state
+# word the live held counter includes. recount() rewrites it, so a copy may carry any.
 SLOT = np.dtype([("key_hash", "<u8"), ("state", "<u8"), ("hold", "<u8"), ("reserved", "<u8")])
 assert SLOT.itemsize == LEASE_LAYOUT["slot_words"] * 8
 # Misses of a hold that ended this long ago are forgotten (by a sweep, or by a grant
