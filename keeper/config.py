@@ -8,6 +8,11 @@ import msgspec
 class KeeperConfig(msgspec.Struct, frozen=True, kw_only=True):
     best_k: int = 4096  # keys published into the ready ring each second
     publish_interval_s: float = 1.0
+    # A ring that claims have drained below this share of its last publish is refilled
+    # at once rather than at the next tick (so claims are not capped at best_k per
+    # interval), at most once per refill_min_gap_s.
+    refill_below: float = 0.25
+    refill_min_gap_s: float = 0.02
     report_interval_s: float = 5.0  # full queue-state; trust is refreshed at every publish
     verify_interval_s: float = 3600.0  # the verification walk compares every row with the table
     walk_chunk: int = 5000  # rows per store.walk call, during load and verification

@@ -27,6 +27,10 @@ class ReadyRingLike(Protocol):
         """Replace the published set; returns the new generation."""
         ...
 
+    def remaining(self) -> int:
+        """Entries of the live generation not claimed yet."""
+        ...
+
 
 class LeaseStatisticsLike(Protocol):
     @property

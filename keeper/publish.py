@@ -53,9 +53,9 @@ class Publisher:
 
         return blocked
 
-    def publish(self, now: int) -> list[bytes] | PublishFailed:
+    def publish(self, now: int, refill: bool = False) -> list[bytes] | PublishFailed:
         """Publish the best rows; their keys, best first. Never raises: a failure is
-        counted, logged and returned."""
+        counted, logged and returned. `refill`: early, because claims drained the ring."""
         started = time.perf_counter_ns()
         try:
             selection = self.core.select(self.config.best_k, now, self.blocked(now))
@@ -75,6 +75,7 @@ class Publisher:
         self.stats = msgspec.structs.replace(
             self.stats,
             publishes=self.stats.publishes + 1,
+            refills=self.stats.refills + refill,
             last_at=now,
             last_count=len(keys),
             last_duration_us=(time.perf_counter_ns() - started) // 1000,

@@ -199,6 +199,8 @@ class Keeper:
             self._next_publish = max(
                 self._next_publish + int(self.config.publish_interval_s * 1000), now + 1
             )
+        elif self._drained(now):
+            self._publish_now(now, refill=True)
         now = self.clock()
         if now >= self._next_report:
             self._write_state(now, full=True)
@@ -208,7 +210,11 @@ class Keeper:
             self._next_verify = now + int(self.config.verify_interval_s * 1000)
         if busy:
             return 0.0
-        return max(0.0, (self._next_publish - self.clock()) / 1000)
+        wait_s = max(0.0, (self._next_publish - self.clock()) / 1000)
+        if self._claiming():
+            # Claims take entries without a feed event to wake the keeper: look again soon.
+            wait_s = min(wait_s, self.config.refill_min_gap_s)
+        return wait_s
 
     def _wait(self, seconds: float, stop: threading.Event) -> None:
         if self.feed.open:
@@ -375,8 +381,23 @@ class Keeper:
 
     # -- publishing ----------------------------------------------------------------
 
-    def _publish_now(self, now: int) -> None:
-        keys = self._publisher.publish(now)
+    def _claiming(self) -> bool:
+        """Claims have taken entries from the live generation."""
+        published = self._publisher.stats.last_count
+        return published > 0 and self.ring.remaining() < published
+
+    def _drained(self, now: int) -> bool:
+        """Claims took the ring below its refill mark, and the last publish is not too new."""
+        stats = self._publisher.stats
+        return (
+            stats.last_at is not None
+            and stats.last_count > 0
+            and now - stats.last_at >= self.config.refill_min_gap_s * 1000
+            and self.ring.remaining() < stats.last_count * self.config.refill_below
+        )
+
+    def _publish_now(self, now: int, refill: bool = False) -> None:
+        keys = self._publisher.publish(now, refill=refill)
         if isinstance(keys, PublishFailed):
             self._set_status(now, "stalled", keys.reason)
             return

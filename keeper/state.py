@@ -121,6 +121,7 @@ class LoadStats(msgspec.Struct, frozen=True, kw_only=True):
 
 class PublishStats(msgspec.Struct, frozen=True, kw_only=True):
     publishes: int = 0
+    refills: int = 0  # of the publishes, those made early because claims drained the ring
     failures: int = 0
     last_at: int | None = None
     last_count: int = 0

@@ -215,7 +215,17 @@ class MemoryRing:
         self.keys: list[bytes] = []
         self.due_at: npt.NDArray[np.int64] = np.empty(0, dtype=np.int64)
         self.cadence_s: npt.NDArray[np.uint32] = np.empty(0, dtype=np.uint32)
+        self.taken = 0  # entries of the live generation claimed (by `take`)
         self.fail = False
+
+    def take(self, n: int) -> list[bytes]:
+        """What a claimant's ReadyRing.claim would take."""
+        taken = self.keys[self.taken : self.taken + n]
+        self.taken += len(taken)
+        return taken
+
+    def remaining(self) -> int:
+        return len(self.keys) - self.taken
 
     def publish(
         self,
@@ -233,6 +243,7 @@ class MemoryRing:
         self.keys = list(keys)
         self.due_at = due_at.copy()
         self.cadence_s = cadence_s.copy()
+        self.taken = 0
         self.published_at = now_ms
         self.generation += 1
         return self.generation
