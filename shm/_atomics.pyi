@@ -42,6 +42,18 @@ class Ring:
         arena_bytes: int,
         factory: Callable[[bytes, int, int, int], Any],
     ) -> None: ...
+    def publish(
+        self,
+        source: Buffer,
+        starts: Any,
+        lengths: Any,
+        due_at: Any,
+        class_id: Any,
+        key_hash: Any,
+        cadence_s: Any | None,
+        now: int,
+        /,
+    ) -> tuple[int, int]: ...
     def claim(self, n: int, /) -> list[Any]: ...
     def remaining(self) -> int: ...
     def release(self) -> None: ...

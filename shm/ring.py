@@ -15,6 +15,12 @@ with no mutex. The ring is a latch double buffer:
   its alone) or a superseded one's (dropped: that set is gone anyway). A copy
   during which the generation changed is torn and discarded, never acted on.
 
+The writer has two ways in: `publish` takes a list of key bytes (written with
+numpy, control words through `Words`), `publish_slices` takes keys as slices of
+one buffer and runs the same steps in one C call (`Ring.publish`), copying the
+key bytes straight from that buffer. The keeper uses the second: its keys already
+sit in its slot arena. Both leave the same bytes in the segment.
+
 So every entry of a generation is taken by at most one claimant, and, while the
 generation stays live, every entry is taken exactly once. A drained buffer is
 detected before the fetch-add, so idle polling never runs the cursor up.
@@ -29,12 +35,17 @@ counted in `statistics().truncated`.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import msgspec
 import numpy as np
+import numpy.typing as npt
 
 from shm._atomics import RING_LAYOUT, STRIPE_WORDS, STRIPES, Ring, Words
 from shm.segment import HEADER_BYTES, Segment, align
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
 
 KIND = "ready_ring"
 KEY_MAX = RING_LAYOUT["key_max"]
@@ -211,6 +222,43 @@ class ReadyRing:
         words.fetch_add(_PUBLISHED, n)
         words.fetch_add(_PUBLISHES, 1)
         words.fetch_add(_TRUNCATED, n_in - n)
+        return int(generation)
+
+    def publish_slices(
+        self,
+        source: Buffer,
+        starts: npt.NDArray[np.int64],
+        lengths: npt.NDArray[np.integer],
+        due_at: np.ndarray,
+        class_id: np.ndarray,
+        key_hash: np.ndarray,
+        now_ms: int,
+        cadence_s: np.ndarray | None = None,
+    ) -> int:
+        """`publish`, for keys that are slices of one buffer: key i is
+        `source[starts[i] : starts[i] + lengths[i]]`. One C call writes the same entries
+        and key bytes as `publish` would, with no bytes object per key (the keeper's keys
+        already sit in its slot arena). A slice outside `source` is refused, as is a key
+        over KEY_MAX, before anything is written."""
+        n_in = len(starts)
+        if not len(lengths) == len(due_at) == len(class_id) == len(key_hash) == n_in:
+            raise ValueError(
+                f"publish: {n_in} keys but {len(lengths)} lengths, {len(due_at)} due times, "
+                f"{len(class_id)} class ids and {len(key_hash)} hashes"
+            )
+        if cadence_s is not None and len(cadence_s) != n_in:
+            raise ValueError(f"publish: {n_in} keys but {len(cadence_s)} cadences")
+        generation, _ = self._ring.publish(
+            source,
+            np.ascontiguousarray(starts, dtype=np.int64),
+            np.ascontiguousarray(lengths, dtype=np.int64),
+            np.ascontiguousarray(due_at, dtype=np.int64),
+            np.ascontiguousarray(class_id, dtype=np.int32),
+            np.ascontiguousarray(key_hash, dtype=np.uint64),
+            None if cadence_s is None else np.ascontiguousarray(cadence_s, dtype=np.uint32),
+            now_ms,
+        )
+        self._segment.set_generation(generation)
         return int(generation)
 
     # --------------------------------------------------------------- claimants

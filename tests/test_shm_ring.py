@@ -1,6 +1,7 @@
 """shm/ring.py: publish and claim, cut-off batches, a four-process claim race where every
 entry is taken exactly once, and a republishing writer whose readers never accept a torn
-entry."""
+entry; `publish_slices` (keys as slices of one buffer, one C call) leaves the segment
+byte for byte as `publish` (a list of keys) does."""
 
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from shm import ReadyEntry, ReadyRing, key_hash, key_hashes, segment_name
-from shm.segment import remove
+from shm.segment import HEADER_BYTES, remove
 
 
 @pytest.fixture
@@ -158,13 +161,131 @@ def test_four_processes_take_every_entry_of_100k_exactly_once(name: str) -> None
         ring.unlink()
 
 
+# -- publish_slices against publish ---------------------------------------------------
+
+
+class _Batch:
+    """One publish's input, as a list of keys and as slices of one source buffer (the
+    keys in another order, with bytes of junk between them, as in the keeper's arena)."""
+
+    def __init__(self, keys: list[bytes], seed: int, cadence: bool) -> None:
+        n = len(keys)
+        rng = np.random.default_rng(seed)
+        self.keys = keys
+        self.due = rng.integers(-(2**62), 2**62, n, dtype=np.int64)
+        self.classes = rng.integers(-(2**31), 2**31, n, dtype=np.int64).astype(np.int32)
+        self.hashes = rng.integers(0, 2**64, n, dtype=np.uint64)
+        self.cadence = rng.integers(0, 2**32, n, dtype=np.uint64).astype(np.uint32)
+        self.with_cadence = cadence
+        self.starts = np.zeros(n, dtype=np.int64)
+        self.lengths = np.array([len(k) for k in keys], dtype=np.int64)
+        source = bytearray()
+        for i in rng.permutation(n).tolist():
+            source += bytes(rng.integers(0, 256, int(rng.integers(0, 5)), dtype=np.uint8))
+            self.starts[i] = len(source)
+            source += keys[i]
+        self.source = source + b"~"
+
+    def by_list(self, ring: ReadyRing, now: int) -> int:
+        cadence = self.cadence if self.with_cadence else None
+        return ring.publish(self.keys, self.due, self.classes, self.hashes, now, cadence)
+
+    def by_slices(self, ring: ReadyRing, now: int) -> int:
+        cadence = self.cadence if self.with_cadence else None
+        return ring.publish_slices(
+            self.source,
+            self.starts,
+            self.lengths,
+            self.due,
+            self.classes,
+            self.hashes,
+            now,
+            cadence,
+        )
+
+
+def _segment_bytes(ring: ReadyRing) -> tuple[int, bytes]:
+    """The header's generation and everything after the header (which also holds the
+    creation time and owner, different for two rings)."""
+    return ring._segment.generation, bytes(ring._segment.mmap[HEADER_BYTES:])
+
+
+_key = st.one_of(
+    st.binary(max_size=40),
+    st.integers(0, 2_048).map(lambda n: bytes([n % 251]) * n),
+)
+
+
+@given(
+    batches=st.lists(st.tuples(st.lists(_key, max_size=24), st.booleans()), min_size=1, max_size=4),
+    capacity=st.integers(1, 20),
+    arena_bytes=st.integers(1, 12_000),
+    seed=st.integers(0, 2**32 - 1),
+)
+@settings(max_examples=60, deadline=None)
+def test_publishing_slices_leaves_the_segment_as_publishing_the_keys_does(
+    batches: list[tuple[list[bytes], bool]], capacity: int, arena_bytes: int, seed: int
+) -> None:
+    """Byte for byte, after each of several publishes (both buffers, stale bytes left by
+    a longer generation, cut-offs by capacity and by arena, truncation counts), and the
+    claims read back the same entries."""
+    tag = uuid.uuid4().hex[:8]
+    old = ReadyRing.create(segment_name(f"t{os.getpid()}o{tag}", "ring"), capacity, arena_bytes)
+    new = ReadyRing.create(segment_name(f"t{os.getpid()}n{tag}", "ring"), capacity, arena_bytes)
+    try:
+        for i, (keys, cadence) in enumerate(batches):
+            batch = _Batch(keys, seed + i, cadence)
+            assert batch.by_list(old, 100 + i) == batch.by_slices(new, 100 + i) == i + 1
+            assert _segment_bytes(old) == _segment_bytes(new)
+            assert old.statistics() == new.statistics()
+        assert old.claim(capacity) == new.claim(capacity)
+    finally:
+        for ring in (old, new):
+            ring.close()
+            ring.unlink()
+
+
+def test_a_refused_slice_publish_leaves_the_ring_as_it_was(name: str) -> None:
+    """A key over KEY_MAX, a slice outside the source, or columns that disagree are
+    refused before anything is written, as `publish` refuses them."""
+    ring = ReadyRing.create(name, capacity=8, arena_bytes=4_096)
+    try:
+        _Batch([b"/a", b"/b"], 1, True).by_slices(ring, 5)
+        before = _segment_bytes(ring)
+        long = _Batch([b"ok", b"x" * 2_049], 2, True)
+        with pytest.raises(ValueError, match="key 1 is 2049 bytes; at most 2048"):
+            long.by_slices(ring, 6)
+        with pytest.raises(ValueError, match="key 1 is 2049 bytes; at most 2048"):
+            long.by_list(ring, 6)
+        outside = _Batch([b"/c", b"/d"], 3, False)
+        outside.starts[1] = len(outside.source) - 1
+        with pytest.raises(ValueError, match=r"key 1 \(2 bytes at -?\d+\) lies outside a source"):
+            outside.by_slices(ring, 7)
+        outside.starts[1] = -1
+        with pytest.raises(ValueError, match=r"key 1 \(2 bytes at -?\d+\) lies outside a source"):
+            outside.by_slices(ring, 7)
+        short = _Batch([b"/e", b"/f"], 4, True)
+        short.due = short.due[:1]
+        with pytest.raises(ValueError, match="2 keys but 2 lengths, 1 due times"):
+            short.by_slices(ring, 8)
+        short = _Batch([b"/e", b"/f"], 4, True)
+        short.cadence = short.cadence[:1]
+        with pytest.raises(ValueError, match="2 keys but 1 cadences"):
+            short.by_slices(ring, 8)
+        assert _segment_bytes(ring) == before
+        assert [e.key for e in ring.claim(8)] == [b"/a", b"/b"]
+    finally:
+        ring.close()
+        ring.unlink()
+
+
 def _entry_key(generation: int, index: int, due: int, klass: int) -> bytes:
     body = b"%d:%d:%d:%d:" % (generation, index, due, klass)
     pad = (generation * 31 + index) % 200  # varying lengths move every offset
     return body + bytes([65 + (generation + index) % 26]) * pad
 
 
-def _republish(name: str, seconds: float) -> int:
+def _republish(name: str, seconds: float, slices: bool) -> int:
     ring = ReadyRing.attach(name)
     rng = np.random.default_rng(7)
     deadline = time.monotonic() + seconds
@@ -175,7 +296,16 @@ def _republish(name: str, seconds: float) -> int:
         dues = rng.integers(0, 2**40, n)
         classes = rng.integers(0, 2**31, n)
         keys = [_entry_key(generation, i, int(dues[i]), int(classes[i])) for i in range(n)]
-        ring.publish(keys, dues, classes.astype(np.uint32), key_hashes(keys), generation)
+        if slices:  # keys in reverse order in the source: every offset differs from the ring's
+            source = b"".join(reversed(keys))
+            lengths = np.array([len(k) for k in keys], dtype=np.int64)
+            starts = len(source) - np.cumsum(lengths)
+            hashes = key_hashes(keys)
+            ring.publish_slices(
+                source, starts, lengths, dues, classes.astype(np.int32), hashes, generation
+            )
+        else:
+            ring.publish(keys, dues, classes.astype(np.uint32), key_hashes(keys), generation)
         publishes += 1
     ring.close()
     return publishes
@@ -203,12 +333,15 @@ def _verify_claims(name: str, seconds: float) -> tuple[int, int, int]:
     return accepted, bad, len(generations)
 
 
-def test_readers_never_accept_a_torn_entry_while_the_writer_republishes(name: str) -> None:
+@pytest.mark.parametrize("slices", [False, True], ids=["publish", "publish_slices"])
+def test_readers_never_accept_a_torn_entry_while_the_writer_republishes(
+    name: str, slices: bool
+) -> None:
     ring = ReadyRing.create(name, capacity=64, arena_bytes=64 * 256)
     try:
         ctx = multiprocessing.get_context("spawn")
         with ctx.Pool(3) as pool:
-            writer = pool.apply_async(_republish, (name, 3.0))
+            writer = pool.apply_async(_republish, (name, 3.0, slices))
             readers = [pool.apply_async(_verify_claims, (name, 3.0)) for _ in range(2)]
             publishes = writer.get(120)
             results = [r.get(120) for r in readers]
