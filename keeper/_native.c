@@ -1004,10 +1004,12 @@ apply_moves(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs
 }
 
 /* keep_unblocked(blocked_u8, limit, slots_i32, rank_f64, due_i64, hash_u64, class_i32)
- *   -> kept
+ *   -> (kept, scanned)
  * After best_read and the lease table's blocked mask: move the rows not blocked to
  * the front of the five arrays, in order, stopping at `limit`. One pass in place,
- * where numpy took a mask, an index and five gathers (about 30 us for 5,000 rows). */
+ * where numpy took a mask, an index and five gathers (about 30 us for 5,000 rows).
+ * `scanned` is how many rows it looked at, so scanned - kept rows were blocked ahead
+ * of the last one kept: what the next read's margin should allow for. */
 static PyObject *
 keep_unblocked(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 {
@@ -1037,8 +1039,8 @@ keep_unblocked(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t na
     double *rank = out[1].buf;
     int64_t *due = out[2].buf;
     uint64_t *hash = out[3].buf;
-    Py_ssize_t kept = 0;
-    for (Py_ssize_t i = 0; i < n && kept < limit; i++) {
+    Py_ssize_t kept = 0, i = 0;
+    for (; i < n && kept < limit; i++) {
         if (blocked[i]) continue;
         if (kept != i) {
             slot[kept] = slot[i];
@@ -1051,7 +1053,7 @@ keep_unblocked(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t na
     }
     for (int j = 0; j < 5; j++) PyBuffer_Release(&out[j]);
     PyBuffer_Release(&mask);
-    return PyLong_FromSsize_t(kept);
+    return Py_BuildValue("(nn)", kept, i);
 }
 
 static PyMethodDef select_methods[] = {
@@ -1059,8 +1061,8 @@ static PyMethodDef select_methods[] = {
      "apply_moves(...upsert_moved's first 15, events, start, hashes, row_event_type, "
      "class_cache, touched, epoch, now, max_due, tally) -> next index."},
     {"keep_unblocked", (PyCFunction)(void (*)(void))keep_unblocked, METH_FASTCALL,
-     "keep_unblocked(blocked_u8, limit, slots, rank, due, hash, class) -> rows kept, moved "
-     "to the front in order."},
+     "keep_unblocked(blocked_u8, limit, slots, rank, due, hash, class) -> (kept, scanned): "
+     "the rows kept moved to the front in order, and the rows looked at."},
     {"best_read", (PyCFunction)(void (*)(void))best_read, METH_FASTCALL,
      "best_read(starts_of, ids_of, members, records, cadence, boost, paused, now, need, "
      "out_slots, out_rank, out_due, out_hash, out_class) -> (count, considered, next_upper)"},

@@ -27,6 +27,20 @@ class ReadyRingLike(Protocol):
         """Replace the published set; returns the new generation."""
         ...
 
+    def publish_slices(
+        self,
+        source: bytearray,
+        starts: npt.NDArray[np.int64],
+        lengths: npt.NDArray[np.int64],
+        due_at: npt.NDArray[np.int64],
+        class_id: npt.NDArray[np.int32],
+        key_hash: npt.NDArray[np.uint64],
+        now_ms: int,
+        cadence_s: npt.NDArray[np.uint32] | None = None,
+    ) -> int:
+        """`publish`, with key i being source[starts[i] : starts[i] + lengths[i]]."""
+        ...
+
     def remaining(self) -> int:
         """Entries of the live generation not claimed yet."""
         ...

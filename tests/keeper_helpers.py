@@ -248,6 +248,21 @@ class MemoryRing:
         self.generation += 1
         return self.generation
 
+    def publish_slices(
+        self,
+        source: bytearray,
+        starts: npt.NDArray[np.int64],
+        lengths: npt.NDArray[np.int64],
+        due_at: npt.NDArray[np.int64],
+        class_id: npt.NDArray[np.int32],
+        key_hash: npt.NDArray[np.uint64],
+        now_ms: int,
+        cadence_s: npt.NDArray[np.uint32] | None = None,
+    ) -> int:
+        pairs = zip(starts.tolist(), lengths.tolist(), strict=True)
+        keys = [bytes(source[s : s + n]) for s, n in pairs]
+        return self.publish(keys, due_at, class_id, key_hash, now_ms, cadence_s)
+
 
 class LeaseStats(msgspec.Struct, frozen=True):
     live_leases: int = 0

@@ -1,11 +1,13 @@
 """keeper/publish.py: what a publish puts into the ring, with a real shared-memory lease
-table deciding which keys are leased or held; and a failing ring."""
+table deciding which keys are leased or held; the keys copied from the slot arena leave a
+real ring byte for byte as the list of keys did; and a failing ring."""
 
 from __future__ import annotations
 
 import os
 import uuid
 
+import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from keeper_helpers import NOW, MemoryRing
@@ -13,14 +15,15 @@ from keeper_helpers import NOW, MemoryRing
 from keeper.config import KeeperConfig
 from keeper.core import KeeperCore
 from keeper.publish import Publisher, PublishFailed
-from shm import Grant, LeaseTable, key_hash, segment_name
+from shm import Grant, LeaseTable, ReadyRing, key_hash, segment_name
+from shm.segment import HEADER_BYTES
 from store.rows import Row, RowEvent
 
 ROUTES = ["product", "category", "home"]
 
 
-def _core(dues: list[int], best_k: int) -> KeeperCore:
-    core = KeeperCore(KeeperConfig(best_k=best_k))
+def _core(dues: list[int], best_k: int, top_check: int = 64) -> KeeperCore:
+    core = KeeperCore(KeeperConfig(best_k=best_k, top_check=top_check))
     events = [
         RowEvent(
             key=f"/p/{i}",
@@ -50,14 +53,16 @@ def _table() -> LeaseTable:
     leased=st.sets(st.integers(0, 299), max_size=200),
     expired=st.sets(st.integers(0, 299), max_size=50),
     best_k=st.integers(1, 120),
+    top_check=st.integers(1, 80),
 )
 @settings(max_examples=40, deadline=None)
 def test_a_publish_is_the_best_rows_whose_keys_the_lease_table_neither_leases_nor_holds(
-    dues: list[int], leased: set[int], expired: set[int], best_k: int
+    dues: list[int], leased: set[int], expired: set[int], best_k: int, top_check: int
 ) -> None:
     """Against brute force: every claimable row best first (a selection with no lease
-    table), less each key the table's own per-key probe (state) says is leased or held."""
-    core = _core(dues, best_k)
+    table), less each key the table's own per-key probe (state) says is leased or held.
+    The publish returns the first `top_check` of them as bytes, for the top check."""
+    core = _core(dues, best_k, top_check)
     table = _table()
     try:
         for i in leased | expired:
@@ -72,9 +77,10 @@ def test_a_publish_is_the_best_rows_whose_keys_the_lease_table_neither_leases_no
         everything = core.select(len(dues), NOW, None)
         claimable = core.queue.slots.keys(everything.slots)
         free = [k for k in claimable if not _blocked(table, k)]
-        assert keys == ring.keys == free[:best_k]
+        assert ring.keys == free[:best_k]
+        assert keys == free[: min(best_k, top_check)]
         stats = publisher.stats
-        assert stats.publishes == 1 and stats.last_count == len(keys)
+        assert stats.publishes == 1 and stats.last_count == len(ring.keys)
         assert stats.last_blocked <= len(claimable) - len(free)
     finally:
         table.close()
@@ -139,5 +145,56 @@ def test_each_entry_carries_its_rows_effective_cadence() -> None:
         expected = {b"/p/0": 60, b"/p/1": 7_200, b"/p/2": 86_400}
         assert dict(zip(ring.keys, ring.cadence_s.tolist(), strict=True)) == expected
     finally:
+        table.close()
+        table.unlink()
+
+
+def _old_publish(core: KeeperCore, ring: ReadyRing, table: LeaseTable, now: int) -> list[bytes]:
+    """The publish as it was: a bytes object per key, joined into the ring by numpy."""
+    selection = core.select(core.config.best_k, now, lambda h: table.blocked_mask(h, now))
+    keys = core.queue.slots.keys(selection.slots)
+    cadence_s = (core.classes.cadence_ms()[selection.class_id] // 1000).astype(np.uint32)
+    ring.publish(keys, selection.due_at, selection.class_id, selection.key_hash, now, cadence_s)
+    return keys
+
+
+@given(
+    dues=st.lists(st.integers(-7_200_000, 600_000), min_size=1, max_size=300),
+    rounds=st.lists(st.sets(st.integers(0, 299), max_size=150), min_size=1, max_size=4),
+    best_k=st.integers(1, 200),
+    capacity=st.integers(1, 220),
+    arena_bytes=st.integers(1, 2_000),
+)
+@settings(max_examples=40, deadline=None)
+def test_a_publish_leaves_the_ring_byte_for_byte_as_the_list_of_keys_did(
+    dues: list[int], rounds: list[set[int]], best_k: int, capacity: int, arena_bytes: int
+) -> None:
+    """Rounds of publishes, more keys leased before each (so the selection's margin
+    follows the blocked rows it found last time): each round's segment equals the one
+    the old path wrote, cut-offs and truncation counts included."""
+    core = _core(dues, best_k)
+    table = _table()
+    tag = f"t{os.getpid()}x{uuid.uuid4().hex[:8]}"
+    old = ReadyRing.create(segment_name(tag, "ringold"), capacity, arena_bytes)
+    new = ReadyRing.create(segment_name(tag, "ringnew"), capacity, arena_bytes)
+    try:
+        publisher = Publisher(core, new, table, core.config)
+        for i, leased in enumerate(rounds):
+            now = NOW + i
+            for j in leased:
+                if j < len(dues):
+                    table.grant(key_hash(b"/p/%d" % j), now, 600_000, 3_600_000)
+            keys = _old_publish(core, old, table, now)
+            top = publisher.publish(now)
+            assert top == keys[: core.config.top_check]
+            assert old._segment.generation == new._segment.generation == i + 1
+            assert bytes(old._segment.mmap[HEADER_BYTES:]) == bytes(
+                new._segment.mmap[HEADER_BYTES:]
+            )
+            assert old.statistics() == new.statistics()
+    finally:
+        for ring in (old, new):
+            ring.close()
+            ring.unlink()
         table.close()
         table.unlink()
