@@ -18,6 +18,13 @@ ratio holds on this shared, noisy machine.
   keys (so blocked keys are skipped, as in a publish), median and min of 50;
 - full counts: every count of queue-state (now, coming, lateness per class),
   median and min of 20;
+- publish 8,192: the keeper's Publisher.publish into a real ring (8,192 entries)
+  with a real lease table (the node's 2**20 slots), thread CPU, with none and with
+  a quarter of the top 8,192 keys leased (the fleet's working set), beside the old
+  path in the same run (the selection with no margin hint, a bytes object per key,
+  ReadyRing.publish joining them): three rounds of 30 calls each, interleaved,
+  the median of the rounds' medians; both rings are checked to hold the same
+  bytes;
 - rebuild: a fresh keeper loading the table from a real SqliteStore, by primary
   key in chunks of 5,000, wall time (the store's walk included, and apart).
 """
@@ -47,11 +54,17 @@ from keeper.classes import Classifier, ClassTable
 from keeper.config import KeeperConfig
 from keeper.core import KeeperCore
 from keeper.counts import count_queue
-from shm import LeaseTable, key_hash
+from keeper.publish import Publisher
+from keeper.select import select_best
+from shm import LeaseTable, ReadyRing, key_hash
+from shm.segment import HEADER_BYTES
 from store.rows import FeedEvent, Route, Row, RowEvent
 
 SECTION = "keeper"
 BASELINE = "dict+set keeper"
+OLD_PUBLISH = "old path (bytes per key)"
+PUBLISH_K = 8192
+LEASED_SHARES = ((0, "none leased"), (25, "25% of the top leased"))
 MINUTE_MS = 60_000
 LATENESS_EDGES = (0.0, 0.1, 0.5, 1.0, 2.0, 5.0, 10.0)
 
@@ -342,6 +355,9 @@ def measure(n: int, quick: bool) -> dict[str, Any]:
         leases.close()
         leases.unlink()
 
+    report.progress(f"keeper: {n:,} rows: publish 8,192")
+    publish = measure_publish(core, at)
+
     report.progress(f"keeper: {n:,} rows: counts")
     counts_ours = timed_ms(lambda: count_queue(core.queue, at), 20)
     counts_base = timed_ms(lambda: base.counts(at), 5)
@@ -363,7 +379,90 @@ def measure(n: int, quick: bool) -> dict[str, Any]:
         "counts_ms": counts_ours[0],
         "counts_min_ms": counts_ours[1],
         "counts_baseline_ms": counts_base[0],
+        **publish,
         **rebuild,
+    }
+
+
+def old_publish(core: KeeperCore, ring: ReadyRing, leases: LeaseTable, now: int) -> list[bytes]:
+    """The publish before publish_slices: what the new one is measured against."""
+    selection = core.select(PUBLISH_K, now, lambda h: leases.blocked_mask(h, now))
+    keys = core.queue.slots.keys(selection.slots)
+    cadence_s = (core.classes.cadence_ms()[selection.class_id] // 1000).astype(np.uint32)
+    ring.publish(keys, selection.due_at, selection.class_id, selection.key_hash, now, cadence_s)
+    return keys
+
+
+def cpu_median_ms(run: Callable[[], object], times: int) -> float:
+    run()
+    samples = []
+    for _ in range(times):
+        started = time.thread_time_ns()
+        run()
+        samples.append((time.thread_time_ns() - started) / 1e6)
+    return statistics.median(samples)
+
+
+def measure_publish(core: KeeperCore, at: int) -> dict[str, Any]:
+    tag = uuid.uuid4().hex[:8]
+    leases = LeaseTable.create(f"/bkpl{tag}", capacity=1 << 20)
+    old_ring = ReadyRing.create(f"/bkro{tag}", capacity=PUBLISH_K)
+    new_ring = ReadyRing.create(f"/bkrn{tag}", capacity=PUBLISH_K)
+    out: dict[str, Any] = {}
+    try:
+        top = core.select(PUBLISH_K, at, None).key_hash
+        order = np.random.default_rng(11).permutation(len(top))
+        granted = 0
+        for share, _ in LEASED_SHARES:
+            upto = len(order) * share // 100
+            for h in top[order[granted:upto]].tolist():
+                leases.grant(int(h), at, 3_600_000, 86_400_000)
+            granted = max(granted, upto)
+            case = measure_publish_case(core, at, leases, old_ring, new_ring)
+            out.update({f"publish{share}_{name}": value for name, value in case.items()})
+    finally:
+        for ring in (old_ring, new_ring):
+            ring.close()
+            ring.unlink()
+        leases.close()
+        leases.unlink()
+    return out
+
+
+def measure_publish_case(
+    core: KeeperCore, at: int, leases: LeaseTable, old_ring: ReadyRing, new_ring: ReadyRing
+) -> dict[str, Any]:
+    publisher = Publisher(core, new_ring, leases, KeeperConfig(best_k=PUBLISH_K))
+    publisher.publish(at)  # as at a node: the margin follows the last publish
+    old_publish(core, old_ring, leases, at)
+    same = bytes(old_ring._segment.mmap[HEADER_BYTES:]) == bytes(
+        new_ring._segment.mmap[HEADER_BYTES:]
+    )
+    assert same, "the two publish paths wrote different rings"
+
+    def blocked(hashes: np.ndarray) -> np.ndarray:
+        return leases.blocked_mask(hashes, at)
+
+    hint = select_best(core.queue, PUBLISH_K, at, blocked).blocked_ahead  # the publisher's
+    old_rounds: list[float] = []
+    new_rounds: list[float] = []
+    for _ in range(3):
+        old_rounds.append(cpu_median_ms(lambda: old_publish(core, old_ring, leases, at), 30))
+        new_rounds.append(cpu_median_ms(lambda: publisher.publish(at), 30))
+    new_select = select_best(core.queue, PUBLISH_K, at, blocked, expect_blocked=hint)
+    return {
+        "ms": statistics.median(new_rounds),
+        "old_ms": statistics.median(old_rounds),
+        "rounds_ms": new_rounds,
+        "old_rounds_ms": old_rounds,
+        "select_ms": cpu_median_ms(
+            lambda: select_best(core.queue, PUBLISH_K, at, blocked, expect_blocked=hint), 30
+        ),
+        "old_select_ms": cpu_median_ms(lambda: core.select(PUBLISH_K, at, blocked), 30),
+        "reads": new_select.reads,
+        "old_reads": core.select(PUBLISH_K, at, blocked).reads,
+        "blocked_ahead": new_select.blocked_ahead,
+        "count": publisher.stats.last_count,
     }
 
 
@@ -494,6 +593,24 @@ def figures(result: report.SectionResult, m: dict[str, Any]) -> None:
             note=f"median of 20, min {m['counts_min_ms']:.3f}",
         )
     )
+    for share, label in LEASED_SHARES:
+        p = f"publish{share}"
+        add(
+            report.Figure(
+                table=f"keeper publish at {n:,} rows",
+                what=f"publish {PUBLISH_K:,}, {label}",
+                unit="ms",
+                ours=round(m[f"{p}_ms"], 3),
+                target="<= 1 (thread CPU)",
+                peers={OLD_PUBLISH: round(m[f"{p}_old_ms"], 3)},
+                note="thread CPU, median of 3 rounds of 30 ("
+                + ", ".join(f"{v:.3f}" for v in m[f"{p}_rounds_ms"])
+                + f"); select {m[f'{p}_select_ms']:.3f} ms in {m[f'{p}_reads']} read(s), "
+                f"old {m[f'{p}_old_select_ms']:.3f} ms in {m[f'{p}_old_reads']}; "
+                f"{m[f'{p}_blocked_ahead']:,} blocked rank above the last of "
+                f"{m[f'{p}_count']:,} published",
+            )
+        )
     add(
         report.Figure(
             table=table,
@@ -526,7 +643,11 @@ def main(argv: list[str] | None = None) -> int:
         "full counts",
         "rebuild from the table (SQLite walk + load)",
     )
-    result.promised = [f"keeper at {n:,} rows/{w}" for n in sizes for w in whats]
+    result.promised = [f"keeper at {n:,} rows/{w}" for n in sizes for w in whats] + [
+        f"keeper publish at {n:,} rows/publish {PUBLISH_K:,}, {label}"
+        for n in sizes
+        for _, label in LEASED_SHARES
+    ]
     for n in sizes:
         measured = measure(n, quick)
         gc.collect()
