@@ -196,6 +196,8 @@ get_out(PyObject *obj, Py_buffer *view, Py_ssize_t itemsize, Py_ssize_t n, const
     return 0;
 }
 
+#define PREFETCH_AHEAD 16
+
 /* Take the best head's bucket: push the class's next bucket, rank the live, due
  * entries of this one. */
 static int
@@ -239,6 +241,12 @@ read_bucket(heap_t *heap, rows_t *rows, Py_ssize_t *considered, PyObject *starts
     double cad = cadence[top.class_id], bst = boost[top.class_id];
     Py_ssize_t n = rows->n;
     for (Py_ssize_t j = 0; j < n_entries; j++) {
+        /* Records are read in bucket order, which is random slot order over a table
+         * of 32 MB at 1M rows: ask for a later one's line while this one is read. */
+        if (j + PREFETCH_AHEAD < n_entries) {
+            int32_t later = entries[j + PREFETCH_AHEAD];
+            if (later >= 0 && later < n_slots) __builtin_prefetch(records + (size_t)later * 4);
+        }
         int32_t slot = entries[j];
         if (slot < 0 || slot >= n_slots) continue;
         const uint64_t *r = records + (size_t)slot * 4;
