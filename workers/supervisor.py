@@ -37,6 +37,7 @@ import msgspec
 from shm import lease_snapshot
 from workers import logs
 from workers.config import Settings
+from workers.listeners import Listeners, ListenFailed
 from workers.segments import SegmentNames, Segments
 from workers.spec import WorkerSpec
 
@@ -49,14 +50,6 @@ BACKOFF_BASE_S = 0.5
 BACKOFF_CAP_S = 30.0
 GIVE_UP_AFTER_BOOT_FAILURES = 5
 QUICK_STOP_S = 5.0
-LISTEN_BACKLOG = 2048
-
-
-class ListenFailed(Exception):
-    def __init__(self, address: str, reason: str) -> None:
-        super().__init__(f"cannot listen on {address}: {reason}")
-        self.address = address
-        self.reason = reason
 
 
 class WorkerStatistics(msgspec.Struct, frozen=True, kw_only=True):
@@ -88,7 +81,6 @@ class SupervisorStatistics(msgspec.Struct, frozen=True, kw_only=True):
 @dataclass(eq=False)
 class WorkerSlot:
     index: int
-    socks: list[socket.socket] = field(default_factory=list)  # its own listeners (reuse_port)
     process: subprocess.Popen[bytes] | None = None
     status_fd: int | None = None
     status_buffer: bytes = b""
@@ -149,7 +141,7 @@ class Supervisor:
     started_at_ms: int = field(default_factory=now_ms)
     port: int = 0
     exit_code: int = 0
-    _shared: socket.socket | None = None  # the one listener, unless reuse_port
+    _listeners: Listeners | None = None
     _segments: Segments | None = None
     _selector: selectors.BaseSelector = field(default_factory=selectors.DefaultSelector)
     _signals: list[int] = field(default_factory=list)
@@ -237,64 +229,17 @@ class Supervisor:
         store = open_store(url)
         store.close()
 
-    def _listener(self, port: int, *, reuse_port: bool) -> socket.socket:
-        host = self.settings.host.strip("[]")
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        # proto must be IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY on accepted sockets
-        # only when the listener says TCP, and without it Nagle and delayed ACKs add
-        # about 40 ms to every response.
-        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if reuse_port:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        try:
-            sock.bind((host, port))
-            sock.listen(LISTEN_BACKLOG)
-        except OSError as exc:
-            sock.close()
-            raise ListenFailed(f"{self.settings.host}:{port}", str(exc)) from exc
-        sock.set_inheritable(True)
-        return sock
-
     def _bind(self) -> int:
-        """Bind the node's port once and return it.
-
-        A plain bind first proves the port is free (and picks one for port 0): a socket
-        with SO_REUSEPORT would share a port with another node's instead of failing. Then,
-        with `reuse_port`, each worker gets listeners of its own on that port and the
-        kernel spreads new connections evenly over all the listeners. On one shared socket
-        the workers race to accept, and one often takes nearly all of a few long-lived
-        fleet connections; when that one is worker 0, the keeper and every claim share one
-        GIL. Worker 0 gets one listener and every other worker `listeners_per_worker`, so
-        worker 0 is handed a smaller share of the connections (a third, with two workers).
-        """
-        probe = self._listener(self.settings.port, reuse_port=False)
-        port = int(probe.getsockname()[1])
-        if not self.settings.reuse_port:
-            self._shared = probe
-            return port
-        probe.close()
-        self.port = port
-        for slot in self.slots:
-            self._slot_sockets(slot)
-        return port
-
-    def _listeners_for(self, slot: WorkerSlot) -> int:
-        if slot.index == 0 and len(self.slots) > 1:
-            return 1
-        return self.settings.listeners_per_worker
-
-    def _slot_sockets(self, slot: WorkerSlot) -> list[socket.socket]:
-        if self._shared is not None:
-            return [self._shared]
-        while len(slot.socks) < self._listeners_for(slot):
-            slot.socks.append(self._listener(self.port, reuse_port=True))
-        return slot.socks
-
-    def _close_slot_sockets(self, slot: WorkerSlot) -> None:
-        for sock in slot.socks:
-            sock.close()
-        slot.socks = []
+        """Bind the node's port once (workers/listeners.py) and return it."""
+        settings = self.settings
+        self._listeners = Listeners(
+            settings.host,
+            settings.port,
+            workers=settings.workers,
+            per_worker=settings.listeners_per_worker,
+            reuse_port=settings.reuse_port,
+        )
+        return self._listeners.port
 
     def _install_signals(self) -> None:
         self._wake_r, self._wake_w = socket.socketpair()
@@ -314,10 +259,8 @@ class Supervisor:
                 slot.process.kill()
                 slot.process.wait()
             self._close_status(slot)
-        for slot in self.slots:
-            self._close_slot_sockets(slot)
-        if self._shared is not None:
-            self._shared.close()
+        if self._listeners is not None:
+            self._listeners.close()
         self.state = "stopped"
         if self._segments is not None:
             if self._snapshot_on_exit and self._loop_ended:
@@ -499,9 +442,9 @@ class Supervisor:
                 self._spawn(slot)
 
     def _spawn(self, slot: WorkerSlot) -> None:
-        assert self._segments is not None
+        assert self._segments is not None and self._listeners is not None
         try:
-            listeners = self._slot_sockets(slot)
+            listeners = self._listeners.of(slot.index)
         except ListenFailed as exc:
             self._boot_failed(slot, f"listen failed: {exc.reason}")
             return
@@ -648,10 +591,10 @@ class Supervisor:
                         other.process.send_signal(signal.SIGINT)
             return
         slot.next_start_at = time.monotonic() + delay
-        if slot.socks and delay >= 1.0:
+        if self._listeners is not None and self._listeners.has_own(slot.index) and delay >= 1.0:
             # Connections the kernel hashes to these listeners would wait out the backoff;
             # closed, their share goes to the workers that serve.
-            self._close_slot_sockets(slot)
+            self._listeners.close_for(slot.index)
         logs.event(
             log,
             "worker_boot_failed",
