@@ -171,7 +171,7 @@ class SqliteStore:
         result = state.retry.transaction(state.conn, what, body, write=True)
         state.last_commit_ns = time.monotonic_ns()
         if self._upkeep is not None:
-            self._upkeep.committed()
+            self._upkeep.committed(rows)
         state.transactions += 1
         state.rows_written += rows
         if logged:
@@ -283,7 +283,8 @@ class SqliteStore:
             check_key(key, what="get_many", index=index)
         if not keys:
             return None
-        return msgspec.json.encode(list(keys)).decode()
+        # Once each: GET_MANY joins the list, so a repeated key would be a repeated row.
+        return msgspec.json.encode(list(dict.fromkeys(keys))).decode()
 
     def walk(self, after: str | None, limit: int) -> list[Row]:
         if limit < 1:

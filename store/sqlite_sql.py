@@ -46,9 +46,13 @@ DELETE = "DELETE FROM render_schedule WHERE key = ?"
 
 GET = f"SELECT {ROW_COLUMNS} FROM render_schedule WHERE key = ?"
 
+# Driven by the key list (CROSS JOIN keeps that order), one primary-key seek per key;
+# `key IN (SELECT value FROM json_each(?))` first builds and sorts an ephemeral index of
+# the list: 10-15% more per key at 100 random keys of 1M rows (bench.store --part hot).
+# The list must name each key once (SqliteStore dedupes it): a repeat would repeat a row.
 GET_MANY = f"""
-SELECT {ROW_COLUMNS} FROM render_schedule
-WHERE key IN (SELECT value FROM json_each(?))
+SELECT {", ".join(f"r.{c}" for c in ROW_COLUMNS.split(", "))}
+FROM json_each(?) AS j CROSS JOIN render_schedule AS r ON r.key = j.value
 """
 
 WALK_FIRST = f"SELECT {ROW_COLUMNS} FROM render_schedule ORDER BY key LIMIT ?"

@@ -83,6 +83,10 @@ def test_get_many_and_walk(store: SqliteStore) -> None:
     found = store.get_many(wanted)
     assert sorted(found) == ["/k/0003", "/k/0100"]
     assert store.get_many([]) == {}
+    # A key named twice is one row (the read joins the list of keys).
+    read = store.get_many_at(wanted)
+    assert sorted(row.key for row in read.rows) == ["/k/0003", "/k/0100"]
+    assert read.rows == [found[row.key] for row in read.rows]
     walked: list[str] = []
     after = None
     while True:
