@@ -211,6 +211,11 @@ class SqliteSubscription:
     def wait(self, timeout_s: float) -> bool:
         if self._more:
             return True
+        # A post pending since the poll began answers without a statement: a busy
+        # consumer's usual case, and data_version costs a read transaction.
+        if self._waiter is not None and self._waiter.take():
+            self._woken += 1
+            return True
         deadline = time.monotonic() + max(0.0, timeout_s)
         while True:
             if self._data_version() != self._seen_version:

@@ -71,11 +71,19 @@ class WakeWaiter:
             return False
         return True
 
+    def take(self) -> bool:
+        """Take a pending post without waiting; whether there was one."""
+        if self._semaphore.value:  # cheap, where a refused acquire raises
+            try:
+                self._semaphore.acquire(0)
+            except posix_ipc.BusyError:
+                return False
+            return True
+        return False
+
     def clear(self) -> None:
         """Take a pending post without waiting: the poll about to run covers its commit."""
-        if self._semaphore.value:  # cheap, where a refused acquire raises
-            with contextlib.suppress(posix_ipc.BusyError):
-                self._semaphore.acquire(0)
+        self.take()
 
     def close(self) -> None:
         self._semaphore.close()

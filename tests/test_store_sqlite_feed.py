@@ -299,6 +299,18 @@ def test_a_commit_in_another_process_wakes_a_waiting_consumer(store: SqliteStore
     sub.close()
 
 
+def test_a_post_pending_since_the_poll_answers_wait_at_once(store: SqliteStore) -> None:
+    sub = store.subscribe("keeper")
+    sub.poll()
+    store.write([put("/z")])  # the writer posts the consumer's semaphore after its commit
+    assert sub.wait(0) is True
+    stats = sub.statistics()
+    assert (stats.woken, stats.noticed) == (1, 0)  # the post answered, not data_version
+    assert keys_of(sub.poll().events) == ["/z"]
+    assert sub.wait(0) is False  # the post was taken: nothing more is pending
+    sub.close()
+
+
 def test_data_version_polling_alone_still_wakes(store: SqliteStore) -> None:
     sub = store.subscribe("keeper")
     assert isinstance(sub, SqliteSubscription)
