@@ -757,6 +757,13 @@ Ring_publish(RingObject *self, PyObject *const *args, Py_ssize_t nargs)
     char *arena = self->arena + b * self->arena_bytes;
     uint64_t off = 0;
     for (uint64_t i = 0; i < n; i++) {
+        /* The keys lie all over the keeper's arena (75 MB at 1M rows): ask for a later
+         * key's first lines while this one is copied. */
+        if (i + 8 < n) {
+            const char *later = source + starts[i + 8];
+            __builtin_prefetch(later);
+            if (lengths[i + 8] > 0) __builtin_prefetch(later + lengths[i + 8] - 1);
+        }
         ring_entry *e = &entries[i];
         uint32_t len = (uint32_t)lengths[i];
         e->due_at = due[i];
