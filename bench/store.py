@@ -1,7 +1,7 @@
 """The durable store on its own: single-row puts with and without a feed consumer, the
 consumer's lag across processes, the walk, and point reads.
 
-`python -m bench.store [--quick]`
+`python -m bench.store [--quick] [--part all|feed|hot]`
 
 250k rows (quick: 20k) of the shared workload (bench.peer_base). Arms per round,
 in alternating order, 10k single-row writes each (quick: 2k; 5 rounds, quick 2):
