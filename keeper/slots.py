@@ -149,10 +149,10 @@ class SlotTable:
     def keys(self, slots: Sequence[int] | npt.NDArray[np.int32]) -> list[bytes]:
         offsets = self.offsets
         lengths = self.lengths
+        # tolist: Python ints at once, where iterating an array makes a numpy scalar each.
+        numbers = slots.tolist() if isinstance(slots, np.ndarray) else [int(s) for s in slots]
         with memoryview(self.arena) as view:
-            return [
-                bytes(view[offsets[s] : offsets[s] + lengths[s]]) for s in (int(s) for s in slots)
-            ]
+            return [bytes(view[offsets[s] : offsets[s] + lengths[s]]) for s in numbers]
 
     def key_slices(
         self, slots: npt.NDArray[np.int32]
