@@ -58,6 +58,8 @@ from keeper.walk import RepairCounts, Walk, WalkReason
 from store.base import RowsRead, ScheduleStore
 
 log = logging.getLogger("renderqueue.keeper")
+# A refill waits at least this many times the last publish's duration (see _drained).
+REFILL_COST_SHARE = 5
 
 Clock = Callable[[], int]
 MAX_WAIT_S = 0.25  # an idle keeper still looks at the clock this often
@@ -387,12 +389,22 @@ class Keeper:
         return published > 0 and self.ring.remaining() < published
 
     def _drained(self, now: int) -> bool:
-        """Claims took the ring below its refill mark, and the last publish is not too new."""
+        """Claims took the ring below its refill mark, and the last publish is not too new.
+
+        The gap grows with what a publish costs (it reads past every leased row ranked
+        above the last one kept, so a fleet with many keys in flight makes it slower):
+        refills take at most 1 / REFILL_COST_SHARE of the keeper's time, and of the GIL it
+        shares with worker 0's claims.
+        """
         stats = self._publisher.stats
+        gap_ms = max(
+            self.config.refill_min_gap_s * 1000,
+            REFILL_COST_SHARE * stats.last_duration_us / 1000,
+        )
         return (
             stats.last_at is not None
             and stats.last_count > 0
-            and now - stats.last_at >= self.config.refill_min_gap_s * 1000
+            and now - stats.last_at >= gap_ms
             and self.ring.remaining() < stats.last_count * self.config.refill_below
         )
 

@@ -511,3 +511,23 @@ def test_a_ring_drained_by_claims_is_refilled_before_the_next_tick() -> None:
     assert stats.refills == 1 and rig.last().trust.publish.refills == 1
     rig.steps(3, advance_ms=20)  # not drained again: no more refills
     assert rig.ring.generation == generation + 1
+
+
+def test_a_slow_publish_spaces_the_refills_out() -> None:
+    """A publish reads past every leased row ranked above its last kept one, so a fleet
+    with many keys in flight makes it slow; refills then wait REFILL_COST_SHARE times
+    the last publish's duration, not just refill_min_gap_s."""
+    from keeper.runner import REFILL_COST_SHARE
+
+    config = msgspec.structs.replace(RIG_CONFIG, best_k=20, refill_min_gap_s=0.02)
+    rig = Rig(rows=60, config=config)
+    rig.keeper.start()
+    rig.steps(8)
+    publisher = rig.keeper._publisher
+    publisher.stats = msgspec.structs.replace(publisher.stats, last_duration_us=10_000)
+    generation = rig.ring.generation
+    rig.ring.take(18)
+    rig.steps(1, advance_ms=20)
+    assert rig.ring.generation == generation, "10 ms publishes: not before 50 ms"
+    rig.steps(1, advance_ms=10 * REFILL_COST_SHARE - 20)
+    assert rig.ring.generation == generation + 1
