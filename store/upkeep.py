@@ -4,21 +4,10 @@ Checkpoints. By default SQLite checkpoints inside the commit that pushes the WAL
 past 1,000 pages: with synchronous=NORMAL that commit also pays the checkpoint's
 fsyncs, several milliseconds on this machine, once every few hundred single-row
 writes. Here a daemon thread in each writing process checkpoints (PASSIVE: it
-never blocks a writer or a reader) after commits, once they wrote about
-CHECKPOINT_PAGES pages since its last checkpoint (estimated: a page per row and
-two per commit) or the oldest of them is CHECKPOINT_AFTER_S old; a writer
-checkpoints for itself only if the WAL reaches WRITER_CHECKPOINT_PAGES,
-when this thread is stalled or gone. Threads of several processes share the
-checkpoint lock: a busy one just tries again later.
-
-Bigger, rarer checkpoints cost less per row: a page written several times between
-two checkpoints is copied once, and each checkpoint's two fsyncs are shared by
-more rows. Completing 100 random keys of 1M rows a batch, a checkpoint every
-0.25 s rather than every 0.05 s took the checkpoint's CPU from 4-6.5 to 2.7-3.8
-us per key and its writes from 3.5-3.7 to 2.5-3.1 KB per key (bench.store
---part hot). CHECKPOINT_PAGES keeps a flat-out writer well under
-WRITER_CHECKPOINT_PAGES between two checkpoints (a single-row write adds about
-2.5 pages to the WAL, a row of a 100-row batch about 1.2).
+never blocks a writer or a reader) shortly after commits; a writer checkpoints
+for itself only if the WAL reaches WRITER_CHECKPOINT_PAGES, when this thread is
+stalled or gone. Threads of several processes share the checkpoint lock: a busy
+one just tries again later.
 
 Pruning. The same thread raises the change log's floor every `prune_interval_s`
 to the lowest cursor a registered consumer saved; each write then trims a few
@@ -40,9 +29,7 @@ import msgspec
 
 from store.sqlite_conn import connect, is_busy
 
-INTERVAL_S = 0.05  # how often the thread looks at what was committed
-CHECKPOINT_PAGES = 5_000
-CHECKPOINT_AFTER_S = 0.5
+INTERVAL_S = 0.05
 WRITER_CHECKPOINT_PAGES = 10_000
 PRUNE_INTERVAL_S = 10.0
 
@@ -70,10 +57,7 @@ class Upkeep:
         self._prune = raise_floor if prune_interval_s else None
         self._prune_interval_s = prune_interval_s or 0.0
         self._commits = 0
-        self._pages = 0  # WAL pages committed, ever, as estimated by committed()
         self._seen = 0
-        self._seen_pages = 0
-        self._pending_since: float | None = None  # when the thread first saw unseen commits
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -82,10 +66,9 @@ class Upkeep:
         self._longest_s = 0.0
         self._last_error = ""
 
-    def committed(self, rows: int = 1) -> None:
+    def committed(self) -> None:
         """A writer's note that the WAL grew; starts the thread on the first one."""
         self._commits += 1
-        self._pages += rows + 2
         if self._thread is None:
             with self._lock:
                 if self._thread is None and not self._stop.is_set():
@@ -100,10 +83,8 @@ class Upkeep:
         try:
             conn = connect(self._path)
             while not self._stop.wait(INTERVAL_S):
-                commits, pages = self._commits, self._pages
-                if commits != self._seen and self.due(pages - self._seen_pages, time.monotonic()):
-                    self._seen, self._seen_pages = commits, pages
-                    self._pending_since = None
+                if self._commits != self._seen:
+                    self._seen = self._commits
                     self._checkpoint(conn)
                 if self._prune is not None and time.monotonic() >= next_prune:
                     next_prune = time.monotonic() + self._prune_interval_s
@@ -111,12 +92,6 @@ class Upkeep:
         finally:
             if conn is not None:
                 conn.close()
-
-    def due(self, pages: int, now: float) -> bool:
-        """Whether `pages` committed since the last checkpoint call for one now."""
-        if self._pending_since is None:
-            self._pending_since = now
-        return pages >= CHECKPOINT_PAGES or now - self._pending_since >= CHECKPOINT_AFTER_S
 
     def _checkpoint(self, conn: sqlite3.Connection) -> None:
         started = time.monotonic()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from store.rows import RowEvent, RowWrite
 from store.sqlite import SqliteStore
-from store.upkeep import CHECKPOINT_AFTER_S, CHECKPOINT_PAGES, WRITER_CHECKPOINT_PAGES, Upkeep
+from store.upkeep import WRITER_CHECKPOINT_PAGES, Upkeep
 
 
 def wait_for(condition: Callable[[], bool], timeout_s: float = 30.0) -> bool:
@@ -99,12 +99,3 @@ def test_an_idle_upkeep_starts_nothing(tmp_path: Path) -> None:
     upkeep.close()
     upkeep.committed()  # after close: no thread is started
     assert upkeep.statistics().running is False
-
-
-def test_a_checkpoint_waits_for_enough_pages_or_for_their_age(tmp_path: Path) -> None:
-    upkeep = Upkeep(tmp_path / "s.db")
-    assert not upkeep.due(1, 100.0)  # the first unseen commit starts the clock
-    assert not upkeep.due(CHECKPOINT_PAGES - 1, 100.0 + CHECKPOINT_AFTER_S / 2)
-    assert upkeep.due(CHECKPOINT_PAGES, 100.0 + CHECKPOINT_AFTER_S / 2)
-    assert upkeep.due(1, 100.0 + CHECKPOINT_AFTER_S)
-    upkeep.close()
