@@ -171,7 +171,7 @@ class SqliteStore:
         result = state.retry.transaction(state.conn, what, body, write=True)
         state.last_commit_ns = time.monotonic_ns()
         if self._upkeep is not None:
-            self._upkeep.committed(rows)
+            self._upkeep.committed()
         state.transactions += 1
         state.rows_written += rows
         if logged:
