@@ -154,6 +154,32 @@ def test_stale_and_unknown_tokens_change_nothing(live_node: ThreadNode) -> None:
         assert [r["ok"] for r in complete(client, [item, item])] == [True, False]
 
 
+def test_one_lease_completed_by_concurrent_requests_counts_once(live_node: ThreadNode) -> None:
+    """Requests' completions are committed off the event loop, so two requests naming the
+    same lease can both be in flight: the first takes it, the other is stale."""
+    with live_node.client() as client:
+        leases = claim(client, 20).json()["leases"]
+    items = [
+        {"key": lease["key"], "token": lease["token"], "outcome": "rendered"} for lease in leases
+    ]
+    outcomes: list[list[dict[str, Any]]] = []
+
+    def send() -> None:
+        with live_node.client() as own:
+            outcomes.append(complete(own, items))
+
+    threads = [threading.Thread(target=send) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for i, lease in enumerate(leases):
+        oks = [results[i]["ok"] for results in outcomes]
+        assert oks.count(True) == 1, (lease["key"], oks)
+        errors = {results[i].get("error") for results in outcomes if not results[i]["ok"]}
+        assert errors == {"lease_not_held"}
+
+
 def test_renew_extends_only_a_held_lease(live_node: ThreadNode) -> None:
     with live_node.client() as client:
         (lease,) = claim(client, 1, lease_s=10).json()["leases"]
