@@ -31,7 +31,6 @@ from api.schemas import (
 )
 from shm import Grant, key_hash
 from store.rows import Completion
-from store.validate import check_completions
 
 LEASE_NOT_HELD = "lease_not_held"
 NOT_FOUND = "not_found"
@@ -148,46 +147,37 @@ async def claim(node: Node, request: ClaimRequest) -> ClaimResponse | Response:
     return ClaimResponse(leases=leases, status="ready")
 
 
-async def complete(node: Node, request: CompletionsRequest) -> ItemResults:
+def complete(node: Node, request: CompletionsRequest) -> ItemResults:
     now = now_ms()
     results: list[ItemResult | None] = [None] * len(request.items)
     held: list[tuple[int, int, int]] = []  # (item index, key hash, token)
     completions: list[Completion] = []
-    completing = node.completing
+    seen: set[str] = set()
     for index, item in enumerate(request.items):
         hashed = key_hash(item.key.encode())
         token = parse_token(item.token)
-        # A key twice (in this batch, or in another request still committing): the first
-        # result takes the lease, the second is stale.
-        if token is None or item.key in completing or not node.leases.holds(hashed, token, now):
+        # A key twice in one batch: the first result takes the lease, the second is stale.
+        if token is None or item.key in seen or not node.leases.holds(hashed, token, now):
             results[index] = ItemResult(key=item.key, ok=False, error=LEASE_NOT_HELD)
             continue
-        completing.add(item.key)
+        seen.add(item.key)
         held.append((index, hashed, token))
         completions.append(
             Completion(
                 key=item.key, outcome=item.outcome, now=now, next_render_at=item.next_render_at
             )
         )
-    if not completions:
-        return ItemResults(results=[result for result in results if result is not None])
-    try:
+    if completions:
         try:
-            check_completions(completions)
+            after = node.store.complete(completions)
         except ValueError as exc:
             raise ApiError(422, "Invalid completion", str(exc)) from None
-        after = await node.completions.complete(completions)
-        # Each row is committed before its lease ends: a claimant that wins the key after
-        # this reads the rescheduled row (see grant_from_ring).
         for (index, hashed, token), completion, row in zip(held, completions, after, strict=True):
             node.leases.complete(hashed, token, now)
             if row is None and completion.outcome != "gone":
                 results[index] = ItemResult(key=completion.key, ok=False, error=NOT_FOUND)
             else:
                 results[index] = ItemResult(key=completion.key, ok=True)
-    finally:
-        for completion in completions:
-            completing.discard(completion.key)
     return ItemResults(results=[result for result in results if result is not None])
 
 

@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from api.group_commit import GroupCommit
 from api.routebook import RouteBook
 from shm import LeaseTable, ReadyRing, StateBuffer
 from store.base import ScheduleStore
@@ -41,18 +40,9 @@ class Node:
     state: StateBuffer
     supervisor_state: StateBuffer | None = None
     routes: RouteBook = field(init=False)
-    completions: GroupCommit = field(init=False)
-    # Keys whose result this worker is committing: a second result for one of them, in
-    # another request meanwhile, is stale (the first one takes the lease).
-    completing: set[str] = field(init=False, default_factory=set)
 
     def __post_init__(self) -> None:
         self.routes = RouteBook(self.store)
-        self.completions = GroupCommit(self.store)
-
-    def close(self) -> None:
-        """Commit queued completions and stop their thread (the store stays open)."""
-        self.completions.close()
 
     def ready(self) -> bool:
         """Claims are granted only after the keeper's first publish into this node's ring."""

@@ -208,4 +208,3 @@ class Overview(Body, frozen=True):
     publish_age_ms: int | None = None
     supervisor: dict[str, Any] | None = None
     state_age_ms: int | None = None
-    completions: dict[str, Any] | None = None  # this worker's group commit

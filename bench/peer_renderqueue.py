@@ -14,7 +14,6 @@ claimant posts `/v1/claims` and `/v1/completions` with httpx.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import shutil
 import signal
@@ -272,8 +271,6 @@ class InProcessClaimant:
 
         self._grant, self._complete = grant_from_ring, complete
         self._item, self._request = CompletionItem, CompletionsRequest
-        # complete() is a coroutine (its writes run on the node's group-commit thread).
-        self._loop = asyncio.new_event_loop()
 
     def claim(self, n: int, now_ms: int, lease_ms: int) -> list[str]:
         leases = self._grant(self.node, n, lease_ms)
@@ -283,15 +280,12 @@ class InProcessClaimant:
 
     def complete(self, keys: list[str], now_ms: int) -> None:
         items = [self._item(key=k, token=self.tokens.pop(k), outcome="rendered") for k in keys]
-        request = self._request(items=items)
-        done = self._loop.run_until_complete(self._complete(self.node, request))
+        done = self._complete(self.node, self._request(items=items))
         refused = [r for r in done.results if not r.ok]
         if refused:
             raise RuntimeError(f"{len(refused)} completions refused, e.g. {refused[0]}")
 
     def close(self) -> None:
-        self.node.close()
-        self._loop.close()
         self.store.close()
         self.segments.close()
 

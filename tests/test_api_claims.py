@@ -155,8 +155,8 @@ def test_stale_and_unknown_tokens_change_nothing(live_node: ThreadNode) -> None:
 
 
 def test_one_lease_completed_by_concurrent_requests_counts_once(live_node: ThreadNode) -> None:
-    """Requests' completions are committed off the event loop, so two requests naming the
-    same lease can both be in flight: the first takes it, the other is stale."""
+    """Four clients send the same results for the same leases at once: each lease's
+    result counts once, every other copy is stale."""
     with live_node.client() as client:
         leases = claim(client, 20).json()["leases"]
     items = [

@@ -150,7 +150,6 @@ def serve(spec: WorkerSpec) -> int:
         server = WorkerServer(config, spec.status_fd)
         logs.event(log, "worker_serving", worker=spec.index)
         server.run(sockets=sockets)
-        node.close()  # requests are done: commit any queued completions
     finally:
         if keeper is not None and not keeper.stop():
             logs.event(log, "keeper_stop_timeout", worker=spec.index)
