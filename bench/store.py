@@ -47,7 +47,7 @@ from typing import Any
 import msgspec
 
 from bench import report
-from bench.peer_base import Workload, generate
+from bench.peer_base import Rows, Workload, generate
 
 TABLE = "store: SQLite, single node"
 CONSUMER = "bench-store"
@@ -378,18 +378,7 @@ def run_hot(config: HotConfig, work: Path, result: report.SectionResult) -> None
     report.progress(f"store: loading {config.rows:,} rows for the claim and complete path")
     rows = generate(Workload(rows=config.rows, now_ms=time.time_ns() // 1_000_000))
     store = SqliteStore(path)
-    for part in rows.chunks(5000):
-        store.write(
-            [
-                RowWrite(
-                    key=rows.keys[i],
-                    route=rows.routes[i],
-                    next_render_at=rows.next_render_at[i],
-                    sitemap=rows.sitemaps[i],
-                )
-                for i in part
-            ]
-        )
+    load_rows(store, rows)
     store.prune()
     other = SqliteStore(path)
     keys = rows.keys
@@ -522,14 +511,10 @@ def main(argv: list[str] | None = None) -> int:
     return report.emit(result)
 
 
-def run_feed(config: Config, work: Path, result: report.SectionResult) -> None:
+def load_rows(store: Any, rows: Rows) -> None:
+    """The workload's rows, in chunks of 5,000 (no row carries its own cadence here)."""
     from store.rows import RowWrite
-    from store.sqlite import SqliteStore
 
-    path = str(work / "schedule.db")
-    report.progress(f"store: loading {config.rows:,} rows into {path}")
-    rows = generate(Workload(rows=config.rows, now_ms=time.time_ns() // 1_000_000))
-    store = SqliteStore(path)
     for part in rows.chunks(5000):
         store.write(
             [
@@ -542,6 +527,16 @@ def run_feed(config: Config, work: Path, result: report.SectionResult) -> None:
                 for i in part
             ]
         )
+
+
+def run_feed(config: Config, work: Path, result: report.SectionResult) -> None:
+    from store.sqlite import SqliteStore
+
+    path = str(work / "schedule.db")
+    report.progress(f"store: loading {config.rows:,} rows into {path}")
+    rows = generate(Workload(rows=config.rows, now_ms=time.time_ns() // 1_000_000))
+    store = SqliteStore(path)
+    load_rows(store, rows)
     bare = bare_open(str(work / "bare.db"), rows)
     keys = rows.keys
     rng = random.Random(11)

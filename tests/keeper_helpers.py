@@ -18,6 +18,7 @@ import numpy as np
 import numpy.typing as npt
 
 from keeper.config import KeeperConfig
+from keeper.core import KeeperCore
 from keeper.runner import Keeper
 from keeper.state import QueueState, decode_queue_state
 from store.base import Cursor, CursorAhead, CursorBelowFloor, FeedBatch, RowsRead
@@ -33,6 +34,31 @@ from store.rows import (
 )
 
 NOW = 1_800_000_000_000
+ROUTES = ["product", "category", "home"]
+
+
+def core_with_dues(dues: list[int], config: KeeperConfig | None = None) -> KeeperCore:
+    """A keeper holding /p/0, /p/1, ... due at NOW + each due (ms), over three routes,
+    every fourth from a sitemap."""
+    core = KeeperCore(config or KeeperConfig())
+    core.apply_events(
+        [
+            RowEvent(
+                key=f"/p/{i}",
+                row=Row(
+                    key=f"/p/{i}",
+                    route=ROUTES[i % 3],
+                    cadence_s=None,
+                    sitemap=i % 4 == 0,
+                    next_render_at=NOW + due,
+                    version=i + 1,
+                ),
+            )
+            for i, due in enumerate(dues)
+        ],
+        NOW,
+    )
+    return core
 
 
 class ManualClock:

@@ -3,9 +3,11 @@ first publish, long polls, and eight processes racing through two workers."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -359,7 +361,9 @@ def test_a_result_landing_between_read_and_grant_is_not_granted_again(tmp_path: 
         segments.unlink()
 
 
-def _local_node(tmp_path: Path, db: Path) -> tuple[Any, Any, Any]:
+@contextlib.contextmanager
+def _local_node(db: Path) -> Iterator[tuple[Any, Any, Any]]:
+    """A worker's Node on fresh segments over the store at `db`, with no server."""
     from api.node import ApiSettings, Node
     from store import open_store
     from workers.segments import SegmentNames, Segments
@@ -368,14 +372,22 @@ def _local_node(tmp_path: Path, db: Path) -> tuple[Any, Any, Any]:
         SegmentNames.for_instance(unique("tc")), ring_entries=64, lease_slots=1024
     )
     store = open_store(str(db))
-    node = Node(
-        settings=ApiSettings(node="t", instance="t"),
-        store=store,
-        ring=segments.ring,
-        leases=segments.leases,
-        state=segments.state,
-    )
-    return node, store, segments
+    try:
+        yield (
+            Node(
+                settings=ApiSettings(node="t", instance="t"),
+                store=store,
+                ring=segments.ring,
+                leases=segments.leases,
+                state=segments.state,
+            ),
+            store,
+            segments,
+        )
+    finally:
+        store.close()
+        segments.close()
+        segments.unlink()
 
 
 def _publish_with_cadence(node: Any, keys: list[str], cadence_s: int) -> None:
@@ -404,18 +416,13 @@ def test_an_entry_rendered_since_its_publish_is_handed_back(tmp_path: Path) -> N
 
     db = tmp_path / "node.sqlite"
     keys = seed_rows(db, 3)
-    node, store, segments = _local_node(tmp_path, db)
-    try:
+    with _local_node(db) as (node, store, segments):
         _publish_with_cadence(node, keys, 3600)
         store.complete([Completion(key=keys[1], outcome="rendered", now=now_ms())])
         leases = grant_from_ring(node, 10, 60_000)
         assert sorted(lease.key for lease in leases) == [keys[0], keys[2]]
         assert all(lease.cadence_s == 3600 for lease in leases)
         assert not segments.leases.state(key_hash(keys[1].encode()), now_ms()).leased
-    finally:
-        store.close()
-        segments.close()
-        segments.unlink()
 
 
 def test_a_grant_takes_its_hold_cap_from_the_ring_entry(tmp_path: Path) -> None:
@@ -426,15 +433,10 @@ def test_a_grant_takes_its_hold_cap_from_the_ring_entry(tmp_path: Path) -> None:
 
     db = tmp_path / "node.sqlite"
     keys = seed_rows(db, 1, cadence_s=3600)
-    node, store, segments = _local_node(tmp_path, db)
-    try:
+    with _local_node(db) as (node, _, segments):
         _publish_with_cadence(node, keys, 1)
         (lease,) = grant_from_ring(node, 1, 1000)
         assert lease.cadence_s == 3600  # what the fleet is told is the row's
         time.sleep((lease.lease_expires_at - now_ms()) / 1000 + 0.05)
         state = segments.leases.state(key_hash(keys[0].encode()), now_ms())
         assert state.held and state.held_until - lease.lease_expires_at == 1000
-    finally:
-        store.close()
-        segments.close()
-        segments.unlink()

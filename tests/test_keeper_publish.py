@@ -10,7 +10,7 @@ import uuid
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from keeper_helpers import NOW, MemoryRing
+from keeper_helpers import NOW, MemoryRing, core_with_dues
 
 from keeper.config import KeeperConfig
 from keeper.core import KeeperCore
@@ -19,27 +19,9 @@ from shm import Grant, LeaseTable, ReadyRing, key_hash, segment_name
 from shm.segment import HEADER_BYTES
 from store.rows import Row, RowEvent
 
-ROUTES = ["product", "category", "home"]
-
 
 def _core(dues: list[int], best_k: int, top_check: int = 64) -> KeeperCore:
-    core = KeeperCore(KeeperConfig(best_k=best_k, top_check=top_check))
-    events = [
-        RowEvent(
-            key=f"/p/{i}",
-            row=Row(
-                key=f"/p/{i}",
-                route=ROUTES[i % 3],
-                cadence_s=None,
-                sitemap=i % 4 == 0,
-                next_render_at=NOW + due,
-                version=i + 1,
-            ),
-        )
-        for i, due in enumerate(dues)
-    ]
-    core.apply_events(events, NOW)
-    return core
+    return core_with_dues(dues, KeeperConfig(best_k=best_k, top_check=top_check))
 
 
 def _table() -> LeaseTable:

@@ -8,37 +8,15 @@ import numpy as np
 import numpy.typing as npt
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from keeper_helpers import NOW
+from keeper_helpers import NOW, core_with_dues
 
-from keeper.config import KeeperConfig
 from keeper.core import KeeperCore
 from keeper.select import BlockedMask, select_best
 from shm import key_hash
-from store.rows import Row, RowEvent
-
-ROUTES = ["product", "category", "home"]
 
 
 def _core(dues: list[int]) -> KeeperCore:
-    core = KeeperCore(KeeperConfig())
-    core.apply_events(
-        [
-            RowEvent(
-                key=f"/p/{i}",
-                row=Row(
-                    key=f"/p/{i}",
-                    route=ROUTES[i % 3],
-                    cadence_s=None,
-                    sitemap=i % 4 == 0,
-                    next_render_at=NOW + due,
-                    version=i + 1,
-                ),
-            )
-            for i, due in enumerate(dues)
-        ],
-        NOW,
-    )
-    return core
+    return core_with_dues(dues)
 
 
 def _mask(blocked: set[int]) -> BlockedMask:
