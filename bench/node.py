@@ -617,13 +617,11 @@ def figures(
             )
             for pct in ("p50", "p99"):
                 out.append(
-                    report.Figure(
-                        table=split_table,
-                        what=f"{label}: claim {pct}",
-                        unit="µs",
-                        ours=getattr(arm, f"worker0_claim_{pct}_us"),
-                        peers={"worker 1": getattr(arm, f"others_claim_{pct}_us")},
-                        note="ours = worker 0",
+                    _by_worker(
+                        split_table,
+                        f"{label}: claim {pct}",
+                        getattr(arm, f"worker0_claim_{pct}_us"),
+                        getattr(arm, f"others_claim_{pct}_us"),
                     )
                 )
     write_table = "Single-row schedule write through HTTP (POST /v1/schedule)"
@@ -639,16 +637,26 @@ def figures(
         other = by_worker.get("1", {})
         for label in ("p50_us", "p99_us"):
             out.append(
-                report.Figure(
-                    table=probe_table,
-                    what=f"switch interval {interval}: claim {label[:3]}",
-                    unit="µs",
-                    ours=zero.get(label),
-                    peers={"worker 1": other.get(label)},
-                    note="ours = worker 0",
+                _by_worker(
+                    probe_table,
+                    f"switch interval {interval}: claim {label[:3]}",
+                    zero.get(label),
+                    other.get(label),
                 )
             )
     return out
+
+
+def _by_worker(table: str, what: str, worker0_us: Any, worker1_us: Any) -> report.Figure:
+    """A latency of worker 0 (ours: it hosts the keeper) beside worker 1's."""
+    return report.Figure(
+        table=table,
+        what=what,
+        unit="µs",
+        ours=worker0_us,
+        peers={"worker 1": worker1_us},
+        note="ours = worker 0",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -559,5 +559,7 @@ class KeeperCore:
 
     # -- selection -----------------------------------------------------------------
 
-    def select(self, k: int, now_ms: int, blocked: BlockedMask | None = None) -> Selection:
-        return self.queue.best(k, now_ms, blocked)
+    def select(
+        self, k: int, now_ms: int, blocked: BlockedMask | None = None, expect_blocked: int = 0
+    ) -> Selection:
+        return self.queue.best(k, now_ms, blocked, expect_blocked)

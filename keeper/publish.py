@@ -27,7 +27,7 @@ import numpy.typing as npt
 from keeper.config import KeeperConfig
 from keeper.core import KeeperCore
 from keeper.protocols import LeaseTableLike, ReadyRingLike
-from keeper.select import BlockedMask, select_best
+from keeper.select import BlockedMask
 from keeper.state import PublishStats
 from keeper.topcheck import TopChecked
 
@@ -68,13 +68,8 @@ class Publisher:
         `refill`: early, because claims drained the ring."""
         started = time.perf_counter_ns()
         try:
-            # core.select is this read without the margin hint.
-            selection = select_best(
-                self.core.queue,
-                self.config.best_k,
-                now,
-                self.blocked(now),
-                expect_blocked=self._expect_blocked,
+            selection = self.core.select(
+                self.config.best_k, now, self.blocked(now), expect_blocked=self._expect_blocked
             )
             slots = self.core.queue.slots
             starts, lengths = slots.key_slices(selection.slots)

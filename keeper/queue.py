@@ -279,9 +279,12 @@ class HeldQueue:
     def class_ids_in_use(self) -> list[int]:
         return [c for c, ids in enumerate(self.buckets.ids) if ids]
 
-    def best(self, k: int, now_ms: int, blocked: BlockedMask | None = None) -> Selection:
-        """The best k claimable rows (due, class not paused, not blocked), best first."""
-        return select_best(self, k, now_ms, blocked)
+    def best(
+        self, k: int, now_ms: int, blocked: BlockedMask | None = None, expect_blocked: int = 0
+    ) -> Selection:
+        """The best k claimable rows (due, class not paused, not blocked), best first;
+        `expect_blocked` sizes the read's margin only (keeper/select.py)."""
+        return select_best(self, k, now_ms, blocked, expect_blocked)
 
     def earliest_claimable(self, now_ms: int, blocked: BlockedMask | None = None) -> int | None:
         """The earliest due time among claimable rows (due, not paused, not blocked)."""

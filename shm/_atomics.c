@@ -1990,14 +1990,16 @@ PyInit__atomics(void)
         "s_completions", "s_expiries", "s_hold_events", "s_refused_taken", "s_refused_held",
         "s_refused_probe_full", "s_inserts", "s_reclaimed", "s_conflicts", "s_stale_tokens",
         "s_sweeps", "granted", "refused_taken", "refused_held", "refused_probe_full",
-        "misses_max", "keep_misses_ms", "s_occupied", "s_leased", "s_held",
+        "misses_max", "keep_misses_ms", "s_occupied", "s_leased", "s_held", "incarnation",
+        "phase_mask", "phase_removing", "token_shift", "token_mask", "time_shift",
     };
     static const long lease_values[] = {
         LEASE_SWEEPER, LEASE_STRIPES, LEASE_CTRL_WORDS, SLOT_WORDS, PROBE, LS_GRANTS,
         LS_RENEWALS, LS_COMPLETIONS, LS_EXPIRIES, LS_HOLD_EVENTS, LS_REFUSED_TAKEN,
         LS_REFUSED_HELD, LS_REFUSED_PROBE_FULL, LS_INSERTS, LS_RECLAIMED, LS_CONFLICTS,
         LS_STALE_TOKENS, LS_SWEEPS, GRANTED, REFUSED_TAKEN, REFUSED_HELD, REFUSED_PROBE_FULL,
-        MISSES_MAX, (long)KEEP_MISSES_MS, LS_OCCUPIED, LS_LEASED, LS_HELD,
+        MISSES_MAX, (long)KEEP_MISSES_MS, LS_OCCUPIED, LS_LEASED, LS_HELD, LEASE_INCARNATION,
+        3, PH_REMOVING, 6, 0xffff, 22, /* the state word's fields: see W_MAKE */
     };
     _Static_assert(sizeof(ring_keys) / sizeof(ring_keys[0]) ==
                        sizeof(ring_values) / sizeof(ring_values[0]),

@@ -80,16 +80,6 @@ class Rejected(msgspec.Struct, frozen=True, kw_only=True):
     moved_to: str | None  # None if the file could not be renamed aside either
 
 
-def _counts(slots: np.ndarray, now_ms: int) -> tuple[int, int, int]:
-    """Occupied slots, live leases and live holds, as the state word says at now_ms."""
-    state = slots["state"]
-    phase = state & np.uint64(3)
-    until = state >> np.uint64(22)
-    live = (phase == 1) & (until > np.uint64(now_ms))
-    held = (phase == 2) & (until > np.uint64(now_ms))
-    return int(np.count_nonzero(slots["key_hash"])), int(live.sum()), int(held.sum())
-
-
 def _encode_instance(instance: str) -> bytes:
     raw = instance.encode("utf-8")
     if len(raw) > INSTANCE_BYTES:
@@ -124,13 +114,13 @@ def save(path: str | os.PathLike[str], table: LeaseTable, *, instance: str, now_
             os.unlink(temporary)
         raise
     _fsync_directory(target.parent)
-    occupied, live, held = _counts(slots, now_ms)
+    census = table.census(now_ms)
     return Saved(
         path=str(target),
         bytes=len(header) + len(body),
-        occupied=occupied,
-        live_leases=live,
-        held_keys=held,
+        occupied=census.occupied,
+        live_leases=census.live_leases,
+        held_keys=census.held_keys,
     )
 
 
@@ -207,7 +197,7 @@ def restore(
     except (SnapshotRejected, OSError, ValueError) as exc:
         reason = str(exc) if isinstance(exc, SnapshotRejected) else f"{type(exc).__name__}: {exc}"
         return Rejected(path=str(target), reason=reason, moved_to=_move_aside(target))
-    occupied, live, held = _counts(slots, now_ms)
+    census = table.census(now_ms)
     try:
         target.unlink(missing_ok=True)
         removed = True
@@ -217,9 +207,9 @@ def restore(
         path=str(target),
         written_at=written_at,
         age_ms=now_ms - written_at,
-        occupied=occupied,
-        live_leases=live,
-        held_keys=held,
+        occupied=census.occupied,
+        live_leases=census.live_leases,
+        held_keys=census.held_keys,
         removed=removed,
     )
 

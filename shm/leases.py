@@ -323,15 +323,17 @@ class LeaseTable:
             )
         words = slots.copy()
         state = words["state"]
-        # The state word's layout (_atomics.c): phase in bits 0-1 (0 free, 3 removing),
-        # the token in bits 6-21, the time (an emptied slot's stamp) from bit 22.
-        phase = state & np.uint64(3)
-        stamped = (phase == 0) & (((state >> np.uint64(6)) & np.uint64(0xFFFF)) == 0)
-        incarnation = int((state[stamped] >> np.uint64(22)).max(initial=0))
-        removing = np.flatnonzero(phase == 3)
+        phase = state & np.uint64(LEASE_LAYOUT["phase_mask"])
+        token = (state >> np.uint64(LEASE_LAYOUT["token_shift"])) & np.uint64(
+            LEASE_LAYOUT["token_mask"]
+        )
+        time_shift = np.uint64(LEASE_LAYOUT["time_shift"])
+        stamped = (phase == 0) & (token == 0)  # emptied slots: their time is a stamp
+        incarnation = int((state[stamped] >> time_shift).max(initial=0))
+        removing = np.flatnonzero(phase == LEASE_LAYOUT["phase_removing"])
         stamps = np.arange(incarnation + 1, incarnation + 1 + removing.size, dtype=np.uint64)
         words["key_hash"][removing] = 0
-        words["state"][removing] = stamps << np.uint64(22)
+        words["state"][removing] = stamps << time_shift
         words["hold"][removing] = 0
         words["reserved"][removing] = 0
         view = np.frombuffer(self._segment.mmap, dtype=SLOT, count=self.capacity, offset=_SLOTS)
@@ -341,5 +343,5 @@ class LeaseTable:
             view[:] = words
         finally:
             del view
-        self._words.store(_CTRL // 8 + 1, incarnation + removing.size)  # LEASE_INCARNATION
+        self._words.store(_CTRL // 8 + LEASE_LAYOUT["incarnation"], incarnation + removing.size)
         self.recount()
