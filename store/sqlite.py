@@ -105,7 +105,7 @@ class SqliteStore:
         prune_interval_s: float | None = PRUNE_INTERVAL_S,
     ) -> None:
         """`background_checkpoints`: checkpoint on a daemon thread (see store.upkeep) rather
-        than in commits; `prune_interval_s`: how often that thread raises the change log's
+        than in commits; `prune_interval_s`: how often a write also raises the change log's
         floor, below which writes trim it (None: only explicit `raise_floor()` or
         `prune()` calls do)."""
         text = os.fspath(path)

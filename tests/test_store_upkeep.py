@@ -1,8 +1,9 @@
-"""Background upkeep: the WAL is checkpointed by the store's own thread, not by a commit,
-and the change log is pruned behind every registered consumer."""
+"""Background upkeep: the WAL is checkpointed by the store's own idle-priority thread, not
+by a commit, and the change log is pruned behind every registered consumer."""
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import time
 from collections.abc import Callable
@@ -54,18 +55,35 @@ def test_without_the_thread_writers_checkpoint_as_sqlite_does(tmp_path: Path) ->
     store.close()
 
 
-def test_the_thread_raises_the_floor_and_writes_trim_below_it(tmp_path: Path) -> None:
+def test_the_thread_runs_at_idle_priority(tmp_path: Path) -> None:
+    store = SqliteStore(tmp_path / "s.db")
+    store.write([put(1)])
+    assert wait_for(lambda: store.statistics().upkeep.running)
+    upkeep = store._upkeep
+    assert upkeep is not None and upkeep._thread is not None
+    assert wait_for(lambda: store.statistics().upkeep.idle_priority)
+    native_id = upkeep._thread.native_id
+    assert native_id is not None
+    assert os.sched_getscheduler(native_id) == os.SCHED_IDLE
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the writer's own thread is untouched
+    store.close()
+
+
+def test_writes_raise_the_floor_when_due_and_trim_below_it(tmp_path: Path) -> None:
     store = SqliteStore(tmp_path / "s.db", prune_interval_s=0.1)
     sub = store.subscribe("keeper")
     store.write([put(i) for i in range(50)])
     sub.poll(limit=20)
     sub.save()  # passed entry 20
-    assert wait_for(lambda: store.statistics().floor == 20)  # raised every 0.1 s
+    time.sleep(0.15)
+    store.write([put(50)])  # seq 51: past the interval, this write raises the floor
     stats = store.statistics()
-    assert (stats.floor, stats.log_rows, stats.upkeep.backlog) == (20, 50, 19)
-    for i in range(100, 113):  # seqs 51..63: no trimming yet
+    assert (stats.floor, stats.log_rows, stats.upkeep.backlog) == (20, 51, 19)
+    assert stats.upkeep.floor_raises == 1
+    for i in range(100, 112):  # seqs 52..63: no trimming yet, and no raise before 0.1 s
         store.write([put(i)])
     assert store.statistics().log_rows == 63
+    assert store.statistics().upkeep.floor_raises == 1
     store.write([put(113)])  # seq 64: every TRIM_EVERY-th write trims below the floor
     stats = store.statistics()
     assert (stats.floor, stats.log_rows) == (20, 64 - 19)  # down to the floor's entry
@@ -75,8 +93,9 @@ def test_the_thread_raises_the_floor_and_writes_trim_below_it(tmp_path: Path) ->
     ]  # nothing it needs went
     sub.close()
     store.drop_consumer("keeper")
+    time.sleep(0.15)
     store.write([put(999)])  # nobody registered: all but the head may go
-    assert wait_for(lambda: store.statistics().floor == store.statistics().head)
+    assert store.statistics().floor == store.statistics().head
     for i in range(200, 240):
         store.write([put(i)])
     assert store.statistics().upkeep.errors == 0
