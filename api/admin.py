@@ -190,4 +190,5 @@ def overview(node: Node) -> Overview:
         publish_age_ms=max(0, now - published_at) if published_at else None,
         supervisor=supervisor,
         state_age_ms=max(0, now - state.written_at) if state is not None else None,
+        completions=builtins(node.completions.statistics()),
     )

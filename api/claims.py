@@ -1,10 +1,9 @@
-"""The claim path, on any worker with no mutex, and the results and renewals that follow it.
+"""The claim path, on any worker with no mutex, and the renewals that follow it
+(completions: api.completions).
 
 Claim: take ring entries in order -> grant an exclusive lease in the lease table, with
 the cadence the entry was published with as the hold cap -> read the granted rows and
-hand back any gone, no longer due or on a paused route. Completion: the lease must still
-be held by the token -> apply the result to the store -> release the lease. A stale
-token changes nothing.
+hand back any gone, no longer due or on a paused route. A stale token changes nothing.
 """
 
 from __future__ import annotations
@@ -16,13 +15,9 @@ from starlette.responses import Response
 
 from api.body import json_response
 from api.node import Node
-from api.problems import ApiError
 from api.schemas import (
     ClaimRequest,
     ClaimResponse,
-    CompletionsRequest,
-    ItemResult,
-    ItemResults,
     Lease,
     NodeStatus,
     RenewRequest,
@@ -30,7 +25,6 @@ from api.schemas import (
     RenewResults,
 )
 from shm import Grant, key_hash
-from store.rows import Completion
 
 LEASE_NOT_HELD = "lease_not_held"
 NOT_FOUND = "not_found"
@@ -145,40 +139,6 @@ async def claim(node: Node, request: ClaimRequest) -> ClaimResponse | Response:
     while not leases and await next_publish(node, deadline):
         leases = grant_from_ring(node, request.max, lease_ms)
     return ClaimResponse(leases=leases, status="ready")
-
-
-def complete(node: Node, request: CompletionsRequest) -> ItemResults:
-    now = now_ms()
-    results: list[ItemResult | None] = [None] * len(request.items)
-    held: list[tuple[int, int, int]] = []  # (item index, key hash, token)
-    completions: list[Completion] = []
-    seen: set[str] = set()
-    for index, item in enumerate(request.items):
-        hashed = key_hash(item.key.encode())
-        token = parse_token(item.token)
-        # A key twice in one batch: the first result takes the lease, the second is stale.
-        if token is None or item.key in seen or not node.leases.holds(hashed, token, now):
-            results[index] = ItemResult(key=item.key, ok=False, error=LEASE_NOT_HELD)
-            continue
-        seen.add(item.key)
-        held.append((index, hashed, token))
-        completions.append(
-            Completion(
-                key=item.key, outcome=item.outcome, now=now, next_render_at=item.next_render_at
-            )
-        )
-    if completions:
-        try:
-            after = node.store.complete(completions)
-        except ValueError as exc:
-            raise ApiError(422, "Invalid completion", str(exc)) from None
-        for (index, hashed, token), completion, row in zip(held, completions, after, strict=True):
-            node.leases.complete(hashed, token, now)
-            if row is None and completion.outcome != "gone":
-                results[index] = ItemResult(key=completion.key, ok=False, error=NOT_FOUND)
-            else:
-                results[index] = ItemResult(key=completion.key, ok=True)
-    return ItemResults(results=[result for result in results if result is not None])
 
 
 def renew(node: Node, request: RenewRequest, default_lease_s: int = 300) -> RenewResults:

@@ -78,6 +78,10 @@ async def _claim(call: Call) -> ClaimResponse | Response:
     return await claims.claim(call.node, call.body)
 
 
+async def _complete(call: Call) -> ItemResults:
+    return await call.node.completions.complete(call.body)
+
+
 async def _import_sitemap(call: Call) -> ImportReport:
     return await sitemaps.import_upload(call.node, call.request)
 
@@ -102,7 +106,7 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         "/v1/completions",
         "fleet",
         "Report render results; a stale or unknown token changes nothing (`lease_not_held`).",
-        lambda call: claims.complete(call.node, call.body),
+        _complete,
         body=CompletionsRequest,
         response=ItemResults,
     ),

@@ -2,18 +2,23 @@
 
 One `Node` per worker process. Its store is used only from the event loop's thread: the
 calls are sub-millisecond point reads and short writes, and a thread-pool hop would cost
-more than the call itself.
+more than the call itself. Completions wait for the write lock on the loop, not in the
+store (api.completions).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from api.routebook import RouteBook
 from shm import LeaseTable, ReadyRing, StateBuffer
 from store.base import ScheduleStore
+
+if TYPE_CHECKING:
+    from api.completions import CompletionQueue
 
 
 class ApiSettings(msgspec.Struct, frozen=True, kw_only=True):
@@ -40,9 +45,13 @@ class Node:
     state: StateBuffer
     supervisor_state: StateBuffer | None = None
     routes: RouteBook = field(init=False)
+    completions: CompletionQueue = field(init=False)
 
     def __post_init__(self) -> None:
+        from api.completions import CompletionQueue  # it builds on this module
+
         self.routes = RouteBook(self.store)
+        self.completions = CompletionQueue(self)
 
     def ready(self) -> bool:
         """Claims are granted only after the keeper's first publish into this node's ring."""

@@ -208,3 +208,4 @@ class Overview(Body, frozen=True):
     publish_age_ms: int | None = None
     supervisor: dict[str, Any] | None = None
     state_age_ms: int | None = None
+    completions: dict[str, Any] | None = None  # this worker's CompletionQueue.statistics()

@@ -4,7 +4,7 @@ In process: the store file, the node's shared-memory segments (the node's own
 sizes) and a keeper thread in this process, as worker 0 hosts it; each claimant
 process attaches like a worker and calls the API's own claim path
 (`api.claims.grant_from_ring`: ReadyRing.claim -> store.get_many ->
-LeaseTable.grant) and completion (`api.claims.complete`).
+LeaseTable.grant) and completion (`api.completions.apply`).
 
 Over HTTP: `renderqueue serve` with two workers on a loopback port, and each
 claimant posts `/v1/claims` and `/v1/completions` with httpx.
@@ -266,10 +266,11 @@ class InProcessClaimant:
         )
         self.tokens: dict[str, str] = {}
         # Imported here, not at the first claim, so no claim is timed with an import in it.
-        from api.claims import complete, grant_from_ring
+        from api.claims import grant_from_ring
+        from api.completions import apply
         from api.schemas import CompletionItem, CompletionsRequest
 
-        self._grant, self._complete = grant_from_ring, complete
+        self._grant, self._apply = grant_from_ring, apply
         self._item, self._request = CompletionItem, CompletionsRequest
 
     def claim(self, n: int, now_ms: int, lease_ms: int) -> list[str]:
@@ -280,7 +281,7 @@ class InProcessClaimant:
 
     def complete(self, keys: list[str], now_ms: int) -> None:
         items = [self._item(key=k, token=self.tokens.pop(k), outcome="rendered") for k in keys]
-        done = self._complete(self.node, self._request(items=items))
+        (done,) = self._apply(self.node, [self._request(items=items)], wait=True)
         refused = [r for r in done.results if not r.ok]
         if refused:
             raise RuntimeError(f"{len(refused)} completions refused, e.g. {refused[0]}")

@@ -71,8 +71,11 @@ class ScheduleStore(Protocol):
         """All or nothing, in one transaction; each written row's version increases."""
         ...
 
-    def complete(self, items: Sequence[Completion]) -> list[Row | None]:
-        """Apply render results in one transaction; returns each key's row afterwards."""
+    def complete(self, items: Sequence[Completion], *, wait: bool = True) -> list[Row | None]:
+        """Apply render results in one transaction; returns each key's row afterwards.
+
+        `wait=False`: when another writer holds the write lock, raise StoreBusy at once
+        with nothing written, so a caller on an event loop can wait there instead."""
         ...
 
     def get(self, key: str) -> Row | None: ...

@@ -165,10 +165,16 @@ class SqliteStore:
         return state.retry.call(what, lambda: body(state.conn))
 
     def _write(
-        self, what: str, body: Callable[[sqlite3.Connection], T], *, rows: int, logged: bool
+        self,
+        what: str,
+        body: Callable[[sqlite3.Connection], T],
+        *,
+        rows: int,
+        logged: bool,
+        wait: bool = True,
     ) -> T:
         state = self._state()
-        result = state.retry.transaction(state.conn, what, body, write=True)
+        result = state.retry.transaction(state.conn, what, body, write=True, wait=wait)
         state.last_commit_ns = time.monotonic_ns()
         if self._upkeep is not None:
             self._upkeep.committed()
@@ -219,7 +225,7 @@ class SqliteStore:
 
         self._write("write", body, rows=len(params) + len(gone), logged=True)
 
-    def complete(self, items: Sequence[Completion]) -> list[Row | None]:
+    def complete(self, items: Sequence[Completion], *, wait: bool = True) -> list[Row | None]:
         if not isinstance(items, list | tuple):
             items = list(items)
         check_completions(items)
@@ -253,7 +259,7 @@ class SqliteStore:
                     out[index] = found.get(item.key)  # gone or missing: None
             return out
 
-        return self._write("complete", body, rows=len(items), logged=True)
+        return self._write("complete", body, rows=len(items), logged=True, wait=wait)
 
     def get(self, key: str) -> Row | None:
         check_key(key)

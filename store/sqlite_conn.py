@@ -69,7 +69,8 @@ class Retry:
         self.busy_timeout_s = busy_timeout_s
         self.retries = 0
 
-    def call(self, what: str, fn: Callable[[], T]) -> T:
+    def call(self, what: str, fn: Callable[[], T], *, wait: bool = True) -> T:
+        """`wait=False`: BUSY raises StoreBusy at once, for a caller that waits elsewhere."""
         deadline: float | None = None
         backoff = _FIRST_BACKOFF_S
         while True:
@@ -78,6 +79,8 @@ class Retry:
             except sqlite3.OperationalError as exc:
                 if not is_busy(exc):
                     raise
+                if not wait:
+                    raise StoreBusy(f"{what}: another writer holds the lock") from exc
                 now = time.monotonic()
                 if deadline is None:
                     deadline = now + self.busy_timeout_s
@@ -97,8 +100,10 @@ class Retry:
         body: Callable[[sqlite3.Connection], T],
         *,
         write: bool,
+        wait: bool = True,
     ) -> T:
-        """`body` inside one transaction, retried whole on BUSY; rolled back on any error."""
+        """`body` inside one transaction, retried whole on BUSY (or not: `wait`, as in
+        `call`); rolled back on any error."""
         begin = "BEGIN IMMEDIATE" if write else "BEGIN"
 
         def attempt() -> T:
@@ -112,4 +117,4 @@ class Retry:
                 raise
             return result
 
-        return self.call(what, attempt)
+        return self.call(what, attempt, wait=wait)

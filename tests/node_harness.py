@@ -438,3 +438,50 @@ def node_process(directory: Path, **kwargs: Any) -> Iterator[NodeProcess]:
         yield node.start()
     finally:
         node.stop()
+
+
+@contextlib.contextmanager
+def local_node(db: Path) -> Iterator[tuple[Any, Any, Any]]:
+    """A worker's Node on fresh segments over the store at `db`, with no server:
+    (node, store, segments)."""
+    from api.node import ApiSettings, Node
+    from store import open_store
+    from workers.segments import SegmentNames, Segments
+
+    segments = Segments.create(
+        SegmentNames.for_instance(unique("tc")), ring_entries=64, lease_slots=1024
+    )
+    store = open_store(str(db))
+    try:
+        yield (
+            Node(
+                settings=ApiSettings(node="t", instance="t"),
+                store=store,
+                ring=segments.ring,
+                leases=segments.leases,
+                state=segments.state,
+            ),
+            store,
+            segments,
+        )
+    finally:
+        store.close()
+        segments.close()
+        segments.unlink()
+
+
+def publish_with_cadence(node: Any, keys: list[str], cadence_s: int) -> None:
+    """Publish `keys` into the node's ring, all due a second ago, with `cadence_s`."""
+    import numpy as np
+
+    from shm import key_hash
+
+    now = now_ms()
+    node.ring.publish(
+        [k.encode() for k in keys],
+        np.full(len(keys), now - 1000, dtype=np.int64),
+        np.zeros(len(keys), dtype=np.int32),
+        np.array([key_hash(k.encode()) for k in keys], dtype=np.uint64),
+        now,
+        np.full(len(keys), cadence_s, dtype=np.uint32),
+    )

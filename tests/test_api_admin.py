@@ -101,6 +101,7 @@ def test_overview_and_probes(tmp_path: Path) -> None:
         overview = client.get("/prerender_admin/overview").json()
         assert overview["status"] == "ready" and overview["worker"] == 0
         assert overview["leases"]["live_leases"] == 3
+        assert overview["completions"]["requests"] == 0  # this worker's queue, none yet
         assert overview["ring"]["generation"] >= 1 and overview["publish_age_ms"] >= 0
         assert overview["now"] <= now_ms()
         health = client.get("/healthz").json()

@@ -3,11 +3,9 @@ first publish, long polls, and eight processes racing through two workers."""
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +15,10 @@ from node_harness import (
     FLEET_TOKEN,
     ThreadNode,
     due_in_table,
+    local_node,
     node_process,
     now_ms,
+    publish_with_cadence,
     seed_rows,
     thread_node,
     unique,
@@ -361,51 +361,6 @@ def test_a_result_landing_between_read_and_grant_is_not_granted_again(tmp_path: 
         segments.unlink()
 
 
-@contextlib.contextmanager
-def _local_node(db: Path) -> Iterator[tuple[Any, Any, Any]]:
-    """A worker's Node on fresh segments over the store at `db`, with no server."""
-    from api.node import ApiSettings, Node
-    from store import open_store
-    from workers.segments import SegmentNames, Segments
-
-    segments = Segments.create(
-        SegmentNames.for_instance(unique("tc")), ring_entries=64, lease_slots=1024
-    )
-    store = open_store(str(db))
-    try:
-        yield (
-            Node(
-                settings=ApiSettings(node="t", instance="t"),
-                store=store,
-                ring=segments.ring,
-                leases=segments.leases,
-                state=segments.state,
-            ),
-            store,
-            segments,
-        )
-    finally:
-        store.close()
-        segments.close()
-        segments.unlink()
-
-
-def _publish_with_cadence(node: Any, keys: list[str], cadence_s: int) -> None:
-    import numpy as np
-
-    from shm import key_hash
-
-    now = now_ms()
-    node.ring.publish(
-        [k.encode() for k in keys],
-        np.full(len(keys), now - 1000, dtype=np.int64),
-        np.zeros(len(keys), dtype=np.int32),
-        np.array([key_hash(k.encode()) for k in keys], dtype=np.uint64),
-        now,
-        np.full(len(keys), cadence_s, dtype=np.uint32),
-    )
-
-
 def test_an_entry_rendered_since_its_publish_is_handed_back(tmp_path: Path) -> None:
     """Entries that carry their cadence are granted before their row is read; the read
     after the grant is the check. A key whose result committed (and whose lease ended)
@@ -416,8 +371,8 @@ def test_an_entry_rendered_since_its_publish_is_handed_back(tmp_path: Path) -> N
 
     db = tmp_path / "node.sqlite"
     keys = seed_rows(db, 3)
-    with _local_node(db) as (node, store, segments):
-        _publish_with_cadence(node, keys, 3600)
+    with local_node(db) as (node, store, segments):
+        publish_with_cadence(node, keys, 3600)
         store.complete([Completion(key=keys[1], outcome="rendered", now=now_ms())])
         leases = grant_from_ring(node, 10, 60_000)
         assert sorted(lease.key for lease in leases) == [keys[0], keys[2]]
@@ -433,8 +388,8 @@ def test_a_grant_takes_its_hold_cap_from_the_ring_entry(tmp_path: Path) -> None:
 
     db = tmp_path / "node.sqlite"
     keys = seed_rows(db, 1, cadence_s=3600)
-    with _local_node(db) as (node, _, segments):
-        _publish_with_cadence(node, keys, 1)
+    with local_node(db) as (node, _, segments):
+        publish_with_cadence(node, keys, 1)
         (lease,) = grant_from_ring(node, 1, 1000)
         assert lease.cadence_s == 3600  # what the fleet is told is the row's
         time.sleep((lease.lease_expires_at - now_ms()) / 1000 + 0.05)
