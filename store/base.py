@@ -19,6 +19,10 @@ class Cursor(msgspec.Struct, frozen=True):
 class FeedBatch(msgspec.Struct, frozen=True, kw_only=True):
     events: list[FeedEvent]
     cursor: Cursor  # the position after the last event; save it to resume there
+    # The poll stopped at its limit: more may be committed already. False: the batch held
+    # everything committed when the poll read, so a consumer can go straight to wait(),
+    # which returns at once for anything committed since.
+    more: bool = False
 
 
 class RowsRead(msgspec.Struct, frozen=True, kw_only=True):

@@ -187,7 +187,7 @@ class SqliteSubscription:
         self._seq, self._stamp = int(last[0]), int(last[3])
         self._entries += len(records)
         self._events += len(events)
-        return FeedBatch(events=list(events.values()), cursor=self.cursor)
+        return FeedBatch(events=list(events.values()), cursor=self.cursor, more=self._more)
 
     def _read(
         self, conn: sqlite3.Connection, after: int, limit: int

@@ -84,6 +84,7 @@ class MemorySubscription:
 
     def poll(self, limit: int = 1000) -> FeedBatch:
         store = self._store
+        store.polls += 1
         if self.closed:
             raise RuntimeError("poll on a closed subscription")
         if store.fail_polls:
@@ -91,7 +92,11 @@ class MemorySubscription:
             raise ConnectionError("feed failed (test)")
         entries = store.log[self.position : self.position + limit]
         self.position += len(entries)
-        return FeedBatch(events=[store.current(e) for e in entries], cursor=self.cursor)
+        return FeedBatch(
+            events=[store.current(e) for e in entries],
+            cursor=self.cursor,
+            more=len(entries) == limit,
+        )
 
     def wait(self, timeout_s: float) -> bool:
         return self.position < len(self._store.log)
@@ -119,6 +124,7 @@ class MemoryStore:
         self.saved: dict[str, int] = {}
         self.consumer = "keeper"
         self.fail_polls = 0
+        self.polls = 0  # polls made by its subscriptions
         self.fail_subscribes = 0
         self.walk_hook: Callable[[str | None], None] | None = None
         self.walks = 0

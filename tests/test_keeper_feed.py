@@ -29,8 +29,11 @@ def test_drain_reads_to_the_end_or_stops_at_the_deadline() -> None:
 
     assert not feed.drain(apply, until_ms=NOW + 5)  # one batch, then the deadline
     assert seen == ["/k0", "/k1", "/k2"]
+    polls = store.polls
     assert feed.drain(apply, until_ms=NOW + 10_000)
-    assert seen == [f"/k{i}" for i in range(7)] and feed.caught_up_at == clock()
+    assert seen == [f"/k{i}" for i in range(7)]
+    assert feed.caught_up_at == clock() - 10  # when the poll that read the end was made
+    assert store.polls == polls + 2  # 3 + 1 entries: a short batch ends it, no empty poll
 
 
 def test_failures_back_off_doubling_to_the_cap_and_resume_at_the_cursor() -> None:

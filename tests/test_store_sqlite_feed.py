@@ -76,9 +76,13 @@ def test_a_poll_limit_pages_through_the_log(store: SqliteStore) -> None:
     sub = store.subscribe("keeper")
     store.write([put(f"/{i:02d}") for i in range(25)])
     seen: list[str] = []
+    more: list[bool] = []
     for _ in range(3):
-        seen += keys_of(sub.poll(limit=10).events)
+        batch = sub.poll(limit=10)
+        seen += keys_of(batch.events)
+        more.append(batch.more)
     assert seen == [f"/{i:02d}" for i in range(25)]
+    assert more == [True, True, False]  # the short batch says it read to the end
     assert sub.poll(limit=10).events == []
     with pytest.raises(ValueError, match="limit"):
         sub.poll(limit=0)
@@ -91,7 +95,7 @@ def test_wait_returns_at_once_while_a_full_batch_left_entries_behind(
     sub = store.subscribe("keeper")
     store.write([put("/a", 1), put("/a", 2), put("/a", 3), put("/b")])
     batch = sub.poll(limit=3)  # three entries, one event: fewer events than the limit
-    assert keys_of(batch.events) == ["/a"]
+    assert keys_of(batch.events) == ["/a"] and batch.more
     assert sub.wait(30.0) is True  # no commit since the poll, and still no sleep
     assert keys_of(sub.poll(limit=3).events) == ["/b"]
     sub.close()
