@@ -113,15 +113,49 @@ class NodeClient:
         if token:
             self.headers["Authorization"] = f"Bearer {token}"
 
-    def call(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+    def call(self, method: str, path: str, body: Any = None, answer: Any = Any) -> tuple[int, Any]:
+        """`answer`: the type to decode a 200 body as (msgspec skips the fields it lacks)."""
         payload = None if body is None else msgspec.json.encode(body)
         self.connection.request(method, path, body=payload, headers=self.headers)
         response = self.connection.getresponse()
         data = response.read()
-        return response.status, msgspec.json.decode(data) if data else None
+        if not data:
+            return response.status, None
+        return response.status, msgspec.json.decode(
+            data, type=answer if response.status == 200 else Any
+        )
 
     def close(self) -> None:
         self.connection.close()
+
+
+# What a claimant reads of the answers: the rest of each lease is skipped unparsed, as a
+# renderer that only needs the key and token would.
+class _Lease(msgspec.Struct):
+    key: str
+    token: str
+
+
+class _Claimed(msgspec.Struct):
+    leases: list[_Lease]
+
+
+class _Result(msgspec.Struct):
+    ok: bool
+
+
+class _Results(msgspec.Struct):
+    results: list[_Result]
+
+
+class _Done(msgspec.Struct):
+    key: str
+    token: str
+    outcome: str = "rendered"
+
+
+class _Completions(msgspec.Struct):
+    items: list[_Done]
 
 
 def claimant(
@@ -160,11 +194,11 @@ def claimant(
             pid = pids[turn % len(clients)]
             turn += 1
             t0 = time.perf_counter_ns()
-            status, body = client.call("POST", "/v1/claims", request)
+            status, body = client.call("POST", "/v1/claims", request, _Claimed)
             t1 = time.perf_counter_ns()
             if status != 200:
                 raise RuntimeError(f"claim: HTTP {status}: {body}")
-            leases = body["leases"]
+            leases = body.leases
             if not leases:
                 empty_since = empty_since or time.perf_counter()
                 if time.perf_counter() - empty_since > 3.0:
@@ -174,17 +208,14 @@ def claimant(
             empty_since = None
             claim_ns.append(t1 - t0)
             claim_pid.append(pid)
-            keys.extend(lease["key"] for lease in leases)
-            items = [
-                {"key": lease["key"], "token": lease["token"], "outcome": "rendered"}
-                for lease in leases
-            ]
+            keys.extend(lease.key for lease in leases)
+            done = _Completions(items=[_Done(key=lease.key, token=lease.token) for lease in leases])
             t2 = time.perf_counter_ns()
-            status, body = client.call("POST", "/v1/completions", {"items": items})
+            status, body = client.call("POST", "/v1/completions", done, _Results)
             complete_ns.append(time.perf_counter_ns() - t2)
             if status != 200:
                 raise RuntimeError(f"completions: HTTP {status}: {body}")
-            not_ok += sum(1 for result in body["results"] if not result["ok"])
+            not_ok += sum(1 for result in body.results if not result.ok)
         finished = time.perf_counter()
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}"
