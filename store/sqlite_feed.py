@@ -121,7 +121,7 @@ class SqliteSubscription:
             unlink(wake_name)
             raise
         self._waiter = waiter  # None: no semaphores here, data_version polling alone
-        self._seen_version = self._data_version()
+        self._seen_version: int | None = self._data_version()
         self._more = False
         self._polls = self._events = self._entries = self._coalesced = 0
         self._woken = self._noticed = self._timeouts = 0
@@ -143,10 +143,16 @@ class SqliteSubscription:
             raise ValueError(f"limit must be at least 1, got {limit}")
         if self._closed:
             raise ValueError(f"subscription {self.consumer!r} is closed")
-        # Both before the snapshot: a commit after this point makes the next wait() return.
+        # Before the snapshot: a commit after this point makes the next wait() return.
+        # With a semaphore the post does, and data_version is read only when wait() has
+        # no post to take (here it was a third of a one-event poll's cost). A commit by a
+        # writer that does not post, made between this snapshot and that read, is then
+        # seen at the next commit or when the wait times out: only a hint is late.
         if self._waiter is not None:
             self._waiter.clear()
-        self._seen_version = self._data_version()
+            self._seen_version = None
+        else:
+            self._seen_version = self._data_version()
         after = self._seq
         # One statement is one snapshot: the log entries and the rows they name agree.
         records = self._retry.call(
@@ -218,7 +224,11 @@ class SqliteSubscription:
             return True
         deadline = time.monotonic() + max(0.0, timeout_s)
         while True:
-            if self._data_version() != self._seen_version:
+            version = self._data_version()
+            if self._seen_version is None:
+                self._seen_version = version  # the first look since the poll
+            elif version != self._seen_version:
+                self._seen_version = version
                 self._noticed += 1
                 return True
             remaining = deadline - time.monotonic()
