@@ -21,6 +21,10 @@ class KeeperConfig(msgspec.Struct, frozen=True, kw_only=True):
     sitemap_boost: float = 1.0  # added to a sitemap row's rank, in cadences
     stall_after_s: float = 2.0  # no publish for this long: readers see keeper_live false
     consumer: str = "keeper"  # the store's feed consumer name (its saved cursor)
+    # The cursor is saved after a publish at most this often: each save is a write
+    # transaction, contending with the fleet's completions for the store's lock, and a
+    # restart replays at most this much of the log.
+    cursor_save_interval_s: float = 1.0
     feed_poll_limit: int = 2000
     feed_backoff_s: float = 0.1  # first retry delay for a failed feed; doubles up to the max
     feed_backoff_max_s: float = 5.0

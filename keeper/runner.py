@@ -160,6 +160,7 @@ class Keeper:
         self._state_write_failures = 0
         self._load = LoadStats()
         self._verify = VerifyStats()
+        self._next_cursor_save = 0
 
     # -- the loop ------------------------------------------------------------------
 
@@ -229,6 +230,7 @@ class Keeper:
 
     def close(self) -> None:
         self._top.drop()
+        self._save_cursor()  # a graceful stop replays nothing on the next start
         self.feed.close()
 
     # -- the feed ------------------------------------------------------------------
@@ -421,7 +423,9 @@ class Keeper:
         checked = self._top.after_publish(keys, now, self._drain)
         if checked is not None:
             self._publisher.count_top_check(checked)
-        self._save_cursor()
+        if now >= self._next_cursor_save:
+            self._next_cursor_save = now + int(self.config.cursor_save_interval_s * 1000)
+            self._save_cursor()
         self._write_state(self.clock())
 
     def _save_cursor(self) -> None:

@@ -531,3 +531,26 @@ def test_a_slow_publish_spaces_the_refills_out() -> None:
     assert rig.ring.generation == generation, "10 ms publishes: not before 50 ms"
     rig.steps(1, advance_ms=10 * REFILL_COST_SHARE - 20)
     assert rig.ring.generation == generation + 1
+
+
+def test_the_cursor_is_saved_after_a_publish_at_most_once_a_second_and_on_close() -> None:
+    """Each save is a write transaction beside the fleet's completions: publishes every
+    0.25 s save the cursor once a second; a restart replays at most that much."""
+    config = msgspec.structs.replace(RIG_CONFIG, publish_interval_s=0.25)
+    rig = Rig(rows=20, config=config)
+    rig.keeper.start()
+    rig.steps(4)  # loaded and published: the first publish saved the cursor
+    assert rig.ring.generation >= 1
+    saved = rig.store.saved["keeper"]
+    generation = rig.ring.generation
+    rig.store.put("/new", NOW)
+    rig.steps(3, advance_ms=250)  # three more publishes within the second
+    assert rig.ring.generation == generation + 3
+    assert rig.store.saved["keeper"] == saved, "not saved again within the interval"
+    rig.steps(1, advance_ms=250)  # a second after the first save
+    assert rig.store.saved["keeper"] == saved + 1
+    rig.store.put("/newer", NOW)
+    rig.steps(1, advance_ms=250)
+    assert rig.store.saved["keeper"] == saved + 1
+    rig.keeper.close()
+    assert rig.store.saved["keeper"] == saved + 2
