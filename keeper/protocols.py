@@ -45,6 +45,11 @@ class ReadyRingLike(Protocol):
         """Entries of the live generation not claimed yet."""
         ...
 
+    def published_count(self) -> int:
+        """Entries the live generation was published with (a publish past the ring's
+        capacity or arena is cut short)."""
+        ...
+
 
 class LeaseStatisticsLike(Protocol):
     @property

@@ -98,7 +98,7 @@ class Publisher:
             publishes=self.stats.publishes + 1,
             refills=self.stats.refills + refill,
             last_at=now,
-            last_count=len(selection.slots),
+            last_count=self.ring.published_count(),  # the selection, unless the ring cut it
             last_duration_us=(time.perf_counter_ns() - started) // 1000,
             last_considered=selection.considered,
             last_blocked=selection.blocked,

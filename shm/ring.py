@@ -279,6 +279,10 @@ class ReadyRing:
     def remaining(self) -> int:
         return int(self._ring.remaining())
 
+    def published_count(self) -> int:
+        """Entries the live generation holds: what the last publish wrote, after any cut."""
+        return int(self._words.load(_buf(self._words.load(_ACTIVE) & 1, "count")))
+
     def statistics(self) -> RingStatistics:
         words = self._words
         sums = [0] * STRIPE_WORDS

@@ -259,6 +259,9 @@ class MemoryRing:
     def remaining(self) -> int:
         return len(self.keys) - self.taken
 
+    def published_count(self) -> int:
+        return len(self.keys)
+
     def publish(
         self,
         keys: Sequence[bytes],

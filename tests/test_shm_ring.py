@@ -91,9 +91,11 @@ def test_a_batch_larger_than_the_ring_is_cut_to_the_prefix_that_fits(name: str) 
     ring = ReadyRing.create(name, capacity=8, arena_bytes=100)
     try:
         _publish(ring, [b"k%02d" % i for i in range(20)])  # 8 entries fit, 3 bytes each
-        assert ring.remaining() == 8
+        assert ring.remaining() == ring.published_count() == 8
         _publish(ring, [b"x" * 30 for _ in range(5)])  # the arena holds 3 of them
+        assert ring.published_count() == 3
         assert [e.key for e in ring.claim(10)] == [b"x" * 30] * 3
+        assert ring.published_count() == 3 and ring.remaining() == 0
         assert ring.statistics().truncated == 12 + 2
         with pytest.raises(ValueError, match="key 1 is 2049 bytes"):
             _publish(ring, [b"a", b"b" * 2049])
