@@ -122,7 +122,7 @@ def worker0_process(conn: Connection, store_url: str, instance: str) -> None:
     stop = threading.Event()
     node: Any = None
     error: list[str] = []
-    feed_stats: list[Any] = []
+    feeds: list[Any] = []  # the consumer's subscription, for its statistics at collect
     subscribed = threading.Event()  # the arm's writes must start after the feed is open
 
     def thread_cpu() -> float:
@@ -142,17 +142,17 @@ def worker0_process(conn: Connection, store_url: str, instance: str) -> None:
     def consume() -> None:
         store = StampedStore(open_store(store_url), log, counter)
         subscription = store.subscribe(FEED_CONSUMER, store.feed_head())
+        feeds[:] = [subscription]
         subscribed.set()
         last_save = time.monotonic()
         try:
             while not stop.is_set():
                 subscription.wait(0.05)
-                while subscription.poll(2000).events:
+                while subscription.poll(2000).more:  # a short batch read to the end
                     pass
                 if time.monotonic() - last_save > 1.0:
                     subscription.save()
                     last_save = time.monotonic()
-                feed_stats[:] = [msgspec.to_builtins(subscription.statistics())]
         except Exception as exc:
             error.append(repr(exc))
         finally:
@@ -197,6 +197,7 @@ def worker0_process(conn: Connection, store_url: str, instance: str) -> None:
         if command == "start":
             stop.clear()
             subscribed.clear()
+            feeds.clear()
             thread = threading.Thread(target=consume if args[0] == "feed" else keep, daemon=True)
             thread.start()
             if args[0] == "feed":
@@ -212,7 +213,10 @@ def worker0_process(conn: Connection, store_url: str, instance: str) -> None:
             log.events.clear()
             conn.send(snapshot())
         elif command == "collect":
-            conn.send((snapshot(), msgspec.msgpack.encode(log), error[:], feed_stats[:]))
+            # Read from this thread: the counters are plain ints, and the consumer's own
+            # loop stays free of bookkeeping (its CPU per write is a figure).
+            stats = [msgspec.to_builtins(feed.statistics()) for feed in feeds]
+            conn.send((snapshot(), msgspec.msgpack.encode(log), error[:], stats))
     node.close()
 
 
