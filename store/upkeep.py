@@ -15,7 +15,7 @@ have the core first. At normal priority it was, on two cores, the third runnable
 thread beside a writer flat out and the feed's consumer, so a consumer woken by a
 commit could wait for a core. `python -m bench.store --part feed` (250k rows), run
 after run on this machine: the flat-out lag p99 was 0.6-3.5 ms (median 2.4, eight
-runs) under SCHED_IDLE, 3.0-5.1 ms (median 4.3, four runs) at normal priority or at
+runs) under SCHED_IDLE, 3.0-5.1 ms (median 3.9, four runs) at normal priority or at
 nice 19. The machine's own stalls (kernel threads) still show in the worst runs.
 
 Pruning. Every `prune_interval_s` the log's floor is raised to the lowest cursor a
