@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import TYPE_CHECKING
 
 from starlette.responses import Response
 
 from api.body import json_response
-from api.node import Node
 from api.schemas import (
     ClaimRequest,
     ClaimResponse,
@@ -25,6 +25,9 @@ from api.schemas import (
     RenewResults,
 )
 from shm import Grant, key_hash
+
+if TYPE_CHECKING:
+    from api.node import Node
 
 LEASE_NOT_HELD = "lease_not_held"
 NOT_FOUND = "not_found"

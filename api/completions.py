@@ -17,17 +17,21 @@ import asyncio
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from api.claims import LEASE_NOT_HELD, NOT_FOUND, now_ms, parse_token
-from api.node import Node
 from api.problems import ApiError
 from api.schemas import CompletionsRequest, ItemResult, ItemResults
 from shm import key_hash
 from store.errors import StoreBusy
 from store.rows import Completion
+from store.sqlite import DEFAULT_BUSY_TIMEOUT_S
 from store.validate import check_key
+
+if TYPE_CHECKING:
+    from api.node import Node
 
 # The first wait is one turn of the event loop's clock (epoll waits whole milliseconds);
 # a 100-key completion holds the lock about that long.
@@ -107,7 +111,7 @@ class CompletionQueue:
     """One worker's completions, committed without blocking its event loop (module note)."""
 
     node: Node
-    busy_timeout_s: float = 30.0  # the SQLite store's own default
+    busy_timeout_s: float = DEFAULT_BUSY_TIMEOUT_S
     _waiting: list[_Waiting] = field(default_factory=list)
     _drainer: asyncio.Task[None] | None = None
     _requests: int = 0

@@ -9,16 +9,13 @@ store (api.completions).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import msgspec
 
+from api.completions import CompletionQueue
 from api.routebook import RouteBook
 from shm import LeaseTable, ReadyRing, StateBuffer
 from store.base import ScheduleStore
-
-if TYPE_CHECKING:
-    from api.completions import CompletionQueue
 
 
 class ApiSettings(msgspec.Struct, frozen=True, kw_only=True):
@@ -48,8 +45,6 @@ class Node:
     completions: CompletionQueue = field(init=False)
 
     def __post_init__(self) -> None:
-        from api.completions import CompletionQueue  # it builds on this module
-
         self.routes = RouteBook(self.store)
         self.completions = CompletionQueue(self)
 

@@ -7,7 +7,6 @@ in-memory stand-ins the tests use.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Protocol
 
 import numpy as np
@@ -15,18 +14,6 @@ import numpy.typing as npt
 
 
 class ReadyRingLike(Protocol):
-    def publish(
-        self,
-        keys: Sequence[bytes],
-        due_at: npt.NDArray[np.int64],
-        class_id: npt.NDArray[np.int32],
-        key_hash: npt.NDArray[np.uint64],
-        now_ms: int,
-        cadence_s: npt.NDArray[np.uint32] | None = None,
-    ) -> int:
-        """Replace the published set; returns the new generation."""
-        ...
-
     def publish_slices(
         self,
         source: bytearray,
@@ -38,7 +25,8 @@ class ReadyRingLike(Protocol):
         now_ms: int,
         cadence_s: npt.NDArray[np.uint32] | None = None,
     ) -> int:
-        """`publish`, with key i being source[starts[i] : starts[i] + lengths[i]]."""
+        """Replace the published set with these entries, key i being
+        source[starts[i] : starts[i] + lengths[i]]; returns the new generation."""
         ...
 
     def remaining(self) -> int:

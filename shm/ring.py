@@ -89,6 +89,26 @@ def _offsets(capacity: int, arena_bytes: int) -> tuple[int, int, int]:
     return entries, arena, align(arena + 2 * arena_bytes)
 
 
+def _check_columns(
+    n_in: int,
+    due_at: np.ndarray,
+    class_id: np.ndarray,
+    key_hash: np.ndarray,
+    cadence_s: np.ndarray | None,
+    lengths: np.ndarray | None = None,
+) -> None:
+    """Every column of a publish names the same number of entries as its keys."""
+    sized = len(due_at) == len(class_id) == len(key_hash) == n_in
+    if not sized or (lengths is not None and len(lengths) != n_in):
+        named = "" if lengths is None else f"{len(lengths)} lengths, "
+        raise ValueError(
+            f"publish: {n_in} keys but {named}{len(due_at)} due times, "
+            f"{len(class_id)} class ids and {len(key_hash)} hashes"
+        )
+    if cadence_s is not None and len(cadence_s) != n_in:
+        raise ValueError(f"publish: {n_in} keys but {len(cadence_s)} cadences")
+
+
 def ring_size(capacity: int, arena_bytes: int) -> int:
     return _offsets(capacity, arena_bytes)[2]
 
@@ -176,13 +196,7 @@ class ReadyRing:
         `cadence_s` the entries say 0 (not known) and claimants read the row first.
         """
         n_in = len(keys)
-        if not len(due_at) == len(class_id) == len(key_hash) == n_in:
-            raise ValueError(
-                f"publish: {n_in} keys but {len(due_at)} due times, {len(class_id)} class ids "
-                f"and {len(key_hash)} hashes"
-            )
-        if cadence_s is not None and len(cadence_s) != n_in:
-            raise ValueError(f"publish: {n_in} keys but {len(cadence_s)} cadences")
+        _check_columns(n_in, due_at, class_id, key_hash, cadence_s)
         lengths = np.fromiter((len(k) for k in keys), dtype=np.int64, count=n_in)
         too_long = np.flatnonzero(lengths > KEY_MAX)
         if too_long.size:
@@ -241,13 +255,7 @@ class ReadyRing:
         already sit in its slot arena). A slice outside `source` is refused, as is a key
         over KEY_MAX, before anything is written."""
         n_in = len(starts)
-        if not len(lengths) == len(due_at) == len(class_id) == len(key_hash) == n_in:
-            raise ValueError(
-                f"publish: {n_in} keys but {len(lengths)} lengths, {len(due_at)} due times, "
-                f"{len(class_id)} class ids and {len(key_hash)} hashes"
-            )
-        if cadence_s is not None and len(cadence_s) != n_in:
-            raise ValueError(f"publish: {n_in} keys but {len(cadence_s)} cadences")
+        _check_columns(n_in, due_at, class_id, key_hash, cadence_s, lengths)
         generation, _ = self._ring.publish(
             source,
             np.ascontiguousarray(starts, dtype=np.int64),
