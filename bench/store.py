@@ -350,8 +350,14 @@ def thread_use(thread: threading.Thread | None) -> ThreadUse:
     return ThreadUse(cpu_ns=cpu_ns, write_bytes=int(fields["write_bytes"]))
 
 
-def per_key(after: int | None, before: int | None, keys: int) -> float | None:
-    return None if after is None or before is None else (after - before) / keys
+def bytes_written(before: list[ThreadUse], after: list[ThreadUse]) -> int | None:
+    """What the threads wrote between two readings; None without per-thread accounting."""
+    total = 0
+    for a, b in zip(before, after, strict=True):
+        if a.write_bytes is None or b.write_bytes is None:
+            return None
+        total += b.write_bytes - a.write_bytes
+    return total
 
 
 class HotArm(msgspec.Struct, kw_only=True):
@@ -413,8 +419,8 @@ def run_hot(config: HotConfig, work: Path, result: report.SectionResult) -> None
         cpu1, read = time.thread_time_ns(), time.perf_counter_ns()
         store.complete(done)
         cpu2, completed = time.thread_time_ns(), time.perf_counter_ns()
-        written = per_key(thread_use(None).write_bytes, mine0.write_bytes, 1)
-        wal_bytes = None if wal_bytes is None or written is None else wal_bytes + int(written)
+        written = bytes_written([mine0], [thread_use(None)])
+        wal_bytes = None if wal_bytes is None or written is None else wal_bytes + written
         assert len(found) == HOT_BATCH
         arm.read_ns.append((read - started) / HOT_BATCH)
         arm.complete_ns.append((completed - read) / HOT_BATCH)
@@ -424,14 +430,7 @@ def run_hot(config: HotConfig, work: Path, result: report.SectionResult) -> None
     time.sleep(0.3)  # the checkpoint of the last batches, counted with the rest
     theirs1 = [thread_use(t) for t in upkeep]
     checkpoint_cpu_ns = sum(b.cpu_ns - a.cpu_ns for a, b in zip(theirs0, theirs1, strict=True))
-    checkpoint_bytes: int | None = 0
-    for a, b in zip(theirs0, theirs1, strict=True):
-        done_bytes = per_key(b.write_bytes, a.write_bytes, 1)
-        checkpoint_bytes = (
-            None
-            if checkpoint_bytes is None or done_bytes is None
-            else checkpoint_bytes + int(done_bytes)
-        )
+    checkpoint_bytes = bytes_written(theirs0, theirs1)
     stats = store.statistics()
     other.close()
     store.close()
