@@ -384,9 +384,13 @@ def measure(n: int, quick: bool) -> dict[str, Any]:
     }
 
 
-def old_publish(core: KeeperCore, ring: ReadyRing, leases: LeaseTable, now: int) -> list[bytes]:
-    """The publish before publish_slices: what the new one is measured against."""
-    selection = core.select(PUBLISH_K, now, lambda h: leases.blocked_mask(h, now))
+def old_publish(
+    core: KeeperCore, ring: ReadyRing, leases: LeaseTable, now: int, k: int = PUBLISH_K
+) -> list[bytes]:
+    """The publish before publish_slices (the selection with no margin hint, a bytes
+    object per key, joined into the ring by numpy): what the new one is measured against
+    here and checked against byte for byte in tests/test_keeper_publish.py."""
+    selection = core.select(k, now, lambda h: leases.blocked_mask(h, now))
     keys = core.queue.slots.keys(selection.slots)
     cadence_s = (core.classes.cadence_ms()[selection.class_id] // 1000).astype(np.uint32)
     ring.publish(keys, selection.due_at, selection.class_id, selection.key_hash, now, cadence_s)

@@ -7,11 +7,11 @@ from __future__ import annotations
 import os
 import uuid
 
-import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from keeper_helpers import NOW, MemoryRing, core_with_dues
 
+from bench.keeper import old_publish
 from keeper.config import KeeperConfig
 from keeper.core import KeeperCore
 from keeper.publish import Publisher, PublishFailed
@@ -131,15 +131,6 @@ def test_each_entry_carries_its_rows_effective_cadence() -> None:
         table.unlink()
 
 
-def _old_publish(core: KeeperCore, ring: ReadyRing, table: LeaseTable, now: int) -> list[bytes]:
-    """The publish as it was: a bytes object per key, joined into the ring by numpy."""
-    selection = core.select(core.config.best_k, now, lambda h: table.blocked_mask(h, now))
-    keys = core.queue.slots.keys(selection.slots)
-    cadence_s = (core.classes.cadence_ms()[selection.class_id] // 1000).astype(np.uint32)
-    ring.publish(keys, selection.due_at, selection.class_id, selection.key_hash, now, cadence_s)
-    return keys
-
-
 @given(
     dues=st.lists(st.integers(-7_200_000, 600_000), min_size=1, max_size=300),
     rounds=st.lists(st.sets(st.integers(0, 299), max_size=150), min_size=1, max_size=4),
@@ -166,7 +157,7 @@ def test_a_publish_leaves_the_ring_byte_for_byte_as_the_list_of_keys_did(
             for j in leased:
                 if j < len(dues):
                     table.grant(key_hash(b"/p/%d" % j), now, 600_000, 3_600_000)
-            keys = _old_publish(core, old, table, now)
+            keys = old_publish(core, old, table, now, core.config.best_k)
             top = publisher.publish(now)
             assert top == keys[: core.config.top_check]
             assert old._segment.generation == new._segment.generation == i + 1
