@@ -10,13 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from keeper_helpers import NOW, core_with_dues
 
-from keeper.core import KeeperCore
 from keeper.select import BlockedMask, select_best
 from shm import key_hash
-
-
-def _core(dues: list[int]) -> KeeperCore:
-    return core_with_dues(dues)
 
 
 def _mask(blocked: set[int]) -> BlockedMask:
@@ -39,7 +34,7 @@ def test_the_selection_is_the_best_claimable_rows_whatever_the_expected_blocked(
     dues: list[int], blocked: set[int], k: int, expect: int
 ) -> None:
     """Against brute force: every due row best first (no mask), less the blocked keys."""
-    core = _core(dues)
+    core = core_with_dues(dues)
     everything = core.select(len(dues), NOW, None)
     keep = ~_mask(blocked)(everything.key_hash)
     chosen = select_best(core.queue, k, NOW, _mask(blocked), expect_blocked=expect)
@@ -57,7 +52,7 @@ def test_the_blocked_count_a_selection_reports_spares_the_next_its_second_read()
     """A quarter of the top 1,000 blocked (the fleet's working set): the default margin
     (a sixteenth) reads twice; told the last selection's blocked_ahead, once."""
     rng = np.random.default_rng(5)
-    core = _core(rng.integers(-7_200_000, 0, 4_000).tolist())
+    core = core_with_dues(rng.integers(-7_200_000, 0, 4_000).tolist())
     top = core.select(1_000, NOW, None)
     index = {key_hash(b"/p/%d" % i): i for i in range(4_000)}
     picked = rng.choice(1_000, 250, replace=False)
