@@ -158,12 +158,41 @@ class _Completions(msgspec.Struct):
     items: list[_Done]
 
 
+def connect(port: int, count: int, workers: int) -> tuple[list[NodeClient], list[int]]:
+    """`count` keep-alive connections that reach every one of `workers` workers.
+
+    Each worker has its own listeners and the kernel hashes connections over them, so a
+    claimant's few connections could all land on one worker (worker 0 has one listener to
+    every other worker's two: eight connections all miss it about one time in 25). A fleet
+    has many connections; a claimant stands in for a share of them, so it keeps the first
+    connection to each worker and fills the rest in the order the kernel gave them.
+    Returns the connections and the pid answering on each.
+    """
+    opened: list[tuple[NodeClient, int]] = []
+    while len(opened) < 10 * count:
+        client = NodeClient(port)
+        opened.append((client, int(client.call("GET", "/healthz")[1]["pid"])))
+        if len(opened) >= count and len({pid for _, pid in opened}) >= workers:
+            break
+    first_of_worker: dict[int, int] = {}  # pid -> index in `opened`
+    for i, (_, pid) in enumerate(opened):
+        first_of_worker.setdefault(pid, i)
+    firsts = set(first_of_worker.values())
+    rest = [i for i in range(len(opened)) if i not in firsts][: max(0, count - len(firsts))]
+    kept = sorted(firsts.union(rest))
+    for i, (client, _) in enumerate(opened):
+        if i not in kept:
+            client.close()
+    return [opened[i][0] for i in kept], [opened[i][1] for i in kept]
+
+
 def claimant(
     port: int,
     index: int,
     batch: int,
     max_keys: int,
     max_s: float,
+    workers: int,
     ready: Any,
     start: Any,
     results: Any,
@@ -174,12 +203,7 @@ def claimant(
     not_ok = 0
     error = ""
     started = finished = time.perf_counter()
-    # A few connections per claimant, used in turn: each worker has its own listener and
-    # the kernel hashes connections over them, so two claimants with one connection each
-    # would land on one worker half the time. A fleet has many connections.
-    clients = [NodeClient(port) for _ in range(CONNECTIONS_PER_CLAIMANT)]
-    # Which worker each keep-alive connection landed on, by the pid that answers on it.
-    pids = [int(client.call("GET", "/healthz")[1]["pid"]) for client in clients]
+    clients, pids = connect(port, CONNECTIONS_PER_CLAIMANT, workers)
     claim_pid: list[int] = []
     turn = 0
     try:
@@ -249,7 +273,10 @@ def run_our_arm(
 ) -> ArmResult:
     raw = race(
         claimant,
-        [(port, i, batch, max_keys // claimants, max_s) for i in range(claimants)],
+        [
+            (port, i, batch, max_keys // claimants, max_s, len(set((worker_of or {}).values())))
+            for i in range(claimants)
+        ],
         max_s + 120,
     )
     reports = [msgspec.msgpack.decode(report) for report in raw]
