@@ -27,6 +27,7 @@ import msgspec
 from store import sqlite_sql as sql
 from store.base import Cursor, RowsRead
 from store.errors import StoreError
+from store.feed_ring import FeedHandoff, LogRecord, create_ring, remove_ring
 from store.rows import Completion, Route, Row, RowWrite
 from store.schema import KIND_ROW, migrate, schema_version
 from store.sqlite_conn import Retry, configure, connect
@@ -62,6 +63,9 @@ T = TypeVar("T")
 
 DEFAULT_BUSY_TIMEOUT_S = 30.0
 PRUNE_CHUNK = 20_000
+# The most log records a transaction reads back for the consumers' rings; a larger
+# transaction only bumps their `missed` (a ring takes at most a quarter of its slots).
+HANDOFF_LIMIT = 4096
 
 
 class StoreStatistics(msgspec.Struct, frozen=True, kw_only=True):
@@ -119,6 +123,7 @@ class SqliteStore:
         self._lock = threading.Lock()
         self._states: list[_ThreadState] = []
         self._poster = WakePoster()
+        self._handoff = FeedHandoff()
         self._upkeep = (
             Upkeep(self.path, self.raise_floor, prune_interval_s)
             if background_checkpoints
@@ -174,25 +179,48 @@ class SqliteStore:
         wait: bool = True,
     ) -> T:
         state = self._state()
-        result = state.retry.transaction(state.conn, what, body, write=True, wait=wait)
+        if logged:
+            self._refresh_consumers(state)
+        if logged and self._handoff.rings:
+            # The transaction's own log records, read back before it commits, for the
+            # consumers' rings (store.feed_ring): the entry before them gives the chain.
+            def logged_body(conn: sqlite3.Connection) -> tuple[T, list[LogRecord], int]:
+                before = int(conn.execute(sql.HEAD).fetchone()[0])
+                result = body(conn)
+                records = conn.execute(sql.POLL, (max(0, before - 1), HANDOFF_LIMIT + 1)).fetchall()
+                prev_stamp = 0
+                if records and records[0][0] == before:
+                    prev_stamp = int(records.pop(0)[3])
+                return result, records, prev_stamp
+
+            result, records, prev_stamp = state.retry.transaction(
+                state.conn, what, logged_body, write=True, wait=wait
+            )
+            self._committed(state, rows)
+            self._handoff.hand_over(records, prev_stamp, whole=len(records) < HANDOFF_LIMIT)
+        else:
+            result = state.retry.transaction(state.conn, what, body, write=True, wait=wait)
+            self._committed(state, rows)
+        if logged:
+            self._poster.post()
+        return result
+
+    def _committed(self, state: _ThreadState, rows: int) -> None:
         state.last_commit_ns = time.monotonic_ns()
         if self._upkeep is not None:
             self._upkeep.committed()
         state.transactions += 1
         state.rows_written += rows
-        if logged:
-            self._wake(state)
-        return result
 
-    def _wake(self, state: _ThreadState) -> None:
+    def _refresh_consumers(self, state: _ThreadState) -> None:
+        """Learn the subscribed consumers' semaphores and rings now and then."""
         if self._poster.due():
             try:
                 names = [n for (n,) in state.conn.execute(sql.WAKE_NAMES)]
             except sqlite3.OperationalError:
-                names = None  # busy: keep the old list; a wake-up is only a hint
-            if names is not None:
-                self._poster.refresh(names)
-        self._poster.post()
+                return  # busy: keep the old lists; a wake-up is only a hint
+            self._poster.refresh(names)
+            self._handoff.refresh(names)
 
     @property
     def last_commit_ns(self) -> int:
@@ -395,6 +423,7 @@ class SqliteStore:
         # A fresh semaphore per subscription, made before writers can learn its name.
         wake = new_wake_name(self._wake_prefix)
         waiter = open_waiter(wake)
+        ring = create_ring(wake) if waiter is not None else None
 
         def body(conn: sqlite3.Connection) -> tuple[Verdict, str, int, int, str | None]:
             saved = conn.execute(sql.CONSUMER, (consumer,)).fetchone()
@@ -423,9 +452,14 @@ class SqliteStore:
             if waiter is not None:
                 waiter.close()
             unlink(wake)
+            if ring is not None:
+                ring.close()
+                ring.unlink()
             raise
         if previous is not None and previous != wake:
-            unlink(previous)  # left by this consumer's last run, if it died without closing
+            # Left by this consumer's last run, if it died without closing.
+            unlink(previous)
+            remove_ring(previous)
         return SqliteSubscription(
             path=self.path,
             consumer=consumer,
@@ -433,6 +467,7 @@ class SqliteStore:
             stamp=stamp,
             wake_name=wake,
             waiter=waiter,
+            ring=ring,
             busy_timeout_s=self.busy_timeout_s,
         )
 
@@ -456,6 +491,7 @@ class SqliteStore:
         wake = self._write("drop_consumer", body, rows=0, logged=False)
         if wake is not None:
             unlink(wake)
+            remove_ring(wake)
         return wake is not None
 
     def raise_floor(self) -> int:
@@ -569,6 +605,7 @@ class SqliteStore:
             state.conn.close()
         self._local = threading.local()
         self._poster.close()
+        self._handoff.close()
 
     def __enter__(self) -> SqliteStore:
         return self

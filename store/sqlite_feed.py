@@ -7,6 +7,10 @@ the key's last entry. The cursor is `seq` plus the entry's random `stamp`:
 a cursor whose entry now carries another stamp, or whose seq is past the log's
 head, belongs to a log that was rolled back (a power loss under
 synchronous=NORMAL) and is refused as CursorAhead, which calls for a resync.
+
+Where the writers hand their records over in shared memory (store.feed_ring), a
+poll takes them from the subscription's ring while they continue the cursor, and
+reads SQLite only when the ring has nothing after it or says an entry is missing.
 """
 
 from __future__ import annotations
@@ -14,12 +18,14 @@ from __future__ import annotations
 import os
 import sqlite3
 import time
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import msgspec
 
 from store import sqlite_sql as sql
 from store.base import Cursor, CursorAhead, CursorBelowFloor, FeedBatch
+from store.feed_ring import FeedRing, FeedRingStatistics, LogRecord, decode_record
 from store.rows import FeedEvent, Route, RouteEvent, RowEvent, SettingsEvent
 from store.schema import DEFAULT_CADENCE_S, KIND_ROUTE, KIND_ROW, KIND_SETTINGS
 from store.sqlite_conn import Retry, configure, connect
@@ -87,6 +93,8 @@ class SubscriptionStatistics(msgspec.Struct, frozen=True, kw_only=True):
     timeouts: int
     wake: str  # the semaphore's name; "" when this consumer polls data_version only
     busy_retries: int
+    ring_entries: int  # log entries taken from the feed ring, not read from SQLite
+    ring: FeedRingStatistics | None  # None: no ring, every poll reads SQLite
 
 
 class SqliteSubscription:
@@ -101,6 +109,7 @@ class SqliteSubscription:
         stamp: int,
         wake_name: str,
         waiter: WakeWaiter | None,
+        ring: FeedRing | None,
         busy_timeout_s: float,
     ) -> None:
         self.consumer = consumer
@@ -119,8 +128,15 @@ class SqliteSubscription:
             if waiter is not None:
                 waiter.close()
             unlink(wake_name)
+            if ring is not None:
+                ring.close()
+                ring.unlink()
             raise
         self._waiter = waiter  # None: no semaphores here, data_version polling alone
+        self._ring = ring
+        # The ring's `missed` count this consumer has caught up with in SQLite.
+        self._ring_missed = 0 if ring is None else ring.missed()
+        self._ring_entries = 0
         self._seen_version: int | None = self._data_version()
         self._more = False
         self._polls = self._events = self._entries = self._coalesced = 0
@@ -153,6 +169,16 @@ class SqliteSubscription:
             self._seen_version = None
         else:
             self._seen_version = self._data_version()
+        ring, missed = self._ring, self._ring_missed
+        if ring is not None:
+            missed = ring.missed()  # after the clear: a post taken there was counted first
+        records: list[Any] = []
+        if ring is not None and missed == self._ring_missed:
+            records = self._from_ring(ring, limit)
+            self._ring_entries += len(records)
+        if records:
+            self._polls += 1
+            return self._deliver(records, {}, DEFAULT_CADENCE_S, limit)
         after = self._seq
         # One statement is one snapshot: the log entries and the rows they name agree.
         records = self._retry.call(
@@ -170,6 +196,30 @@ class SqliteSubscription:
                 raise CursorBelowFloor(f"consumer {self.consumer!r}: {found}; resync (walk)")
             records, routes, default_cadence_s = found
         self._polls += 1
+        if len(records) < limit:
+            self._ring_missed = missed  # caught up with the log's head as it was then
+        return self._deliver(records, routes, default_cadence_s, limit)
+
+    def _from_ring(self, ring: FeedRing, limit: int) -> list[LogRecord]:
+        """The ring's entries that continue the cursor, up to `limit`."""
+        out: list[LogRecord] = []
+        seq, stamp = self._seq, self._stamp
+        while len(out) < limit:
+            payload = ring.get(seq + 1, stamp)
+            record = None if payload is None else decode_record(payload)
+            if record is None or record[0] != seq + 1 or record[1] != KIND_ROW:
+                break
+            out.append(record)
+            seq, stamp = record[0], record[3]
+        return out
+
+    def _deliver(
+        self,
+        records: Sequence[Sequence[Any]],
+        routes: dict[str, Route],
+        default_cadence_s: int,
+        limit: int,
+    ) -> FeedBatch:
         # A full batch may have left entries behind (coalescing can make the events fewer
         # than the limit all the same): the next wait() must not sleep on them.
         self._more = len(records) >= limit
@@ -217,6 +267,11 @@ class SqliteSubscription:
     def wait(self, timeout_s: float) -> bool:
         if self._more:
             return True
+        ring = self._ring
+        if ring is not None and (
+            ring.ready(self._seq + 1, self._stamp) or ring.missed() != self._ring_missed
+        ):
+            return True  # without a system call: a busy consumer's usual case
         # A post pending since the poll began answers without a statement: a busy
         # consumer's usual case, and data_version costs a read transaction.
         if self._waiter is not None and self._waiter.take():
@@ -274,6 +329,8 @@ class SqliteSubscription:
             timeouts=self._timeouts,
             wake=self._wake_name if self._waiter is not None else "",
             busy_retries=self._retry.retries,
+            ring_entries=self._ring_entries,
+            ring=None if self._ring is None else self._ring.statistics(),
         )
 
     def close(self) -> None:
@@ -283,6 +340,9 @@ class SqliteSubscription:
         if self._waiter is not None:
             self._waiter.close()
             unlink(self._wake_name)
+        if self._ring is not None:
+            self._ring.close()
+            self._ring.unlink()
         self._conn.close()
 
     def __enter__(self) -> SqliteSubscription:
