@@ -185,19 +185,16 @@ class SqliteStore:
             # The transaction's own log records, read back before it commits, for the
             # consumers' rings (store.feed_ring): the entry before them gives the chain.
             def logged_body(conn: sqlite3.Connection) -> tuple[T, list[LogRecord], int]:
-                before = int(conn.execute(sql.HEAD).fetchone()[0])
+                before, prev_stamp = head(conn)
                 result = body(conn)
-                records = conn.execute(sql.POLL, (max(0, before - 1), HANDOFF_LIMIT + 1)).fetchall()
-                prev_stamp = 0
-                if records and records[0][0] == before:
-                    prev_stamp = int(records.pop(0)[3])
+                records = conn.execute(sql.POLL, (before, HANDOFF_LIMIT + 1)).fetchall()
                 return result, records, prev_stamp
 
             result, records, prev_stamp = state.retry.transaction(
                 state.conn, what, logged_body, write=True, wait=wait
             )
             self._committed(state, rows)
-            self._handoff.hand_over(records, prev_stamp, whole=len(records) < HANDOFF_LIMIT)
+            self._handoff.hand_over(records, prev_stamp, whole=len(records) <= HANDOFF_LIMIT)
         else:
             result = state.retry.transaction(state.conn, what, body, write=True, wait=wait)
             self._committed(state, rows)

@@ -34,6 +34,10 @@ from store.wake import WakeWaiter, unlink
 
 _TOKEN_PREFIX = "sqlite"
 FALLBACK_POLL_S = 0.004  # data_version is checked this often while no post arrives
+# After a poll that delivered, a consumer with a ring first sleeps this long for more
+# to gather: a writer posting a consumer blocked on its semaphore pays a futex wake (16
+# µs, the size of a whole commit) per commit, and the consumer a wake-up per event.
+GATHER_S = 0.0002
 
 Verdict = Literal["ok", "below", "ahead"]
 
@@ -56,11 +60,9 @@ def parse_cursor(cursor: Cursor) -> tuple[int, int]:
 
 
 def head(conn: sqlite3.Connection) -> tuple[int, int]:
-    seq = int(conn.execute(sql.HEAD).fetchone()[0])
-    if seq == 0:
-        return 0, 0
-    found = conn.execute(sql.STAMP_AT, (seq,)).fetchone()
-    return seq, int(found[0]) if found else 0
+    """The last log entry's seq and stamp; (0, 0) for an empty log."""
+    found = conn.execute(sql.LAST_ENTRY).fetchone()
+    return (0, 0) if found is None else (int(found[0]), int(found[1]))
 
 
 def judge(conn: sqlite3.Connection, seq: int, stamp: int) -> tuple[Verdict, str]:
@@ -94,6 +96,7 @@ class SubscriptionStatistics(msgspec.Struct, frozen=True, kw_only=True):
     wake: str  # the semaphore's name; "" when this consumer polls data_version only
     busy_retries: int
     ring_entries: int  # log entries taken from the feed ring, not read from SQLite
+    gathered: int  # waits answered by the ring after a GATHER_S sleep, not by a post
     ring: FeedRingStatistics | None  # None: no ring, every poll reads SQLite
 
 
@@ -137,8 +140,10 @@ class SqliteSubscription:
         # The ring's `missed` count this consumer has caught up with in SQLite.
         self._ring_missed = 0 if ring is None else ring.missed()
         self._ring_entries = 0
+        self._gathered = 0
         self._seen_version: int | None = self._data_version()
         self._more = False
+        self._delivered = False  # the last poll had events: the stream is busy
         self._polls = self._events = self._entries = self._coalesced = 0
         self._woken = self._noticed = self._timeouts = 0
         self._closed = False
@@ -223,6 +228,7 @@ class SqliteSubscription:
         # A full batch may have left entries behind (coalescing can make the events fewer
         # than the limit all the same): the next wait() must not sleep on them.
         self._more = len(records) >= limit
+        self._delivered = bool(records)
         if not records:
             return FeedBatch(events=[], cursor=self.cursor)
         events: dict[tuple[int, str], FeedEvent] = {}
@@ -268,10 +274,15 @@ class SqliteSubscription:
         if self._more:
             return True
         ring = self._ring
-        if ring is not None and (
-            ring.ready(self._seq + 1, self._stamp) or ring.missed() != self._ring_missed
-        ):
-            return True  # without a system call: a busy consumer's usual case
+        if ring is not None:
+            if self._ring_says_more(ring):
+                return True  # without a system call: a busy consumer's usual case
+            if self._delivered and timeout_s > 0:
+                self._delivered = False
+                time.sleep(min(GATHER_S, timeout_s))
+                if self._ring_says_more(ring):
+                    self._gathered += 1
+                    return True
         # A post pending since the poll began answers without a statement: a busy
         # consumer's usual case, and data_version costs a read transaction.
         if self._waiter is not None and self._waiter.take():
@@ -296,6 +307,9 @@ class SqliteSubscription:
             elif self._waiter.wait(slice_s):
                 self._woken += 1
                 return True
+
+    def _ring_says_more(self, ring: FeedRing) -> bool:
+        return ring.ready(self._seq + 1, self._stamp) or ring.missed() != self._ring_missed
 
     def has_delivered(self, cursor: Cursor) -> bool:
         # Seq order is commit order (one writer at a time): every entry up to the
@@ -330,6 +344,7 @@ class SqliteSubscription:
             wake=self._wake_name if self._waiter is not None else "",
             busy_retries=self._retry.retries,
             ring_entries=self._ring_entries,
+            gathered=self._gathered,
             ring=None if self._ring is None else self._ring.statistics(),
         )
 

@@ -133,6 +133,7 @@ ON CONFLICT (name) DO UPDATE SET value = excluded.value
 """
 
 HEAD = "SELECT coalesce(max(seq), 0) FROM change_log"
+LAST_ENTRY = "SELECT seq, stamp FROM change_log ORDER BY seq DESC LIMIT 1"
 FLOOR = "SELECT floor FROM feed_state WHERE id = 1"
 STAMP_AT = "SELECT stamp FROM change_log WHERE seq = ?"
 

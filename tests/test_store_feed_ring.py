@@ -17,6 +17,7 @@ import pytest
 
 from shm.segment import LayoutMismatch
 from shm.state import StateBuffer
+from store import sqlite_feed
 from store.feed_ring import (
     PAYLOAD_BYTES,
     FeedHandoff,
@@ -362,4 +363,30 @@ def test_writer_processes_one_killed_mid_stream_feed_an_exact_consumer(
     assert seen == table(store)
     stats = sub.statistics()
     assert stats.ring_entries > 0 and stats.polls > 0
+    sub.close()
+
+
+def test_a_busy_consumer_gathers_commits_before_it_blocks(
+    store: SqliteStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a poll that delivered, wait() first sleeps GATHER_S and looks at the ring
+    again, so a writer running flat out seldom has to wake a consumer blocked on its
+    semaphore; after a poll that found nothing it blocks at once."""
+    sub = store.subscribe("keeper")
+    store.write([put("/a")])
+    assert len(sub.poll().events) == 1
+    slept: list[float] = []
+
+    def commit_while_asleep(seconds: float) -> None:
+        slept.append(seconds)
+        store.write([put("/b")])
+
+    monkeypatch.setattr(sqlite_feed.time, "sleep", commit_while_asleep)
+    assert sub.wait(1.0) is True
+    assert slept == [sqlite_feed.GATHER_S] and sub.statistics().gathered == 1
+    assert [e.key for e in sub.poll().events if isinstance(e, RowEvent)] == ["/b"]
+    sub.wait(0)  # takes the writer's pending post
+    assert sub.poll().events == []
+    assert sub.wait(0.01) is False
+    assert slept == [sqlite_feed.GATHER_S]  # nothing delivered last: no gathering
     sub.close()
