@@ -8,8 +8,9 @@ has a connection of its own and serves one reader.
 
 Writes are all or nothing: every batch is one BEGIN IMMEDIATE transaction,
 retried whole while other writers hold the lock (see sqlite_conn). After each
-commit the writer posts the registered consumers' semaphores (see wake), and
-a daemon thread checkpoints the WAL off the writers' path (see checkpoint).
+commit the writer copies the commit's log records into the subscribed consumers'
+rings (see feed_ring), then posts their semaphores (see wake); a daemon thread
+checkpoints the WAL off the writers' path (see upkeep).
 """
 
 from __future__ import annotations
