@@ -31,6 +31,7 @@ checkpoints, and the checkpoints' CPU.
 from __future__ import annotations
 
 import argparse
+import gc
 import multiprocessing as mp
 import os
 import random
@@ -93,6 +94,7 @@ def consumer_process(conn: Connection, path: str) -> None:
     subscription = store.subscribe(CONSUMER, store.feed_head())
     tags: list[int] = []
     at_ns: list[int] = []
+    gc.freeze()  # as the node's workers do once started (workers.worker.serve)
     conn.send("ready")
     cpu0 = time.process_time()
     stopping = False

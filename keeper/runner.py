@@ -26,6 +26,7 @@ and counting those as missed writes made every trust figure lie).
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 import time
@@ -369,6 +370,10 @@ class Keeper:
                     repairs.gained,
                 )
         if self.feed.open:
+            if self.phase != "live":
+                # The load's objects stay as long as the keeper: keep full collections
+                # from walking them (see workers.worker.serve).
+                gc.freeze()
             self.phase = "live"
             self._exact_reason = ""
         self._write_state(now, full=True)
