@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+
+from store.sqlite import SqliteStore
 
 IN_CI = os.environ.get("CI", "").lower() == "true"
 
@@ -31,3 +35,14 @@ def postgres_dsn() -> str:
 def redis_url() -> str:
     require_service("Redis", "127.0.0.1", 6379)
     return "redis://127.0.0.1:6379/0"
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[SqliteStore]:
+    """A SqliteStore on a fresh file. Its consumers are dropped at the end, which removes
+    the semaphores and feed rings of any subscription a test left open."""
+    opened = SqliteStore(tmp_path / "schedule.db")
+    yield opened
+    for name in opened.consumers():
+        opened.drop_consumer(name)
+    opened.close()

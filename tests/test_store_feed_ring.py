@@ -43,15 +43,6 @@ def ring() -> Iterator[FeedRing]:
     made.unlink()
 
 
-@pytest.fixture
-def store(tmp_path: Path) -> Iterator[SqliteStore]:
-    opened = SqliteStore(tmp_path / "schedule.db")
-    yield opened
-    for name in opened.consumers():
-        opened.drop_consumer(name)
-    opened.close()
-
-
 def record(seq: int, stamp: int, key: str = "/a", kind: int = KIND_ROW) -> LogRecord:
     return (seq, kind, key, stamp, "product", None, 0, 1_000, None, None, 1)
 

@@ -19,15 +19,6 @@ from store.sqlite import SqliteStore
 from store.sqlite_feed import parse_cursor
 
 
-@pytest.fixture
-def store(tmp_path: Path) -> Iterator[SqliteStore]:
-    opened = SqliteStore(tmp_path / "schedule.db")
-    yield opened
-    for name in opened.consumers():
-        opened.drop_consumer(name)
-    opened.close()
-
-
 def put(key: str, at: int = 1_000, **fields: object) -> RowWrite:
     return RowWrite(key=key, route=str(fields.pop("route", "product")), next_render_at=at, **fields)  # type: ignore[arg-type]
 

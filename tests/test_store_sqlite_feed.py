@@ -8,7 +8,7 @@ import signal
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -18,14 +18,6 @@ from store.rows import Completion, Route, RouteEvent, RowEvent, RowWrite, Settin
 from store.sqlite import SqliteStore
 from store.sqlite_feed import SqliteSubscription, parse_cursor
 from store.wake import unlink
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> Iterator[SqliteStore]:
-    opened = SqliteStore(tmp_path / "schedule.db")
-    yield opened
-    drop_all(opened)
-    opened.close()
 
 
 def drop_all(store: SqliteStore) -> None:
