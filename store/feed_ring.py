@@ -258,8 +258,13 @@ class FeedHandoff:
                 ring.published(written)
                 if not complete or written < len(encoded):
                     ring.miss()
-            except ValueError:
-                self.failed += 1  # closed by a refresh on another thread: it was dropped
+            except Exception:
+                # The commit stands whatever happens here: the writer's caller must not see
+                # an error for it. A ring closed by a refresh on another thread (dropped) is
+                # the expected case; for any other, say missed so the consumer reads SQLite.
+                self.failed += 1
+                with contextlib.suppress(Exception):
+                    ring.miss()
 
     def close(self) -> None:
         with self._lock:

@@ -381,3 +381,22 @@ def test_a_busy_consumer_gathers_commits_before_it_blocks(
     assert sub.wait(0.01) is False
     assert slept == [sqlite_feed.GATHER_S]  # nothing delivered last: no gathering
     sub.close()
+
+
+def test_a_handoff_that_fails_never_fails_the_commit(
+    store: SqliteStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sub = store.subscribe("keeper")
+    store.write([put("/a")])  # the writer attaches the ring
+    sub.poll()
+    (ring,) = store._handoff.rings
+
+    def broken(seq: int, prev_stamp: int, payload: bytes) -> bool:
+        raise RuntimeError("a ring in a state this build did not foresee")
+
+    monkeypatch.setattr(ring, "put", broken)
+    store.write([put("/b")])  # committed: no error reaches the caller
+    assert store._handoff.failed == 1 and ring.missed() == 1
+    assert [e.key for e in sub.poll().events if isinstance(e, RowEvent)] == ["/b"]
+    assert sub.statistics().ring_entries == 1  # /a only: /b came from SQLite
+    sub.close()
