@@ -48,6 +48,9 @@ from store.schema import KIND_ROW
 KIND = "feed_ring"
 SLOT_BYTES = 512
 DEFAULT_SLOTS = 16_384  # 8 MiB: most of a second of a writer running flat out
+# The most log records one commit hands over (a writer reads back one more to tell);
+# a larger commit only bumps `missed`. A ring of fewer slots takes at most a quarter.
+HANDOFF_LIMIT = DEFAULT_SLOTS // 4
 EMPTY = (1 << 64) - 1  # a slot's seq word before its first entry
 
 _CTRL = HEADER_BYTES // 8

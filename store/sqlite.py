@@ -28,7 +28,7 @@ import msgspec
 from store import sqlite_sql as sql
 from store.base import Cursor, RowsRead
 from store.errors import StoreError
-from store.feed_ring import FeedHandoff, LogRecord, create_ring, remove_ring
+from store.feed_ring import HANDOFF_LIMIT, FeedHandoff, LogRecord, create_ring
 from store.rows import Completion, Route, Row, RowWrite
 from store.schema import KIND_ROW, migrate, schema_version
 from store.sqlite_conn import Retry, configure, connect
@@ -36,10 +36,12 @@ from store.sqlite_feed import (
     SqliteSubscription,
     Verdict,
     cursor_token,
+    forget,
     head,
     judge,
     parse_cursor,
     raise_for,
+    release,
 )
 from store.upkeep import PRUNE_INTERVAL_S, WRITER_CHECKPOINT_PAGES, Upkeep, UpkeepStatistics
 from store.validate import (
@@ -56,7 +58,6 @@ from store.wake import (
     WakeStatistics,
     new_wake_name,
     open_waiter,
-    unlink,
     wake_prefix,
 )
 
@@ -64,9 +65,6 @@ T = TypeVar("T")
 
 DEFAULT_BUSY_TIMEOUT_S = 30.0
 PRUNE_CHUNK = 20_000
-# The most log records a transaction reads back for the consumers' rings; a larger
-# transaction only bumps their `missed` (a ring takes at most a quarter of its slots).
-HANDOFF_LIMIT = 4096
 
 
 class StoreStatistics(msgspec.Struct, frozen=True, kw_only=True):
@@ -447,17 +445,10 @@ class SqliteStore:
             if verdict != "ok":
                 raise_for(verdict, reason, consumer)
         except BaseException:
-            if waiter is not None:
-                waiter.close()
-            unlink(wake)
-            if ring is not None:
-                ring.close()
-                ring.unlink()
+            release(wake, waiter, ring)
             raise
         if previous is not None and previous != wake:
-            # Left by this consumer's last run, if it died without closing.
-            unlink(previous)
-            remove_ring(previous)
+            forget(previous)  # left by this consumer's last run, if it died without closing
         return SqliteSubscription(
             path=self.path,
             consumer=consumer,
@@ -488,8 +479,7 @@ class SqliteStore:
 
         wake = self._write("drop_consumer", body, rows=0, logged=False)
         if wake is not None:
-            unlink(wake)
-            remove_ring(wake)
+            forget(wake)
         return wake is not None
 
     def raise_floor(self) -> int:

@@ -25,7 +25,7 @@ import msgspec
 
 from store import sqlite_sql as sql
 from store.base import Cursor, CursorAhead, CursorBelowFloor, FeedBatch
-from store.feed_ring import FeedRing, FeedRingStatistics, LogRecord, decode_record
+from store.feed_ring import FeedRing, FeedRingStatistics, LogRecord, decode_record, remove_ring
 from store.rows import FeedEvent, Route, RouteEvent, RowEvent, SettingsEvent
 from store.schema import DEFAULT_CADENCE_S, KIND_ROUTE, KIND_ROW, KIND_SETTINGS
 from store.sqlite_conn import Retry, configure, connect
@@ -57,6 +57,23 @@ def parse_cursor(cursor: Cursor) -> tuple[int, int]:
     if seq < 0:
         raise ValueError(f"cursor {cursor!r} is malformed")
     return seq, stamp
+
+
+def release(wake_name: str, waiter: WakeWaiter | None, ring: FeedRing | None) -> None:
+    """Close and remove one subscription's semaphore and ring: its consumer is done."""
+    if waiter is not None:
+        waiter.close()
+    unlink(wake_name)
+    if ring is not None:
+        ring.close()
+        ring.unlink()
+
+
+def forget(wake_name: str) -> None:
+    """Remove the semaphore and ring of a subscription whose process is gone or whose
+    consumer was dropped (nothing of them is open here)."""
+    unlink(wake_name)
+    remove_ring(wake_name)
 
 
 def head(conn: sqlite3.Connection) -> tuple[int, int]:
@@ -128,12 +145,7 @@ class SqliteSubscription:
             self._conn.execute(f"PRAGMA wal_autocheckpoint = {WRITER_CHECKPOINT_PAGES}")
         except BaseException:
             self._conn.close()
-            if waiter is not None:
-                waiter.close()
-            unlink(wake_name)
-            if ring is not None:
-                ring.close()
-                ring.unlink()
+            release(wake_name, waiter, ring)
             raise
         self._waiter = waiter  # None: no semaphores here, data_version polling alone
         self._ring = ring
@@ -352,12 +364,7 @@ class SqliteSubscription:
         if self._closed:
             return
         self._closed = True
-        if self._waiter is not None:
-            self._waiter.close()
-            unlink(self._wake_name)
-        if self._ring is not None:
-            self._ring.close()
-            self._ring.unlink()
+        release(self._wake_name, self._waiter, self._ring)
         self._conn.close()
 
     def __enter__(self) -> SqliteSubscription:

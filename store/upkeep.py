@@ -16,8 +16,9 @@ thread beside a writer flat out and the feed's consumer, so a consumer woken by 
 commit could wait for a core. `python -m bench.store --part feed` (250k rows), run
 after run on this machine: the flat-out lag p99 was 0.6-3.5 ms (median 2.4, eight
 runs) under SCHED_IDLE, 3.0-5.1 ms (median 3.9, four runs) at normal priority or at
-nice 19. The late events that remain come in bursts, most starting within 0.1 ms of
-a checkpoint's start (a traced run: issue #2's note).
+nice 19. Those late events came in bursts, most starting within 0.1 ms of a
+checkpoint's start (a traced run: issue #2's note); since then the feed ring
+(store.feed_ring) has taken the consumer's polls off SQLite.
 
 Pruning. Every `prune_interval_s` the log's floor is raised to the lowest cursor a
 registered consumer saved; each write then trims a few entries below it inside its
