@@ -88,8 +88,10 @@ class Delivered(msgspec.Struct, kw_only=True):
 def consumer_process(conn: Connection, path: str) -> None:
     """Subscribe at the head, then stamp each event as its poll returns, until told to stop."""
     from store.rows import RowEvent
+    from store.scheduling import ask_short_slice
     from store.sqlite import SqliteStore
 
+    ask_short_slice()  # as the keeper's thread does (keeper.runner.Keeper.run)
     store = SqliteStore(path)
     subscription = store.subscribe(CONSUMER, store.feed_head())
     tags: list[int] = []

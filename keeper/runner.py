@@ -57,6 +57,7 @@ from keeper.state import (
 from keeper.topcheck import TopCheck
 from keeper.walk import RepairCounts, Walk, WalkReason
 from store.base import RowsRead, ScheduleStore
+from store.scheduling import ask_short_slice
 
 log = logging.getLogger("renderqueue.keeper")
 # A refill waits at least this many times the last publish's duration (see _drained).
@@ -102,6 +103,7 @@ class KeeperStatistics(msgspec.Struct, frozen=True, kw_only=True):
     publish: PublishStats
     verification: VerifyStats
     repairs: RepairCounts
+    short_slice: bool  # the keeper's thread got a short scheduler slice (store.scheduling)
 
 
 class Keeper:
@@ -162,11 +164,15 @@ class Keeper:
         self._load = LoadStats()
         self._verify = VerifyStats()
         self._next_cursor_save = 0
+        self._short_slice = False
 
     # -- the loop ------------------------------------------------------------------
 
     def run(self, stop: threading.Event) -> None:
         """Start, then step until `stop` is set. Never raises for store or feed trouble."""
+        # How far the keeper trails the table is mostly how soon this thread runs when a
+        # commit wakes it: ask for a short scheduler slice (see store.scheduling).
+        self._short_slice = ask_short_slice()
         try:
             self.start()
             while not stop.is_set():
@@ -591,4 +597,5 @@ class Keeper:
             publish=self._publisher.stats,
             verification=self._verify,
             repairs=core.repairs.snapshot(),
+            short_slice=self._short_slice,
         )

@@ -40,6 +40,7 @@ from collections.abc import Callable
 
 import msgspec
 
+from store.scheduling import lower_to_idle
 from store.sqlite_conn import connect, is_busy
 
 INTERVAL_S = 0.05
@@ -155,13 +156,3 @@ class Upkeep:
             thread = self._thread
         if thread is not None:
             thread.join(30)
-
-
-def lower_to_idle() -> bool:
-    """Put the calling thread under SCHED_IDLE (on Linux, pid 0 is the calling thread, not
-    the process). Lowering needs no privilege; False where the platform has no such policy."""
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    except (AttributeError, OSError):
-        return False
-    return True

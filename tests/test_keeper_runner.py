@@ -221,6 +221,7 @@ def test_with_the_real_store_and_shared_memory_the_keeper_ends_equal_to_the_tabl
     from pathlib import Path
 
     from shm import LeaseTable, ReadyRing, StateBuffer
+    from store import scheduling
     from store.rows import RowWrite
     from store.sqlite import SqliteStore
 
@@ -260,6 +261,14 @@ def test_with_the_real_store_and_shared_memory_the_keeper_ends_equal_to_the_tabl
                 break
             time.sleep(0.2)
         assert held == table
+        # The keeper's thread asked for a short slice, as a thread of its own here can,
+        # and this thread's is untouched (see store.scheduling).
+        granted: list[bool] = []
+        probe = threading.Thread(target=lambda: granted.append(scheduling.ask_short_slice()))
+        probe.start()
+        probe.join()
+        assert keeper.statistics().short_slice is granted[0]
+        assert scheduling.slice_ns() != scheduling.SHORTEST_SLICE_NS
         time.sleep(1.2)  # a publish and its heartbeat after the last write
         snapshot = state.read()
         assert snapshot is not None
