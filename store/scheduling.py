@@ -4,24 +4,25 @@ Idle priority (`lower_to_idle`), for the upkeep's checkpoints: they only copy pa
 already durable in the WAL, so nobody waits on them and any runnable thread should
 have the core first (see store.upkeep).
 
-A short slice (`ask_short_slice`), for a feed's consumer. Its work comes in bursts of
-tens of microseconds, and its lag is how soon it runs after a commit. Linux's fair
-scheduler (EEVDF, 6.6 and newer) lets a task that is woken run at once only if its
-deadline, one slice after it became eligible, falls before the running task's. Since
-6.12 a task may ask for its own slice (sched_setattr's `sched_runtime` for a
+A short slice (`ask_short_slice`), for a feed's consumer. Its work comes in bursts
+of tens of microseconds, and its lag is how soon it runs after a commit. Linux's
+fair scheduler (EEVDF, 6.6 and newer) lets a task that is woken run at once only if
+its deadline, one slice after it became eligible, falls before the running task's.
+Since 6.12 a task may ask for its own slice (sched_setattr's `sched_runtime` for a
 SCHED_OTHER task, no privilege needed), and a woken task with a shorter slice than
-the running one preempts it. Traced on this project's two-core machines (`perf
-sched timehist`), the consumer, woken by its timer or a writer's post, waited
-1.5-4 ms on the run queue behind kernel threads (kdamond every half second,
-rcu_preempt, ksoftirqd) that ran for 1.5-2 ms at the default slice of 1.4 ms. Those waits made the
-writer-flat-out lag's p99. With the shortest slice (0.1 ms) such a thread is cut
+the running one preempts it. Traced on this project's two-core machines (`perf sched
+timehist`), the consumer, woken by its timer or a writer's post, waited 1.5-4 ms on
+the run queue behind kernel threads (kdamond every half second, rcu_preempt,
+ksoftirqd) that ran for 1.5-2 ms at the default slice of 1.4 ms. Those waits made
+the writer-flat-out lag's p99. With the shortest slice (0.1 ms) such a thread is cut
 off at its next preemption point instead. `python -m bench.store --part feed`, ten
 interleaved pairs: flat-out lag p99 0.36-1.19 ms (median 0.67, four runs over 0.8)
-without it, 0.34-0.95 ms (median 0.47, one run over 0.8) with it (issue #2's note).
-What is left is mostly kdamond's stretches without a preemption point (the kernel
-is built without preemption) and vCPUs the host wakes late. The thread's share of
-the CPU is unchanged (that is its weight, its nice value); it gets its turns sooner
-and in shorter pieces.
+without it, 0.34-0.95 ms (median 0.47, one run over 0.8) with it (issue #2's note);
+the full run committed in bench/results, with it, gave 1.09 ms. What is left is
+mostly kdamond's stretches without a preemption point (the kernel is built without
+preemption) and vCPUs the host wakes late. The thread's share of the CPU is
+unchanged (that is its weight, its nice value); it gets its turns sooner and in
+shorter pieces.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import ctypes
 import os
 import platform
 import struct
+from collections.abc import Callable
 
 SHORTEST_SLICE_NS = 100_000  # the kernel clamps a requested slice to 0.1-100 ms
 
@@ -40,6 +42,15 @@ _SYSCALLS = {"x86_64": (314, 315), "aarch64": (274, 275)}
 # deadline, period, util_min, util_max.
 _ATTR = struct.Struct("IIQiIQQQII")
 _RUNTIME = 5  # the field's index: a fair task's slice, in ns
+
+
+def _sched_attr_calls() -> tuple[Callable[..., int], int, int] | None:
+    """libc's syscall() with this machine's sched_setattr and sched_getattr numbers; None
+    on a platform without them here."""
+    numbers = _SYSCALLS.get(platform.machine())
+    if numbers is None:
+        return None
+    return ctypes.CDLL(None, use_errno=True).syscall, numbers[0], numbers[1]
 
 
 def lower_to_idle() -> bool:
@@ -56,17 +67,17 @@ def ask_short_slice(wanted_ns: int = SHORTEST_SLICE_NS) -> bool:
     """Ask for a `wanted_ns` slice for the calling thread, keeping its policy and nice value;
     whether the kernel now reports it. False where the thread is not SCHED_OTHER, on a
     kernel before 6.12 (it ignores the field for fair tasks) or another platform."""
-    calls = _SYSCALLS.get(platform.machine())
+    calls = _sched_attr_calls()
     if calls is None:
         return False
+    syscall, set_nr, _ = calls
     with contextlib.suppress(OSError, AttributeError):
         if os.sched_getscheduler(0) != os.SCHED_OTHER:
             return False  # idle, batch or real-time: chosen by someone, left alone
         # The nice value is part of the call: pass the thread's own, never reset it.
         nice = os.getpriority(os.PRIO_PROCESS, 0)
         attr = _ATTR.pack(_ATTR.size, os.SCHED_OTHER, 0, nice, 0, wanted_ns, 0, 0, 0, 0)
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.syscall(calls[0], 0, ctypes.create_string_buffer(attr), 0) != 0:
+        if syscall(set_nr, 0, ctypes.create_string_buffer(attr), 0) != 0:
             return False
         return slice_ns() == wanted_ns
     return False
@@ -75,12 +86,11 @@ def ask_short_slice(wanted_ns: int = SHORTEST_SLICE_NS) -> bool:
 def slice_ns() -> int | None:
     """The calling thread's slice as the kernel reports it (0 before Linux 6.12); None
     where it cannot say."""
-    calls = _SYSCALLS.get(platform.machine())
+    calls = _sched_attr_calls()
     if calls is None:
         return None
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(None, use_errno=True)
-        found = ctypes.create_string_buffer(_ATTR.size)
-        if libc.syscall(calls[1], 0, found, _ATTR.size, 0) == 0:
-            return int(_ATTR.unpack(found.raw)[_RUNTIME])
-    return None
+    syscall, _, get_nr = calls
+    found = ctypes.create_string_buffer(_ATTR.size)
+    if syscall(get_nr, 0, found, _ATTR.size, 0) != 0:
+        return None
+    return int(_ATTR.unpack(found.raw)[_RUNTIME])
