@@ -13,7 +13,12 @@ in alternating order, 10k single-row writes each (quick: 2k; 5 rounds, quick 2):
 - bare sqlite3 (a peer, same run): the same upsert on a same-shaped table with no
   change log, trigger, validation or retry, to show what the store's own work costs;
 - semaphore wake-up alone (a peer for the paced lag): a process blocked on a POSIX
-  semaphore, posted at the paced rate: what this machine's scheduler alone adds.
+  semaphore, posted at the paced rate: what this machine's scheduler alone adds;
+- feed tailing, pinned apart (a peer for the flat-out lag): the flat-out arm with the
+  writing thread and the consumer each pinned to a CPU of its own (skipped on one CPU).
+  Unpinned, the kernel now and then wakes the consumer onto the writer's CPU while the
+  other idles, and there it can wait for the next scheduler tick (4 ms at HZ=250): that,
+  not the store, is the flat-out lag's tail on a small machine (README, "The feed").
 Put latency is the caller's view of `write()`; lag is from the writer's commit
 (`SqliteStore.last_commit_ns`, CLOCK_MONOTONIC, shared by processes) to the poll
 that delivered the event. CPU per write is the writer's process CPU (plus the
@@ -61,6 +66,7 @@ ARMS = (
     "bare sqlite3",
     "feed tailing, paced",
     "semaphore wake-up alone",
+    "feed tailing, pinned apart",
 )
 
 
@@ -85,12 +91,15 @@ class Delivered(msgspec.Struct, kw_only=True):
     noticed: int
 
 
-def consumer_process(conn: Connection, path: str) -> None:
-    """Subscribe at the head, then stamp each event as its poll returns, until told to stop."""
+def consumer_process(conn: Connection, path: str, cpu: int | None) -> None:
+    """Subscribe at the head, then stamp each event as its poll returns, until told to stop;
+    on `cpu` alone when one is given."""
     from store.rows import RowEvent
     from store.scheduling import ask_short_slice
     from store.sqlite import SqliteStore
 
+    if cpu is not None:
+        os.sched_setaffinity(0, {cpu})
     ask_short_slice()  # as the keeper's thread does (keeper.runner.Keeper.run)
     store = SqliteStore(path)
     subscription = store.subscribe(CONSUMER, store.feed_head())
@@ -546,6 +555,9 @@ def run_feed(config: Config, work: Path, result: report.SectionResult) -> None:
     arms = {name: Arm() for name in ARMS}
     woken = noticed = 0
     ctx = mp.get_context("spawn")
+    # The pinned arm's CPUs: the consumer on the first, the writing thread on the last.
+    cpus = sorted(os.sched_getaffinity(0))
+    apart = (cpus[0], cpus[-1]) if len(cpus) > 1 else None
     tag = TAG_BASE
     for round_no in range(config.rounds):
         order = list(ARMS)
@@ -567,21 +579,33 @@ def run_feed(config: Config, work: Path, result: report.SectionResult) -> None:
                 tag += config.warmup + config.writes
                 arm.end_round()
                 continue
+            pinned = name == "feed tailing, pinned apart"
+            if pinned and apart is None:
+                arm.end_round()
+                continue
             ours, theirs = ctx.Pipe()
-            process = ctx.Process(target=consumer_process, args=(theirs, path), daemon=True)
+            consumer_cpu = apart[0] if pinned and apart else None
+            process = ctx.Process(
+                target=consumer_process, args=(theirs, path, consumer_cpu), daemon=True
+            )
             process.start()
             assert ours.recv() == "ready"
             is_paced = name == "feed tailing, paced"
-            commits = run_puts(
-                store,
-                keys,
-                config.writes // 2 if is_paced else config.writes,
-                config.warmup,
-                tag,
-                rng,
-                arm,
-                interval_ns=PACED_INTERVAL_NS if is_paced else 0,
-            )
+            if pinned and apart:
+                os.sched_setaffinity(0, {apart[1]})  # this thread only: upkeep stays free
+            try:
+                commits = run_puts(
+                    store,
+                    keys,
+                    config.writes // 2 if is_paced else config.writes,
+                    config.warmup,
+                    tag,
+                    rng,
+                    arm,
+                    interval_ns=PACED_INTERVAL_NS if is_paced else 0,
+                )
+            finally:
+                os.sched_setaffinity(0, cpus)
             tag += config.warmup + config.writes
             ours.send("stop")
             delivered = msgspec.msgpack.decode(ours.recv_bytes(), type=Delivered)
@@ -629,6 +653,8 @@ def run_feed(config: Config, work: Path, result: report.SectionResult) -> None:
     paced = arms["feed tailing, paced"]
     wakeups = arms["semaphore wake-up alone"]
     wake_peer = "semaphore wake-up alone"
+    pinned_arm = arms["feed tailing, pinned apart"]
+    pinned_peer = "pinned apart"
     bare_peer = "bare sqlite3"
     scale = f"{config.rows // 1000}k rows"
 
@@ -654,7 +680,11 @@ def run_feed(config: Config, work: Path, result: report.SectionResult) -> None:
     fig("put p50, consumer tailing the feed", "us", fed.put_us(50), seed=97.0, target="lower")
     fig("put p99, consumer tailing the feed", "us", fed.put_us(99), seed=188.0, target="lower")
     for arm, rate in ((paced, "5k writes/s"), (fed, "writer flat out")):
-        peers = {wake_peer: wakeups.lag_ms(50)} if arm is paced else {}
+        peers = (
+            {wake_peer: wakeups.lag_ms(50)}
+            if arm is paced
+            else {pinned_peer: pinned_arm.lag_ms(50)}
+        )
         fig(
             f"lag p50, commit to delivery, across processes, {rate}",
             "ms",
@@ -662,7 +692,11 @@ def run_feed(config: Config, work: Path, result: report.SectionResult) -> None:
             target="lower",
             peers=peers,
         )
-        peers = {wake_peer: wakeups.lag_ms(99)} if arm is paced else {}
+        peers = (
+            {wake_peer: wakeups.lag_ms(99)}
+            if arm is paced
+            else {pinned_peer: pinned_arm.lag_ms(99)}
+        )
         fig(
             f"lag p99, commit to delivery, across processes, {rate}",
             "ms",
