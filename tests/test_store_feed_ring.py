@@ -330,9 +330,11 @@ def test_writer_processes_one_killed_mid_stream_feed_an_exact_consumer(
     sub = store.subscribe("keeper")
     context = multiprocessing.get_context("spawn")
     start = context.Event()
+    # Writer 0 never runs out of writes, so it is mid-stream whenever the kill comes (a
+    # fixed count finished before the kill on a fast machine).
     writers = [
-        context.Process(target=_writer, args=(str(store.path), seed, start, 3_000))
-        for seed in range(3)
+        context.Process(target=_writer, args=(str(store.path), seed, start, writes))
+        for seed, writes in enumerate((10**9, 3_000, 3_000))
     ]
     for writer in writers:
         writer.start()
@@ -340,7 +342,7 @@ def test_writer_processes_one_killed_mid_stream_feed_an_exact_consumer(
     seen: dict[str, Row] = {}
     killed = False
     began = time.monotonic()
-    while any(w.is_alive() for w in writers):
+    while not killed or any(w.is_alive() for w in writers[1:]):
         if not killed and time.monotonic() - began > 0.5:
             os.kill(writers[0].pid or 0, signal.SIGKILL)
             killed = True
