@@ -179,6 +179,7 @@ def overview(node: Node) -> Overview:
         if snapshot is not None:
             supervisor = msgspec.msgpack.decode(snapshot.payload)
     state = node.state.read()
+    keeper = node.read_keeper_statistics()
     return Overview(
         now=now,
         node=node.settings.node,
@@ -191,4 +192,5 @@ def overview(node: Node) -> Overview:
         supervisor=supervisor,
         state_age_ms=max(0, now - state.written_at) if state is not None else None,
         completions=builtins(node.completions.statistics()),
+        keeper=None if keeper is None else builtins(keeper),
     )

@@ -197,7 +197,7 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         "GET",
         "/prerender_admin/overview",
         "admin",
-        "Leases in flight, the ready ring, the supervisor's workers.",
+        "Leases in flight, the ready ring, the supervisor's workers, the keeper's statistics.",
         lambda call: admin.overview(call.node),
         response=Overview,
     ),

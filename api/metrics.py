@@ -1,5 +1,6 @@
-"""`GET /metrics`: Prometheus text format, built from the keeper's queue-state record and the
-shared-memory primitives' `statistics()`, never re-derived from the table.
+"""`GET /metrics`: Prometheus text format, built from the keeper's queue-state record, its
+statistics record, the supervisor's, and the shared-memory primitives' `statistics()`,
+never re-derived from the table.
 
 Gauges an autoscaler reads: `renderqueue_due` (claimable work) and `renderqueue_in_flight`.
 """
@@ -122,6 +123,7 @@ def render(node: Node) -> str:
     )
     out.gauge("renderqueue_lease_table_occupancy", "Share of lease slots in use.", leases.occupancy)
     _supervisor_metrics(out, node)
+    _keeper_metrics(out, node)
     snapshot = node.state.read()
     if snapshot is None:
         out.gauge("renderqueue_keeper_live", "1 while the keeper is live.", 0)
@@ -180,6 +182,63 @@ def _supervisor_metrics(out: Exposition, node: Node) -> None:
         "Worker processes respawned by the supervisor, by worker index.",
         [({"worker": str(worker["index"])}, worker.get("restarts", 0)) for worker in workers],
     )
+
+
+def _keeper_metrics(out: Exposition, node: Node) -> None:
+    """From the keeper's statistics record alone; none before its first or if it is unreadable."""
+    stats = node.read_keeper_statistics()
+    if stats is None:
+        return
+    for name, help_text, value in (
+        ("feed_events", "Change-feed events the keeper applied.", stats.events),
+        (
+            "feed_failures",
+            "Change-feed failures (each closes the feed to reopen).",
+            stats.feed_failures,
+        ),
+        ("feed_reopens", "Change-feed reopens after a failure.", stats.feed_reopens),
+        (
+            "cursor_resets",
+            "Reopens at the feed's head: the cursor was pruned or ahead.",
+            stats.cursor_resets,
+        ),
+        ("resyncs", "Walks of the table to repair a feed gap.", stats.resyncs),
+        ("walk_errors", "Walk chunks whose read failed (retried).", stats.walk_errors),
+        ("publish_failures", "Publishes into the ready ring that failed.", stats.publish.failures),
+    ):
+        out.metric(f"renderqueue_keeper_{name}_total", "counter", help_text, [({}, value)])
+    out.metric(
+        "renderqueue_keeper_state_write_failures_total",
+        "counter",
+        "The keeper's writes into shared memory that failed, by record.",
+        [
+            ({"record": "queue_state"}, stats.state_write_failures),
+            ({"record": "statistics"}, stats.statistics_write_failures),
+        ],
+    )
+    out.gauge(
+        "renderqueue_keeper_memory_bytes",
+        "Bytes of the keeper's queue buffers, as of its last full report.",
+        stats.memory_bytes,
+    )
+    out.gauge(
+        "renderqueue_keeper_short_slice",
+        "1 if the keeper's thread got the shortest scheduler slice (Linux 6.12+).",
+        stats.short_slice,
+    )
+    feed = stats.feed
+    if feed is not None:
+        out.metric(
+            "renderqueue_keeper_feed_waits_total",
+            "counter",
+            "The keeper's feed waits by what ended them: a writer's post, a commit seen by "
+            "polling data_version, or the timeout (since the feed last opened).",
+            [
+                ({"ended_by": "post"}, feed.woken),
+                ({"ended_by": "data_version"}, feed.noticed),
+                ({"ended_by": "timeout"}, feed.timeouts),
+            ],
+        )
 
 
 def _count_metrics(out: Exposition, state: QueueState) -> None:

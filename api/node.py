@@ -14,6 +14,7 @@ import msgspec
 
 from api.completions import CompletionQueue
 from api.routebook import RouteBook
+from keeper.runner import KeeperStatistics, decode_keeper_statistics
 from shm import LeaseTable, ReadyRing, StateBuffer
 from store.base import ScheduleStore
 
@@ -41,12 +42,26 @@ class Node:
     leases: LeaseTable
     state: StateBuffer
     supervisor_state: StateBuffer | None = None
+    keeper_statistics: StateBuffer | None = None  # written by the keeper (worker 0's thread)
     routes: RouteBook = field(init=False)
     completions: CompletionQueue = field(init=False)
 
     def __post_init__(self) -> None:
         self.routes = RouteBook(self.store)
         self.completions = CompletionQueue(self)
+
+    def read_keeper_statistics(self) -> KeeperStatistics | None:
+        """The keeper's last statistics record; None before its first, or when the payload
+        does not decode as one (another build's record): never an error to serve."""
+        if self.keeper_statistics is None:
+            return None
+        snapshot = self.keeper_statistics.read()
+        if snapshot is None:
+            return None
+        try:
+            return decode_keeper_statistics(snapshot.payload)
+        except msgspec.DecodeError:
+            return None
 
     def ready(self) -> bool:
         """Claims are granted only after the keeper's first publish into this node's ring."""

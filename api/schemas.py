@@ -208,4 +208,5 @@ class Overview(Body, frozen=True):
     publish_age_ms: int | None = None
     supervisor: dict[str, Any] | None = None
     state_age_ms: int | None = None
+    keeper: dict[str, Any] | None = None  # the keeper's KeeperStatistics, from worker 0
     completions: dict[str, Any] | None = None  # this worker's CompletionQueue.statistics()

@@ -12,7 +12,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 
-from store.base import Cursor, CursorAhead, CursorBelowFloor, ScheduleStore, Subscription
+from store.base import (
+    Cursor,
+    CursorAhead,
+    CursorBelowFloor,
+    FeedStatistics,
+    ScheduleStore,
+    Subscription,
+)
 from store.rows import FeedEvent
 
 log = logging.getLogger("renderqueue.keeper")
@@ -115,6 +122,18 @@ class Feed:
     def save(self) -> None:
         if self.sub is not None:
             self.sub.save()
+
+    def statistics(self) -> FeedStatistics | None:
+        """The open subscription's counts (since it opened), the backend's own fields left
+        out; None while the feed is closed. Never raises: another thread may be closing it."""
+        sub = self.sub
+        if sub is None:
+            return None
+        try:
+            return sub.statistics().common()
+        except Exception:
+            log.debug("keeper: feed statistics failed", exc_info=True)
+            return None
 
     def close(self) -> None:
         if self.sub is not None:

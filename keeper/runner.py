@@ -6,7 +6,9 @@ the publish every second is never starved by a long walk or a burst of events;
 `run` loops `step` until asked to stop. Everything it decides is in
 `KeeperCore`; this module only reads, writes and keeps time. The publish step
 is `keeper.publish.Publisher`, the re-read of the top published rows
-`keeper.topcheck.TopCheck`; the runner sequences them.
+`keeper.topcheck.TopCheck`; the runner sequences them. Each time it rewrites
+queue-state, the keeper also writes its `statistics()` (msgpack) into a second
+state buffer, when it has one, for every worker's /metrics and overview.
 
 The order of a start: write queue-state (unready, starting), subscribe at the
 feed's head, read routes and the default cadence (so a change after the
@@ -56,7 +58,7 @@ from keeper.state import (
 )
 from keeper.topcheck import TopCheck
 from keeper.walk import RepairCounts, Walk, WalkReason
-from store.base import RowsRead, ScheduleStore
+from store.base import FeedStatistics, RowsRead, ScheduleStore
 from store.scheduling import ask_short_slice
 
 log = logging.getLogger("renderqueue.keeper")
@@ -99,11 +101,28 @@ class KeeperStatistics(msgspec.Struct, frozen=True, kw_only=True):
     verifications: int
     state_writes: int
     state_write_failures: int
+    statistics_write_failures: int  # this record's own writes into its buffer that failed
     load: LoadStats
     publish: PublishStats
     verification: VerifyStats
     repairs: RepairCounts
     short_slice: bool  # the keeper's thread got a short scheduler slice (store.scheduling)
+    # The open subscription's counts, since it opened (a reopen starts them again); None
+    # while the feed is closed.
+    feed: FeedStatistics | None
+
+
+_statistics_encoder = msgspec.msgpack.Encoder()
+_statistics_decoder = msgspec.msgpack.Decoder(KeeperStatistics)
+
+
+def encode_keeper_statistics(stats: KeeperStatistics) -> bytes:
+    return _statistics_encoder.encode(stats)
+
+
+def decode_keeper_statistics(payload: bytes) -> KeeperStatistics:
+    """Raises msgspec.DecodeError (or ValidationError) on a payload of another shape."""
+    return _statistics_decoder.decode(payload)
 
 
 class Keeper:
@@ -118,11 +137,14 @@ class Keeper:
         *,
         ownership: Ownership | None = None,
         clock: Clock = wall_clock_ms,
+        statistics_buffer: StateBufferLike | None = None,
     ) -> None:
         self.store = store
         self.ring = ring
         self.leases = leases
         self.state_buffer = state_buffer
+        # Where `statistics()` is written beside queue-state, for every worker to read.
+        self.statistics_buffer = statistics_buffer
         self.config = config
         self.node = node
         self.clock = clock
@@ -161,6 +183,7 @@ class Keeper:
         self._walk_chunks_waited = 0
         self._state_writes = 0
         self._state_write_failures = 0
+        self._statistics_write_failures = 0
         self._load = LoadStats()
         self._verify = VerifyStats()
         self._next_cursor_save = 0
@@ -556,6 +579,17 @@ class Keeper:
         except Exception:
             self._state_write_failures += 1
             log.exception("keeper: writing queue-state failed")
+        self._write_statistics(now)
+
+    def _write_statistics(self, now: int) -> None:
+        """The statistics record, at every queue-state write; a failure is counted only."""
+        if self.statistics_buffer is None:
+            return
+        try:
+            self.statistics_buffer.write(encode_keeper_statistics(self.statistics()), now)
+        except Exception:
+            self._statistics_write_failures += 1
+            log.exception("keeper: writing its statistics failed")
 
     # -- statistics ----------------------------------------------------------------
 
@@ -593,9 +627,11 @@ class Keeper:
             verifications=self._verify.walks,
             state_writes=self._state_writes,
             state_write_failures=self._state_write_failures,
+            statistics_write_failures=self._statistics_write_failures,
             load=self._load,
             publish=self._publisher.stats,
             verification=self._verify,
             repairs=core.repairs.snapshot(),
             short_slice=self._short_slice,
+            feed=self.feed.statistics(),
         )

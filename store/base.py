@@ -45,6 +45,28 @@ class CursorAhead(Exception):
     """The cursor is past the log's end (the sequence rolled back): resync fully."""
 
 
+class FeedStatistics(msgspec.Struct, frozen=True, kw_only=True):
+    """A subscription's counts that mean the same for every backend, since it was opened.
+
+    A backend may keep more (a subclass); `common()` is this part alone, for records that
+    must not depend on the backend.
+    """
+
+    polls: int
+    events: int  # events delivered (a key's entries in one batch are one event)
+    log_entries: int  # log entries read
+    coalesced: int  # log entries folded into a later event for the same key
+    woken: int  # waits ended by a writer's post
+    noticed: int  # waits ended by a commit seen without a post (SQLite: data_version)
+    timeouts: int  # waits that ended with nothing committed
+
+    def common(self) -> FeedStatistics:
+        if type(self) is FeedStatistics:
+            return self
+        fields = FeedStatistics.__struct_fields__
+        return FeedStatistics(**{name: getattr(self, name) for name in fields})
+
+
 class Subscription(Protocol):
     """A consumer's open change feed. Not thread-safe; one reader."""
 
@@ -65,6 +87,10 @@ class Subscription(Protocol):
 
     def save(self) -> None:
         """Persist the cursor for this consumer; pruning may remove what is below it."""
+        ...
+
+    def statistics(self) -> FeedStatistics:
+        """Counts since this subscription was opened; reads no store."""
         ...
 
     def close(self) -> None: ...

@@ -24,7 +24,7 @@ from typing import Any, Literal
 import msgspec
 
 from store import sqlite_sql as sql
-from store.base import Cursor, CursorAhead, CursorBelowFloor, FeedBatch
+from store.base import Cursor, CursorAhead, CursorBelowFloor, FeedBatch, FeedStatistics
 from store.feed_ring import FeedRing, FeedRingStatistics, LogRecord, decode_record, remove_ring
 from store.rows import FeedEvent, Route, RouteEvent, RowEvent, SettingsEvent
 from store.schema import DEFAULT_CADENCE_S, KIND_ROUTE, KIND_ROW, KIND_SETTINGS
@@ -99,17 +99,12 @@ def judge(conn: sqlite3.Connection, seq: int, stamp: int) -> tuple[Verdict, str]
     return "ok", ""
 
 
-class SubscriptionStatistics(msgspec.Struct, frozen=True, kw_only=True):
+class SubscriptionStatistics(FeedStatistics, frozen=True, kw_only=True):
+    """FeedStatistics (noticed: waits ended by PRAGMA data_version), and SQLite's own."""
+
     consumer: str
     seq: int  # the cursor's position: the last log entry delivered
     saved_seq: int  # the position last saved for pruning and restarts
-    polls: int
-    events: int
-    log_entries: int
-    coalesced: int  # log entries folded into a later event for the same key
-    woken: int  # waits ended by a writer's post
-    noticed: int  # waits ended by PRAGMA data_version (no post arrived)
-    timeouts: int
     wake: str  # the semaphore's name; "" when this consumer polls data_version only
     busy_retries: int
     ring_entries: int  # log entries taken from the feed ring, not read from SQLite

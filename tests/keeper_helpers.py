@@ -21,7 +21,7 @@ from keeper.config import KeeperConfig
 from keeper.core import KeeperCore
 from keeper.runner import Keeper
 from keeper.state import QueueState, decode_queue_state
-from store.base import Cursor, CursorAhead, CursorBelowFloor, FeedBatch, RowsRead
+from store.base import Cursor, CursorAhead, CursorBelowFloor, FeedBatch, FeedStatistics, RowsRead
 from store.rows import (
     Completion,
     FeedEvent,
@@ -77,6 +77,8 @@ class MemorySubscription:
         self._store = store
         self.position = position
         self.closed = False
+        self.polls = self.events = 0
+        self.woken = self.timeouts = 0  # waits that found the log ahead, or did not
 
     @property
     def cursor(self) -> Cursor:
@@ -92,6 +94,8 @@ class MemorySubscription:
             raise ConnectionError("feed failed (test)")
         entries = store.log[self.position : self.position + limit]
         self.position += len(entries)
+        self.polls += 1
+        self.events += len(entries)
         return FeedBatch(
             events=[store.current(e) for e in entries],
             cursor=self.cursor,
@@ -99,13 +103,29 @@ class MemorySubscription:
         )
 
     def wait(self, timeout_s: float) -> bool:
-        return self.position < len(self._store.log)
+        more = self.position < len(self._store.log)
+        if more:
+            self.woken += 1
+        else:
+            self.timeouts += 1
+        return more
 
     def has_delivered(self, cursor: Cursor) -> bool:
         return self.position >= int(cursor.token)
 
     def save(self) -> None:
         self._store.saved[self._store.consumer] = self.position
+
+    def statistics(self) -> FeedStatistics:
+        return FeedStatistics(
+            polls=self.polls,
+            events=self.events,
+            log_entries=self.events,
+            coalesced=0,
+            woken=self.woken,
+            noticed=0,
+            timeouts=self.timeouts,
+        )
 
     def close(self) -> None:
         self.closed = True
@@ -351,8 +371,16 @@ class Rig:
         self.ring = MemoryRing()
         self.leases = MemoryLeases()
         self.state = MemoryStateBuffer()
+        self.statistics = MemoryStateBuffer()  # the keeper's statistics records
         self.keeper = Keeper(
-            self.store, self.ring, self.leases, self.state, config, node="n1", clock=self.clock
+            self.store,
+            self.ring,
+            self.leases,
+            self.state,
+            config,
+            node="n1",
+            clock=self.clock,
+            statistics_buffer=self.statistics,
         )
 
     def states(self) -> list[QueueState]:

@@ -188,6 +188,7 @@ class ThreadNode:
             leases=self.segments.leases,
             state=self.segments.state,
             supervisor_state=self.segments.supervisor,
+            keeper_statistics=self.segments.keeper,
         )
         self.sock = free_socket()
         self.port = self.sock.getsockname()[1]
@@ -227,6 +228,7 @@ class ThreadNode:
                     self.segments.state,
                     config,
                     node="test",
+                    statistics_buffer=self.segments.keeper,
                 ).run(self._keeper_stop)
             except BaseException as exc:
                 self.keeper_error = exc

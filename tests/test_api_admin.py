@@ -110,6 +110,34 @@ def test_overview_and_probes(tmp_path: Path) -> None:
         assert readiness["status"] == "ready" and readiness["generation"] >= 1
 
 
+def test_overview_carries_the_keepers_statistics(tmp_path: Path) -> None:
+    seed_rows(tmp_path / "node.sqlite", 20)
+    with thread_node(tmp_path) as node, node.client() as client:
+        node.wait_exact()
+
+        def live_record() -> Any:
+            overview = client.get("/prerender_admin/overview").json()
+            keeper = overview.get("keeper")
+            return overview if keeper and keeper["phase"] == "live" else None
+
+        overview = wait_for(live_record, 30, "the keeper's live record in the overview")
+    keeper = overview["keeper"]
+    assert keeper["status"] == "ready" and keeper["exact"] and keeper["held"] == 20
+    assert keeper["publish"]["publishes"] >= 1 and keeper["statistics_write_failures"] == 0
+    assert isinstance(keeper["short_slice"], bool)
+    feed = keeper["feed"]
+    assert set(feed) == {
+        "polls",
+        "events",
+        "log_entries",
+        "coalesced",
+        "woken",
+        "noticed",
+        "timeouts",
+    }, "the backend-neutral part only"
+    assert feed["polls"] >= 1
+
+
 def test_the_console_page_is_served(tmp_path: Path) -> None:
     with thread_node(tmp_path, keeper=False) as node, node.client() as client:
         response = client.get("/console")

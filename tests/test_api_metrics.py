@@ -5,8 +5,13 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
-from node_harness import seed_rows, thread_node, wait_for
+import msgspec
+from node_harness import now_ms, seed_rows, thread_node, wait_for
+
+from keeper.runner import KeeperStatistics, decode_keeper_statistics
+from store.rows import RowWrite
 
 SAMPLE = re.compile(r'^([a-z_:][a-z0-9_:]*)(\{([a-z_]+="[^"]*",?)*\})? (-?[0-9.e+-]+|NaN)$')
 
@@ -41,6 +46,7 @@ def test_before_the_keeper_no_counts(tmp_path: Path) -> None:
     assert samples["renderqueue_ready"] == 0
     assert samples["renderqueue_keeper_live"] == 0
     assert "renderqueue_due" not in samples
+    assert not [key for key in samples if key.startswith(KEEPER_SERIES)]
 
 
 def test_counts_and_leases(tmp_path: Path) -> None:
@@ -75,3 +81,75 @@ def test_counts_and_leases(tmp_path: Path) -> None:
             return found if found == 40 else None
 
         wait_for(due_after, 30, "renderqueue_due to fall to 40", 0.2)
+
+
+# The series built from the keeper's statistics record (not from queue-state).
+KEEPER_SERIES = (
+    "renderqueue_keeper_feed_",
+    "renderqueue_keeper_resyncs_",
+    "renderqueue_keeper_walk_errors_",
+    "renderqueue_keeper_cursor_resets_",
+    "renderqueue_keeper_publish_failures_",
+    "renderqueue_keeper_state_write_failures_",
+    "renderqueue_keeper_memory_",
+    "renderqueue_keeper_short_slice",
+)
+
+
+def keeper_record(node: Any) -> KeeperStatistics | None:
+    snapshot = node.segments.keeper.read()
+    return None if snapshot is None else decode_keeper_statistics(snapshot.payload)
+
+
+def test_the_keepers_statistics_record_is_served_as_keeper_series(tmp_path: Path) -> None:
+    seed_rows(tmp_path / "node.sqlite", 40, due_share=0.5)
+    with thread_node(tmp_path) as node, node.client() as client:
+        node.wait_exact()
+        node.store.write(
+            [RowWrite(key="https://shop.example/new", route="product", next_render_at=1)]
+        )
+
+        def applied() -> KeeperStatistics | None:
+            record = keeper_record(node)
+            return record if record is not None and record.events >= 1 else None
+
+        wait_for(applied, 30, "a record with the write applied", 0.05)
+        node.stop_keeper()  # the record holds still from here
+        record = keeper_record(node)
+        response = client.get("/metrics")
+    assert response.status_code == 200 and record is not None
+    samples = parse(response.text)
+    assert samples["renderqueue_keeper_feed_events_total"] == record.events >= 1
+    assert samples["renderqueue_keeper_feed_failures_total"] == record.feed_failures == 0
+    assert samples["renderqueue_keeper_feed_reopens_total"] == record.feed_reopens
+    assert samples["renderqueue_keeper_cursor_resets_total"] == record.cursor_resets
+    assert samples["renderqueue_keeper_resyncs_total"] == record.resyncs
+    assert samples["renderqueue_keeper_walk_errors_total"] == record.walk_errors
+    assert samples["renderqueue_keeper_publish_failures_total"] == record.publish.failures
+    assert samples["renderqueue_keeper_memory_bytes"] == record.memory_bytes > 0
+    assert samples["renderqueue_keeper_short_slice"] == int(record.short_slice)
+    failures = "renderqueue_keeper_state_write_failures_total"
+    assert samples[f'{failures}{{record="queue_state"}}'] == record.state_write_failures == 0
+    assert samples[f'{failures}{{record="statistics"}}'] == record.statistics_write_failures == 0
+    feed = record.feed
+    assert feed is not None and feed.events >= 1
+    waits = "renderqueue_keeper_feed_waits_total"
+    assert samples[f'{waits}{{ended_by="post"}}'] == feed.woken
+    assert samples[f'{waits}{{ended_by="data_version"}}'] == feed.noticed
+    assert samples[f'{waits}{{ended_by="timeout"}}'] == feed.timeouts
+
+
+def test_an_unreadable_keeper_record_leaves_its_series_out_and_is_no_error(
+    tmp_path: Path,
+) -> None:
+    seed_rows(tmp_path / "node.sqlite", 10)
+    with thread_node(tmp_path, keeper=False) as node, node.client() as client:
+        for payload in (b"\xc1 not msgpack", msgspec.msgpack.encode({"phase": "live"})):
+            node.segments.keeper.write(payload, now_ms())
+            response = client.get("/metrics")
+            assert response.status_code == 200
+            samples = parse(response.text)
+            assert samples["renderqueue_ready"] == 0
+            assert not [key for key in samples if key.startswith(KEEPER_SERIES)]
+            overview = client.get("/prerender_admin/overview")
+            assert overview.status_code == 200 and "keeper" not in overview.json()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import msgspec
+import pytest
 from keeper_helpers import (
     NOW,
     RIG_CONFIG,
@@ -13,9 +14,10 @@ from keeper_helpers import (
 )
 
 from keeper.config import KeeperConfig
-from keeper.runner import Keeper
+from keeper.runner import Keeper, decode_keeper_statistics, encode_keeper_statistics
 from keeper.state import decode_queue_state, liveness, vouches
 from shm import key_hash
+from store.base import FeedStatistics
 from store.rows import Row
 
 CONFIG = RIG_CONFIG
@@ -59,6 +61,76 @@ def test_each_status_change_is_written_at_once() -> None:
     rig.steps(1, advance_ms=1000)
     assert rig.last().now.status == "ready" and rig.last().trust.live
     assert rig.keeper.statistics().publish.failures == 1
+
+
+def test_the_statistics_record_is_written_with_each_queue_state_and_has_the_feed() -> None:
+    rig = Rig()
+    rig.keeper.start()
+    rig.steps(5)
+    assert len(rig.statistics.writes) == len(rig.state.writes)
+    rig.store.put("/new", NOW)
+    rig.steps(1, advance_ms=1000)  # applies the event, then publishes
+    assert len(rig.statistics.writes) == len(rig.state.writes)
+    record = decode_keeper_statistics(rig.statistics.last())
+    assert record.phase == "live" and record.status == "ready" and record.exact
+    assert record.events == 1 and record.held == 36 and record.publish.publishes >= 2
+    assert record.short_slice is False  # run() asks for it; these steps never did
+    assert record.statistics_write_failures == 0
+    feed = record.feed
+    assert feed is not None and type(feed) is FeedStatistics
+    assert feed.events == 1 and feed.log_entries == 1 and feed.polls >= 1
+    assert rig.statistics.writes[-1][1] == rig.state.writes[-1][1] == rig.clock()
+
+
+def test_the_statistics_record_round_trips_and_refuses_another_shape() -> None:
+    rig = Rig()
+    rig.keeper.start()
+    rig.steps(5)
+    stats = rig.keeper.statistics()
+    assert stats.feed is not None
+    assert decode_keeper_statistics(encode_keeper_statistics(stats)) == stats
+    closed = msgspec.structs.replace(stats, feed=None)
+    assert decode_keeper_statistics(encode_keeper_statistics(closed)) == closed
+    with pytest.raises(msgspec.DecodeError):
+        decode_keeper_statistics(b"\xc1 not msgpack")
+    with pytest.raises(msgspec.ValidationError):
+        decode_keeper_statistics(msgspec.msgpack.encode({"phase": "live", "events": 1}))
+
+
+class BrokenBuffer:
+    def write(self, payload: bytes, now_ms: int) -> int:
+        raise OSError("no room (test)")
+
+
+def test_a_failed_statistics_write_is_counted_and_the_keeper_goes_on() -> None:
+    rig = Rig()
+    rig.keeper.statistics_buffer = BrokenBuffer()
+    rig.keeper.start()
+    rig.steps(5)
+    rig.steps(2, advance_ms=1000)
+    stats = rig.keeper.statistics()
+    assert stats.phase == "live" and stats.status == "ready" and rig.ring.generation >= 3
+    assert stats.statistics_write_failures == len(rig.state.writes) > 0
+    assert stats.state_write_failures == 0 and stats.state_writes == len(rig.state.writes)
+    rig.keeper.statistics_buffer = rig.statistics
+    rig.steps(1, advance_ms=1000)
+    record = decode_keeper_statistics(rig.statistics.last())
+    assert record.statistics_write_failures == stats.statistics_write_failures
+
+
+def test_while_the_feed_is_closed_the_record_has_no_feed_statistics() -> None:
+    rig = Rig()
+    rig.keeper.start()
+    rig.steps(5)
+    rig.store.fail_polls = 1
+    rig.steps(1, advance_ms=10)
+    assert rig.keeper.statistics().feed_failures == 1
+    record = decode_keeper_statistics(rig.statistics.last())  # written as the feed failed
+    assert record.feed_failures == 1 and record.feed is None
+    for _ in range(4):
+        rig.steps(1, advance_ms=500)
+    reopened = decode_keeper_statistics(rig.statistics.last())
+    assert reopened.feed_reopens == 1 and reopened.feed is not None
 
 
 def test_a_keeper_that_stops_publishing_reads_not_live_within_two_seconds() -> None:
@@ -224,6 +296,7 @@ def test_with_the_real_store_and_shared_memory_the_keeper_ends_equal_to_the_tabl
     from store import scheduling
     from store.rows import RowWrite
     from store.sqlite import SqliteStore
+    from workers.segments import KEEPER_STATE_BYTES
 
     path = str(Path(str(tmp_path)) / "schedule.db")
     store = SqliteStore(path)
@@ -239,8 +312,17 @@ def test_with_the_real_store_and_shared_memory_the_keeper_ends_equal_to_the_tabl
     ring = ReadyRing.create(f"/{tag}r")
     leases = LeaseTable.create(f"/{tag}l")
     state = StateBuffer.create(f"/{tag}s")
+    stats = StateBuffer.create(f"/{tag}k", capacity=KEEPER_STATE_BYTES)
     stop = threading.Event()
-    keeper = Keeper(store, ring, leases, state, KeeperConfig(walk_chunk=500), node="n1")
+    keeper = Keeper(
+        store,
+        ring,
+        leases,
+        state,
+        KeeperConfig(walk_chunk=500),
+        node="n1",
+        statistics_buffer=stats,
+    )
     thread = threading.Thread(target=keeper.run, args=(stop,))
     try:
         thread.start()
@@ -275,13 +357,22 @@ def test_with_the_real_store_and_shared_memory_the_keeper_ends_equal_to_the_tabl
         read = decode_queue_state(snapshot.payload)
         assert liveness(read, NOW_REAL()).live and read.trust.exact
         assert read.trust.events > 0 and read.trust.repairs.missed == 0
+        # Its statistics, written beside queue-state at each publish, with the feed's.
+        written = stats.read()
+        assert written is not None and written.age_ms(NOW_REAL()) < 5000
+        record = decode_keeper_statistics(written.payload)
+        assert record.phase == "live" and record.exact and record.events > 0
+        assert record.short_slice is granted[0] and record.statistics_write_failures == 0
+        assert record.feed is not None and type(record.feed) is FeedStatistics
+        assert record.feed.events > 0 and record.feed.polls > 0
+        assert record.feed.woken + record.feed.noticed > 0  # the churn's commits woke it
         entries = ring.claim(50)
         assert entries and all(e.due_at <= NOW_REAL() for e in entries)
         assert all(e.key.decode() in table for e in entries)
     finally:
         stop.set()
         thread.join(30)
-        for segment in (ring, leases, state):
+        for segment in (ring, leases, state, stats):
             segment.close()
             segment.unlink()
         store.close()

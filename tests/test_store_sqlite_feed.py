@@ -11,9 +11,10 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+import msgspec
 import pytest
 
-from store.base import Cursor, CursorAhead, CursorBelowFloor
+from store.base import Cursor, CursorAhead, CursorBelowFloor, FeedStatistics
 from store.rows import Completion, Route, RouteEvent, RowEvent, RowWrite, SettingsEvent
 from store.sqlite import SqliteStore
 from store.sqlite_feed import SqliteSubscription, parse_cursor
@@ -267,6 +268,34 @@ def _write_later(path: str, started: object, key: str) -> None:
     time.sleep(0.05)
     store.write([put(key)])
     store.close()
+
+
+def test_statistics_are_feed_statistics_and_their_common_part_round_trips(
+    store: SqliteStore,
+) -> None:
+    sub = store.subscribe("keeper")
+    store.write([put("/a", 1)])
+    store.write([put("/a", 2)])
+    store.write([put("/b", 1)])
+    assert keys_of(sub.poll().events) == ["/a", "/b"]
+    assert sub.wait(0.0) is False
+    stats = sub.statistics()
+    assert isinstance(stats, FeedStatistics) and type(stats) is not FeedStatistics
+    common = stats.common()
+    assert type(common) is FeedStatistics and common.common() is common
+    assert (common.polls, common.events, common.log_entries, common.coalesced) == (1, 2, 3, 1)
+    assert (common.woken, common.noticed, common.timeouts) == (
+        stats.woken,
+        stats.noticed,
+        stats.timeouts,
+    )
+    assert common.timeouts == 1
+    # SQLite's own fields travel too, and a reader that knows only the common part drops them.
+    encoded = msgspec.msgpack.encode(stats)
+    assert msgspec.msgpack.decode(encoded, type=type(stats)) == stats
+    assert msgspec.msgpack.decode(encoded, type=FeedStatistics) == common
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(common), type=FeedStatistics) == common
+    sub.close()
 
 
 def receive(sub: SqliteSubscription) -> list[str]:

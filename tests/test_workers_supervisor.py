@@ -34,7 +34,7 @@ def segment_files(instance: str) -> list[Path]:
     names = SegmentNames.for_instance(instance)
     return [
         Path("/dev/shm") / name.lstrip("/")
-        for name in (names.ring, names.leases, names.state, names.supervisor)
+        for name in (names.ring, names.leases, names.state, names.supervisor, names.keeper)
     ]
 
 
@@ -89,6 +89,32 @@ def test_one_shared_listener_serves_every_worker(tmp_path: Path) -> None:
     with node_process(tmp_path, workers=2, extra_args=("--reuse-port", "false")) as node:
         counts = connection_counts(node, 200)
     assert set(counts) == {node.worker_pid(0), node.worker_pid(1)}
+
+
+def test_every_worker_serves_the_keepers_statistics(tmp_path: Path) -> None:
+    """The keeper runs in worker 0; worker 1 reads its record from shared memory."""
+    seed_rows(tmp_path / "node.sqlite", 10)
+    with node_process(tmp_path, workers=2) as node:
+        wait_for(lambda: exact_queue_state(node), 60, "an exact queue-state")
+        seen: dict[int, dict[str, Any]] = {}
+
+        def from_both_workers() -> bool:
+            with node.client() as client:  # a new connection: either worker may take it
+                overview = client.get("/prerender_admin/overview").json()
+                metrics = client.get("/metrics").text
+            keeper = overview.get("keeper")
+            if (
+                keeper
+                and keeper["phase"] == "live"
+                and "renderqueue_keeper_feed_events_total" in metrics
+            ):
+                seen[overview["worker"]] = keeper
+            return len(seen) == 2
+
+        wait_for(from_both_workers, 30, "the keeper's record from both workers", 0.01)
+    for keeper in seen.values():
+        assert keeper["held"] == 10 and keeper["feed"] is not None
+        assert keeper["statistics_write_failures"] == 0
 
 
 def test_the_supervisor_sweeps_dead_lease_slots(tmp_path: Path) -> None:

@@ -15,6 +15,10 @@ from shm import LeaseTable, ReadyRing, StateBuffer, segment_name
 
 # The supervisor's statistics: a few hundred bytes per worker.
 SUPERVISOR_STATE_BYTES = 64 * 1024
+# The keeper's statistics (keeper.runner.KeeperStatistics): about 1 KB of msgpack, fixed
+# in shape; only its reason strings vary, and 16 KiB leaves them ample room. A record that
+# does not fit is refused whole and counted (statistics_write_failures), never truncated.
+KEEPER_STATE_BYTES = 16 * 1024
 
 
 class SegmentNames(msgspec.Struct, frozen=True, kw_only=True):
@@ -22,6 +26,7 @@ class SegmentNames(msgspec.Struct, frozen=True, kw_only=True):
     leases: str
     state: str
     supervisor: str
+    keeper: str
 
     @classmethod
     def for_instance(cls, instance: str) -> SegmentNames:
@@ -30,6 +35,7 @@ class SegmentNames(msgspec.Struct, frozen=True, kw_only=True):
             leases=segment_name(instance, "leases"),
             state=segment_name(instance, "state"),
             supervisor=segment_name(instance, "supervisor"),
+            keeper=segment_name(instance, "keeper"),
         )
 
 
@@ -40,6 +46,7 @@ class Segments:
     leases: LeaseTable
     state: StateBuffer
     supervisor: StateBuffer
+    keeper: StateBuffer
 
     @classmethod
     def create(cls, names: SegmentNames, *, ring_entries: int, lease_slots: int) -> Segments:
@@ -52,12 +59,14 @@ class Segments:
             state = StateBuffer.create(names.state)
             created.append(state)
             supervisor = StateBuffer.create(names.supervisor, capacity=SUPERVISOR_STATE_BYTES)
+            created.append(supervisor)
+            keeper = StateBuffer.create(names.keeper, capacity=KEEPER_STATE_BYTES)
         except BaseException:
             for segment in created:
                 segment.close()
                 segment.unlink()
             raise
-        return cls(names, ring, leases, state, supervisor)
+        return cls(names, ring, leases, state, supervisor, keeper)
 
     @classmethod
     def attach(cls, names: SegmentNames) -> Segments:
@@ -67,10 +76,11 @@ class Segments:
             LeaseTable.attach(names.leases),
             StateBuffer.attach(names.state),
             StateBuffer.attach(names.supervisor),
+            StateBuffer.attach(names.keeper),
         )
 
     def _all(self) -> tuple[ReadyRing | LeaseTable | StateBuffer, ...]:
-        return (self.ring, self.leases, self.state, self.supervisor)
+        return (self.ring, self.leases, self.state, self.supervisor, self.keeper)
 
     def close(self) -> None:
         for segment in self._all():

@@ -94,7 +94,13 @@ def start_keeper(spec: WorkerSpec, segments: Segments) -> KeeperHost:
         store = open_store(spec.settings.store_url())
         try:
             keeper = Keeper(
-                store, segments.ring, segments.leases, segments.state, config, node=spec.node
+                store,
+                segments.ring,
+                segments.leases,
+                segments.state,
+                config,
+                node=spec.node,
+                statistics_buffer=segments.keeper,
             )
             keeper.run(stop)
         finally:
@@ -135,6 +141,7 @@ def serve(spec: WorkerSpec) -> int:
             leases=segments.leases,
             state=segments.state,
             supervisor_state=segments.supervisor,
+            keeper_statistics=segments.keeper,
         )
         config = uvicorn.Config(
             BodyLimit(create_app(node), settings.max_body_bytes),
