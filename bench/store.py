@@ -18,7 +18,7 @@ in alternating order, 10k single-row writes each (quick: 2k; 5 rounds, quick 2):
   writing thread and the consumer each pinned to a CPU of its own (skipped on one CPU).
   Unpinned, the kernel now and then wakes the consumer onto the writer's CPU while the
   other idles, and there it can wait for the next scheduler tick (4 ms at HZ=250): that,
-  not the store, is the flat-out lag's tail on a small machine (README, "The feed").
+  not the store, is the flat-out lag's tail on a small machine (README, the feed).
 Put latency is the caller's view of `write()`; lag is from the writer's commit
 (`SqliteStore.last_commit_ns`, CLOCK_MONOTONIC, shared by processes) to the poll
 that delivered the event. CPU per write is the writer's process CPU (plus the

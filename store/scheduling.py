@@ -18,9 +18,11 @@ the writer-flat-out lag's p99. With the shortest slice (0.1 ms) such a thread is
 off at its next preemption point instead. `python -m bench.store --part feed`, ten
 interleaved pairs: flat-out lag p99 0.36-1.19 ms (median 0.67, four runs over 0.8)
 without it, 0.34-0.95 ms (median 0.47, one run over 0.8) with it (issue #2's note);
-the full run committed in bench/results, with it, gave 1.09 ms. What is left is
-mostly kdamond's stretches without a preemption point (the kernel is built without
-preemption) and vCPUs the host wakes late. The thread's share of the CPU is
+the full run of 2c54d13, with it, gave 1.09 ms. What was left then: kdamond's
+stretches without a preemption point (the kernel is built without preemption), vCPUs
+the host wakes late, and, traced later, the consumer woken onto the writer's own CPU,
+where it waits for the next tick (README; bench.store's "pinned apart" peer). The
+thread's share of the CPU is
 unchanged (that is its weight, its nice value); it gets its turns sooner and in
 shorter pieces.
 """
