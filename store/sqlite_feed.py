@@ -30,16 +30,26 @@ from store.rows import FeedEvent, Route, RouteEvent, RowEvent, SettingsEvent
 from store.schema import DEFAULT_CADENCE_S, KIND_ROUTE, KIND_ROW, KIND_SETTINGS
 from store.sqlite_conn import Retry, configure, connect
 from store.upkeep import WRITER_CHECKPOINT_PAGES
-from store.wake import WakeWaiter, unlink
+from store.wake import REFRESH_S, WakeWaiter, unlink
 
 _TOKEN_PREFIX = "sqlite"
 FALLBACK_POLL_S = 0.004  # data_version is checked this often while no post arrives
+# A writer learns of a new subscription's semaphore and ring when it next re-reads the
+# consumers (store.wake.REFRESH_S); until every writer can have, nobody posts it, and it
+# reads data_version this often instead (a restarted keeper's lag was 4 ms meanwhile).
+NEW_FALLBACK_POLL_S = 0.0005
+NEW_FOR_S = 1.5 * REFRESH_S
 # After a poll that delivered, a consumer with a ring first sleeps this long for more
 # to gather: a writer posting a consumer blocked on its semaphore pays a futex wake (16
 # µs, the size of a whole commit) per commit, and the consumer a wake-up per event.
 GATHER_S = 0.0002
 
 Verdict = Literal["ok", "below", "ahead"]
+
+
+def fallback_poll_s(age_s: float) -> float:
+    """How long a wait sleeps between data_version reads, `age_s` after subscribing."""
+    return NEW_FALLBACK_POLL_S if age_s < NEW_FOR_S else FALLBACK_POLL_S
 
 
 def cursor_token(seq: int, stamp: int) -> Cursor:
@@ -128,6 +138,7 @@ class SqliteSubscription:
         busy_timeout_s: float,
     ) -> None:
         self.consumer = consumer
+        self._opened_at = time.monotonic()
         self._seq = seq
         self._stamp = stamp
         self._saved_seq = seq
@@ -308,7 +319,7 @@ class SqliteSubscription:
             if remaining <= 0:
                 self._timeouts += 1
                 return False
-            slice_s = min(remaining, FALLBACK_POLL_S)
+            slice_s = min(remaining, fallback_poll_s(time.monotonic() - self._opened_at))
             if self._waiter is None:
                 time.sleep(slice_s)
             elif self._waiter.wait(slice_s):

@@ -17,8 +17,15 @@ import pytest
 from store.base import Cursor, CursorAhead, CursorBelowFloor, FeedStatistics
 from store.rows import Completion, Route, RouteEvent, RowEvent, RowWrite, SettingsEvent
 from store.sqlite import SqliteStore
-from store.sqlite_feed import SqliteSubscription, parse_cursor
-from store.wake import unlink
+from store.sqlite_feed import (
+    FALLBACK_POLL_S,
+    NEW_FALLBACK_POLL_S,
+    NEW_FOR_S,
+    SqliteSubscription,
+    fallback_poll_s,
+    parse_cursor,
+)
+from store.wake import REFRESH_S, unlink
 
 
 def drop_all(store: SqliteStore) -> None:
@@ -387,6 +394,45 @@ def test_a_commit_that_posts_nothing_is_noticed_beside_a_semaphore(store: Sqlite
     assert sub.wait(5.0) is True
     assert time.monotonic() - started < 1.0
     writer.join()
+    assert sub.statistics().noticed == 1 and sub.statistics().woken == 0
+    assert keys_of(sub.poll().events) == ["/raw"]
+    sub.close()
+
+
+def test_a_new_subscription_is_polled_often_only_until_writers_can_know_it() -> None:
+    assert fallback_poll_s(0.0) == NEW_FALLBACK_POLL_S == 0.0005
+    assert fallback_poll_s(NEW_FOR_S) == FALLBACK_POLL_S == 0.004
+    assert NEW_FOR_S > REFRESH_S
+
+
+@pytest.mark.parametrize(
+    ("age_s", "expected"), [(0.0, NEW_FALLBACK_POLL_S), (1.0, FALLBACK_POLL_S)]
+)
+def test_a_new_subscription_reads_data_version_often_until_writers_know_it(
+    store: SqliteStore, age_s: float, expected: float
+) -> None:
+    """Writers post a subscription and fill its ring only once they have re-read the
+    consumers (REFRESH_S): until then its waits look at data_version every 0.5 ms, not 4."""
+    sub = store.subscribe("keeper")
+    assert isinstance(sub, SqliteSubscription) and sub._waiter is not None
+    sub._opened_at -= age_s
+    sub.poll()
+    slices: list[float] = []
+
+    def no_post_then_commit(timeout_s: float) -> bool:
+        slices.append(timeout_s)
+        if len(slices) == 1:  # a commit no post announces, as before a writer's refresh
+            raw = sqlite3.connect(store.path, isolation_level=None, timeout=5)
+            raw.execute(
+                "INSERT INTO render_schedule (key, route, sitemap, next_render_at, version) "
+                "VALUES ('/raw', 'product', 0, 1000, 1)"
+            )
+            raw.close()
+        return False
+
+    sub._waiter.wait = no_post_then_commit  # type: ignore[method-assign]
+    assert sub.wait(5.0) is True
+    assert slices == [expected]
     assert sub.statistics().noticed == 1 and sub.statistics().woken == 0
     assert keys_of(sub.poll().events) == ["/raw"]
     sub.close()
