@@ -14,7 +14,7 @@ import msgspec
 
 from api.completions import CompletionQueue
 from api.routebook import RouteBook
-from keeper.runner import KeeperStatistics, decode_keeper_statistics
+from keeper.state import KeeperStatistics, decode_keeper_statistics
 from shm import LeaseTable, ReadyRing, StateBuffer
 from store.base import ScheduleStore
 

@@ -33,7 +33,7 @@ import msgspec
 
 from bench import report
 from bench.peer_base import Workload, generate
-from store.wake import REFRESH_S
+from store.sqlite_feed import NEW_FOR_S
 
 FEED_CONSUMER = "bench-feed"
 SEED = {
@@ -340,12 +340,12 @@ def run(config: Config) -> dict[str, Any]:
                 if arm == ARMS[1]:
                     to_worker0.send(("start", "feed"))
                     to_worker0.recv()
-                    # Steady state, as the keeper's arm (started and exact before it): a
-                    # writer learns of a new subscription's wake-up and ring at its first
-                    # write once REFRESH_S has passed since its last look; until then the
-                    # subscription sees commits by its 4 ms data_version poll, which was
-                    # most of this row's p99 (4-5 ms) when the arm began at once.
-                    time.sleep(REFRESH_S * 1.5)
+                    # Steady state, as the keeper's arm (started and exact before it):
+                    # until writers have re-read the consumers (NEW_FOR_S), nobody posts
+                    # a new subscription or fills its ring, and it finds commits by
+                    # polling data_version, which was most of this row's p99 (4-5 ms, at
+                    # a 4 ms poll then) when the arm began at once.
+                    time.sleep(NEW_FOR_S)
                 elif arm == ARMS[2]:
                     to_worker0.send(("mark",))
                     before = to_worker0.recv()

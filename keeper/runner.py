@@ -45,20 +45,21 @@ from keeper.protocols import LeaseTableLike, ReadyRingLike, StateBufferLike
 from keeper.publish import Publisher, PublishFailed
 from keeper.report import build_queue_state
 from keeper.state import (
+    KeeperStatistics,
     LeaseCounts,
     LoadStats,
     Phase,
-    PublishStats,
     QueueState,
     Status,
     TrustGroup,
     VerifyStats,
+    encode_keeper_statistics,
     encode_queue_state,
     lease_counts,
 )
 from keeper.topcheck import TopCheck
-from keeper.walk import RepairCounts, Walk, WalkReason
-from store.base import FeedStatistics, RowsRead, ScheduleStore
+from keeper.walk import Walk, WalkReason
+from store.base import RowsRead, ScheduleStore
 from store.scheduling import ask_short_slice
 
 log = logging.getLogger("renderqueue.keeper")
@@ -71,58 +72,6 @@ MAX_WAIT_S = 0.25  # an idle keeper still looks at the clock this often
 
 def wall_clock_ms() -> int:
     return time.time_ns() // 1_000_000
-
-
-class KeeperStatistics(msgspec.Struct, frozen=True, kw_only=True):
-    phase: Phase
-    status: Status
-    status_reason: str
-    live: bool
-    exact: bool
-    held: int
-    classes: int
-    buckets: int
-    tallies: int
-    memory_bytes: int
-    events: int
-    route_events: int
-    settings_events: int
-    reclassifications: int
-    rows_reclassified: int
-    unreadable: int
-    collisions: int
-    top_checks_waited: int  # top checks judged only once the feed caught up with their read
-    walk_chunks_waited: int  # the same, for walk chunks
-    feed_failures: int
-    feed_reopens: int
-    cursor_resets: int  # reopens where the saved cursor was pruned or ahead: walked from scratch
-    resyncs: int
-    walk_errors: int
-    verifications: int
-    state_writes: int
-    state_write_failures: int
-    statistics_write_failures: int  # this record's own writes into its buffer that failed
-    load: LoadStats
-    publish: PublishStats
-    verification: VerifyStats
-    repairs: RepairCounts
-    short_slice: bool  # the keeper's thread got a short scheduler slice (store.scheduling)
-    # The open subscription's counts, since it opened (a reopen starts them again); None
-    # while the feed is closed.
-    feed: FeedStatistics | None
-
-
-_statistics_encoder = msgspec.msgpack.Encoder()
-_statistics_decoder = msgspec.msgpack.Decoder(KeeperStatistics)
-
-
-def encode_keeper_statistics(stats: KeeperStatistics) -> bytes:
-    return _statistics_encoder.encode(stats)
-
-
-def decode_keeper_statistics(payload: bytes) -> KeeperStatistics:
-    """Raises msgspec.DecodeError (or ValidationError) on a payload of another shape."""
-    return _statistics_decoder.decode(payload)
 
 
 class Keeper:

@@ -10,6 +10,10 @@ publish (once a second) with `trust.heartbeat_at`, and `liveness()` reports
 the keeper not live, with the reason, once the heartbeat is older than
 `trust.stall_after_ms` (2 s by default). `vouches()` is the one rule workers
 use to serve counts (200) or only trust and the live `now` fields (503).
+
+The keeper's own statistics (`KeeperStatistics`) are a second record, written beside
+queue-state into a buffer of their own; here too, so a worker reads both without
+importing the keeper's machinery.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import msgspec
 from keeper.flow import FlowMinute
 from keeper.protocols import LeaseStatisticsLike
 from keeper.walk import RepairCounts
+from store.base import FeedStatistics
 
 SCHEMA = 1
 Status = Literal["unready", "ready", "stalled"]
@@ -208,6 +213,61 @@ def decode_queue_state(payload: bytes) -> QueueState:
             f"queue-state schema {state.schema}; this build reads {SCHEMA}"
         )
     return state
+
+
+# The keeper's statistics record, written beside queue-state into its own buffer
+# (workers.segments.Segments.keeper) for every worker's /metrics and overview.
+class KeeperStatistics(msgspec.Struct, frozen=True, kw_only=True):
+    """`Keeper.statistics()`: counters and sizes, safe to read from any thread."""
+
+    phase: Phase
+    status: Status
+    status_reason: str
+    live: bool
+    exact: bool
+    held: int
+    classes: int
+    buckets: int
+    tallies: int
+    memory_bytes: int
+    events: int
+    route_events: int
+    settings_events: int
+    reclassifications: int
+    rows_reclassified: int
+    unreadable: int
+    collisions: int
+    top_checks_waited: int  # top checks judged only once the feed caught up with their read
+    walk_chunks_waited: int  # the same, for walk chunks
+    feed_failures: int
+    feed_reopens: int
+    cursor_resets: int  # reopens where the saved cursor was pruned or ahead: walked from scratch
+    resyncs: int
+    walk_errors: int
+    verifications: int
+    state_writes: int
+    state_write_failures: int
+    statistics_write_failures: int  # this record's own writes into its buffer that failed
+    load: LoadStats
+    publish: PublishStats
+    verification: VerifyStats
+    repairs: RepairCounts
+    short_slice: bool  # the keeper's thread got a short scheduler slice (store.scheduling)
+    # The open subscription's counts, since it opened (a reopen starts them again); None
+    # while the feed is closed.
+    feed: FeedStatistics | None
+
+
+_statistics_decoder = msgspec.msgpack.Decoder(KeeperStatistics)
+
+
+def encode_keeper_statistics(stats: KeeperStatistics) -> bytes:
+    return _encoder.encode(stats)
+
+
+def decode_keeper_statistics(payload: bytes) -> KeeperStatistics:
+    """Raises msgspec.DecodeError (or ValidationError) on a payload of another shape."""
+    return _statistics_decoder.decode(payload)
 
 
 def liveness(state: QueueState, now_ms: int) -> Liveness:

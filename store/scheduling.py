@@ -22,9 +22,8 @@ the full run of 2c54d13, with it, gave 1.09 ms. What was left then: kdamond's
 stretches without a preemption point (the kernel is built without preemption), vCPUs
 the host wakes late, and, traced later, the consumer woken onto the writer's own CPU,
 where it waits for the next tick (README; bench.store's "pinned apart" peer). The
-thread's share of the CPU is
-unchanged (that is its weight, its nice value); it gets its turns sooner and in
-shorter pieces.
+thread's share of the CPU is unchanged (that is its weight, its nice value); it gets
+its turns sooner and in shorter pieces.
 """
 
 from __future__ import annotations

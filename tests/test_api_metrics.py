@@ -10,7 +10,7 @@ from typing import Any
 import msgspec
 from node_harness import now_ms, seed_rows, thread_node, wait_for
 
-from keeper.runner import KeeperStatistics, decode_keeper_statistics
+from keeper.state import KeeperStatistics, decode_keeper_statistics
 from store.rows import RowWrite
 
 SAMPLE = re.compile(r'^([a-z_:][a-z0-9_:]*)(\{([a-z_]+="[^"]*",?)*\})? (-?[0-9.e+-]+|NaN)$')

@@ -14,8 +14,14 @@ from keeper_helpers import (
 )
 
 from keeper.config import KeeperConfig
-from keeper.runner import Keeper, decode_keeper_statistics, encode_keeper_statistics
-from keeper.state import decode_queue_state, liveness, vouches
+from keeper.runner import Keeper
+from keeper.state import (
+    decode_keeper_statistics,
+    decode_queue_state,
+    encode_keeper_statistics,
+    liveness,
+    vouches,
+)
 from shm import key_hash
 from store.base import FeedStatistics
 from store.rows import Row

@@ -15,7 +15,7 @@ from shm import LeaseTable, ReadyRing, StateBuffer, segment_name
 
 # The supervisor's statistics: a few hundred bytes per worker.
 SUPERVISOR_STATE_BYTES = 64 * 1024
-# The keeper's statistics (keeper.runner.KeeperStatistics): about 1 KB of msgpack, fixed
+# The keeper's statistics (keeper.state.KeeperStatistics): about 1 KB of msgpack, fixed
 # in shape; only its reason strings vary, and 16 KiB leaves them ample room. A record that
 # does not fit is refused whole and counted (statistics_write_failures), never truncated.
 KEEPER_STATE_BYTES = 16 * 1024
