@@ -1,18 +1,35 @@
 """The C extensions live here because setuptools declares ext_modules in setup.py."""
 
+import os
+import shlex
+
 from setuptools import Extension, setup
+
+# Every warning is an error: the C runs inside shared memory that other processes
+# trust, so a warning is fixed rather than read past. RENDERQUEUE_CFLAGS adds flags
+# (the sanitizer build of `make sanitize`).
+CFLAGS = ["-O2", "-std=c11", "-Wall", "-Wextra", "-Werror"]
+CFLAGS += shlex.split(os.environ.get("RENDERQUEUE_CFLAGS", ""))
+LDFLAGS = shlex.split(os.environ.get("RENDERQUEUE_LDFLAGS", ""))
+
+SHM = ["module", "words", "ring", "leases", "hash"]
+KEEPER = ["module", "index", "select", "moves"]
 
 setup(
     ext_modules=[
         Extension(
             "shm._atomics",
-            sources=["shm/_atomics.c"],
-            extra_compile_args=["-O2", "-std=c11"],
+            sources=[f"shm/csrc/{name}.c" for name in SHM],
+            depends=["shm/csrc/atomics.h"],
+            extra_compile_args=CFLAGS,
+            extra_link_args=LDFLAGS,
         ),
         Extension(
             "keeper._native",
-            sources=["keeper/_native.c"],
-            extra_compile_args=["-O2", "-std=c11"],
+            sources=[f"keeper/csrc/{name}.c" for name in KEEPER],
+            depends=["keeper/csrc/native.h"],
+            extra_compile_args=CFLAGS,
+            extra_link_args=LDFLAGS,
         ),
     ]
 )

@@ -16,11 +16,19 @@ from api.auth import Authenticator
 from api.body import json_response, read_json
 from api.endpoints import ENDPOINTS, Call, Endpoint
 from api.node import Node
-from api.openapi import openapi_document
+from api.openapi import OPENAPI_PATH, openapi_document
+from api.params import read_params
 from api.problems import ApiError, problem_response
-from store.errors import StoreBusy
+from store.errors import StoreBusy, StoreFull, StoreUnavailable
 
 log = logging.getLogger("renderqueue.api")
+
+# What a caller hears when the store refuses: status, title, and what follows the cause.
+STORE_PROBLEMS: dict[type[Exception], tuple[int, str, str]] = {
+    StoreFull: (507, "Store full", ". Claims and reads go on meanwhile."),
+    StoreBusy: (503, "Store busy", "; retry shortly"),
+    StoreUnavailable: (503, "Store unavailable", "; retry shortly"),
+}
 
 
 def _respond(endpoint: Endpoint, value: Any) -> Response:
@@ -36,11 +44,14 @@ def make_handler(endpoint: Endpoint, node: Node, auth: Authenticator) -> Any:
 
     async def handle(request: Request) -> Response:
         try:
-            auth.check(endpoint.scope, request.headers.get("authorization"))
+            peer = request.client.host if request.client is not None else None
+            auth.check(endpoint.scope, request.headers.get("authorization"), peer)
+            params = read_params(endpoint.path_params, request.path_params)
+            params.update(read_params(endpoint.query, request.query_params))
             body: Any = None
             if endpoint.body is not None:
                 body = await read_json(request, endpoint.body, limit)
-            call = Call(request, node, body)
+            call = Call(request, node, body, params)
             if endpoint.is_async:
                 value = await endpoint.run(call)
             else:
@@ -48,14 +59,15 @@ def make_handler(endpoint: Endpoint, node: Node, auth: Authenticator) -> Any:
             return _respond(endpoint, value)
         except ApiError as exc:
             return problem_response(exc, request.url.path)
-        except StoreBusy as exc:
-            busy = ApiError(
-                503,
-                "Store busy",
-                f"{exc}; retry shortly",
+        except (StoreFull, StoreBusy, StoreUnavailable) as exc:
+            status, title, then = STORE_PROBLEMS[type(exc)]
+            refused = ApiError(
+                status,
+                title,
+                f"{exc}{then}",
                 headers={"Retry-After": str(node.settings.retry_after_s)},
             )
-            return problem_response(busy, request.url.path)
+            return problem_response(refused, request.url.path)
         except Exception:
             # Bad input never lands here (it is an ApiError); this is our fault.
             log.exception(
@@ -70,20 +82,37 @@ def make_handler(endpoint: Endpoint, node: Node, auth: Authenticator) -> Any:
     return handle
 
 
+def path_routes(handlers: dict[str, dict[str, Any]]) -> list[Route]:
+    """One route a path, serving each of its methods: a method it does not serve is a 405
+    whose `Allow` lists every one it does (a route a method would list only its own)."""
+    routes = []
+    for path, by_method in handlers.items():
+
+        async def dispatch(request: Request, by_method: dict[str, Any] = by_method) -> Response:
+            method = "GET" if request.method == "HEAD" else request.method
+            response: Response = await by_method[method](request)
+            return response
+
+        routes.append(Route(path, dispatch, methods=list(by_method)))
+    return routes
+
+
 def create_app(node: Node) -> Starlette:
     auth = Authenticator(
-        fleet_token=node.settings.fleet_token, admin_token=node.settings.admin_token
+        fleet_token=node.settings.fleet_token,
+        admin_token=node.settings.admin_token,
+        read_token=node.settings.metrics_token,
+        metrics_open_on_loopback=node.settings.metrics_open_on_loopback,
     )
-    document = openapi_document(ENDPOINTS)
+    document = openapi_document(ENDPOINTS, node.settings)
 
     async def openapi(request: Request) -> Response:
         return json_response(document)
 
-    routes = [
-        Route(endpoint.path, make_handler(endpoint, node, auth), methods=[endpoint.method])
-        for endpoint in ENDPOINTS
-    ]
-    routes.append(Route("/openapi.json", openapi, methods=["GET"]))
+    handlers: dict[str, dict[str, Any]] = {OPENAPI_PATH: {"GET": openapi}}
+    for endpoint in ENDPOINTS:
+        handlers.setdefault(endpoint.path, {})[endpoint.method] = make_handler(endpoint, node, auth)
+    routes = path_routes(handlers)
 
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)

@@ -15,7 +15,9 @@ from typing import TYPE_CHECKING
 from starlette.responses import Response
 
 from api.body import json_response
+from api.problems import ApiError
 from api.schemas import (
+    DEFAULT_LEASE_S,
     ClaimRequest,
     ClaimResponse,
     Lease,
@@ -24,7 +26,9 @@ from api.schemas import (
     RenewResult,
     RenewResults,
 )
+from api.status import NodeClaimStatus, claim_status
 from shm import Grant, key_hash
+from shm.segment import now_ms
 
 if TYPE_CHECKING:
     from api.node import Node
@@ -36,29 +40,60 @@ NOT_FOUND = "not_found"
 MAX_TOKEN = 2**64 - 1
 
 
-def parse_token(token: str) -> int | None:
-    """A token past 64 bits was never issued: it is simply not held."""
-    value = int(token)
+def split_token(token: str) -> tuple[str | None, str]:
+    """(the granting node's name, or None when the token names none; the decimal part).
+
+    A clustered node prefixes its tokens with its name (`node-a:4294967297`) so that any
+    node can tell which lease table holds the lease; a single node issues bare decimals."""
+    name, colon, value = token.rpartition(":")
+    return (name, value) if colon else (None, token)
+
+
+def parse_token(token: str, node: str | None = None) -> int | None:
+    """The lease table's token, when the lease would be in this node's table: a token
+    past 64 bits, or one another node (not `node`) granted, is simply not held here."""
+    name, digits = split_token(token)
+    if name is not None and name != node:
+        return None
+    value = int(digits)
     return value if value <= MAX_TOKEN else None
 
 
-def now_ms() -> int:
-    return time.time_ns() // 1_000_000
+def format_token(node: Node, token: int) -> str:
+    settings = node.settings
+    return f"{settings.node}:{token}" if settings.clustered else str(token)
 
 
-def unready(node: Node) -> Response:
-    """The fleet's "not ready, retry in N s": plain JSON with a string `status` (a problem
-    document's `status` is the HTTP code, so this one body is not problem+json)."""
+def unready(node: Node, status: NodeClaimStatus) -> Response:
+    """The fleet's "not ready, retry in N s": plain JSON with a string `status` (`unready`
+    or `stalled`; a problem document's `status` is the HTTP code, so this one body is not
+    problem+json)."""
     seconds = node.settings.retry_after_s
     return json_response(
         NodeStatus(
-            status="unready",
-            detail="the keeper has not published the queue yet; retry shortly",
-            retry_after_s=seconds,
+            status=status.status, detail=f"{status.reason}; retry shortly", retry_after_s=seconds
         ),
         503,
         headers={"Retry-After": str(seconds)},
     )
+
+
+def lease_ms_of(node: Node, lease_s: int | None) -> int:
+    """The lease asked for, or the default: 300 s, or the node's cap when that is shorter."""
+    return (lease_s or min(DEFAULT_LEASE_S, node.settings.max_lease_s)) * 1000
+
+
+def check_lease_s(node: Node, lease_s: int | None) -> None:
+    """A lease past the cluster's cap is refused: another node takes this one's keys once
+    leases this long could have ended."""
+    cap = node.settings.max_lease_s
+    if lease_s is not None and lease_s > cap:
+        raise ApiError(
+            422,
+            "Lease too long",
+            f"lease_s {lease_s} is over this node's max_lease_s of {cap} s; ask for at most "
+            f"{cap} and renew",
+        )
 
 
 def grant_from_ring(node: Node, want: int, lease_ms: int) -> list[Lease]:
@@ -109,12 +144,13 @@ def grant_from_ring(node: Node, want: int, lease_ms: int) -> list[Lease]:
             granted.append(
                 Lease(
                     key=key,
-                    token=str(token),
+                    token=format_token(node, token),
                     route=row.route,
                     due_at=row.next_render_at,
                     lease_expires_at=expires_at,
                     sitemap=row.sitemap,
                     cadence_s=cadence_s,
+                    node=node.settings.node if node.settings.clustered else None,
                 )
             )
     return granted
@@ -132,24 +168,35 @@ async def next_publish(node: Node, deadline: float) -> bool:
 
 
 async def claim(node: Node, request: ClaimRequest) -> ClaimResponse | Response:
-    if not node.ready():
-        return unready(node)
-    lease_ms = request.lease_s * 1000
+    status = claim_status(node)
+    if not status.can_grant:
+        return unready(node, status)
+    check_lease_s(node, request.lease_s)
+    lease_ms = lease_ms_of(node, request.lease_s)
     deadline = time.monotonic() + request.wait_s
     leases = grant_from_ring(node, request.max, lease_ms)
     # Long poll: nothing was claimable, so wait for the keeper's next publish (a new ring
     # generation) and try again, until something is granted or the wait is over.
     while not leases and await next_publish(node, deadline):
         leases = grant_from_ring(node, request.max, lease_ms)
-    return ClaimResponse(leases=leases, status="ready")
+    if not leases:
+        # Said as of now: a set that drained during this claim, or a keeper that stopped
+        # publishing during its wait, is what the fleet needs to hear.
+        status = claim_status(node)
+        if not status.can_grant:
+            return unready(node, status)
+    return ClaimResponse(
+        leases=leases, status="draining" if status.status == "draining" else "ready"
+    )
 
 
-def renew(node: Node, request: RenewRequest, default_lease_s: int = 300) -> RenewResults:
+def renew(node: Node, request: RenewRequest) -> RenewResults:
     now = now_ms()
     results: list[RenewResult] = []
     for item in request.items:
-        lease_ms = (item.lease_s or default_lease_s) * 1000
-        token = parse_token(item.token)
+        check_lease_s(node, item.lease_s)
+        lease_ms = lease_ms_of(node, item.lease_s)
+        token = parse_token(item.token, node.settings.node)
         expires_at = (
             None
             if token is None

@@ -1,14 +1,17 @@
 """Completions: the lease must still be held by the token -> apply the result to the store
--> release the lease. A stale token changes nothing.
+-> release the lease. A stale token changes nothing. A `failed` result keeps the row due
+in the store but holds the key back in the lease table, growing with each failure in a
+row and capped at its cadence (`LeaseTable.fail`); `rendered` resets it.
 
 The store's write lock is shared by every worker (and the keeper's cursor saves). A
-completion that found it held used to wait in the store's retry loop on the event loop's
-thread, and the worker served nothing meanwhile: no claims, no other completions. A
+completion that waited for it in the store's retry loop would hold the event loop's
+thread, and the worker would serve nothing meanwhile: no claims, no other completions. A
 `CompletionQueue` tries the lock without waiting; when it is held, the request waits with
 `asyncio.sleep`, the worker goes on serving, and completions that arrive meanwhile join
 the next attempt: one transaction for all of them, each request answered with its own
-results. Waiting on another thread instead was measured and reverted (7c743f2): every
-completion paid a GIL handoff each way, and throughput fell.
+results. The store call stays on the loop's thread rather than a worker thread, because
+a thread hop costs every completion a GIL handoff each way
+(docs/decisions/0001-completions-on-the-event-loop.md).
 """
 
 from __future__ import annotations
@@ -21,14 +24,15 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from api.claims import LEASE_NOT_HELD, NOT_FOUND, now_ms, parse_token
+from api.claims import LEASE_NOT_HELD, NOT_FOUND, parse_token
 from api.problems import ApiError
+from api.schedule import check_item_keys
 from api.schemas import CompletionsRequest, ItemResult, ItemResults
 from shm import key_hash
+from shm.segment import now_ms
+from store.base import DEFAULT_BUSY_TIMEOUT_S
 from store.errors import StoreBusy
 from store.rows import Completion
-from store.sqlite import DEFAULT_BUSY_TIMEOUT_S
-from store.validate import check_key
 
 if TYPE_CHECKING:
     from api.node import Node
@@ -53,7 +57,7 @@ def apply(node: Node, requests: Sequence[CompletionsRequest], *, wait: bool) -> 
     for number, request in enumerate(requests):
         for index, item in enumerate(request.items):
             hashed = key_hash(item.key.encode())
-            token = parse_token(item.token)
+            token = parse_token(item.token, node.settings.node)
             if token is None or item.key in seen or not node.leases.holds(hashed, token, now):
                 results[number][index] = ItemResult(key=item.key, ok=False, error=LEASE_NOT_HELD)
                 continue
@@ -72,6 +76,13 @@ def apply(node: Node, requests: Sequence[CompletionsRequest], *, wait: bool) -> 
         for (number, index, hashed, token), completion, row in zip(
             held, completions, after, strict=True
         ):
+            if completion.outcome == "failed" and row is not None:
+                # Backs off: held from now as a missed lease would be (shm.leases).
+                held_until = node.leases.fail(hashed, token, now)
+                results[number][index] = ItemResult(
+                    key=completion.key, ok=True, held_until=held_until
+                )
+                continue
             node.leases.complete(hashed, token, now)
             if row is None and completion.outcome != "gone":
                 results[number][index] = ItemResult(key=completion.key, ok=False, error=NOT_FOUND)
@@ -84,11 +95,7 @@ def check(request: CompletionsRequest) -> None:
     """What the store would refuse that the body's schema lets through (a key within 2,048
     characters but past 2,048 UTF-8 bytes): 422 before anything waits, so a request that
     joins a shared transaction never makes it fail."""
-    try:
-        for index, item in enumerate(request.items):
-            check_key(item.key, what="completion", index=index)
-    except ValueError as exc:
-        raise ApiError(422, "Invalid completion", str(exc)) from None
+    check_item_keys(request.items)
 
 
 class CompletionQueueStatistics(msgspec.Struct, frozen=True, kw_only=True):

@@ -14,22 +14,26 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from api import admin, claims, metrics, schedule, sitemaps
+from api import admin, claims, cluster, metrics, schedule, sitemaps
 from api.auth import Scope
 from api.node import Node
 from api.schemas import (
     ClaimRequest,
     ClaimResponse,
+    ClusterNodes,
     CompletionsRequest,
     Explain,
     Health,
     ItemResults,
+    Key,
     NodeSettings,
     NodeStatus,
     Overview,
     Readiness,
+    RenderNow,
     RenewRequest,
     RenewResults,
+    RouteName,
     Routes,
     RouteUpdate,
     ScheduleRequest,
@@ -38,6 +42,7 @@ from api.schemas import (
 )
 from sitemap.importer import ImportReport
 from store.rows import Route, Row
+from store.validate import check_key
 
 
 @dataclass(frozen=True, eq=False)
@@ -45,13 +50,24 @@ class Call:
     request: Request
     node: Node
     body: Any
+    params: dict[str, str]  # the query and path parameters, checked (api.params)
 
 
 @dataclass(frozen=True)
-class QueryParam:
+class Param:
+    """A query or path parameter: its value is checked against `schema`, the type the
+    document states for it (the handler runs the same check)."""
+
     name: str
     description: str
-    required: bool = True
+    schema: Any = str
+    # A rule beyond the schema's own keywords, as the store checks it (raises ValueError).
+    check: Callable[[str], object] | None = None
+
+
+# An uploaded sitemap: the body is the document itself (api.sitemaps), XML or its gzip,
+# whatever its Content-Type says; stated as the one binary media type generators know.
+SITEMAP_MEDIA_TYPES = ("application/octet-stream",)
 
 
 @dataclass(frozen=True, eq=False)
@@ -64,10 +80,16 @@ class Endpoint:
     body: type | None = None
     response: type | None = None  # the 200 body; None with `media_type` for text
     media_type: str = "application/json"
-    query: tuple[QueryParam, ...] = ()
-    path_params: tuple[QueryParam, ...] = ()
+    query: tuple[Param, ...] = ()
+    path_params: tuple[Param, ...] = ()
     errors: tuple[int, ...] = ()  # documented problem statuses beyond 401/403/413/422
     unavailable: type | None = None  # the 503 body, when the endpoint has one
+    # The body is read raw, in one of these media types, instead of as JSON into `body`.
+    raw_body: tuple[str, ...] = ()
+    # Reads or writes the store, so a busy or unreachable store answers 503 (api.app).
+    uses_store: bool = True
+    # Writes to the store, so a full or failing disk answers 507 (api.app).
+    writes_store: bool = False
 
     @property
     def is_async(self) -> bool:
@@ -78,16 +100,27 @@ async def _claim(call: Call) -> ClaimResponse | Response:
     return await claims.claim(call.node, call.body)
 
 
+def _forwarding(call: Call) -> tuple[str | None, str | None]:
+    """The caller's credentials (the cluster's nodes share tokens) and, on a request another
+    node forwarded, that node's name."""
+    headers = call.request.headers
+    return headers.get("authorization"), headers.get(cluster.FORWARDED_BY)
+
+
 async def _complete(call: Call) -> ItemResults:
-    return await call.node.completions.complete(call.body)
+    return await call.node.cluster.complete(call.body, *_forwarding(call))
+
+
+async def _renew(call: Call) -> RenewResults:
+    return await call.node.cluster.renew(call.body, *_forwarding(call))
+
+
+async def _cluster_queue_state(call: Call) -> Response:
+    return await call.node.cluster.queue_state(call.request.headers.get("authorization"))
 
 
 async def _import_sitemap(call: Call) -> ImportReport:
     return await sitemaps.import_upload(call.node, call.request)
-
-
-def _query(call: Call, name: str) -> str | None:
-    return call.request.query_params.get(name)
 
 
 ENDPOINTS: tuple[Endpoint, ...] = (
@@ -105,19 +138,30 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         "POST",
         "/v1/completions",
         "fleet",
-        "Report render results; a stale or unknown token changes nothing (`lease_not_held`).",
+        "Report render results; a stale or unknown token changes nothing (`lease_not_held`). "
+        "In a cluster any node takes them: an item another node granted is forwarded there.",
         _complete,
         body=CompletionsRequest,
         response=ItemResults,
+        writes_store=True,
     ),
     Endpoint(
         "POST",
         "/v1/leases/renew",
         "fleet",
-        "Extend leases still held by their tokens.",
-        lambda call: claims.renew(call.node, call.body),
+        "Extend leases still held by their tokens (in a cluster, at the node that granted each).",
+        _renew,
         body=RenewRequest,
         response=RenewResults,
+    ),
+    Endpoint(
+        "GET",
+        "/v1/cluster",
+        "discover",
+        "The live nodes (name, URL, start, heartbeat age) from the cluster's member list; a "
+        "single node lists itself. The fleet finds every node from any one.",
+        lambda call: call.node.cluster.members(),
+        response=ClusterNodes,
     ),
     Endpoint(
         "POST",
@@ -127,6 +171,7 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         lambda call: schedule.write(call.node, call.body),
         body=ScheduleRequest,
         response=ScheduleResult,
+        writes_store=True,
     ),
     Endpoint(
         "POST",
@@ -136,21 +181,23 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         "a refused document writes nothing.",
         _import_sitemap,
         response=ImportReport,
+        raw_body=SITEMAP_MEDIA_TYPES,
+        writes_store=True,
     ),
     Endpoint(
         "GET",
         "/v1/schedule",
-        "admin",
+        "read",
         "One row by key.",
-        lambda call: schedule.get_row(call.node, _query(call, "key")),
+        lambda call: schedule.get_row(call.node, call.params["key"]),
         response=Row,
-        query=(QueryParam("key", "the row's key"),),
+        query=(Param("key", "the row's key", Key, check_key),),
         errors=(404,),
     ),
     Endpoint(
         "GET",
         "/v1/routes",
-        "admin",
+        "read",
         "Every route with its default cadence and pause flag, and the global default.",
         lambda call: schedule.routes(call.node),
         response=Routes,
@@ -159,11 +206,12 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         "PUT",
         "/v1/routes/{route}",
         "admin",
-        "Set a route's default cadence or pause it.",
-        lambda call: schedule.set_route(call.node, call.request.path_params["route"], call.body),
+        "Set or clear (`default_cadence_s: null`) a route's default cadence; pause or resume it.",
+        lambda call: schedule.set_route(call.node, call.params["route"], call.body),
         body=RouteUpdate,
         response=Route,
-        path_params=(QueryParam("route", "the route's name"),),
+        writes_store=True,
+        path_params=(Param("route", "the route's name", RouteName),),
     ),
     Endpoint(
         "PUT",
@@ -173,41 +221,68 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         lambda call: schedule.set_settings(call.node, call.body),
         body=SettingsUpdate,
         response=NodeSettings,
+        writes_store=True,
     ),
     Endpoint(
         "GET",
         "/prerender_admin/queue-state",
-        "admin",
+        "read",
         "This node's queue state; 503 with trust and the live `now` fields when the keeper "
         "cannot vouch for its numbers.",
         lambda call: admin.queue_state(call.node),
+        response=dict,
+        unavailable=dict,
+        uses_store=False,
+    ),
+    Endpoint(
+        "GET",
+        "/prerender_admin/cluster/queue-state",
+        "read",
+        "Every live node's queue-state, asked at once, and the cluster's counts summed from "
+        "their exact ones (`autoscale.due_now` for an autoscaler); 503 naming each node that "
+        "is missing, unready, not exact or stale, never a partial sum.",
+        _cluster_queue_state,
         response=dict,
         unavailable=dict,
     ),
     Endpoint(
         "GET",
         "/prerender_admin/explain",
-        "admin",
+        "read",
         "A key's row, class, rank, lease and hold state, and why it is or is not claimed.",
-        lambda call: admin.explain(call.node, _query(call, "key")),
+        lambda call: admin.explain(call.node, call.params["key"]),
         response=Explain,
-        query=(QueryParam("key", "the row's key"),),
+        query=(Param("key", "the row's key", Key, check_key),),
+    ),
+    Endpoint(
+        "POST",
+        "/prerender_admin/render-now",
+        "admin",
+        "Make a key due now and end any hold on it (failures or unanswered leases); a live "
+        "lease is left to end. Answers the key's explain.",
+        lambda call: admin.render_now(call.node, call.body),
+        body=RenderNow,
+        response=Explain,
+        writes_store=True,
+        errors=(404,),
     ),
     Endpoint(
         "GET",
         "/prerender_admin/overview",
-        "admin",
+        "read",
         "Leases in flight, the ready ring, the supervisor's workers, the keeper's statistics.",
         lambda call: admin.overview(call.node),
         response=Overview,
+        uses_store=False,
     ),
     Endpoint(
         "GET",
         "/metrics",
-        "admin",
+        "metrics",
         "Prometheus text format.",
         lambda call: metrics.render(call.node),
         media_type=metrics.CONTENT_TYPE,
+        uses_store=False,
     ),
     Endpoint(
         "GET",
@@ -217,6 +292,7 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         "entered in it.",
         lambda call: admin.console(),
         media_type="text/html; charset=utf-8",
+        uses_store=False,
     ),
     Endpoint(
         "GET",
@@ -225,14 +301,18 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         "The worker is serving.",
         lambda call: admin.healthz(call.node),
         response=Health,
+        uses_store=False,
     ),
     Endpoint(
         "GET",
         "/readyz",
         "public",
-        "200 once the keeper has published the queue, 503 before.",
+        "200 while this node can grant a claim (`ready`, or `draining` the keeper's last set); "
+        "503 when it cannot (`unready`: nothing published yet; `stalled`: the keeper is not "
+        "publishing and its last set is drained).",
         lambda call: admin.readyz(call.node),
         response=Readiness,
         unavailable=Readiness,
+        uses_store=False,
     ),
 )

@@ -7,7 +7,6 @@ Gauges an autoscaler reads: `renderqueue_due` (claimable work) and `renderqueue_
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,6 +14,7 @@ from typing import Any
 import msgspec
 
 from api.node import Node
+from api.status import claim_status, lease_view, supervisor_statistics
 from keeper.state import (
     ClassRow,
     QueueState,
@@ -23,12 +23,10 @@ from keeper.state import (
     state_age_ms,
     vouches,
 )
+from shm.segment import now_ms
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-
-
-def now_ms() -> int:
-    return time.time_ns() // 1_000_000
+CLAIM_STATUSES = ("ready", "draining", "stalled", "unready")
 
 
 def _escape(value: str) -> str:
@@ -84,7 +82,19 @@ def render(node: Node) -> str:
     out = Exposition()
     leases = node.leases.statistics()
     ring = node.ring.statistics()
-    out.gauge("renderqueue_ready", "1 once the keeper has published the queue.", node.ready())
+    status = claim_status(node, now)
+    out.gauge(
+        "renderqueue_ready",
+        "1 while this node can grant a claim (ready, or draining the keeper's last set).",
+        status.can_grant,
+    )
+    out.metric(
+        "renderqueue_claim_status",
+        "gauge",
+        "1 for this node's claim status now: ready, draining (the keeper is not publishing; "
+        "claims take its last set), stalled (that set is drained), unready.",
+        [({"status": name}, name == status.status) for name in CLAIM_STATUSES],
+    )
     published_at = node.ring.published_at
     out.gauge(
         "renderqueue_publish_age_seconds",
@@ -96,11 +106,35 @@ def render(node: Node) -> str:
         "Unclaimed entries left in the last published ring.",
         ring.remaining,
     )
-    out.gauge("renderqueue_in_flight", "Live leases in the lease table.", leases.live_leases)
+    view = lease_view(node, supervisor_statistics(node), now)
+    out.gauge(
+        "renderqueue_in_flight",
+        "Live leases: granted, not answered, not expired (a census of the lease table, at "
+        "most a few seconds old).",
+        view.in_flight,
+    )
+    out.gauge(
+        "renderqueue_leases_expired_unanswered",
+        "Leases that expired with no result and are not yet settled into their holds.",
+        view.expired_unanswered,
+    )
     out.gauge(
         "renderqueue_held_keys",
-        "Distinct keys held back after leases expired with no result.",
-        leases.held_keys,
+        "Keys held back now: leases that expired with no result, and failed renders.",
+        view.held_keys,
+    )
+    out.metric(
+        "renderqueue_failure_backoffs_total",
+        "counter",
+        "Failed renders that held their key back (2 lease lengths, doubling with each "
+        "failure in a row, capped at its cadence).",
+        [({}, leases.failures)],
+    )
+    out.metric(
+        "renderqueue_holds_forgiven_total",
+        "counter",
+        "Holds ended by an operator's render-now.",
+        [({}, leases.forgiven)],
     )
     out.metric(
         "renderqueue_lease_refusals_total",
@@ -122,6 +156,19 @@ def render(node: Node) -> str:
         "renderqueue_leases_granted_total", "counter", "Leases granted.", [({}, leases.grants)]
     )
     out.gauge("renderqueue_lease_table_occupancy", "Share of lease slots in use.", leases.occupancy)
+    writability = node.store.writability()
+    out.gauge(
+        "renderqueue_store_writable",
+        "0 from a write the store's disk refused (full or failing) until a write succeeds, "
+        "as the worker answering found it; 1 otherwise.",
+        writability.writable,
+    )
+    out.metric(
+        "renderqueue_store_writes_refused_total",
+        "counter",
+        "Writes the store's disk refused (answered 507), by the worker answering.",
+        [({}, writability.refused)],
+    )
     _supervisor_metrics(out, node)
     _keeper_metrics(out, node)
     snapshot = node.state.read()
@@ -146,8 +193,20 @@ def render(node: Node) -> str:
     )
     out.gauge(
         "renderqueue_feed_lag_seconds",
-        "Since the keeper last read the change feed to its end.",
+        "Since the keeper last read the change feed to its end, or the time it has been held "
+        "back by an open transaction, whichever is longer.",
         state.trust.feed_lag_ms / 1000,
+    )
+    out.gauge(
+        "renderqueue_feed_held_back_seconds",
+        "How long one transaction still running has held the change feed back (PostgreSQL: "
+        "it holds the snapshot's xmin; see renderqueue_feed_held_by_pid).",
+        state.trust.feed_held_back_ms / 1000,
+    )
+    out.gauge(
+        "renderqueue_feed_held_by_pid",
+        "The PostgreSQL backend pid of the transaction holding the feed back (0: none).",
+        state.trust.feed_held_by_pid,
     )
     out.metric(
         "renderqueue_keeper_repairs_total",

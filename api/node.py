@@ -9,9 +9,11 @@ store (api.completions).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 
+from api.cluster import ClusterLink
 from api.completions import CompletionQueue
 from api.routebook import RouteBook
 from keeper.state import KeeperStatistics, decode_keeper_statistics
@@ -25,13 +27,30 @@ class ApiSettings(msgspec.Struct, frozen=True, kw_only=True):
     worker: int = 0
     fleet_token: str | None = None
     admin_token: str | None = None
+    metrics_token: str | None = None  # read-only (api.auth)
+    metrics_open_on_loopback: bool = False
     max_body_bytes: int = 4 * 1024 * 1024
-    # A long poll re-checks the ring's generation this often; the keeper publishes about
-    # once a second, so 25 ms adds little latency and costs nothing measurable.
+    # A long poll re-checks the ring's generation this often: small next to the keeper's
+    # publish period (a second), and a check is two atomic loads.
     poll_interval_s: float = 0.025
     retry_after_s: int = 1
+    # The keeper's stall_after_s: a ring published longer ago than this is a keeper that
+    # is not publishing, and claims drain what it published last (api.status).
+    stall_after_ms: int = 2000
     sitemap_boost: float = 1.0  # the keeper's, so explain ranks a row as the keeper does
     sitemap_route_rules: str | None = None  # a TOML file of URL-pattern rules
+    # In a cluster another node takes this one's keys once its leases could have ended:
+    # leases are capped at max_lease_s, and a keeper that stops publishing stops grants
+    # at once (no draining: its last set may hold keys that have moved since).
+    clustered: bool = False
+    max_lease_s: int = 3600
+    # Where the fleet and the other nodes reach this node (workers.config advertised), and
+    # the member list's TTL: GET /v1/cluster lists the nodes live by it.
+    advertised_url: str = ""
+    node_ttl_s: float = 12.0
+    # A peer asked for its queue-state, or handed a completion another node granted, has
+    # this long to answer; past it the peer is named as missing (never waited on).
+    peer_timeout_s: float = 3.0
 
 
 @dataclass(eq=False)
@@ -45,10 +64,14 @@ class Node:
     keeper_statistics: StateBuffer | None = None  # written by the keeper (worker 0's thread)
     routes: RouteBook = field(init=False)
     completions: CompletionQueue = field(init=False)
+    cluster: ClusterLink = field(init=False)  # the member list and the peers' client
+    # This worker's own lease census (taken at, census) when the supervisor's is missing.
+    own_census: tuple[int, dict[str, Any]] | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self.routes = RouteBook(self.store)
         self.completions = CompletionQueue(self)
+        self.cluster = ClusterLink(self)
 
     def read_keeper_statistics(self) -> KeeperStatistics | None:
         """The keeper's last statistics record; None before its first, or when the payload

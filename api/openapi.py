@@ -1,4 +1,12 @@
-"""`/openapi.json`, generated from the endpoint table and the msgspec Structs it names."""
+"""`/openapi.json`, generated from the endpoint table, the msgspec types it names and the
+node's own settings (its body limit, its lease cap).
+
+Every constraint the server enforces is stated where the type that enforces it is made
+(api.schemas); what an operation can answer follows from what its handler does: a body
+is read (400, 413, 422), a parameter is checked (422), a token is asked for (401, 403),
+the store is used (503 when it is busy or unreachable) or written (507 when its disk is
+full), each with the problem+json shape.
+"""
 
 from __future__ import annotations
 
@@ -8,21 +16,36 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 
 from api.problems import PROBLEM_TYPE, Problem
+from api.schemas import LEASE_CAP_KEYWORD
 
 if TYPE_CHECKING:
     from api.endpoints import Endpoint
+    from api.node import ApiSettings
 
 REF = "#/components/schemas/{name}"
 VERSION = "1"
+OPENAPI_PATH = "/openapi.json"
+# The body limit, on each request body: JSON Schema cannot bound a body's size in bytes.
+BODY_LIMIT_KEYWORD = "x-maxBodyBytes"
+OPEN_OBJECT = {"type": "object", "additionalProperties": True}
+# Every 503 and 507 the node sends carries it (api.app, api.claims, api.admin, api.cluster).
+RETRY_AFTER = {
+    "description": "Seconds to wait.",
+    "required": True,
+    "schema": {"type": "string", "pattern": "^[0-9]+$"},
+}
 
 
-def _schema_of(type_: type, refs: dict[type, dict[str, Any]]) -> dict[str, Any]:
-    if type_ is dict:
-        return {"type": "object", "additionalProperties": True}
-    return refs[type_]
+def operation_id(method: str, path: str) -> str:
+    name = f"{method.lower()}{path}"
+    for old, new in (("/", "_"), ("{", ""), ("}", ""), ("-", "_"), (".", "_")):
+        name = name.replace(old, new)
+    return name
 
 
-def openapi_document(endpoints: Sequence[Endpoint]) -> dict[str, Any]:
+def _components(
+    endpoints: Sequence[Endpoint], settings: ApiSettings
+) -> tuple[dict[type, dict[str, Any]], dict[str, Any]]:
     types: list[type] = [Problem]
     for endpoint in endpoints:
         for type_ in (endpoint.body, endpoint.response, endpoint.unavailable):
@@ -30,77 +53,156 @@ def openapi_document(endpoints: Sequence[Endpoint]) -> dict[str, Any]:
                 types.append(type_)
     schemas, components = msgspec.json.schema_components(types, ref_template=REF)
     refs = dict(zip(types, schemas, strict=True))
-    problem = {PROBLEM_TYPE: {"schema": refs[Problem]}}
+    for type_, ref in refs.items():
+        # A rule across fields, stated on the Struct itself (api.schemas.ScheduleRequest).
+        extra = getattr(type_, "json_schema_extra", None)
+        if extra:
+            components[ref["$ref"].rsplit("/", 1)[1]].update(extra)
+    _cap_leases(components, settings.max_lease_s)
+    return refs, components
+
+
+def _cap_leases(schema: Any, cap: int) -> None:
+    """A lease length this node refuses past its max_lease_s is stated with that cap."""
+    if isinstance(schema, dict):
+        if LEASE_CAP_KEYWORD in schema and "maximum" in schema:
+            schema["maximum"] = min(schema["maximum"], cap)
+        for value in schema.values():
+            _cap_leases(value, cap)
+    elif isinstance(schema, list):
+        for value in schema:
+            _cap_leases(value, cap)
+
+
+def _problem(description: str, problem: dict[str, Any], **headers: str) -> dict[str, Any]:
+    response: dict[str, Any] = {"description": description, "content": {PROBLEM_TYPE: problem}}
+    if headers:
+        response["headers"] = {
+            name: {"description": text, "schema": {"type": "string"}}
+            for name, text in headers.items()
+        }
+    return response
+
+
+def _parameters(endpoint: Endpoint) -> list[dict[str, Any]]:
+    return [
+        {
+            "name": param.name,
+            "in": where,
+            "required": True,
+            "description": param.description,
+            "schema": msgspec.json.schema(param.schema),
+        }
+        for where, params in (("path", endpoint.path_params), ("query", endpoint.query))
+        for param in params
+    ]
+
+
+def _request_body(endpoint: Endpoint, refs: dict[type, Any], limit: int) -> dict[str, Any]:
+    if endpoint.raw_body:
+        content = {
+            media_type: {"schema": {"type": "string", "format": "binary"}}
+            for media_type in endpoint.raw_body
+        }
+        what = "The sitemap document itself (XML, or its gzip) as the body, any Content-Type"
+    else:
+        assert endpoint.body is not None
+        content = {"application/json": {"schema": refs[endpoint.body]}}
+        what = "JSON. An integer field takes an integer-valued number (`300.0`) as the integer"
+    return {
+        "required": True,
+        "description": f"{what}. At most {limit} bytes (413 beyond).",
+        "content": content,
+        BODY_LIMIT_KEYWORD: limit,
+    }
+
+
+def _responses(
+    endpoint: Endpoint, refs: dict[type, Any], problem: dict[str, Any]
+) -> dict[str, Any]:
+    if endpoint.response is not None:
+        schema = OPEN_OBJECT if endpoint.response is dict else refs[endpoint.response]
+        ok = {"description": "OK", "content": {"application/json": {"schema": schema}}}
+    else:
+        ok = {"description": "OK", "content": {endpoint.media_type: {"schema": {"type": "string"}}}}
+    responses: dict[str, Any] = {"200": ok}
+    has_body = endpoint.body is not None or bool(endpoint.raw_body)
+    if has_body:
+        malformed = "not JSON, " if endpoint.body is not None else ""
+        responses["400"] = _problem(
+            f"The body is {malformed}empty, or its Content-Length is not a number.", problem
+        )
+    if endpoint.scope != "public":
+        challenge = "The bearer challenge (RFC 6750)."
+        responses["401"] = _problem(
+            "No bearer token, or one this node does not know.",
+            problem,
+            **{"WWW-Authenticate": challenge},
+        )
+        responses["403"] = _problem(
+            "The token does not open this endpoint.", problem, **{"WWW-Authenticate": challenge}
+        )
+    if 404 in endpoint.errors:
+        responses["404"] = _problem("No row has that key.", problem)
+    if has_body:
+        responses["413"] = _problem("The body is over the node's limit.", problem)
+    if has_body or endpoint.query or endpoint.path_params:
+        responses["422"] = _problem(
+            "A field or parameter breaks the schema or a rule stated beside it; `field` names "
+            "it. Nothing was changed.",
+            problem,
+        )
+    if endpoint.writes_store:
+        responses["507"] = _problem(
+            "The store's disk is full or failing: nothing was written. Claims and reads go "
+            "on; retry after Retry-After.",
+            problem,
+        )
+        responses["507"]["headers"] = {"Retry-After": RETRY_AFTER}
+    unavailable: dict[str, Any] = {}
+    if endpoint.uses_store:
+        unavailable[PROBLEM_TYPE] = problem
+    if endpoint.unavailable is not None:
+        schema = OPEN_OBJECT if endpoint.unavailable is dict else refs[endpoint.unavailable]
+        unavailable["application/json"] = {"schema": schema}
+    if unavailable:
+        responses["503"] = {
+            "description": "Not now: the node is not ready, or its store is busy or "
+            "unreachable (problem+json). Nothing was changed; retry after Retry-After.",
+            "headers": {"Retry-After": RETRY_AFTER},
+            "content": unavailable,
+        }
+    return responses
+
+
+def openapi_document(endpoints: Sequence[Endpoint], settings: ApiSettings) -> dict[str, Any]:
+    refs, components = _components(endpoints, settings)
+    problem = {"schema": refs[Problem]}
     paths: dict[str, dict[str, Any]] = {}
     for endpoint in endpoints:
         operation: dict[str, Any] = {
-            "operationId": f"{endpoint.method.lower()}{endpoint.path}".replace("/", "_")
-            .replace("{", "")
-            .replace("}", "")
-            .replace("-", "_"),
+            "operationId": operation_id(endpoint.method, endpoint.path),
             "summary": endpoint.summary,
-            "responses": {},
         }
-        parameters = [
-            {
-                "name": p.name,
-                "in": "query",
-                "required": p.required,
-                "description": p.description,
-                "schema": {"type": "string"},
-            }
-            for p in endpoint.query
-        ] + [
-            {
-                "name": p.name,
-                "in": "path",
-                "required": True,
-                "description": p.description,
-                "schema": {"type": "string"},
-            }
-            for p in endpoint.path_params
-        ]
+        parameters = _parameters(endpoint)
         if parameters:
             operation["parameters"] = parameters
-        if endpoint.body is not None:
-            operation["requestBody"] = {
-                "required": True,
-                "content": {"application/json": {"schema": refs[endpoint.body]}},
-            }
-        responses = operation["responses"]
-        if endpoint.response is not None:
-            responses["200"] = {
-                "description": "OK",
-                "content": {"application/json": {"schema": _schema_of(endpoint.response, refs)}},
-            }
-        else:
-            responses["200"] = {
-                "description": "OK",
-                "content": {endpoint.media_type: {"schema": {"type": "string"}}},
-            }
-        if endpoint.body is not None or endpoint.query or endpoint.path_params:
-            responses["422"] = {"description": "Invalid input", "content": problem}
-        if endpoint.body is not None:
-            responses["400"] = {"description": "Malformed JSON", "content": problem}
-            responses["413"] = {"description": "Body too large", "content": problem}
-        if endpoint.scope != "public":
-            responses["401"] = {"description": "Missing or unknown token", "content": problem}
-            responses["403"] = {"description": "Token lacks the scope", "content": problem}
-        for status in endpoint.errors:
-            responses[str(status)] = {"description": "Error", "content": problem}
-        if endpoint.unavailable is not None:
-            responses["503"] = {
-                "description": "Not ready; see Retry-After",
-                "content": {"application/json": {"schema": _schema_of(endpoint.unavailable, refs)}},
-            }
+        if endpoint.body is not None or endpoint.raw_body:
+            operation["requestBody"] = _request_body(endpoint, refs, settings.max_body_bytes)
+        operation["responses"] = _responses(endpoint, refs, problem)
         if endpoint.scope != "public":
             operation["security"] = [{"bearer": []}]
         paths.setdefault(endpoint.path, {})[endpoint.method.lower()] = operation
-    paths["/openapi.json"] = {
+    paths[OPENAPI_PATH] = {
         "get": {
             "operationId": "get_openapi",
             "summary": "This document.",
-            "responses": {"200": {"description": "OK"}},
+            "responses": {
+                "200": {
+                    "description": "OK",
+                    "content": {"application/json": {"schema": OPEN_OBJECT}},
+                }
+            },
         }
     }
     return {
@@ -108,7 +210,9 @@ def openapi_document(endpoints: Sequence[Endpoint]) -> dict[str, Any]:
         "info": {
             "title": "renderqueue",
             "version": VERSION,
-            "description": "A render queue node: claims for the fleet, the schedule, admin.",
+            "description": "A render queue node: claims for the fleet, the schedule, admin. "
+            "A method a path does not serve is answered 405 with `Allow` listing those it "
+            "does. Errors are application/problem+json (RFC 9457).",
         },
         "paths": paths,
         "components": {

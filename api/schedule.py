@@ -5,32 +5,44 @@ and a ValueError from the store (it validates too) becomes a 422 as well."""
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import msgspec
 
-from api.node import Node
-from api.problems import ApiError, invalid_field, invalid_query, not_found
+from api.problems import ApiError, invalid_field, not_found
 from api.schemas import (
+    CompletionItem,
     NodeSettings,
-    RouteName,
+    RenewItem,
     Routes,
     RouteUpdate,
     ScheduleRequest,
     ScheduleResult,
     SettingsUpdate,
 )
-from store.rows import MAX_KEY_BYTES, Route, Row, RowWrite
+from store import validate
+from store.rows import Route, Row, RowWrite
 
-ROUTE_PATTERN_TEXT = "lower-case letters, digits, '_', '.', '-'; at most 64 characters"
+if TYPE_CHECKING:
+    from api.node import Node
 
 
 def check_key(key: str, field: str) -> None:
+    """A key in a body, by the store's own rules (store.validate): 422 naming the field,
+    before the store is asked (a query's key: api.params)."""
     try:
-        size = len(key.encode())
-    except UnicodeEncodeError:
-        raise invalid_field(field, "the key is not valid UTF-8") from None
-    if size > MAX_KEY_BYTES:
-        raise invalid_field(field, f"the key is {size} bytes of UTF-8; at most {MAX_KEY_BYTES}")
+        validate.check_key(key)
+    except ValueError as exc:
+        reason = str(exc).partition(": ")[2] or str(exc)
+        raise invalid_field(field, reason) from None
+
+
+def check_item_keys(items: Sequence[CompletionItem | RenewItem]) -> None:
+    """A completion's or renewal's keys, each by the store's rules: the whole request is
+    refused (422 naming the item) before any item is applied or sent to another node."""
+    for index, item in enumerate(items):
+        check_key(item.key, f"$.items[{index}].key")
 
 
 def store_error(exc: ValueError) -> ApiError:
@@ -38,43 +50,37 @@ def store_error(exc: ValueError) -> ApiError:
 
 
 def write(node: Node, request: ScheduleRequest) -> ScheduleResult:
+    """One transaction. A key given more than once is written once (ScheduleRequest): its
+    last upsert stands, and a delete wins over an upsert; the counts are what was written.
+    The document cannot make a client's batch distinct, so the node settles it instead of
+    refusing a body the document calls valid (and PostgreSQL's upsert would refuse a key
+    twice in one statement)."""
+    if not request.upsert and not request.delete:
+        raise invalid_field("$", "nothing to do: give `upsert` or `delete`")
     now = time.time_ns() // 1_000_000
-    upserts: list[RowWrite] = []
-    seen: dict[str, str] = {}
+    upserts: dict[str, RowWrite] = {}
     for index, item in enumerate(request.upsert):
-        field = f"$.upsert[{index}].key"
-        check_key(item.key, field)
-        if item.key in seen:
-            raise invalid_field(field, f"the key also appears at {seen[item.key]}")
-        seen[item.key] = field
-        upserts.append(
-            RowWrite(
-                key=item.key,
-                route=item.route,
-                next_render_at=now if item.next_render_at is None else item.next_render_at,
-                cadence_s=item.cadence_s,
-                sitemap=item.sitemap,
-            )
+        check_key(item.key, f"$.upsert[{index}].key")
+        upserts[item.key] = RowWrite(
+            key=item.key,
+            route=item.route,
+            next_render_at=now if item.next_render_at is None else item.next_render_at,
+            cadence_s=item.cadence_s,
+            sitemap=item.sitemap,
         )
     for index, key in enumerate(request.delete):
-        field = f"$.delete[{index}]"
-        check_key(key, field)
-        if key in seen:
-            raise invalid_field(field, f"the key also appears at {seen[key]}")
-        seen[key] = field
-    if not upserts and not request.delete:
-        raise invalid_field("$", "nothing to do: give `upsert` or `delete`")
+        check_key(key, f"$.delete[{index}]")
+    deletes = list(dict.fromkeys(request.delete))
+    for key in deletes:
+        upserts.pop(key, None)
     try:
-        node.store.write(upsert=upserts, delete=request.delete)
+        node.store.write(upsert=list(upserts.values()), delete=deletes)
     except ValueError as exc:
         raise store_error(exc) from None
-    return ScheduleResult(upserted=len(upserts), deleted=len(request.delete))
+    return ScheduleResult(upserted=len(upserts), deleted=len(deletes))
 
 
-def get_row(node: Node, key: str | None) -> Row:
-    if not key:
-        raise invalid_query("key", "required: the row's key")
-    check_key(key, "key")
+def get_row(node: Node, key: str) -> Row:
     row = node.store.get(key)
     if row is None:
         raise not_found(f"no row has key {key!r}")
@@ -85,19 +91,17 @@ def routes(node: Node) -> Routes:
     return Routes(routes=node.store.routes(), default_cadence_s=node.store.default_cadence_s())
 
 
-def check_route_name(route: str) -> None:
-    try:
-        msgspec.convert(route, RouteName)
-    except msgspec.ValidationError:
-        raise invalid_query("route", ROUTE_PATTERN_TEXT) from None
-
-
 def set_route(node: Node, route: str, update: RouteUpdate) -> Route:
-    check_route_name(route)
+    """`default_cadence_s`: absent leaves it, a number sets it, null clears it."""
+    clear = update.default_cadence_s is None
+    cadence = update.default_cadence_s
+    if isinstance(cadence, msgspec.UnsetType):
+        cadence = None
     try:
-        result = node.store.set_route(
-            route, default_cadence_s=update.default_cadence_s, paused=update.paused
-        )
+        if clear:
+            result = node.store.set_route(route, paused=update.paused, clear_default_cadence=True)
+        else:
+            result = node.store.set_route(route, default_cadence_s=cadence, paused=update.paused)
     except ValueError as exc:
         raise store_error(exc) from None
     node.routes.invalidate()

@@ -3,31 +3,45 @@
 The shapes are a contract with the console, the fleet client and checks from outside;
 `/openapi.json` is generated from these classes, so the two never drift. Requests refuse
 unknown fields so a misspelt option fails loudly instead of being ignored.
+
+A rule JSON Schema cannot say with its own keywords is said beside the type it governs,
+as an `x-` keyword the server's own check reads from the same constant (a key's size in
+UTF-8 bytes, a batch's keys being distinct), so a generator or a fuzzer can honour it.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import msgspec
 from msgspec import Meta
 
+from keeper.core import MAX_DUE_MS
 from store.rows import MAX_KEY_BYTES, Route, Row
 from store.validate import ROUTE_NAME
 
+# The store refuses a key with a NUL (PostgreSQL's text cannot hold one) or past
+# MAX_KEY_BYTES of UTF-8 (store.validate.check_key, which every path that takes a key
+# runs); JSON Schema counts characters, so the byte limit is a keyword of its own.
+KEY_PATTERN = "^[^\\u0000]*$"
+MAX_UTF8_BYTES_KEYWORD = "x-maxUtf8Bytes"
 Key = Annotated[
     str,
     Meta(
         min_length=1,
         max_length=MAX_KEY_BYTES,
-        description=f"The URL or path to render; UTF-8, at most {MAX_KEY_BYTES} bytes.",
+        description=f"The URL or path to render: at most {MAX_KEY_BYTES} characters and at "
+        f"most {MAX_KEY_BYTES} bytes of UTF-8, with no NUL character.",
+        extra_json_schema={"pattern": KEY_PATTERN, MAX_UTF8_BYTES_KEYWORD: MAX_KEY_BYTES},
     ),
 ]
 LeaseToken = Annotated[
     str,
     Meta(
-        pattern=r"^[0-9]{1,20}$",
-        description="A lease token: a 64-bit unsigned integer, sent as a decimal string.",
+        pattern=r"^(?:[A-Za-z0-9_.-]{1,64}:)?[0-9]{1,20}$",
+        description="A lease token, opaque to clients: a 64-bit unsigned integer as a decimal "
+        "string, prefixed in a cluster with the granting node's name and a colon "
+        "(`node-a:4294967297`), so any node can route a completion or renewal to it.",
     ),
 ]
 RouteName = Annotated[
@@ -38,10 +52,29 @@ RouteName = Annotated[
     ),
 ]
 CadenceS = Annotated[int, Meta(ge=1, le=10 * 366 * 86400, description="Whole seconds.")]
-EpochMs = Annotated[int, Meta(ge=0, le=2**53 - 1, description="Epoch milliseconds.")]
-LeaseS = Annotated[int, Meta(ge=5, le=3600)]
+# Before the year 10000: the keeper holds no row due later (keeper.core.MAX_DUE_MS), and a
+# row it cannot hold would be accepted here and then never served.
+EpochMs = Annotated[
+    int, Meta(ge=0, le=MAX_DUE_MS - 1, description="Epoch milliseconds, before the year 10000.")
+]
+MIN_LEASE_S = 5
+MAX_LEASE_S = 3600
+# Whole seconds. A node may cap leases lower (its max_lease_s, a cluster's setting): its
+# document states that node's cap (api.openapi, which finds this keyword).
+LEASE_CAP_KEYWORD = "x-capByNodeSetting"
+LeaseS = Annotated[
+    int,
+    Meta(
+        ge=MIN_LEASE_S,
+        le=MAX_LEASE_S,
+        description="The lease's length in whole seconds.",
+        extra_json_schema={LEASE_CAP_KEYWORD: "max_lease_s"},
+    ),
+]
+DEFAULT_LEASE_S = 300
 Outcome = Literal["rendered", "failed", "gone"]
 MAX_ITEMS = 1000
+MAX_WAIT_S = 30  # a claim's longest poll
 MAX_SCHEDULE_ITEMS = 10_000
 
 
@@ -56,14 +89,18 @@ class Body(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
 # --- fleet ---------------------------------------------------------------------------------
 
 
-class ClaimRequest(Request, frozen=True):
+# The node decodes ClaimRequest and the fleet client (fleet.client) encodes it, and the other
+# way round for ClaimResponse: one definition each, so the two sides cannot drift. (Comments,
+# not docstrings: a docstring would become the description in /openapi.json.)
+class ClaimRequest(Request, frozen=True, omit_defaults=True):
     max: Annotated[int, Meta(ge=1, le=MAX_ITEMS)]
     worker: Annotated[str, Meta(min_length=1, max_length=256, description="The claimant.")]
-    lease_s: LeaseS = 300
-    wait_s: Annotated[float, Meta(ge=0, le=30)] = 0
+    # Absent: DEFAULT_LEASE_S, or the node's max_lease_s when that is shorter (a cluster's cap).
+    lease_s: LeaseS | None = None
+    wait_s: Annotated[float, Meta(ge=0, le=MAX_WAIT_S)] = 0
 
 
-class Lease(msgspec.Struct, frozen=True, kw_only=True):
+class Lease(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     key: str
     token: LeaseToken
     route: str
@@ -71,11 +108,16 @@ class Lease(msgspec.Struct, frozen=True, kw_only=True):
     lease_expires_at: int
     sitemap: bool
     cadence_s: int
+    # In a cluster: the node that granted the lease (its completion and renewals belong
+    # there; any node forwards them). Absent on a single node.
+    node: str | None = None
 
 
 class ClaimResponse(msgspec.Struct, frozen=True, kw_only=True):
     leases: list[Lease]
-    status: str
+    # `ready` (the keeper is publishing) or `draining` (it is not, and these came from its
+    # last published set); `unready` and `stalled` are answered 503 (NodeStatus).
+    status: Literal["ready", "draining"]
 
 
 class NodeStatus(Body, frozen=True):
@@ -101,6 +143,12 @@ class ItemResult(Body, frozen=True):
     key: str
     ok: bool
     error: str | None = None
+    # A `failed` result: the key is held back until then (epoch ms), 2 lease lengths after
+    # a first failure, doubling with each one in a row, capped at its cadence.
+    held_until: int | None = None
+    # In a cluster, why an item another node granted was not applied (which node, and what
+    # it answered); `error` is then `lease_not_held` or `node_unavailable` (retry it).
+    detail: str | None = None
 
 
 class ItemResults(msgspec.Struct, frozen=True, kw_only=True):
@@ -122,6 +170,7 @@ class RenewResult(Body, frozen=True):
     ok: bool
     lease_expires_at: int | None = None
     error: str | None = None
+    detail: str | None = None  # as ItemResult.detail
 
 
 class RenewResults(msgspec.Struct, frozen=True, kw_only=True):
@@ -140,6 +189,19 @@ class ScheduleUpsert(Request, frozen=True):
 
 
 class ScheduleRequest(Request, frozen=True):
+    """Upserts and deletes, written in one transaction. At least one item in all. A key given
+    more than once is written once: its last upsert stands, and a delete of it wins over
+    any upsert of it (deletes apply after upserts)."""
+
+    # api.openapi merges this into the component: "at least one item" is a rule across
+    # both fields, which no one field's type can say; api.schedule.write enforces it.
+    json_schema_extra: ClassVar[dict[str, Any]] = {
+        "anyOf": [
+            {"required": ["upsert"], "properties": {"upsert": {"minItems": 1}}},
+            {"required": ["delete"], "properties": {"delete": {"minItems": 1}}},
+        ]
+    }
+
     upsert: Annotated[list[ScheduleUpsert], Meta(max_length=MAX_SCHEDULE_ITEMS)] = []
     delete: Annotated[list[Key], Meta(max_length=MAX_SCHEDULE_ITEMS)] = []
 
@@ -150,7 +212,10 @@ class ScheduleResult(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class RouteUpdate(Request, frozen=True):
-    default_cadence_s: CadenceS | None = None
+    """Absent fields stay as they are; `default_cadence_s: null` clears the route's default
+    (its rows then follow the global default)."""
+
+    default_cadence_s: CadenceS | msgspec.UnsetType | None = msgspec.UNSET
     paused: bool | None = None
 
 
@@ -167,6 +232,10 @@ class NodeSettings(msgspec.Struct, frozen=True, kw_only=True):
     default_cadence_s: int
 
 
+class RenderNow(Request, frozen=True):
+    key: Key
+
+
 # --- admin ---------------------------------------------------------------------------------
 
 
@@ -177,10 +246,14 @@ class Health(Body, frozen=True):
 
 
 class Readiness(Body, frozen=True):
-    status: str
+    status: str  # ready | draining (200); unready | stalled (503): api.status
+    reason: str | None = None
     published_at: int | None = None
     publish_age_ms: int | None = None
     generation: int | None = None
+
+
+ExplainState = Literal["missing", "paused", "leased", "held", "not_due", "claimable"]
 
 
 class Explain(Body, frozen=True):
@@ -189,6 +262,12 @@ class Explain(Body, frozen=True):
     claimable: bool
     reason: str
     now: int
+    state: ExplainState = "missing"
+    # Held back: until when, and why (`failed`: its renders failed; `unanswered`: its
+    # leases expired with no result), after how many such attempts in a row.
+    held_until: int | None = None
+    held_for: Literal["failed", "unanswered"] | None = None
+    attempts_in_a_row: int | None = None
     row: Row | None = None
     cadence_s: int | None = None
     route_paused: bool | None = None
@@ -202,11 +281,36 @@ class Overview(Body, frozen=True):
     node: str
     instance: str
     worker: int
-    status: str
+    status: str  # the claim status (api.status): ready, draining, stalled, unready
+    status_reason: str
+    pid: int
+    lease_view: dict[str, Any]  # api.status.LeaseView: in flight from the lease census
     leases: dict[str, Any]
     ring: dict[str, Any]
     publish_age_ms: int | None = None
     supervisor: dict[str, Any] | None = None
     state_age_ms: int | None = None
     keeper: dict[str, Any] | None = None  # the keeper's KeeperStatistics, from worker 0
+    keeper_statistics_age_ms: int | None = None  # since the keeper wrote that record
     completions: dict[str, Any] | None = None  # this worker's CompletionQueue.statistics()
+    store: dict[str, Any] | None = None  # store.base.Writability, as this worker found it
+
+
+# --- cluster -------------------------------------------------------------------------------
+
+
+class ClusterMember(msgspec.Struct, frozen=True, kw_only=True):
+    node: str
+    url: str  # where the fleet and the other nodes reach it (its advertised URL)
+    started_at: int  # epoch ms, by the database's clock (0: unknown)
+    heartbeat_age_ms: int  # by the database's clock, as of the read
+    answering: bool = False  # the node that answered this request
+
+
+class ClusterNodes(msgspec.Struct, frozen=True, kw_only=True):
+    """GET /v1/cluster: the live nodes. A single node (SQLite) lists itself."""
+
+    node: str  # the node answering
+    clustered: bool  # False: a single node, not a cluster member
+    ttl_s: float  # a node silent this long is dead
+    nodes: list[ClusterMember]

@@ -14,13 +14,29 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import msgspec
 
 from bench import report, report_standing
 
-SECTIONS = ("store", "shm", "keeper", "node", "sitemap", "single", "peers", "churn")
+SECTIONS = (
+    "store",
+    "shm",
+    "keeper",
+    "node",
+    "sitemap",
+    "single",
+    "peers",
+    "churn",
+    "restart",
+    "postgres",
+    "cluster",
+)
+# Run only by name (`python -m bench soak --minutes N`), never by `all`: they take minutes
+# of a machine on purpose.
+ON_DEMAND = ("soak", "soak_postgres")
 BENCH_DIR = Path(__file__).resolve().parent
 QUICK_TIMEOUT_S = 420
 FULL_TIMEOUT_S = 4 * 3600
@@ -52,7 +68,13 @@ def exists(section: str, directory: Path = BENCH_DIR) -> bool:
 
 
 def run_section(
-    section: str, quick: bool, timeout_s: float, *, package: str = "bench", cwd: Path | None = None
+    section: str,
+    quick: bool,
+    timeout_s: float,
+    *,
+    package: str = "bench",
+    cwd: Path | None = None,
+    extra: Sequence[str] = (),
 ) -> tuple[SectionRun, str]:
     """Run one section in a child process; returns its record and its markdown."""
     cwd = cwd or BENCH_DIR.parent
@@ -62,7 +84,13 @@ def run_section(
     path = report.results_path(section, quick)
     # A stale file from an earlier run must never pass for this run's output.
     path.unlink(missing_ok=True)
-    command = [sys.executable, "-m", f"{package}.{section}", *(["--quick"] if quick else [])]
+    command = [
+        sys.executable,
+        "-m",
+        f"{package}.{section}",
+        *(["--quick"] if quick else []),
+        *extra,
+    ]
     report.progress(f"{section}: running {' '.join(command[1:])}")
     started = time.monotonic()
     # stderr is inherited so the section's progress shows live; stdout is its tables.
@@ -215,7 +243,7 @@ def _results(summary: Summary) -> list[report.SectionResult]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
-    parser.add_argument("section", help=f"'all' or one of: {', '.join(SECTIONS)}")
+    parser.add_argument("section", help=f"'all' or one of: {', '.join(SECTIONS + ON_DEMAND)}")
     parser.add_argument("--quick", action="store_true", help="scaled down; checks rows only")
     parser.add_argument("--timeout", type=float, default=None, help="per section, seconds")
     parser.add_argument(
@@ -223,7 +251,10 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="run nothing: rewrite the summary from the last run's results files",
     )
-    args = parser.parse_args(argv)
+    # Flags the runner does not know (soak's --minutes) go to a single section.
+    args, extra = parser.parse_known_args(argv)
+    if extra and args.section == "all":
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     # SIGTERM as an exception: subprocess.run then kills the running section on its way
     # out, so a stopped run leaves no section (and no claimant or node) behind.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
@@ -243,13 +274,14 @@ def main(argv: list[str] | None = None) -> int:
     tables: list[tuple[str, str]] = []
     for position, section in enumerate(sections, 1):
         report.progress(f"section {position}/{len(sections)}: {section}")
-        record, markdown = run_section(section, quick, timeout_s)
+        record, markdown = run_section(section, quick, timeout_s, extra=extra)
         runs.append(record)
         tables.append((section, markdown))
     failed = [r for r in runs if r.status != "ok"]
     command = "make bench-quick" if quick and args.section == "all" else "make bench"
     if args.section != "all":
         command = f".venv/bin/python -m bench {args.section}" + (" --quick" if quick else "")
+        command += "".join(f" {flag}" for flag in extra)
     summary = Summary(
         quick=quick,
         command=command,

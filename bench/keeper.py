@@ -56,21 +56,19 @@ from keeper.core import KeeperCore
 from keeper.counts import count_queue
 from keeper.publish import Publisher
 from keeper.select import select_best
-from shm import LeaseTable, ReadyRing, key_hash
-from shm.segment import HEADER_BYTES
+from shm import LeaseTable, ReadyRing, key_hash, use_secret
+from shm.segment import HEADER_BYTES, now_ms
 from store.rows import FeedEvent, Route, Row, RowEvent
 
 SECTION = "keeper"
+# Key hashes are keyed (shm/keys.py); a fixed secret keeps one run's tables like the next's.
+BENCH_SECRET = b"renderqueue-bnch"
 BASELINE = "dict+set keeper"
 OLD_PUBLISH = "old path (bytes per key)"
 PUBLISH_K = 8192
 LEASED_SHARES = ((0, "none leased"), (25, "25% of the top leased"))
 MINUTE_MS = 60_000
 LATENESS_EDGES = (0.0, 0.1, 0.5, 1.0, 2.0, 5.0, 10.0)
-
-
-def now_ms() -> int:
-    return time.time_ns() // 1_000_000
 
 
 # -- the workload -----------------------------------------------------------------------
@@ -636,6 +634,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sizes", type=str, default="", help="comma-separated row counts")
     args = parser.parse_args(argv)
     quick: bool = args.quick
+    use_secret(BENCH_SECRET)
     sizes = [int(s) for s in args.sizes.split(",") if s] or (
         [50_000] if quick else [250_000, 1_000_000]
     )

@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +44,7 @@ POSTGRES = "PostgreSQL SKIP LOCKED"
 BATCHES = (10, 100)
 PEER_CLAIMANTS = 2  # as bench/peers.py runs every peer
 CONNECTIONS_PER_CLAIMANT = 4
-LEASE_S = 900
+LEASE_S = 300  # the node's max_lease_s default: longer than any arm
 WRITE_CHUNK = 5000
 ADMIN_TOKEN = "bench-node-admin-" + "a" * 16
 FLEET_TOKEN = "bench-node-fleet-" + "f" * 16
@@ -80,10 +81,17 @@ QUICK = Config(
 )
 
 
+SPLIT_TABLE = (
+    "Claims by the worker that served them, under the arms' load (worker 0 hosts the "
+    "keeper and has one listener to every other worker's two)"
+)
+
+
 class ArmResult(msgspec.Struct, kw_only=True):
     peer: str
     batch: int
     claimants: int
+    complete: bool = True  # claim then complete; False: claims alone
     keys: int
     seconds: float
     keys_per_s: float
@@ -99,6 +107,7 @@ class ArmResult(msgspec.Struct, kw_only=True):
     worker0_claim_p99_us: float | None = None
     others_claim_p50_us: float | None = None
     others_claim_p99_us: float | None = None
+    claimant_cpu_s: float | None = None  # the claimant processes' CPU, summed
 
 
 # --- a lean HTTP client ---------------------------------------------------------------
@@ -193,15 +202,19 @@ def claimant(
     max_keys: int,
     max_s: float,
     workers: int,
+    complete: bool,
     ready: Any,
     start: Any,
     results: Any,
 ) -> None:
+    """Claims `batch` at a time until `max_keys` or `max_s`; each batch completed (all
+    rendered) when `complete`, else its leases left to run."""
     claim_ns: list[int] = []
     complete_ns: list[int] = []
     keys: list[str] = []
     not_ok = 0
     error = ""
+    cpu_s = 0.0
     started = finished = time.perf_counter()
     clients, pids = connect(port, CONNECTIONS_PER_CLAIMANT, workers)
     claim_pid: list[int] = []
@@ -210,6 +223,7 @@ def claimant(
         ready.put(index)
         start.wait()
         started = time.perf_counter()
+        cpu0 = time.process_time()
         deadline = started + max_s
         empty_since: float | None = None
         request = {"max": batch, "worker": f"bench-{index}", "lease_s": LEASE_S}
@@ -233,6 +247,8 @@ def claimant(
             claim_ns.append(t1 - t0)
             claim_pid.append(pid)
             keys.extend(lease.key for lease in leases)
+            if not complete:
+                continue
             done = _Completions(items=[_Done(key=lease.key, token=lease.token) for lease in leases])
             t2 = time.perf_counter_ns()
             status, body = client.call("POST", "/v1/completions", done, _Results)
@@ -241,6 +257,7 @@ def claimant(
                 raise RuntimeError(f"completions: HTTP {status}: {body}")
             not_ok += sum(1 for result in body.results if not result.ok)
         finished = time.perf_counter()
+        cpu_s = time.process_time() - cpu0
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}"
         ready.put(index)
@@ -257,6 +274,7 @@ def claimant(
                 "complete_ns": complete_ns,
                 "keys": keys,
                 "not_ok": not_ok,
+                "cpu_s": cpu_s,
                 "error": error,
             }
         )
@@ -270,11 +288,16 @@ def run_our_arm(
     max_keys: int,
     max_s: float,
     worker_of: dict[int, int] | None = None,
+    *,
+    complete: bool = True,
+    keys_out: list[str] | None = None,
 ) -> ArmResult:
+    """One arm of `claimants` racing processes; `keys_out` gets every key granted."""
+    workers = len(set((worker_of or {}).values()))
     raw = race(
         claimant,
         [
-            (port, i, batch, max_keys // claimants, max_s, len(set((worker_of or {}).values())))
+            (port, i, batch, max_keys // claimants, max_s, workers, complete)
             for i in range(claimants)
         ],
         max_s + 120,
@@ -284,6 +307,8 @@ def run_our_arm(
     if errors:
         raise RuntimeError("; ".join(errors))
     keys = [key for r in reports for key in r["keys"]]
+    if keys_out is not None:
+        keys_out.extend(keys)
     claim_ns = [ns for r in reports for ns in r["claim_ns"]]
     complete_ns = [ns for r in reports for ns in r["complete_ns"]]
     seconds = max(r["finished"] for r in reports) - min(r["started"] for r in reports)
@@ -301,6 +326,7 @@ def run_our_arm(
         peer=OURS,
         batch=batch,
         claimants=claimants,
+        complete=complete,
         keys=len(keys),
         seconds=round(seconds, 3),
         keys_per_s=round(len(keys) / seconds, 1) if seconds > 0 else 0.0,
@@ -310,6 +336,7 @@ def run_our_arm(
         complete_p99_us=us(report.percentile(complete_ns, 99)),
         granted_twice=len(keys) - len(set(keys)),
         not_ok=sum(r["not_ok"] for r in reports),
+        claimant_cpu_s=round(sum(r.get("cpu_s", 0.0) for r in reports), 4),
     )
 
 
@@ -326,49 +353,60 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-class Node:
-    """`renderqueue serve --workers 2` on a store loaded with the workload's rows."""
+def load_store(url: str, rows: Rows, what: str = "node") -> float:
+    """The workload's rows into the store at `url`, WRITE_CHUNK rows per `write`, with
+    progress every 10%; returns the seconds it took."""
+    from bench.peer_renderqueue import row_writes
+    from store import open_store
 
-    def __init__(self, rows: Rows) -> None:
+    store = open_store(url)
+    started = time.perf_counter()
+    step = max(1, len(rows) // 10)
+    try:
+        for part in rows.chunks(WRITE_CHUNK):
+            store.write(upsert=row_writes(rows, part))
+            if part.stop % step < WRITE_CHUNK and part.stop < len(rows):
+                elapsed = time.perf_counter() - started
+                report.progress(
+                    f"{what}: loaded {part.stop:,}/{len(rows):,} rows "
+                    f"({part.stop / elapsed:,.0f} rows/s)"
+                )
+    finally:
+        store.close()
+    return time.perf_counter() - started
+
+
+class Node:
+    """`renderqueue serve --workers 2` on a store loaded with the workload's rows.
+
+    `db`: a store URL (postgresql://...) to load and serve; None: a SQLite file."""
+
+    def __init__(self, rows: Rows | None, db: str | None = None, *, load: bool = True) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix=f"rqbench_node_{unique_suffix()}_"))
-        self.db = str(self.dir / "schedule.sqlite")
+        self.db = db or str(self.dir / "schedule.sqlite")
         self.port = free_port()
         self.process: subprocess.Popen[bytes] | None = None
         self.log = (self.dir / "node.log").open("wb")
-        self._load(rows)
-
-    def _load(self, rows: Rows) -> None:
-        from store import open_store
-        from store.rows import RowWrite
-
-        store = open_store(self.db)
-        try:
-            for part in rows.chunks(WRITE_CHUNK):
-                store.write(
-                    upsert=[
-                        RowWrite(
-                            key=rows.keys[i],
-                            route=rows.routes[i],
-                            next_render_at=rows.next_render_at[i],
-                            cadence_s=rows.cadences_s[i],
-                            sitemap=rows.sitemaps[i],
-                        )
-                        for i in part
-                    ]
-                )
-        finally:
-            store.close()
+        if load and rows is not None:
+            load_store(self.db, rows)
 
     def start(
         self,
         keeper_switch_interval_ms: float | None = None,
         keeper: dict[str, float | int] | None = None,
+        *,
+        instance: str | None = None,
+        args: Sequence[str] = (),
+        wait_s: float = 600,
     ) -> None:
+        """`instance`: keep one across restarts (the lease snapshot is the instance's);
+        `args`: more `serve` flags."""
         env = {k: v for k, v in os.environ.items() if not k.startswith("RENDERQUEUE_")}
         env.update(RENDERQUEUE_ADMIN_TOKEN=ADMIN_TOKEN, RENDERQUEUE_FLEET_TOKEN=FLEET_TOKEN)
         command = [
             sys.executable, "-m", "workers.cli", "serve", "--db", self.db,
-            "--port", str(self.port), "--workers", "2", "--instance", f"rqbn{unique_suffix()}",
+            "--port", str(self.port), "--workers", "2",
+            "--instance", instance or f"rqbn{unique_suffix()}", *args,
         ]  # fmt: skip
         if keeper_switch_interval_ms is not None:
             command += ["--keeper-switch-interval-ms", str(keeper_switch_interval_ms)]
@@ -381,7 +419,7 @@ class Node:
         self.process = subprocess.Popen(
             command, cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT
         )
-        self.wait_live(600)
+        self.wait_live(wait_s)
 
     def admin(self) -> NodeClient:
         return NodeClient(self.port, ADMIN_TOKEN)
@@ -395,8 +433,9 @@ class Node:
             client.close()
         return {w["pid"]: w["index"] for w in overview["supervisor"]["workers"] if w["pid"]}
 
-    def wait_live(self, timeout_s: float) -> None:
-        """Until the keeper has loaded every row and vouches for exact numbers."""
+    def wait_live(self, timeout_s: float, since_ms: int = 0) -> None:
+        """Until the keeper has loaded every row and vouches for exact numbers (in a
+        queue-state it wrote at `since_ms` or later: not the last one a dead keeper left)."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process is not None and self.process.poll() is not None:
@@ -406,7 +445,8 @@ class Node:
                 status, body = client.call("GET", "/prerender_admin/queue-state")
                 client.close()
                 trust = (body or {}).get("trust") or {}
-                if status == 200 and trust.get("phase") == "live" and trust.get("exact"):
+                fresh = (body or {}).get("generated_at", 0) >= since_ms
+                if status == 200 and trust.get("phase") == "live" and trust.get("exact") and fresh:
                     return
             except OSError:
                 pass
@@ -654,10 +694,7 @@ def figures(
             target="0",
         )
     )
-    split_table = (
-        "Claims by the worker that served them, under the arms' load (worker 0 hosts the "
-        "keeper and has one listener to every other worker's two)"
-    )
+    split_table = SPLIT_TABLE
     for batch in BATCHES:
         for claimants in config.claimants:
             arm = find(OURS, batch, claimants)
@@ -703,6 +740,27 @@ def figures(
                 )
             )
     return out
+
+
+def _unserved_splits(out: list[report.Figure], arms: list[ArmResult]) -> dict[str, str]:
+    """The by-worker latency rows of an arm in which one side served no claim at all.
+
+    The kernel spreads the claimants' keep-alive connections over the listeners by hash,
+    so with a few claimants every connection can land away from worker 0 (or on it).
+    """
+    why: dict[str, str] = {}
+    for arm in arms:
+        if arm.peer != OURS or arm.worker0_share not in (0.0, 1.0):
+            continue
+        side = "worker 0" if arm.worker0_share == 0.0 else "the other workers"
+        label = f"batch {arm.batch}, {arm.claimants} claimants: claim p"
+        for figure in out:
+            if figure.table == SPLIT_TABLE and figure.what.startswith(label):
+                why[figure.key] = (
+                    f"{side} served none of this arm's claims (every claimant's connection "
+                    "went to the other side)"
+                )
+    return why
 
 
 def _by_worker(table: str, what: str, worker0_us: Any, worker1_us: Any) -> report.Figure:
@@ -784,6 +842,7 @@ def main(argv: list[str] | None = None) -> int:
             node.drop()
     result.figures = figures(arms, writes, probe, config)
     result.promised = [figure.key for figure in result.figures]
+    result.pending.update(_unserved_splits(result.figures, arms))
     result.raw = {
         "config": msgspec.to_builtins(config),
         "due": due,

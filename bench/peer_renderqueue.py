@@ -27,15 +27,12 @@ from pathlib import Path
 from typing import Any
 
 from bench.peer_base import Claimant, Rows, Spec, unique_suffix
+from shm.segment import now_ms
 
 OURS = "renderqueue"
 OURS_HTTP = "renderqueue HTTP"
 WRITE_CHUNK = 5000
 FLEET_TOKEN = "bench-fleet-token-" + "x" * 16
-
-
-def now_ms() -> int:
-    return time.time_ns() // 1_000_000
 
 
 def row_writes(rows: Rows, indexes: range | list[int]) -> list[Any]:
@@ -66,15 +63,29 @@ def node_keeper_config(settings: Any) -> Any:
     return keeper_config(settings)
 
 
+def hash_as_node(store: Any) -> None:
+    """Hash keys under the store's secret, as a worker does from its spec: a keeper thread
+    or an in-process claimant of the bench is one of the node's processes."""
+    from shm.keys import use_secret
+
+    use_secret(store.hash_secret())
+
+
 class LocalNode:
     """A store file, the node's segments, and a keeper thread that can be restarted."""
 
-    def __init__(self, directory: Path | None = None, keeper: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        directory: Path | None = None,
+        keeper: dict[str, Any] | None = None,
+        db: str | None = None,
+    ) -> None:
+        """`db`: a store URL (postgresql://...); None: a SQLite file in `directory`."""
         from workers.config import Settings
         from workers.segments import SegmentNames, Segments
 
         self.dir = directory or Path(tempfile.mkdtemp(prefix=f"rqbench_node_{unique_suffix()}_"))
-        self.settings = Settings(db=str(self.dir / "schedule.sqlite"), keeper=keeper or {})
+        self.settings = Settings(db=db or str(self.dir / "schedule.sqlite"), keeper=keeper or {})
         self.instance = f"rqb{unique_suffix()}"
         self.names = SegmentNames.for_instance(self.instance)
         self.segments = Segments.create(
@@ -110,6 +121,7 @@ class LocalNode:
         def run() -> None:
             store = self.open_store()
             try:
+                hash_as_node(store)
                 self.keeper = Keeper(
                     store,
                     self.segments.ring,
@@ -201,10 +213,13 @@ class LocalNode:
             time.sleep(0.02)
 
     def close(self) -> None:
+        from shm.keys import forget_secret
+
         self.stop_keeper()
         self.segments.close()
         self.segments.unlink()
         shutil.rmtree(self.dir, ignore_errors=True)
+        forget_secret()  # the next LocalNode of this process hashes under its store's
 
 
 class RenderqueuePeer:
@@ -257,6 +272,7 @@ class InProcessClaimant:
 
         self.segments = Segments.attach(SegmentNames.for_instance(params["instance"]))
         self.store = open_store(params["store_url"])
+        hash_as_node(self.store)
         self.node = Node(
             settings=ApiSettings(node="bench", instance=params["instance"], worker=1),
             store=self.store,

@@ -75,6 +75,7 @@ class ClaimantReport(msgspec.Struct, kw_only=True):
     complete_ns: list[int]
     keys: list[str]
     empty_claims: int
+    cpu_s: float = 0.0  # the claimant process's CPU from the start to its last call
     error: str = ""
 
 
@@ -92,6 +93,7 @@ class ArmResult(msgspec.Struct, kw_only=True):
     granted_twice: int
     empty_claims: int
     claims: int
+    claimant_cpu_s: float = 0.0  # every claimant process's CPU, summed
 
 
 class Growth(msgspec.Struct, kw_only=True):
@@ -152,6 +154,7 @@ def claimant_process(
     keys: list[str] = []
     empty = 0
     error = ""
+    cpu_s = 0.0
     claimant: Claimant | None = None
     started = finished = time.perf_counter()
     try:
@@ -159,6 +162,7 @@ def claimant_process(
         ready.put(index)
         start.wait()
         started = time.perf_counter()
+        cpu0 = time.process_time()
         deadline = started + max_s
         empty_since: float | None = None
         while len(keys) < max_keys and time.perf_counter() < deadline:
@@ -182,6 +186,7 @@ def claimant_process(
                 claimant.complete(got, time.time_ns() // 1_000_000)
                 complete_ns.append(time.perf_counter_ns() - t2)
         finished = time.perf_counter()
+        cpu_s = time.process_time() - cpu0
     except Exception as exc:  # reported to the parent, which fails the arm loudly
         error = f"{type(exc).__name__}: {exc}"
         ready.put(index)
@@ -198,16 +203,24 @@ def claimant_process(
                 complete_ns=complete_ns,
                 keys=keys,
                 empty_claims=empty,
+                cpu_s=cpu_s,
                 error=error,
             )
         )
     )
 
 
-def run_arm(spec: Spec, batch: int, complete: bool, max_keys: int, config: Config) -> ArmResult:
+def run_arm(
+    spec: Spec,
+    batch: int,
+    complete: bool,
+    max_keys: int,
+    config: Config,
+    claimants: int = CLAIMANTS,
+) -> ArmResult:
     own_args = [
-        (spec, i, batch, complete, max_keys // CLAIMANTS, config.arm_max_s, config.lease_ms)
-        for i in range(CLAIMANTS)
+        (spec, i, batch, complete, max_keys // claimants, config.arm_max_s, config.lease_ms)
+        for i in range(claimants)
     ]
     raw = race(claimant_process, own_args, config.arm_max_s + 120, f"a claimant of {spec.kind}")
     reports = [msgspec.msgpack.decode(report, type=ClaimantReport) for report in raw]
@@ -233,6 +246,7 @@ def run_arm(spec: Spec, batch: int, complete: bool, max_keys: int, config: Confi
         granted_twice=len(all_keys) - len(set(all_keys)),
         empty_claims=sum(r.empty_claims for r in reports),
         claims=len(claim_ns),
+        claimant_cpu_s=round(sum(r.cpu_s for r in reports), 4),
     )
 
 

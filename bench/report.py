@@ -13,12 +13,13 @@ import math
 import os
 import platform
 import sys
-import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Literal
 
 import msgspec
+
+from shm.segment import now_ms as now_ms  # re-exported for bench.__main__
 
 # Overridable so the harness's own tests never touch the real results.
 RESULTS_DIR = Path(
@@ -58,10 +59,6 @@ class SectionResult(msgspec.Struct, kw_only=True):
     figures: list[Figure] = []
     machine: dict[str, str] = {}
     raw: dict[str, object] = {}  # the section's own detail (samples, rounds, settings)
-
-
-def now_ms() -> int:
-    return time.time_ns() // 1_000_000
 
 
 def machine_info() -> dict[str, str]:

@@ -33,7 +33,7 @@ import msgspec
 
 from bench import report
 from bench.peer_base import Workload, generate
-from store.sqlite_feed import NEW_FOR_S
+from store.sqlite.feed import NEW_FOR_S
 
 FEED_CONSUMER = "bench-feed"
 SEED = {
@@ -161,12 +161,13 @@ def worker0_process(conn: Connection, store_url: str, instance: str) -> None:
             store.close()
 
     def keep() -> None:
-        from bench.peer_renderqueue import node_keeper_config
+        from bench.peer_renderqueue import hash_as_node, node_keeper_config
         from keeper.runner import Keeper
         from workers.config import Settings
 
         store = StampedStore(open_store(store_url), log, counter)
         try:
+            hash_as_node(store)
             keeper = Keeper(
                 store,
                 node.ring,

@@ -91,17 +91,17 @@ class Delivered(msgspec.Struct, kw_only=True):
     noticed: int
 
 
-def consumer_process(conn: Connection, path: str, cpu: int | None) -> None:
+def consumer_process(conn: Connection, url: str, cpu: int | None) -> None:
     """Subscribe at the head, then stamp each event as its poll returns, until told to stop;
-    on `cpu` alone when one is given."""
+    on `cpu` alone when one is given. `url`: a SQLite path or any store URL (bench.postgres)."""
+    from store import open_store
     from store.rows import RowEvent
     from store.scheduling import ask_short_slice
-    from store.sqlite import SqliteStore
 
     if cpu is not None:
         os.sched_setaffinity(0, {cpu})
     ask_short_slice()  # as the keeper's thread does (keeper.runner.Keeper.run)
-    store = SqliteStore(path)
+    store: Any = open_store(url)  # both backends have drop_consumer
     subscription = store.subscribe(CONSUMER, store.feed_head())
     tags: list[int] = []
     at_ns: list[int] = []
@@ -268,6 +268,48 @@ def run_puts(
     arm.cpu_s += time.process_time() - cpu0
     arm.writes += count
     return commits
+
+
+def tailed_puts(
+    ctx: Any,
+    url: str,
+    store: Any,
+    keys: list[str],
+    count: int,
+    warmup: int,
+    tag0: int,
+    rng: random.Random,
+    arm: Arm,
+    *,
+    interval_ns: int = 0,
+    apart: tuple[int, int] | None = None,
+) -> Delivered:
+    """`run_puts` with a consumer process (`consumer_process` on the store at `url`)
+    subscribed at the head: each delivered write's lag, commit to the poll that returned
+    it, goes into `arm`, and the consumer's CPU into `arm.cpu_s`. `apart`: (the
+    consumer's CPU, the writing thread's CPU) to pin them to."""
+    ours, theirs = ctx.Pipe()
+    consumer_cpu = apart[0] if apart else None
+    process = ctx.Process(target=consumer_process, args=(theirs, url, consumer_cpu), daemon=True)
+    process.start()
+    assert ours.recv() == "ready"
+    cpus = sorted(os.sched_getaffinity(0))
+    if apart:
+        os.sched_setaffinity(0, {apart[1]})  # this thread only: upkeep stays free
+    try:
+        commits = run_puts(store, keys, count, warmup, tag0, rng, arm, interval_ns=interval_ns)
+    finally:
+        os.sched_setaffinity(0, cpus)
+    ours.send("stop")
+    delivered = msgspec.msgpack.decode(ours.recv_bytes(), type=Delivered)
+    process.join(30)
+    arm.cpu_s += delivered.cpu_s
+    for event_tag, at in zip(delivered.tags, delivered.at_ns, strict=True):
+        committed = commits.get(event_tag)
+        if committed is not None:
+            arm.lag_ns.append(at - committed)
+            arm.delivered += 1
+    return delivered
 
 
 BARE_SCHEMA = """CREATE TABLE IF NOT EXISTS render_schedule (
@@ -583,41 +625,23 @@ def run_feed(config: Config, work: Path, result: report.SectionResult) -> None:
             if pinned and apart is None:
                 arm.end_round()
                 continue
-            ours, theirs = ctx.Pipe()
-            consumer_cpu = apart[0] if pinned and apart else None
-            process = ctx.Process(
-                target=consumer_process, args=(theirs, path, consumer_cpu), daemon=True
-            )
-            process.start()
-            assert ours.recv() == "ready"
             is_paced = name == "feed tailing, paced"
-            if pinned and apart:
-                os.sched_setaffinity(0, {apart[1]})  # this thread only: upkeep stays free
-            try:
-                commits = run_puts(
-                    store,
-                    keys,
-                    config.writes // 2 if is_paced else config.writes,
-                    config.warmup,
-                    tag,
-                    rng,
-                    arm,
-                    interval_ns=PACED_INTERVAL_NS if is_paced else 0,
-                )
-            finally:
-                os.sched_setaffinity(0, cpus)
+            delivered = tailed_puts(
+                ctx,
+                path,
+                store,
+                keys,
+                config.writes // 2 if is_paced else config.writes,
+                config.warmup,
+                tag,
+                rng,
+                arm,
+                interval_ns=PACED_INTERVAL_NS if is_paced else 0,
+                apart=apart if pinned else None,
+            )
             tag += config.warmup + config.writes
-            ours.send("stop")
-            delivered = msgspec.msgpack.decode(ours.recv_bytes(), type=Delivered)
-            process.join(30)
-            arm.cpu_s += delivered.cpu_s
             woken += delivered.woken
             noticed += delivered.noticed
-            for event_tag, at in zip(delivered.tags, delivered.at_ns, strict=True):
-                committed = commits.get(event_tag)
-                if committed is not None:
-                    arm.lag_ns.append(at - committed)
-                    arm.delivered += 1
             arm.end_round()
 
     report.progress("store: walk and point reads")

@@ -1,5 +1,9 @@
-"""`renderqueue fleet`: a render fleet against one node, running a command per key or
-simulating renders, with live progress and a graceful stop on SIGINT / SIGTERM."""
+"""`renderqueue fleet`: a render fleet against a node or a cluster, running a command per
+key or simulating renders, with live progress and a graceful stop on SIGINT / SIGTERM.
+
+`--node` names one node or several (repeat it): the fleet reads the cluster's member list
+from whichever answers (`GET /v1/cluster`), claims from every live node, follows joins
+and leaves, and sends each result to the node that granted its lease."""
 
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ from collections.abc import Callable
 import msgspec
 
 from fleet.client import AsyncFleetClient
+from fleet.cluster import ClusterDirectory
 from fleet.progress import ProgressPrinter, progress_line
 from fleet.renderers import CommandRenderer, Renderer, SimulatedRenderer
 from fleet.runner import FleetConfig, FleetRunner
@@ -29,7 +34,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Claim due keys from a node, render them, report back.",
     )
     parser.add_argument(
-        "--node", required=True, help="the node's base URL, e.g. http://127.0.0.1:8080"
+        "--node",
+        required=True,
+        action="append",
+        help="a node's base URL, e.g. http://127.0.0.1:8080; repeat it to name more of a "
+        "cluster's nodes (any one is enough: the rest are found through it)",
     )
     parser.add_argument("--concurrency", type=int, default=8, help="renders at once (default 8)")
     mode = parser.add_mutually_exclusive_group(required=True)
@@ -69,6 +78,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--stats-json", action="store_true", help="print the final statistics as JSON"
     )
     parser.add_argument(
+        "--discover-every",
+        type=float,
+        default=3.0,
+        help="seconds between reads of the cluster's member list (3)",
+    )
+    parser.add_argument(
         "--verbose",
         action="store_true",
         help="a line for every failed render (default: a sample, at most 5 per 10 s; none "
@@ -97,22 +112,27 @@ async def _run(args: argparse.Namespace, renderer: Renderer, printer: ProgressPr
         lease_s=args.lease_s,
         wait_s=args.wait_s,
         grace_s=args.grace_s,
+        discover_every_s=args.discover_every,
     )
     worker = args.worker or f"{socket.gethostname()}-{os.getpid()}"
-    client = AsyncFleetClient(
-        args.node.rstrip("/"),
-        token=token,
-        admin_token=admin_token,
-        worker=worker,
-        max_connections=max(8, min(args.concurrency, 64) + 4),
-    )
+
+    def client_for(url: str) -> AsyncFleetClient:
+        return AsyncFleetClient(
+            url.rstrip("/"),
+            token=token,
+            admin_token=admin_token,
+            worker=worker,
+            max_connections=max(8, min(args.concurrency, 64) + 4),
+        )
+
     log = printer.log if args.verbose else _sampled_failures(printer.log, keep=not args.simulate)
-    runner = FleetRunner(client, renderer, config, log=log)
+    directory = ClusterDirectory(args.node, client_for, token=token, log=printer.log)
+    runner = FleetRunner(None, renderer, config, log=log, directory=directory)
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, runner.request_stop)
     printer.log(
-        f"fleet {worker}: {args.concurrency} at once against {args.node} "
+        f"fleet {worker}: {args.concurrency} at once against {', '.join(args.node)} "
         f"({'simulated' if args.simulate else args.command}); Ctrl-C stops gracefully"
     )
     display = asyncio.create_task(
@@ -127,7 +147,7 @@ async def _run(args: argparse.Namespace, renderer: Renderer, printer: ProgressPr
         display.cancel()
         if timer is not None:
             timer.cancel()
-        await client.aclose()
+        await directory.aclose()
     printer.finish("stopped: " + progress_line(stats, runner.node_view))
     if args.stats_json:
         sys.stdout.write(msgspec.json.encode(stats).decode() + "\n")

@@ -31,6 +31,7 @@ import httpx
 import msgspec
 
 from fleet.messages import (
+    DEFAULT_LEASE_S,
     ClaimRequest,
     ClaimResponse,
     CompletionItem,
@@ -50,6 +51,7 @@ CLAIMS_PATH = "/v1/claims"
 COMPLETIONS_PATH = "/v1/completions"
 RENEW_PATH = "/v1/leases/renew"
 QUEUE_STATE_PATH = "/prerender_admin/queue-state"
+CLUSTER_QUEUE_STATE_PATH = "/prerender_admin/cluster/queue-state"
 
 
 class FleetError(Exception):
@@ -164,17 +166,24 @@ class _Core:
             problem = None
         raise FleetRequestError(status, problem, response.text)
 
-    def next_delay(self, verdict: _Retry, attempt: int, unready_since: float | None) -> float:
+    def next_delay(
+        self,
+        verdict: _Retry,
+        attempt: int,
+        unready_since: float | None,
+        max_unready_s: float | msgspec.UnsetType | None = msgspec.UNSET,
+    ) -> float:
         """How long to wait before the next try; raises FleetUnavailable when out of road."""
         policy = self.policy
+        limit = policy.max_unready_s if max_unready_s is msgspec.UNSET else max_unready_s
         if verdict.unready:
             self.unready_waits += 1
             if (
                 unready_since is not None
-                and policy.max_unready_s is not None
-                and time.monotonic() - unready_since > policy.max_unready_s
+                and limit is not None
+                and time.monotonic() - unready_since > limit
             ):
-                raise FleetUnavailable(f"{verdict.why} for more than {policy.max_unready_s:.0f} s")
+                raise FleetUnavailable(f"{verdict.why} for more than {limit:.0f} s")
             hint = min(verdict.hint_s or 0.0, policy.max_retry_after_s)
             return hint + self.rng.uniform(0, 0.1 * hint + 0.05)
         if attempt > policy.attempts:
@@ -301,7 +310,7 @@ class FleetClient:
         self,
         max: int,
         *,
-        lease_s: int = 300,
+        lease_s: int = DEFAULT_LEASE_S,
         wait_s: int = 0,
         cancel: threading.Event | None = None,
     ) -> list[Lease]:
@@ -388,7 +397,15 @@ class AsyncFleetClient:
     def statistics(self) -> ClientStatistics:
         return self._core.statistics()
 
-    async def _post(self, path: str, body: bytes, result_type: type[T], *, timeout_s: float) -> T:
+    async def _post(
+        self,
+        path: str,
+        body: bytes,
+        result_type: type[T],
+        *,
+        timeout_s: float,
+        max_unready_s: float | msgspec.UnsetType | None = msgspec.UNSET,
+    ) -> T:
         attempt = 0
         unready_since: float | None = None
         while True:
@@ -406,14 +423,27 @@ class AsyncFleetClient:
                 unready_since = unready_since or time.monotonic()
             else:
                 attempt += 1
-            delay = self._core.next_delay(verdict, attempt, unready_since)
+            delay = self._core.next_delay(verdict, attempt, unready_since, max_unready_s)
             self._core.slept_s += delay
             await asyncio.sleep(delay)
 
-    async def claim(self, max: int, *, lease_s: int = 300, wait_s: int = 0) -> list[Lease]:
+    async def claim(
+        self,
+        max: int,
+        *,
+        lease_s: int = DEFAULT_LEASE_S,
+        wait_s: int = 0,
+        max_unready_s: float | msgspec.UnsetType | None = msgspec.UNSET,
+    ) -> list[Lease]:
+        """`max_unready_s` overrides the policy's for this call (a fleet spread over a
+        cluster gives up on an unready node quickly and claims from the others)."""
         body = _claim_body(max, self.worker, lease_s, wait_s)
         response = await self._post(
-            CLAIMS_PATH, body, ClaimResponse, timeout_s=self._timeout_s + wait_s
+            CLAIMS_PATH,
+            body,
+            ClaimResponse,
+            timeout_s=self._timeout_s + wait_s,
+            max_unready_s=max_unready_s,
         )
         return response.leases
 
@@ -435,6 +465,8 @@ class AsyncFleetClient:
         )
         return response.results
 
-    async def queue_state(self) -> tuple[int, dict[str, Any]]:
-        response = await self._http.get(QUEUE_STATE_PATH, headers=self._admin_headers)
+    async def queue_state(self, path: str = QUEUE_STATE_PATH) -> tuple[int, dict[str, Any]]:
+        """(HTTP status, body) of the node's queue-state, or the cluster's
+        (CLUSTER_QUEUE_STATE_PATH); no retries, it is only a view."""
+        response = await self._http.get(path, headers=self._admin_headers)
         return response.status_code, _json_object(response.content)

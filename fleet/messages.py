@@ -1,7 +1,9 @@
-"""The node's fleet API bodies, as msgspec Structs (the shapes are the node issue's).
+"""The node's fleet API bodies, as msgspec Structs.
 
-Responses tolerate fields they do not know, so a newer node can add some; requests
-leave out optional fields they do not set. Times are epoch ms, tokens decimal strings.
+The claim's request and response (and the lease in it) are the node's own Structs from
+`api.schemas`, so the claim cannot drift between the two sides. The rest are the client's
+views: responses tolerate fields they do not know, so a newer node can add some; requests
+leave out optional fields they do not set. Times are epoch ms, tokens opaque strings.
 """
 
 from __future__ import annotations
@@ -10,29 +12,27 @@ from typing import Literal
 
 import msgspec
 
+from api.schemas import DEFAULT_LEASE_S, ClaimRequest, ClaimResponse, Lease
+
+__all__ = [
+    "DEFAULT_LEASE_S",
+    "ClaimRequest",
+    "ClaimResponse",
+    "ClusterMember",
+    "ClusterNodes",
+    "CompletionItem",
+    "CompletionsRequest",
+    "ItemResult",
+    "Lease",
+    "Outcome",
+    "Problem",
+    "RenewItem",
+    "RenewRequest",
+    "ResultsResponse",
+    "Unready",
+]
+
 Outcome = Literal["rendered", "failed", "gone"]
-
-
-class ClaimRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
-    max: int  # 1..1000
-    worker: str
-    lease_s: int = 300  # 5..3600
-    wait_s: int = 0  # 0..30: long-poll until the next publish when nothing is due
-
-
-class Lease(msgspec.Struct, frozen=True, kw_only=True):
-    key: str
-    token: str
-    route: str
-    due_at: int
-    lease_expires_at: int
-    sitemap: bool = False
-    cadence_s: int | None = None
-
-
-class ClaimResponse(msgspec.Struct, frozen=True, kw_only=True):
-    leases: list[Lease]
-    status: str = "ready"
 
 
 class CompletionItem(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -53,6 +53,7 @@ class ItemResult(msgspec.Struct, frozen=True, kw_only=True):
     ok: bool
     error: str | None = None
     lease_expires_at: int | None = None  # renew only
+    detail: str | None = None  # in a cluster: which node said what, when not ok
 
 
 class ResultsResponse(msgspec.Struct, frozen=True, kw_only=True):
@@ -82,3 +83,16 @@ class Problem(msgspec.Struct, frozen=True, kw_only=True):
     title: str = ""
     status: int = 0
     detail: str | None = None
+
+
+class ClusterMember(msgspec.Struct, frozen=True, kw_only=True):
+    node: str
+    url: str
+
+
+class ClusterNodes(msgspec.Struct, frozen=True, kw_only=True):
+    """GET /v1/cluster: the live nodes; a single node (`clustered` false) lists itself."""
+
+    node: str
+    clustered: bool = False
+    nodes: list[ClusterMember] = []

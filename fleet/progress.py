@@ -32,6 +32,15 @@ def progress_line(stats: FleetStatistics, node: NodeView | None) -> str:
     ]
     if stats.refused or stats.leases_lost:
         parts.append(f"refused {stats.refused} lost {stats.leases_lost}")
+    if len(stats.nodes) > 1:
+        # Where the claims came from: a node that gives none stands out.
+        parts.append(
+            "claimed "
+            + " ".join(
+                f"{name}:{counts.claimed}{'' if counts.live else '(gone)'}"
+                for name, counts in stats.nodes.items()
+            )
+        )
     if node is not None and node.http_status:
         due = "?" if node.due is None else str(node.due)
         late = _duration(node.oldest_due_s)

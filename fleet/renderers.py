@@ -27,6 +27,8 @@ STDERR_TAIL_BYTES = 2_000
 class RenderResult(msgspec.Struct, frozen=True, kw_only=True):
     outcome: Outcome
     detail: str = ""  # for a failure: exit status, the tail of stderr, the exception
+    # For `rendered`: when to render next (epoch ms); None leaves it to the row's cadence.
+    next_render_at: int | None = None
 
 
 Renderer = Callable[[Lease], Awaitable[RenderResult]]

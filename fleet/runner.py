@@ -13,6 +13,14 @@ reports each render it had to cut short as `failed`: that keeps the key due and
 frees it for another worker now, where an abandoned lease would have to expire
 first and would count toward the key's hold-back. A second stop request cuts the
 grace period short.
+
+Against a cluster (a `ClusterDirectory`) there is a claimer per live node, started and
+stopped as the member list changes (re-read every few seconds). They share the
+concurrency: each claim asks for at most an even share of it, and a node that had
+nothing to give asks for one key (its long poll still notices work coming due) until it
+has some again, so the renders go where the work is. A lease remembers the node that
+granted it, and its renewals and completion go to that node; one whose node has left is
+sent to another node, which forwards it or answers that the lease ended with its node.
 """
 
 from __future__ import annotations
@@ -20,17 +28,30 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import math
 import time
 from collections.abc import Callable
 
 import msgspec
 
-from fleet.client import AsyncFleetClient, ClientStatistics, FleetRequestError, FleetUnavailable
+from fleet.client import (
+    CLUSTER_QUEUE_STATE_PATH,
+    AsyncFleetClient,
+    ClientStatistics,
+    FleetRequestError,
+    FleetUnavailable,
+)
+from fleet.cluster import ClusterDirectory
 from fleet.messages import CompletionItem, ItemResult, Lease
 from fleet.nodeview import NodeView, summarize_queue_state
 from fleet.renderers import Renderer, RenderResult
 
 MAX_CLAIM = 1000  # the API's cap on one claim
+MAX_DELIVERIES = 8  # completion requests in flight at once against a cluster
+SINGLE = ""  # the one node's name in the runner's books, without a directory
+# A cluster's claimer gives up on an unready node after this long and claims elsewhere
+# (it tries that node again after a pause); a single node is waited for as long as it takes.
+CLUSTER_UNREADY_S = 2.0
 FLUSH_TIMEOUT_S = 15.0  # how long a stop waits for the last completions to go through
 RATE_WINDOW_S = 60.0
 
@@ -44,6 +65,17 @@ class FleetConfig(msgspec.Struct, frozen=True, kw_only=True):
     completion_linger_s: float = 0.05  # gather completions this long into one request
     state_every_s: float = 5.0  # queue-state poll for the progress view; 0 turns it off
     renew_every_s: float | None = None  # None: lease_s / 6, at least 1 s
+    # With a directory: re-read the cluster's member list this often (joins and leaves).
+    discover_every_s: float = 3.0
+
+
+class NodeCounts(msgspec.Struct, frozen=True, kw_only=True):
+    """One node's share of the fleet's work."""
+
+    claimed: int  # leases it granted
+    completed: int  # results sent to it that it accepted
+    sent_elsewhere: int  # results for its leases sent to another node (it had left)
+    live: bool
 
 
 class FleetStatistics(msgspec.Struct, frozen=True, kw_only=True):
@@ -63,13 +95,15 @@ class FleetStatistics(msgspec.Struct, frozen=True, kw_only=True):
     stopping: bool
     fatal: str | None
     client: ClientStatistics
+    nodes: dict[str, NodeCounts] = {}  # with a directory: per node, by name
 
 
 class _Job:
-    __slots__ = ("cancel_reason", "expires_at", "lease", "task")
+    __slots__ = ("cancel_reason", "expires_at", "lease", "node", "task")
 
-    def __init__(self, lease: Lease) -> None:
+    def __init__(self, lease: Lease, node: str) -> None:
         self.lease = lease
+        self.node = node  # the node that granted the lease: its results go there
         self.expires_at = lease.lease_expires_at
         self.task: asyncio.Task[None] | None = None
         self.cancel_reason = ""
@@ -101,20 +135,31 @@ class _Rate:
 class FleetRunner:
     def __init__(
         self,
-        client: AsyncFleetClient,
+        client: AsyncFleetClient | None,
         renderer: Renderer,
         config: FleetConfig = FleetConfig(),  # noqa: B008 - frozen
         *,
         log: Callable[[str], None] | None = None,
+        directory: ClusterDirectory | None = None,
     ) -> None:
+        """One node's `client`, or a cluster's `directory` (then `client` is unused)."""
         if config.concurrency < 1:
             raise ValueError("concurrency must be at least 1")
+        if client is None and directory is None:
+            raise ValueError("a client or a directory is needed")
         self.client = client
+        self.directory = directory
         self.config = config
         self._renderer = renderer
         self._log = log or (lambda message: None)
         self._jobs: dict[str, _Job] = {}
-        self._completions: asyncio.Queue[CompletionItem | None] = asyncio.Queue()
+        self._completions: asyncio.Queue[tuple[str, CompletionItem] | None] = asyncio.Queue()
+        self._reserved = 0  # slots a claim in flight may fill
+        self._claimers: dict[str, asyncio.Task[None]] = {}
+        self._idle: set[str] = set()  # nodes whose last claim found nothing
+        self._per_node: dict[str, collections.Counter[str]] = collections.defaultdict(
+            collections.Counter
+        )
         self._slot_freed = asyncio.Event()
         self._stopping = asyncio.Event()
         self._abort = asyncio.Event()
@@ -159,15 +204,52 @@ class FleetRunner:
             uptime_s=round(time.monotonic() - self._started, 1),
             stopping=self._stopping.is_set(),
             fatal=self.fatal,
-            client=self.client.statistics(),
+            client=self._client_statistics(),
+            nodes=self._node_counts(),
         )
+
+    def _client_statistics(self) -> ClientStatistics:
+        if self.directory is not None:
+            return self.directory.statistics()
+        assert self.client is not None
+        return self.client.statistics()
+
+    def _node_counts(self) -> dict[str, NodeCounts]:
+        if self.directory is None:
+            return {}
+        live = set(self.directory.live)
+        return {
+            name: NodeCounts(
+                claimed=counts["claimed"],
+                completed=counts["completed"],
+                sent_elsewhere=counts["sent_elsewhere"],
+                live=name in live,
+            )
+            for name, counts in sorted(self._per_node.items())
+        }
+
+    # -- the nodes -----------------------------------------------------------------
+
+    def _nodes(self) -> list[str]:
+        return [SINGLE] if self.directory is None else self.directory.live
+
+    def _client_for(self, node: str) -> tuple[AsyncFleetClient | None, bool]:
+        """(the client to send a node's results to, whether it is that node's own)."""
+        if self.directory is None:
+            return self.client, True
+        own = self.directory.client(node)
+        if own is not None:
+            return own, True
+        return self.directory.any_client(), False
 
     # -- the run -----------------------------------------------------------------
 
     async def run(self) -> FleetStatistics:
         """Work until request_stop (or a fatal refusal such as a bad token)."""
         self._started = time.monotonic()
-        claimer = asyncio.create_task(self._claim_loop(), name="fleet-claim")
+        if self.directory is not None:
+            await self.directory.refresh()
+        claimer = asyncio.create_task(self._follow_nodes(), name="fleet-claim")
         renewer = asyncio.create_task(self._renew_loop(), name="fleet-renew")
         completer = asyncio.create_task(self._complete_loop(), name="fleet-complete")
         watcher = None
@@ -177,6 +259,9 @@ class FleetRunner:
             await self._stopping.wait()
         finally:
             await _cancel(claimer)
+            for task in list(self._claimers.values()):
+                await _cancel(task)
+            self._claimers.clear()
             await self._drain_renders()
             await _cancel(renewer)
             await self._completions.put(None)
@@ -216,42 +301,96 @@ class FleetRunner:
         self._log(f"fatal: {message}")
         self._stopping.set()
 
-    async def _claim_loop(self) -> None:
+    async def _follow_nodes(self) -> None:
+        """A claimer per live node, started and stopped as the member list changes."""
+        while not self._stopping.is_set():
+            live = self._nodes()
+            for name in live:
+                if name not in self._claimers or self._claimers[name].done():
+                    self._claimers[name] = asyncio.create_task(
+                        self._claim_loop(name), name=f"fleet-claim {name}"
+                    )
+            for name in [n for n in self._claimers if n not in live]:
+                # Gone from the list: claim there no more. A claim in flight is cut off;
+                # what it was granted, if anything, expires unanswered (the node left).
+                await _cancel(self._claimers.pop(name))
+                self._idle.discard(name)
+            if self.directory is None:
+                await self._stopping.wait()
+                return
+            await asyncio.sleep(self.config.discover_every_s)
+            await self.directory.refresh()
+
+    def _want(self, node: str) -> int:
+        """How many keys this node's next claim asks for (module note)."""
+        free = self.config.concurrency - len(self._jobs) - self._reserved
+        if free <= 0:
+            return 0
+        nodes = self._nodes()
+        if len(nodes) <= 1:
+            return min(free, MAX_CLAIM)
+        if node in self._idle:
+            return 1
+        busy = max(1, sum(1 for n in nodes if n not in self._idle))
+        return min(free, MAX_CLAIM, math.ceil(self.config.concurrency / busy))
+
+    async def _claim_loop(self, node: str) -> None:
         config = self.config
+        client = self.client if self.directory is None else self.directory.client(node)
+        if client is None:
+            return
+        clustered = self.directory is not None and self.directory.clustered
+        unready_s = CLUSTER_UNREADY_S if clustered else msgspec.UNSET
         failures = 0
         while not self._stopping.is_set():
-            free = config.concurrency - len(self._jobs)
-            if free <= 0:
+            want = self._want(node)
+            if want <= 0:
                 self._slot_freed.clear()
                 await self._slot_freed.wait()
                 continue
+            self._reserved += want
             try:
-                leases = await self.client.claim(
-                    min(free, MAX_CLAIM), lease_s=config.lease_s, wait_s=config.wait_s
+                leases = await client.claim(
+                    want, lease_s=config.lease_s, wait_s=config.wait_s, max_unready_s=unready_s
                 )
             except FleetRequestError as exc:
-                self._fail(f"the node refused a claim: {exc}")
+                self._fail(f"{'node ' + node if node else 'the node'} refused a claim: {exc}")
                 return
             except FleetUnavailable as exc:
                 failures += 1
-                self._log(f"claims failing: {exc}")
-                await asyncio.sleep(min(30.0, 2.0**failures))
+                self._log(f"claims failing{' at ' + node if node else ''}: {exc}")
+                self._idle.add(node)
+                self._reserved -= want
+                self._slot_freed.set()  # its share is the others' meanwhile
+                await asyncio.sleep(min(30.0, 2.0 ** (failures - 1)))
                 continue
+            except BaseException:
+                self._reserved -= want
+                raise
+            self._reserved -= want
             failures = 0
             self._counts["claimed"] += len(leases)
+            self._per_node[node]["claimed"] += len(leases)
+            if leases:
+                self._idle.discard(node)
+            else:
+                self._idle.add(node)
             for lease in leases:
-                self._start(lease)
+                self._start(lease, lease.node or node)
+            if len(leases) < want:
+                self._slot_freed.set()  # slots it reserved and did not fill
             if not leases and config.wait_s == 0:
                 await asyncio.sleep(1.0)  # nothing due and no long-poll: do not spin
 
-    def _start(self, lease: Lease) -> None:
+    def _start(self, lease: Lease, node: str = SINGLE) -> None:
         if lease.key in self._jobs:
             # The node granted a key this worker still holds: its lease must have
             # lapsed. Keep the render we have; the new token is the live one.
             self._jobs[lease.key].lease = lease
+            self._jobs[lease.key].node = node
             self._jobs[lease.key].expires_at = lease.lease_expires_at
             return
-        job = _Job(lease)
+        job = _Job(lease, node)
         self._jobs[lease.key] = job
         job.task = asyncio.create_task(self._render(job), name=f"render {lease.key[:80]}")
 
@@ -274,7 +413,15 @@ class FleetRunner:
             # the token of the lease as it is now: a regrant may have replaced it
             lease = job.lease
             await self._completions.put(
-                CompletionItem(key=lease.key, token=lease.token, outcome=result.outcome)
+                (
+                    job.node,
+                    CompletionItem(
+                        key=lease.key,
+                        token=lease.token,
+                        outcome=result.outcome,
+                        next_render_at=result.next_render_at,
+                    ),
+                )
             )
         finally:
             self._jobs.pop(job.lease.key, None)
@@ -287,16 +434,26 @@ class FleetRunner:
             await asyncio.sleep(interval)
             threshold = _now_ms() + config.lease_s * 500
             due = [job for job in self._jobs.values() if job.expires_at <= threshold]
-            for start in range(0, len(due), MAX_CLAIM):
-                chunk = due[start : start + MAX_CLAIM]
-                try:
-                    results = await self.client.renew(
-                        [job.lease for job in chunk], lease_s=config.lease_s
-                    )
-                except (FleetUnavailable, FleetRequestError) as exc:
-                    self._log(f"renewal failed: {exc}")
-                    continue
-                self._apply_renewals(chunk, results)
+            by_node: dict[str, list[_Job]] = collections.defaultdict(list)
+            for job in due:
+                by_node[job.node].append(job)
+            # Each node's at once: one that does not answer holds up only its own.
+            await asyncio.gather(*(self._renew_at(node, jobs) for node, jobs in by_node.items()))
+
+    async def _renew_at(self, node: str, jobs: list[_Job]) -> None:
+        client, _ = self._client_for(node)
+        if client is None:
+            return
+        for start in range(0, len(jobs), MAX_CLAIM):
+            chunk = jobs[start : start + MAX_CLAIM]
+            try:
+                results = await client.renew(
+                    [job.lease for job in chunk], lease_s=self.config.lease_s
+                )
+            except (FleetUnavailable, FleetRequestError) as exc:
+                self._log(f"renewal failed: {exc}")
+                continue
+            self._apply_renewals(chunk, results)
 
     def _apply_renewals(self, jobs: list[_Job], results: list[ItemResult]) -> None:
         by_key = {job.lease.key: job for job in jobs}
@@ -314,50 +471,116 @@ class FleetRunner:
                 job.task.cancel()
 
     async def _complete_loop(self) -> None:
+        closing = False
+        # Against a cluster each batch is delivered on a task of its own, at most a few at
+        # once: a node that stops answering (its retries take seconds) must not hold up the
+        # results of the others' leases until those expire.
+        pending: set[asyncio.Task[None]] = set()
+        try:
+            while not closing:
+                closing = await self._complete_batch(pending)
+        finally:
+            if pending:
+                await asyncio.gather(*pending, return_exceptions=True)
+
+    async def _complete_batch(self, pending: set[asyncio.Task[None]]) -> bool:
+        """Gather one batch and deliver it; True once the queue is closed."""
         config = self.config
         closing = False
-        while not closing:
-            first = await self._completions.get()
-            if first is None:
+        first = await self._completions.get()
+        if first is None:
+            return True
+        batch = [first]
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + config.completion_linger_s
+        while len(batch) < config.completion_batch:
+            try:
+                async with asyncio.timeout_at(deadline):
+                    item = await self._completions.get()
+            except TimeoutError:
                 break
-            batch = [first]
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + config.completion_linger_s
-            while len(batch) < config.completion_batch:
-                try:
-                    async with asyncio.timeout_at(deadline):
-                        item = await self._completions.get()
-                except TimeoutError:
-                    break
-                if item is None:
-                    closing = True
-                    break
-                batch.append(item)
+            if item is None:
+                closing = True
+                break
+            batch.append(item)
+        if self.directory is None:
             await self._deliver(batch)
+            return closing
+        while len(pending) >= MAX_DELIVERIES:
+            await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        task = asyncio.create_task(self._deliver(batch))
+        pending.add(task)
+        task.add_done_callback(pending.discard)
+        return closing
 
-    async def _deliver(self, batch: list[CompletionItem]) -> None:
+    async def _deliver(self, batch: list[tuple[str, CompletionItem]]) -> None:
+        """Each completion to the node that granted its lease, a request per node at once."""
+        by_node: dict[str, list[CompletionItem]] = collections.defaultdict(list)
+        for node, item in batch:
+            by_node[node].append(item)
+        await asyncio.gather(*(self._deliver_to(node, items) for node, items in by_node.items()))
+
+    async def _deliver_to(self, node: str, batch: list[CompletionItem]) -> None:
+        client, own = self._client_for(node)
+        if client is None:
+            self._counts["completions_lost"] += len(batch)
+            self._log(f"{len(batch)} completion(s) not delivered: no live node to send them to")
+            return
+        if not own:
+            self._per_node[node]["sent_elsewhere"] += len(batch)
         try:
-            results = await self.client.complete(batch)
-        except (FleetUnavailable, FleetRequestError) as exc:
+            results = await client.complete(batch)
+        except FleetUnavailable as exc:
+            if own and self.directory is not None and self.directory.clustered:
+                # The node stopped answering: if it has left, another node says what became
+                # of its leases (or forwards them, should it be back).
+                await self.directory.refresh()
+                if self.directory.client(node) is None and self.directory.live:
+                    await self._deliver_to(node, batch)
+                    return
+            self._counts["completions_lost"] += len(batch)
+            self._log(f"{len(batch)} completion(s) not delivered: {exc}")
+            return
+        except FleetRequestError as exc:
             self._counts["completions_lost"] += len(batch)
             self._log(f"{len(batch)} completion(s) not delivered: {exc}")
             return
         outcomes = {item.key: item.outcome for item in batch}
+        refused: list[ItemResult] = []
         for result in results:
             if result.ok:
                 outcome = outcomes.get(result.key, "rendered")
                 self._counts[outcome] += 1
+                if own:
+                    self._per_node[node]["completed"] += 1
                 if outcome == "failed":
                     self._failed_rate.add()
                 else:
                     self._rendered_rate.add()
             else:
                 self._counts["refused"] += 1
+                refused.append(result)
+        if refused:
+            # One line a batch: a node that left refuses all it granted at once.
+            first = refused[0]
+            where = f" (leases of {node}{'' if own else ', sent to another node'})" if node else ""
+            self._log(f"{len(refused)} completion(s) refused{where}: {first.detail or first.error}")
 
     async def _watch_node(self) -> None:
         while True:
             try:
-                status, body = await self.client.queue_state()
+                if self.directory is not None and self.directory.clustered:
+                    client = self.directory.any_client()
+                    if client is None:
+                        raise LookupError("no live node")
+                    status, body = await client.queue_state(CLUSTER_QUEUE_STATE_PATH)
+                else:
+                    client = self.client
+                    if self.directory is not None:
+                        client = self.directory.any_client()
+                    if client is None:
+                        raise LookupError("no node")
+                    status, body = await client.queue_state()
                 self.node_view = summarize_queue_state(status, body)
             except Exception as exc:  # a view only: never let it stop the fleet
                 self.node_view = NodeView(status=f"unreachable ({type(exc).__name__})")

@@ -1,84 +1,83 @@
-"""Types of the C extension (keeper/_native.c)."""
+"""Types of the C extension (keeper/csrc/); `make typecheck` runs stubtest against the build.
 
-from typing import Any
+The objects hold the structures they are given (by reference: the arrays grow in
+place) and check their types once, when made."""
 
-def best_read(
-    starts_of: list[list[int]],
-    ids_of: list[list[int]],
-    members: list[Any],
-    records: Any,
-    cadence: list[float],
-    boost: list[float],
-    paused: list[bool],
-    now: int,
-    need: int,
-    out_slots: Any,
-    out_rank: Any,
-    out_due: Any,
-    out_hash: Any,
-    out_class: Any,
-    /,
-) -> tuple[int, int, float]: ...
-def keep_unblocked(
-    blocked: Any,
-    limit: int,
-    out_slots: Any,
-    out_rank: Any,
-    out_due: Any,
-    out_hash: Any,
-    out_class: Any,
-    /,
-) -> tuple[int, int]: ...
-def find_many(table: Any, records: Any, mask: int, hashes: Any, out: Any, /) -> None: ...
-def index_many(table: Any, records: Any, mask: int, hashes: Any, slots: Any, /) -> None: ...
-def apply_moves(
-    records: Any,
-    b_class: Any,
-    b_live: Any,
-    b_stale: Any,
-    b_split_at: Any,
-    starts_of: list[list[int]],
-    ids_of: list[list[int]],
-    members: list[Any],
-    tally_counts: list[Any],
-    tally_base: list[int],
-    buckets: Any,
-    merge_below: int,
-    stale_slack: int,
-    table: Any,
-    mask: int,
-    events: list[Any],
-    start: int,
-    hashes: list[int],
-    row_event_type: type,
-    class_cache: dict[Any, int],
-    touched: dict[int, int] | None,
-    epoch: int,
-    now: int,
-    max_due: int,
-    tally: list[int],
-    /,
-) -> int: ...
-def upsert_moved(
-    records: Any,
-    b_class: Any,
-    b_live: Any,
-    b_stale: Any,
-    b_split_at: Any,
-    starts_of: list[list[int]],
-    ids_of: list[list[int]],
-    members: list[Any],
-    tally_counts: list[Any],
-    tally_base: list[int],
-    buckets: Any,
-    merge_below: int,
-    stale_slack: int,
-    table: Any,
-    mask: int,
-    key_hash: int,
-    class_id: int,
-    due: int,
-    version: int,
-    now: int,
-    /,
-) -> int: ...
+from array import array
+from typing import Any, final
+
+import numpy as np
+import numpy.typing as npt
+
+@final
+class SlotIndex:
+    """The slot table's index (int32 slot numbers, -1 empty, a power-of-two length)
+    over its records (four uint64 words per slot, the hash first)."""
+
+    def __init__(self, records: array[int], table: array[int]) -> None: ...
+    def find_many(self, hashes: npt.NDArray[np.uint64], out: npt.NDArray[np.int32], /) -> None: ...
+    def index_many(
+        self, hashes: npt.NDArray[np.uint64], slots: npt.NDArray[np.int32], /
+    ) -> None: ...
+
+@final
+class Picked:
+    """The columns a best read fills, of one length: held until the object goes."""
+
+    def __init__(
+        self,
+        slots: npt.NDArray[np.int32],
+        rank: npt.NDArray[np.float64],
+        due: npt.NDArray[np.int64],
+        hash: npt.NDArray[np.uint64],
+        class_id: npt.NDArray[np.int32],
+    ) -> None: ...
+    @property
+    def size(self) -> int: ...
+    def keep_unblocked(self, blocked: npt.NDArray[np.bool_], limit: int, /) -> tuple[int, int]: ...
+
+@final
+class FeedShape:
+    """What apply_moves takes a feed row event to be."""
+
+    def __init__(self, row_type: type, class_cache: dict[Any, int], max_due: int) -> None: ...
+
+@final
+class QueueView:
+    """The held queue's structures, bound once by name, for its C paths."""
+
+    def __init__(
+        self,
+        *,
+        index: SlotIndex,
+        b_class: array[int],
+        b_live: array[int],
+        b_stale: array[int],
+        b_split_at: array[int],
+        starts: list[list[int]],
+        ids: list[list[int]],
+        members: list[array[int]],
+        tally_counts: list[array[int]],
+        tally_base: list[int],
+        buckets: Any,
+        merge_below: int,
+        stale_slack: int,
+    ) -> None: ...
+    def best_read(
+        self, cadence: list[float], boost: list[float], paused: list[bool], now: int, out: Picked, /
+    ) -> tuple[int, int, float]: ...
+    def upsert_moved(
+        self, key_hash: int, class_id: int, due: int, version: int, now: int, /
+    ) -> int: ...
+    def apply_moves(
+        self,
+        events: list[Any],
+        start: int,
+        hashes: list[int],
+        shape: FeedShape,
+        touched: dict[int, int] | None,
+        epoch: int,
+        now: int,
+        tally: list[int],
+        /,
+    ) -> int: ...

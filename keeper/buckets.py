@@ -17,7 +17,8 @@ about TARGET rows), when they outnumber the live ones, or when the bucket
 joins a neighbour after thinning below MERGE_BELOW. So bucket sizes follow
 the rows, not the clock: the head of a class is a few buckets whether its rows
 are dense or spread over days. (Rows sharing one due time cannot be cut
-apart; such a bucket only tries again once it doubles.)
+apart; such a bucket only tries again once it doubles.) While a load walks the
+table, buckets are LOAD_WIDEN times wider, and cut to size when it ends.
 """
 
 from __future__ import annotations
@@ -36,6 +37,10 @@ SPLIT_AT = 256
 MERGE_BELOW = 24
 MERGE_MAX = 160
 STALE_SLACK = 32  # stale entries a bucket may carry beyond its live count before a rebuild
+# While a load walks the table its chunks arrive in key order, spread over every bucket
+# of a class: buckets this many times wider take them in a few appends each and split
+# rarely, and `end_load` cuts them to size once.
+LOAD_WIDEN = 8
 
 
 class Buckets:
@@ -54,6 +59,29 @@ class Buckets:
         self.splits = 0
         self.merges = 0
         self.rebuilds = 0
+        self._widen = 1  # LOAD_WIDEN while a load walks
+
+    def _split_at(self) -> int:
+        return SPLIT_AT * self._widen
+
+    def begin_load(self) -> None:
+        self._widen = LOAD_WIDEN
+
+    def end_load(self) -> None:
+        """Back to buckets of about TARGET rows: the wide ones a load left are cut now."""
+        if self._widen == 1:
+            return
+        self._widen = 1
+        split_at = np.frombuffer(self.b_split_at, dtype=np.int32)
+        split_at[:] = SPLIT_AT
+        del split_at  # a view pins the array's buffer; the rebuilds below may grow it
+        wide = [
+            bucket
+            for bucket in range(len(self.members))
+            if self.b_class[bucket] >= 0 and len(self.members[bucket]) >= SPLIT_AT
+        ]
+        for bucket in wide:
+            self.rebuild(bucket, split=True)
 
     def __len__(self) -> int:
         return len(self.members) - len(self._free)
@@ -127,7 +155,7 @@ class Buckets:
             self.b_start[bucket] = start
             self.b_live[bucket] = 0
             self.b_stale[bucket] = 0
-            self.b_split_at[bucket] = SPLIT_AT
+            self.b_split_at[bucket] = self._split_at()
         else:
             bucket = len(self.members)
             self.members.append(array("i"))
@@ -135,7 +163,7 @@ class Buckets:
             self.b_start.append(start)
             self.b_live.append(0)
             self.b_stale.append(0)
-            self.b_split_at.append(SPLIT_AT)
+            self.b_split_at.append(self._split_at())
         return bucket
 
     def _index(self, bucket: int) -> int:
@@ -204,11 +232,12 @@ class Buckets:
         if not split or len(slots) < SPLIT_AT:
             self._refill(bucket, slots)
             return
+        split_at = self._split_at()
         dues = self._slots.dues()[slots]
         order = np.argsort(dues, kind="stable")
         slots = slots[order]
         dues = dues[order]
-        cuts = _cuts(dues, max(2, round(len(slots) / TARGET)))
+        cuts = _cuts(dues, max(2, round(len(slots) / (TARGET * self._widen))))
         if not cuts:
             self._refill(bucket, slots)
             self.b_split_at[bucket] = 2 * len(slots)  # one due time: retry once doubled
@@ -227,7 +256,7 @@ class Buckets:
                 new_ids.append(target)
                 new_starts.append(int(dues[a]))
             self._refill(target, slots[a:b])
-        self.b_split_at[bucket] = SPLIT_AT
+        self.b_split_at[bucket] = split_at
         self.starts[class_id][i + 1 : i + 1] = new_starts
         self.ids[class_id][i + 1 : i + 1] = new_ids
         self.splits += 1
@@ -253,22 +282,28 @@ class Buckets:
         index = np.searchsorted(np.array(starts, dtype=np.int64), dues, side="right") - 1
         order = np.argsort(index, kind="stable")
         index = index[order]
-        slots = slots[order]
+        slots = np.ascontiguousarray(slots[order], dtype=np.int32)
         bounds = np.flatnonzero(np.diff(index, prepend=-1))
-        ends = np.append(bounds[1:], len(slots))
-        owner = np.empty(len(slots), dtype=np.int64)
-        position = np.empty(len(slots), dtype=np.int64)
-        grown: list[int] = []
-        for a, b in zip(bounds.tolist(), ends.tolist(), strict=True):
-            bucket = ids[int(index[a])]
-            members = self.members[bucket]
-            owner[a:b] = bucket
-            position[a:b] = np.arange(len(members), len(members) + b - a)
-            members.frombytes(slots[a:b].tobytes())
-            self.b_live[bucket] += b - a
-            if len(members) >= self.b_split_at[bucket]:
-                grown.append(bucket)
-        self._slots.set_places(slots, owner, position)
+        counts = np.diff(np.append(bounds, len(slots)))
+        touched = np.array(ids, dtype=np.int64)[index[bounds]]
+        # A load's chunk lands on most of a class's buckets a few rows each, so all but
+        # the appends themselves is done over every row at once.
+        parts = [self.members[bucket] for bucket in touched.tolist()]
+        lengths = np.fromiter(map(len, parts), dtype=np.int64, count=len(parts))
+        data = memoryview(slots.tobytes())
+        ends = bounds + counts
+        for part, a, b in zip(parts, (4 * bounds).tolist(), (4 * ends).tolist(), strict=True):
+            part.frombytes(data[a:b])
+        self._slots.set_places(
+            slots,
+            np.repeat(touched, counts),
+            np.arange(len(slots)) - np.repeat(bounds - lengths, counts),
+        )
+        live = np.frombuffer(self.b_live, dtype=np.int32)
+        live[touched] += counts.astype(np.int32)
+        split_at = np.frombuffer(self.b_split_at, dtype=np.int32)
+        grown = touched[lengths + counts >= split_at[touched]].tolist()
+        del live, split_at  # views pin the arrays' buffers; a rebuild may grow them
         for bucket in grown:
             self.rebuild(bucket, split=True)
 

@@ -15,7 +15,11 @@ class KeeperConfig(msgspec.Struct, frozen=True, kw_only=True):
     refill_min_gap_s: float = 0.02
     report_interval_s: float = 5.0  # full queue-state; trust is refreshed at every publish
     verify_interval_s: float = 3600.0  # the verification walk compares every row with the table
-    walk_chunk: int = 5000  # rows per store.walk call, during load and verification
+    walk_chunk: int = 5000  # rows per store.walk call, during verification and resyncs
+    # Rows per store.walk call while a load fills the queue: a chunk lands on most buckets
+    # of a class a few rows each, so the fewer chunks the fewer appends (the keeper is not
+    # exact yet, and a chunk read is still a short read transaction).
+    load_chunk: int = 20000
     top_check: int = 64  # published rows re-read after each publish
     top_check_every_s: float = 60.0  # a key is re-read by the top check at most this often
     sitemap_boost: float = 1.0  # added to a sitemap row's rank, in cadences

@@ -14,6 +14,7 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
+from keeper._native import FeedShape
 from keeper.classes import DEFAULT_CADENCE_S, Classifier, ClassTable, Reclassified
 from keeper.config import KeeperConfig
 from keeper.flow import FlowLog
@@ -105,6 +106,9 @@ class KeeperCore:
         self.classes = ClassTable(config.sitemap_boost)
         self.classifier = Classifier(self.classes)
         self.queue = HeldQueue(self.classes)
+        # What the queue's C event path takes a feed row event to be; the classifier's
+        # cache is cleared in place, never replaced.
+        self._feed_shape = FeedShape(RowEvent, self.classifier.cache, MAX_DUE_MS)
         self.flow = FlowLog()
         self.ownership: Ownership = ownership if ownership is not None else OwnEverything()
         self.counters = CoreCounters()
@@ -112,6 +116,10 @@ class KeeperCore:
         self._touched: dict[int, int] | None = None
         self._windows = 0
         self._epoch = 0
+        # Rows marked for removal after an ownership change: (slots, their hashes), and
+        # how many are done (see drop_unowned).
+        self._unowned: tuple[npt.NDArray[np.int32], npt.NDArray[np.uint64]] | None = None
+        self._unowned_done = 0
 
     # -- settings ------------------------------------------------------------------
 
@@ -181,8 +189,8 @@ class KeeperCore:
         """Apply feed events in order; each carries current state, so replays are harmless.
 
         Row events between two settings events form a run, whose keys are hashed in one
-        call; then row by row. (A numpy path for whole runs was measured here and lost:
-        its numpy calls per class cost more than the interpreted moves they replace.)
+        call; then row by row. (Not a numpy path for whole runs: its numpy calls per class
+        cost more than the interpreted moves they would replace.)
         """
         tally = [0] * 6
         run_start = 0
@@ -212,43 +220,35 @@ class KeeperCore:
             return
         self.counters.row_events += len(events)
         keys, hashes = _batch_keys(events)
+        # Ownership is judged for the whole batch at once; only a batch whose keys could
+        # not be hashed together (-1) is judged key by key, below.
+        owns = None
+        if not self.ownership.owns_all:
+            if hashes and hashes[0] < 0:
+                owns = self.ownership.owns
+            else:
+                events, keys, hashes = self._drop_unowned_events(events, keys, hashes, tally)
         queue = self.queue
         # HeldQueue.upsert, unrolled: its C path first (most events move a held row
         # within its class), the rest only when that returns -1. A Python call per event
-        # is a tenth of the budget here.
+        # would be a large share of an event's budget.
         queue.tallies.now_minute = now_ms // MINUTE_MS
-        slots = queue.slots
         moved = queue.moved
         upsert_unmoved = queue.upsert_unmoved
         class_id = self.classifier.class_id
         known = self.classifier.cache.get
         touched = self._touched
         epoch = self._epoch
-        owns = None if self.ownership.owns_all else self.ownership.owns
-        cache = self.classifier.cache
+        shape = self._feed_shape
         apply_moves = queue.apply_moves
         rows = events if type(events) is list else list(events)
         i, n = 0, len(rows)
         while i < n:
-            if owns is None:
-                # Runs of held rows moving within their class, in C; it stops at the
-                # first event it does not take whole, which the loop below takes.
-                i = apply_moves(
-                    slots._table,
-                    slots._mask,
-                    rows,
-                    i,
-                    hashes,
-                    RowEvent,
-                    cache,
-                    touched,
-                    epoch,
-                    now_ms,
-                    MAX_DUE_MS,
-                    tally,
-                )
-                if i >= n:
-                    break
+            # Runs of held rows moving within their class, in C; it stops at the first
+            # event it does not take whole, which the loop below takes.
+            i = apply_moves(rows, i, hashes, shape, touched, epoch, now_ms, tally)
+            if i >= n:
+                break
             event, key, h = rows[i], keys[i], hashes[i]
             i += 1
             assert type(event) is RowEvent
@@ -291,10 +291,33 @@ class KeeperCore:
             except TypeError:  # an unhashable field
                 self._unreadable(row, "event")
                 continue
-            done = moved(slots._table, slots._mask, h, cls, due, version, now_ms)
+            done = moved(h, cls, due, version, now_ms)
             if done < 0:
                 done = upsert_unmoved(key, h, cls, due, version, now_ms)
             tally[done] += 1
+
+    def _drop_unowned_events(
+        self,
+        events: Sequence[FeedEvent],
+        keys: list[bytes],
+        hashes: list[int],
+        tally: list[int],
+    ) -> tuple[Sequence[FeedEvent], list[bytes], list[int]]:
+        """The batch's events for keys this node owns, judged at once; events for other
+        nodes' keys remove the key if it is held, and are counted. A key's events all
+        go the same way, so each key's order is kept."""
+        owned = self.ownership.owns_many(np.array(hashes, dtype=np.uint64))
+        if owned.all():
+            return events, keys, hashes
+        queue, touched, epoch = self.queue, self._touched, self._epoch
+        for index in np.flatnonzero(~owned).tolist():
+            h = hashes[index]
+            if touched is not None:
+                touched[h] = epoch
+            self.counters.unowned += 1
+            tally[queue.remove(h)] += 1
+        kept = np.flatnonzero(owned).tolist()
+        return [events[i] for i in kept], [keys[i] for i in kept], [hashes[i] for i in kept]
 
     def _unreadable(self, row: Row | None, where: str, key: object = None) -> None:
         self.counters.unreadable += 1
@@ -314,6 +337,8 @@ class KeeperCore:
 
     def begin_walk(self, reason: WalkReason, now_ms: int) -> Walk:
         judges = reason != "load" or len(self.queue) > 0
+        if reason == "load":
+            self.queue.buckets.begin_load()
         return Walk(reason, self.open_window(), now_ms, judges=judges)
 
     def apply_walked(self, walk: Walk, rows: Sequence[Row], now_ms: int) -> None:
@@ -498,12 +523,16 @@ class KeeperCore:
         walk.finished_at = now_ms
         self.close_window(walk.token)
         self.repairs.add(walk.repairs)
+        if walk.reason == "load":
+            self.queue.buckets.end_load()
 
     def abandon_walk(self, walk: Walk) -> None:
         """Stop a walk without its sweep (e.g. the feed failed under it)."""
         if not walk.done:
             self.close_window(walk.token)
             self.repairs.add(walk.repairs)
+        if walk.reason == "load":
+            self.queue.buckets.end_load()
 
     # -- point checks --------------------------------------------------------------
 
@@ -546,16 +575,48 @@ class KeeperCore:
 
     # -- ownership -----------------------------------------------------------------
 
-    def drop_unowned(self) -> int:
-        """After an ownership change: drop every held row this node no longer owns."""
+    def mark_unowned(self) -> int:
+        """After an ownership change: mark every held row this node no longer owns, for
+        drop_unowned to remove; returns how many. Marks left from an earlier change are
+        replaced."""
+        self._unowned, self._unowned_done = None, 0
         if self.ownership.owns_all:
             return 0
         live = self.queue.slots.live_slots()
-        gone = live[~self.ownership.owns_many(self.queue.slots.hashes()[live])]
-        for slot in gone.tolist():
-            self.queue.remove_slot(slot)
-        self.counters.dropped_unowned += len(gone)
-        return len(gone)
+        hashes = self.queue.slots.hashes()[live]
+        gone = ~self.ownership.owns_many(hashes)
+        if gone.any():
+            self._unowned = (live[gone], hashes[gone])
+        return int(np.count_nonzero(gone))
+
+    @property
+    def dropping(self) -> bool:
+        """Rows marked by mark_unowned are still held: counts are not this node's share,
+        and a publish must pass over them (Publisher.blocked)."""
+        return self._unowned is not None
+
+    def drop_unowned(self, limit: int | None = None) -> int:
+        """Remove up to `limit` (None: all) of the rows mark_unowned marked; returns how
+        many went. A join moves a third of a node's rows at once, and removing them is a
+        Python step a row: done in chunks, the keeper follows the feed in between.
+        A marked slot whose hash changed meanwhile was removed by an event (and may hold
+        another key now): it is passed over."""
+        if self._unowned is None:
+            return 0
+        slots, hashes = self._unowned
+        start = self._unowned_done
+        end = len(slots) if limit is None else min(len(slots), start + limit)
+        queue = self.queue
+        removed = 0
+        for slot, h in zip(slots[start:end].tolist(), hashes[start:end].tolist(), strict=True):
+            if queue.hash_of(slot) == h:
+                queue.remove_slot(slot)
+                removed += 1
+        self._unowned_done = end
+        if end >= len(slots):
+            self._unowned, self._unowned_done = None, 0
+        self.counters.dropped_unowned += removed
+        return removed
 
     # -- selection -----------------------------------------------------------------
 

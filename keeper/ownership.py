@@ -1,12 +1,18 @@
 """Which rows this node holds: the one seam the cluster work fills.
 
-A single node owns every row. A cluster keeper plugs in rendezvous hashing
-over the live node list; a change of `generation` tells the keeper to drop
-rows it no longer owns and run a verification walk that adds rows gained.
+A single node owns every row. A cluster keeper uses rendezvous (highest random
+weight) hashing over the live node list: each (key, node) pair is scored by mixing
+the key's stored 64-bit hash with the node's, and the highest score owns the key. A
+join moves to the newcomer only the keys it now wins; a leave moves only the leaver's
+keys, about 1/N of them. A change of `generation` tells the keeper to drop rows it no
+longer owns and run a verification walk that adds rows gained.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
+from collections.abc import Sequence
 from typing import Protocol
 
 import numpy as np
@@ -38,3 +44,92 @@ class OwnEverything:
 
     def owns_many(self, key_hashes: npt.NDArray[np.uint64]) -> npt.NDArray[np.bool_]:
         return np.ones(len(key_hashes), dtype=np.bool_)
+
+
+_MASK64 = (1 << 64) - 1
+
+
+@functools.lru_cache(maxsize=1024)
+def node_hash(name: str) -> int:
+    """A node's 64-bit identity for rendezvous hashing: stable across processes and
+    releases (never Python's salted `hash`)."""
+    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little")
+
+
+def mix(values: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
+    """splitmix64's finaliser, vectorised: a key hash XOR a node hash scores the pair."""
+    with np.errstate(over="ignore"):
+        z = values + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
+
+
+def mix_one(value: int) -> int:
+    z = (value + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def winners(key_hashes: npt.NDArray[np.uint64], nodes: Sequence[str]) -> npt.NDArray[np.intp]:
+    """For each key, the index in `nodes` of its owner: the highest score wins."""
+    if not nodes:
+        raise ValueError("winners: no nodes")
+    hashes = np.asarray(key_hashes)
+    if hashes.dtype != np.uint64:
+        # A float array (numpy's choice for a list of ints past 2**63) would round them.
+        raise TypeError(f"winners: key hashes must be uint64, got {hashes.dtype}")
+    best = mix(hashes ^ np.uint64(node_hash(nodes[0])))
+    owner = np.zeros(len(hashes), dtype=np.intp)
+    for index, name in enumerate(nodes[1:], 1):
+        score = mix(hashes ^ np.uint64(node_hash(name)))
+        better = score > best
+        best = np.where(better, score, best)
+        owner[better] = index
+    return owner
+
+
+class Rendezvous:
+    """This node's share of the keys: those whose highest-scoring node, over the live
+    node list, is this one. `set_nodes` bumps the generation when the list changes."""
+
+    def __init__(self, me: str, nodes: Sequence[str] = ()) -> None:
+        self.me = me
+        self.generation = 0
+        self.nodes: tuple[str, ...] = ()
+        self._me_index = -1
+        self._hashes: list[int] = []
+        self.set_nodes(nodes or (me,))
+
+    def set_nodes(self, nodes: Sequence[str]) -> bool:
+        ordered = tuple(sorted(set(nodes)))
+        if ordered == self.nodes:
+            return False
+        self.nodes = ordered
+        self._me_index = ordered.index(self.me) if self.me in ordered else -1
+        self._hashes = [node_hash(name) for name in ordered]
+        self.generation += 1
+        return True
+
+    @property
+    def owns_all(self) -> bool:
+        return self.nodes == (self.me,)
+
+    def owns(self, key_hash: int) -> bool:
+        if self._me_index < 0:
+            return False
+        best_index, best = 0, -1
+        for index, node in enumerate(self._hashes):
+            score = mix_one(key_hash ^ node)
+            if score > best:
+                best_index, best = index, score
+        return best_index == self._me_index
+
+    def owns_many(self, key_hashes: npt.NDArray[np.uint64]) -> npt.NDArray[np.bool_]:
+        if self._me_index < 0:
+            return np.zeros(len(key_hashes), dtype=np.bool_)
+        if self.owns_all:
+            return np.ones(len(key_hashes), dtype=np.bool_)
+        owned: npt.NDArray[np.bool_] = winners(key_hashes, self.nodes) == self._me_index
+        return owned

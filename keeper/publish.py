@@ -8,8 +8,8 @@ keeper's (keeper/runner.py).
 
 A publish runs on worker 0's thread and holds its GIL, stolen from claims, and a
 claiming fleet drains the ring several times a second. So the keys go into the
-ring as slices of the slot table's arena (`publish_slices`: one C copy, where a
-bytes object per key and a join took some 4 ms for 8,192), only the top check's
+ring as slices of the slot table's arena (`publish_slices`: one C copy, not a
+bytes object per key and a join, which would hold the GIL for milliseconds), only the top check's
 few keys are made bytes, and the selection's margin for blocked rows is the
 number the last publish found ahead of its k-th row (the fleet's working set),
 so a quarter of the top leased no longer costs a second read.
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import msgspec
 import numpy as np
@@ -32,6 +33,9 @@ from keeper.state import PublishStats
 from keeper.topcheck import TopChecked
 
 log = logging.getLogger("renderqueue.keeper")
+
+
+Fenced = Callable[[npt.NDArray[np.uint64], int], "npt.NDArray[np.bool_] | None"]
 
 
 class PublishFailed(msgspec.Struct, frozen=True):
@@ -52,13 +56,25 @@ class Publisher:
         self.config = config
         self.stats = PublishStats()
         self._expect_blocked = 0  # blocked rows the last selection found ahead of its k-th
+        # In a cluster: keys this node owns but may not grant yet (keeper.cluster fences).
+        self.fenced: Fenced | None = None
 
     def blocked(self, now: int) -> BlockedMask:
-        """The lease table's answer at `now`: which of the hashes are leased or held."""
-        leases = self.leases
+        """The lease table's answer at `now`: which of the hashes are leased or held, or
+        (in a cluster) fenced, or still held though another node owns them now (the
+        keeper drops those in chunks after an ownership change)."""
+        leases, fenced = self.leases, self.fenced
+        unowned = self.core.ownership.owns_many if self.core.dropping else None
 
         def blocked(hashes: npt.NDArray[np.uint64]) -> npt.NDArray[np.bool_]:
-            return leases.blocked_mask(hashes, now)
+            mask = leases.blocked_mask(hashes, now)
+            if fenced is not None:
+                more = fenced(hashes, now)
+                if more is not None:
+                    mask = mask | more
+            if unowned is not None:
+                mask = mask | ~unowned(hashes)
+            return mask
 
         return blocked
 
@@ -74,8 +90,8 @@ class Publisher:
             slots = self.core.queue.slots
             starts, lengths = slots.key_slices(selection.slots)
             # Each entry carries its class's cadence: the grant's hold cap, so a claimant
-            # grants first and reads the row once, after. Divided per class, then
-            # gathered: a float division per entry took 0.13 ms of 8,192.
+            # grants first and reads the row once, after. Divided once per class, then
+            # gathered, rather than once per entry.
             per_class = (self.core.classes.cadence_ms() // 1000).astype(np.uint32)
             cadence_s = per_class.take(selection.class_id)
             generation = self.ring.publish_slices(

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections.abc import Sequence
-from functools import partial
 
 import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from keeper._native import apply_moves, upsert_moved
+from keeper._native import QueueView
 from keeper.buckets import MERGE_BELOW, STALE_SLACK, Buckets
 from keeper.classes import ClassTable
 from keeper.select import BlockedMask, Selection, select_best
@@ -53,27 +52,26 @@ class HeldQueue:
         self.tallies = MinuteTallies()
         buckets = self.buckets
         # The event path's common case in C, bound to the structures that live as long
-        # as the queue (each grows in place, never replaced); called with the slot
-        # index's table and mask, which are replaced when the index doubles. The feed's
-        # batches call it directly (KeeperCore._apply_rows), then `upsert_unmoved`.
-        bound = (
-            self.rec,
-            buckets.b_class,
-            buckets.b_live,
-            buckets.b_stale,
-            buckets.b_split_at,
-            buckets.starts,
-            buckets.ids,
-            buckets.members,
-            self.tallies.counts,
-            self.tallies.base,
-            buckets,
-            MERGE_BELOW,
-            STALE_SLACK,
+        # as the queue (each grows in place, never replaced). The feed's batches call it
+        # directly (KeeperCore._apply_rows), then `upsert_unmoved`.
+        self.view = QueueView(
+            index=self.slots.index,
+            b_class=buckets.b_class,
+            b_live=buckets.b_live,
+            b_stale=buckets.b_stale,
+            b_split_at=buckets.b_split_at,
+            starts=buckets.starts,
+            ids=buckets.ids,
+            members=buckets.members,
+            tally_counts=self.tallies.counts,
+            tally_base=self.tallies.base,
+            buckets=buckets,
+            merge_below=MERGE_BELOW,
+            stale_slack=STALE_SLACK,
         )
-        self.moved = partial(upsert_moved, *bound)
+        self.moved = self.view.upsert_moved
         # The same for a run of feed events at once (KeeperCore._apply_rows).
-        self.apply_moves = partial(apply_moves, *bound)
+        self.apply_moves = self.view.apply_moves
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -86,14 +84,13 @@ class HeldQueue:
         """Hold the row's current state; returns what changed (ADDED, TRIGGERED, ...).
 
         The per-event path: a held row moving within its class is one C call
-        (`keeper._native.upsert_moved`, which changes nothing when it returns -1);
+        (`QueueView.upsert_moved` in keeper/csrc, which changes nothing when it returns -1);
         the rest is written out here rather than in calls to the slot table, tallies
         and buckets: on this path a Python call costs about as much as the work it
         would do. The slow cases are theirs.
         """
         self.tallies.now_minute = now_ms // MINUTE_MS
-        slots = self.slots
-        done = self.moved(slots._table, slots._mask, key_hash, class_id, due_at, version, now_ms)
+        done = self.moved(key_hash, class_id, due_at, version, now_ms)
         if done >= 0:
             return done
         return self.upsert_unmoved(key, key_hash, class_id, due_at, version, now_ms)

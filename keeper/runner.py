@@ -1,23 +1,15 @@
-"""The keeper's I/O edge: subscribe, load, follow the feed, publish, check, report.
+"""The keeper's I/O edge: subscribe, walk, follow the feed, publish, check, report.
 
-One `Keeper` runs in a thread of worker 0. Each `step` does a bounded amount of
-work (a walk chunk, the feed up to the next deadline, a publish, a report), so
-the publish every second is never starved by a long walk or a burst of events;
-`run` loops `step` until asked to stop. Everything it decides is in
-`KeeperCore`; this module only reads, writes and keeps time. The publish step
-is `keeper.publish.Publisher`, the re-read of the top published rows
-`keeper.topcheck.TopCheck`; the runner sequences them. Each time it rewrites
-queue-state, the keeper also writes its `statistics()` (msgpack) into a second
-state buffer, when it has one, for every worker's /metrics and overview.
-
-The order of a start: write queue-state (unready, starting), subscribe at the
-feed's head, read routes and the default cadence (so a change after the
-subscription arrives as an event), then walk the table by primary key in
-chunks, publishing from the first chunk on. A failed feed is reopened with
-backoff at the cursor reached (at the head, if the store pruned past it), and
-the table is walked again to repair whatever the gap hid; the keeper is not
-exact until that walk ends. It never reloads: settings changes reclassify in
-memory.
+One `Keeper` runs in a thread of worker 0. It decides nothing on its own: when to
+do what (phases, status, deadlines, refills, which walk and when, what queue-state
+may vouch for) is `keeper.lifecycle.Lifecycle`'s, and what to do to the held
+queue is `KeeperCore`'s. Each `step` asks the lifecycle for one round's actions
+and performs them (a store read, a feed drain, a publish, a state write, a call
+into the core), telling it each outcome; `run` loops `step` until asked to stop,
+waiting on the feed between rounds. The publish step is `keeper.publish.Publisher`,
+the re-read of the top published rows `keeper.topcheck.TopCheck`. Each time it
+rewrites queue-state, the keeper also writes its `statistics()` (msgpack) into a
+second state buffer, when it has one, for every worker's /metrics and overview.
 
 The self-checks (the top check, the walks) read the table together with the
 feed's head, in one snapshot, and judge what they read only once the feed has
@@ -32,14 +24,51 @@ import gc
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import msgspec
 
+from keeper.cluster import ClusterView
 from keeper.config import KeeperConfig
 from keeper.core import KeeperCore
 from keeper.counts import count_queue, due_in_minute
 from keeper.feed import Feed
+from keeper.lifecycle import (
+    MEMBERS_ERROR_RETRY_S,
+    AbandonWalk,
+    Action,
+    BeginWalk,
+    CheckTop,
+    ChunkApplied,
+    ChunkFailed,
+    ChunkWaiting,
+    Drain,
+    Drained,
+    Dropped,
+    DropTopCheck,
+    DropUnowned,
+    Event,
+    FeedFailed,
+    FeedOpened,
+    FinishWalk,
+    FreezeHeap,
+    Lifecycle,
+    Marked,
+    MarkUnowned,
+    MembersRead,
+    OpenFeed,
+    Publish,
+    Published,
+    PublishRefused,
+    ReadMembers,
+    SaveCursor,
+    Started,
+    Wait,
+    Waiting,
+    WalkChunk,
+    WalkFinished,
+    WriteState,
+)
 from keeper.ownership import Ownership
 from keeper.protocols import LeaseTableLike, ReadyRingLike, StateBufferLike
 from keeper.publish import Publisher, PublishFailed
@@ -47,27 +76,40 @@ from keeper.report import build_queue_state
 from keeper.state import (
     KeeperStatistics,
     LeaseCounts,
-    LoadStats,
     Phase,
     QueueState,
-    Status,
     TrustGroup,
-    VerifyStats,
     encode_keeper_statistics,
     encode_queue_state,
     lease_counts,
 )
 from keeper.topcheck import TopCheck
-from keeper.walk import Walk, WalkReason
+from keeper.walk import Walk
 from store.base import RowsRead, ScheduleStore
+from store.rows import NodeRecord
 from store.scheduling import ask_short_slice
 
 log = logging.getLogger("renderqueue.keeper")
-# A refill waits at least this many times the last publish's duration (see _drained).
-REFILL_COST_SHARE = 5
 
 Clock = Callable[[], int]
+Members = Callable[[], Sequence[NodeRecord]]
 MAX_WAIT_S = 0.25  # an idle keeper still looks at the clock this often
+
+
+class ClusterSettings(msgspec.Struct, frozen=True, kw_only=True):
+    """How a clustered keeper reads the member list (workers.config has the meanings)."""
+
+    ttl_s: float = 12.0
+    max_lease_s: int = 300
+    peers: list[str] = []
+    peer_wait_s: float = 120.0
+    poll_s: float = 1.0  # the member list is read this often
+
+    @property
+    def grant_window_ms(self) -> int:
+        # A node that has not read itself live for this long grants nothing: well inside
+        # the TTL, so it stops before the others can call it dead and take its keys.
+        return int(self.ttl_s * 500)
 
 
 def wall_clock_ms() -> int:
@@ -87,7 +129,11 @@ class Keeper:
         ownership: Ownership | None = None,
         clock: Clock = wall_clock_ms,
         statistics_buffer: StateBufferLike | None = None,
+        cluster: ClusterSettings | None = None,
+        members: Members | None = None,
     ) -> None:
+        """`cluster` and `members` (a read of the member list) make this keeper one of a
+        cluster's: it holds and publishes only the rows it owns, and fences what it gains."""
         self.store = store
         self.ring = ring
         self.leases = leases
@@ -97,13 +143,26 @@ class Keeper:
         self.config = config
         self.node = node
         self.clock = clock
+        self.cluster_settings = cluster
+        self.members = members
+        self.cluster: ClusterView | None = None
+        if cluster is not None:
+            if members is None:
+                raise ValueError("a clustered keeper needs `members`, the member list's read")
+            self.cluster = ClusterView(
+                node,
+                ttl_ms=int(cluster.ttl_s * 1000),
+                grant_window_ms=cluster.grant_window_ms,
+                max_lease_ms=cluster.max_lease_s * 1000,
+            )
+            ownership = self.cluster.ownership
         self.core = KeeperCore(config, ownership)
         self._ownership_generation = self.core.ownership.generation
-        self.phase: Phase = "starting"
-        self.status: Status = "unready"
-        self.status_reason = "the keeper has not published yet"
-        self._exact_reason = "loading"
-        self._loaded = False
+        self.lifecycle = Lifecycle(
+            config,
+            members_poll_ms=None if cluster is None else int(cluster.poll_s * 1000),
+            peer_wait_s=0.0 if cluster is None else cluster.peer_wait_s,
+        )
         self.feed = Feed(
             store,
             config.consumer,
@@ -114,28 +173,17 @@ class Keeper:
         )
         self._walk: Walk | None = None
         self._walk_read: RowsRead | None = None  # a chunk read, waiting for the feed
-        self._walk_read_waited = False
-        self._walk_retry_at = 0
         self._publisher = Publisher(self.core, ring, leases, config)
+        if self.cluster is not None:
+            self._publisher.fenced = self.cluster.blocked_mask
         self._top = TopCheck(self.core, store, self.feed, config, clock)
-        self._next_publish = 0
-        self._next_report = 0
-        self._next_verify = 0
-        self._heartbeat_at = 0
+        self._published_keys: list[bytes] = []  # the last publish's, for the top check
         self._state: QueueState | None = None
-        self._started = False
         self._memory_bytes = 0  # the queue's buffers, as of the last full report
         self._tallies = 0
-        # counters
-        self._resyncs = 0
-        self._walk_errors = 0
-        self._walk_chunks_waited = 0
         self._state_writes = 0
         self._state_write_failures = 0
         self._statistics_write_failures = 0
-        self._load = LoadStats()
-        self._verify = VerifyStats()
-        self._next_cursor_save = 0
         self._short_slice = False
 
     # -- the loop ------------------------------------------------------------------
@@ -146,6 +194,8 @@ class Keeper:
         # commit wakes it: ask for a short scheduler slice (see store.scheduling).
         self._short_slice = ask_short_slice()
         try:
+            if self.cluster is not None and not self._await_members(stop):
+                return
             self.start()
             while not stop.is_set():
                 wait_s = self.step()
@@ -154,49 +204,49 @@ class Keeper:
         finally:
             self.close()
 
+    def _await_members(self, stop: threading.Event) -> bool:
+        """Read the member list until the lifecycle lets a clustered keeper load (see
+        Lifecycle.members_wait); queue-state says unready meanwhile. False when stopped
+        first."""
+        settings = self.cluster_settings
+        assert settings is not None and self.members is not None and self.cluster is not None
+        began = time.monotonic()
+        while not stop.is_set():
+            now = self.clock()
+            try:
+                records = self.members()
+            except Exception as exc:
+                self._tell(Waiting(f"cannot read the member list ({exc})"), now)
+                stop.wait(MEMBERS_ERROR_RETRY_S)
+                continue
+            live = {r.node for r in records if r.live}
+            verdict = self.lifecycle.members_wait(
+                self.node, settings.peers, live, time.monotonic() - began
+            )
+            if verdict is not None:
+                reason, retry_s = verdict
+                self._tell(Waiting(reason), now)
+                stop.wait(retry_s)
+                continue
+            if settings.peers and not live & set(settings.peers):
+                log.warning("keeper: no peer of %s seen live; loading anyway", settings.peers)
+            self.cluster.observe(records, now)
+            self._ownership_generation = self.core.ownership.generation
+            self.lifecycle.admitted(now)
+            return True
+        return False
+
     def start(self) -> None:
-        now = self.clock()
-        self._started = True
-        self._write_state(now, full=True)
-        self._open_feed(now, resume=False)
-        self._next_publish = now
-        self._next_report = now + int(self.config.report_interval_s * 1000)
-        self._next_verify = now + int(self.config.verify_interval_s * 1000)
+        self._tell(Started(), self.clock())
 
     def step(self) -> float:
-        """One bounded round of work; returns how long the loop may wait (s)."""
-        now = self.clock()
-        if not self.feed.open and now >= self.feed.reopen_at:
-            self._open_feed(now, resume=True)
-        if self._ownership_generation != self.core.ownership.generation:
-            self._ownership_changed(now)
-        busy = False
-        if self._walk is not None and now >= self._walk_retry_at:
-            self._walk_chunk(now)
-            busy = self._walk is not None
-        busy = not self._drain(self._next_publish) or busy
-        now = self.clock()
-        if now >= self._next_publish:
-            self._publish_now(now)
-            self._next_publish = max(
-                self._next_publish + int(self.config.publish_interval_s * 1000), now + 1
-            )
-        elif self._drained(now):
-            self._publish_now(now, refill=True)
-        now = self.clock()
-        if now >= self._next_report:
-            self._write_state(now, full=True)
-            self._next_report = now + int(self.config.report_interval_s * 1000)
-        if now >= self._next_verify and self._walk is None and self._loaded:
-            self._begin_walk(now, "verify")
-            self._next_verify = now + int(self.config.verify_interval_s * 1000)
-        if busy:
-            return 0.0
-        wait_s = max(0.0, (self._next_publish - self.clock()) / 1000)
-        if self._claiming():
-            # Claims take entries without a feed event to wake the keeper: look again soon.
-            wait_s = min(wait_s, self.config.refill_min_gap_s)
-        return wait_s
+        """One bounded round of work, as the lifecycle lays it out; returns how long the
+        loop may wait (s)."""
+        while True:
+            action = self.lifecycle.next_action(self.clock(), self.ring.remaining())
+            if isinstance(action, Wait):
+                return action.seconds
+            self._do(action)
 
     def _wait(self, seconds: float, stop: threading.Event) -> None:
         if self.feed.open:
@@ -204,7 +254,7 @@ class Keeper:
                 self.feed.wait(seconds)
                 return
             except Exception as exc:  # a broken wait is a broken feed
-                self._feed_failed(exc, self.clock())
+                self._feed_failed(exc)
         stop.wait(seconds)
 
     def close(self) -> None:
@@ -212,64 +262,110 @@ class Keeper:
         self._save_cursor()  # a graceful stop replays nothing on the next start
         self.feed.close()
 
+    # -- doing what the lifecycle says -------------------------------------------------
+
+    def _tell(self, event: Event, now: int) -> None:
+        """Tell the lifecycle what happened, and do what it answers, in order."""
+        for action in self.lifecycle.handle(event, now):
+            self._do(action)
+
+    def _do(self, action: Action) -> None:
+        match action:
+            case OpenFeed(resume):
+                self._open_feed(resume)
+            case ReadMembers():
+                self._read_members()
+            case MarkUnowned():
+                self._mark_unowned()
+            case DropUnowned(limit):
+                self.core.drop_unowned(limit)
+                self._tell(Dropped(left=self.core.dropping), self.clock())
+            case BeginWalk(reason):
+                self._walk = self.core.begin_walk(reason, self.clock())
+                self._walk_read = None
+            case WalkChunk(rows):
+                self._walk_chunk(rows)
+            case FinishWalk():
+                self._finish_walk()
+            case AbandonWalk():
+                if self._walk is not None:
+                    self.core.abandon_walk(self._walk)
+                    self._walk = None
+            case DropTopCheck():
+                self._top.drop()
+            case Drain(until_ms):
+                self._tell(Drained(emptied=self._drain(until_ms)), self.clock())
+            case Publish(refill):
+                self._publish(refill)
+            case CheckTop():
+                checked = self._top.after_publish(self._published_keys, self.clock(), self._drain)
+                if checked is not None:
+                    self._publisher.count_top_check(checked)
+            case SaveCursor():
+                self._save_cursor()
+            case WriteState(full):
+                self._write_state(self.clock(), full=full)
+            case FreezeHeap():
+                # The load's objects stay as long as the keeper (see workers.worker.serve).
+                gc.freeze()
+            case Wait():
+                pass
+
     # -- the feed ------------------------------------------------------------------
 
-    def _open_feed(self, now: int, *, resume: bool) -> None:
-        """Subscribe (at the cursor reached, or the head), read settings, and walk."""
+    def _open_feed(self, resume: bool) -> None:
+        """Subscribe (at the cursor reached, or the head) and read the settings."""
+        now = self.clock()
         try:
             self.feed.subscribe(now, resume=resume)
             self.core.load_settings(self.store.routes(), self.store.default_cadence_s())
         except Exception as exc:
-            self._feed_failed(exc, now)
+            self._feed_failed(exc)
             return
-        if self._walk is not None:
-            self.core.abandon_walk(self._walk)
-            self._walk = None
-        self._top.drop()
-        self._begin_walk(now, "load" if not self._loaded else "resync")
+        self._tell(FeedOpened(), now)
 
-    def _feed_failed(self, exc: BaseException, now: int) -> None:
+    def _feed_failed(self, exc: BaseException) -> None:
+        now = self.clock()
         self.feed.failed(exc, now)
-        # A reopened feed may start at the head: its position says nothing of what the
-        # reads below saw, so they are dropped unjudged (the resync walk reads afresh).
-        self._top.drop()
-        if self._walk is not None:
-            self.core.abandon_walk(self._walk)
-            self._walk = None
-        self._exact_reason = f"feed failed ({type(exc).__name__}); reopening"
-        if self.phase == "live":
-            self.phase = "resyncing"
-        self._write_state(now)
+        self._tell(FeedFailed(type(exc).__name__, reopen_at=self.feed.reopen_at), now)
 
     def _drain(self, until_ms: int) -> bool:
         """Apply feed batches until the feed is empty or `until_ms`; True when emptied."""
         try:
             return self.feed.drain(self.core.apply_events, until_ms)
         except Exception as exc:
-            self._feed_failed(exc, self.clock())
+            self._feed_failed(exc)
             return True
+
+    # -- the cluster ---------------------------------------------------------------
+
+    def _read_members(self) -> None:
+        assert self.cluster is not None and self.members is not None
+        now = self.clock()
+        try:
+            records = self.members()
+        except Exception as exc:
+            self.cluster.failed()
+            log.warning("keeper: reading the member list failed (%s)", exc)
+            return
+        changed = self.cluster.observe(records, now)
+        if changed:
+            log.info("keeper: the live nodes are now %s", ", ".join(self.cluster.view or ()))
+        generation = self.core.ownership.generation
+        moved = generation != self._ownership_generation
+        self._ownership_generation = generation
+        self._tell(MembersRead(view_changed=changed, ownership_changed=moved), now)
+
+    def _mark_unowned(self) -> None:
+        self._top.drop()
+        marked = self.core.mark_unowned()
+        log.info("keeper: ownership changed; dropping %d rows no longer owned", marked)
+        gains = self.cluster is not None and self.cluster.gains
+        self._tell(Marked(rows=marked, gains=gains), self.clock())
 
     # -- walks ---------------------------------------------------------------------
 
-    def _begin_walk(self, now: int, reason: WalkReason) -> None:
-        walk = self.core.begin_walk(reason, now)
-        self._walk = walk
-        self._walk_read = None
-        if reason == "load":
-            self.phase = "loading"
-            self._exact_reason = "loading: walking the table"
-            self._load = LoadStats(started_at=now)
-        elif reason == "resync":
-            self.phase = "resyncing"
-            self._resyncs += 1
-            self._exact_reason = "resyncing: walking the table after a feed gap"
-        else:
-            self._verify = msgspec.structs.replace(
-                self._verify, running=True, last_reason=reason, last_started_at=now
-            )
-        self._write_state(now)
-
-    def _walk_chunk(self, now: int) -> None:
+    def _walk_chunk(self, limit: int) -> None:
         """Read a chunk, and apply it once the feed has delivered what the read saw.
 
         Applied earlier, a row the feed has yet to deliver would read as a missed write,
@@ -282,189 +378,111 @@ class Keeper:
         read = self._walk_read
         if read is None:
             try:
-                read = self.store.walk_at(walk.after, self.config.walk_chunk)
+                read = self.store.walk_at(walk.after, limit)
             except Exception as exc:
-                self._walk_errors += 1
                 log.warning("keeper: walk after %r failed (%s); retrying", walk.after, exc)
-                self._walk_retry_at = now + int(self.config.feed_backoff_s * 1000)
+                self._tell(ChunkFailed(), self.clock())
                 return
             self._walk_read = read
-            self._walk_read_waited = False
         if walk.judges and not self.feed.has_delivered(read.head):
-            if not self._walk_read_waited:
-                self._walk_read_waited = True
-                self._walk_chunks_waited += 1
-            return  # the step drains the feed; the chunk is applied at a later step
+            # The round drains the feed; the chunk is applied in a later one.
+            self._tell(ChunkWaiting(), self.clock())
+            return
         self._walk_read = None
-        rows = read.rows
-        self.core.apply_walked(walk, rows, self.clock())
-        if walk.reason == "load":
-            self._load = msgspec.structs.replace(
-                self._load,
-                rows=walk.rows,
-                chunks=walk.chunks,
-                unreadable=walk.unreadable,
-                skipped_touched=walk.repairs.skipped_touched,
-            )
-        if len(rows) < self.config.walk_chunk:
-            self._finish_walk(walk)
+        now = self.clock()
+        self.core.apply_walked(walk, read.rows, now)
+        self._tell(ChunkApplied(rows=len(read.rows), walk=walk.summary()), now)
 
-    def _finish_walk(self, walk: Walk) -> None:
+    def _finish_walk(self) -> None:
         # The feed has delivered every chunk's head (see _walk_chunk): a delete any read
         # showed has been applied, its key touched, before the sweep looks for rows gone.
         # (A walk that judges nothing has no untouched held rows to sweep.) The drain
         # brings the feed nearer the present before the keeper says it is exact.
+        walk = self._walk
+        assert walk is not None
         self._drain(self.clock() + 1000)
+        if self._walk is not walk:
+            return  # the feed failed in that drain and abandoned the walk: no sweep
         now = self.clock()
         self.core.finish_walk(walk, now)
         self._walk = None
         summary = walk.summary()
         repairs = summary.repairs
         if walk.reason == "load":
-            self._loaded = True
-            self._load = msgspec.structs.replace(self._load, finished_at=now)
             log.info(
                 "keeper: loaded %d rows in %.2f s (%d unreadable)",
                 len(self.core.queue),
                 (now - walk.started_at) / 1000,
                 walk.unreadable,
             )
-        else:
-            self._verify = VerifyStats(
-                walks=self._verify.walks + 1,
-                running=False,
-                last_reason=walk.reason,
-                last_started_at=walk.started_at,
-                last_finished_at=now,
-                last_rows=walk.rows,
-                last_repairs=repairs,
+        elif repairs.missed or repairs.gained:
+            log.warning(
+                "keeper: %s walk repaired %d missed writes and added %d gained rows",
+                walk.reason,
+                repairs.missed,
+                repairs.gained,
             )
-            missed = repairs.missed_added + repairs.missed_changed + repairs.missed_removed
-            if missed or repairs.gained:
-                log.warning(
-                    "keeper: %s walk repaired %d missed writes and added %d gained rows",
-                    walk.reason,
-                    missed,
-                    repairs.gained,
-                )
-        if self.feed.open:
-            if self.phase != "live":
-                # The load's objects stay as long as the keeper: keep full collections
-                # from walking them (see workers.worker.serve).
-                gc.freeze()
-            self.phase = "live"
-            self._exact_reason = ""
-        self._write_state(now, full=True)
-
-    def _ownership_changed(self, now: int) -> None:
-        self._ownership_generation = self.core.ownership.generation
-        self._top.drop()
-        dropped = self.core.drop_unowned()
-        log.info("keeper: ownership changed; dropped %d rows no longer owned", dropped)
-        if self._walk is not None:
-            self.core.abandon_walk(self._walk)
-            self._walk = None
-        self._begin_walk(now, "membership" if self._loaded else "load")
+        self._tell(WalkFinished(summary), now)
 
     # -- publishing ----------------------------------------------------------------
 
-    def _claiming(self) -> bool:
-        """Claims have taken entries from the live generation."""
-        published = self._publisher.stats.last_count
-        return published > 0 and self.ring.remaining() < published
-
-    def _drained(self, now: int) -> bool:
-        """Claims took the ring below its refill mark, and the last publish is not too new.
-
-        The gap grows with what a publish costs (it reads past every leased row ranked
-        above the last one kept, so a fleet with many keys in flight makes it slower):
-        refills take at most 1 / REFILL_COST_SHARE of the keeper's time, and of the GIL it
-        shares with worker 0's claims.
-        """
-        stats = self._publisher.stats
-        gap_ms = max(
-            self.config.refill_min_gap_s * 1000,
-            REFILL_COST_SHARE * stats.last_duration_us / 1000,
-        )
-        return (
-            stats.last_at is not None
-            and stats.last_count > 0
-            and now - stats.last_at >= gap_ms
-            and self.ring.remaining() < stats.last_count * self.config.refill_below
-        )
-
-    def _publish_now(self, now: int, refill: bool = False) -> None:
+    def _publish(self, refill: bool) -> None:
+        now = self.clock()
         keys = self._publisher.publish(now, refill=refill)
         if isinstance(keys, PublishFailed):
-            self._set_status(now, "stalled", keys.reason)
+            self._tell(PublishRefused(keys.reason), now)
             return
-        self._heartbeat_at = now
-        if self._load.first_publish_at is None:
-            self._load = msgspec.structs.replace(self._load, first_publish_at=now)
-        if self.status != "ready":
-            self._set_status(now, "ready", "publishing")
-        checked = self._top.after_publish(keys, now, self._drain)
-        if checked is not None:
-            self._publisher.count_top_check(checked)
-        if now >= self._next_cursor_save:
-            self._next_cursor_save = now + int(self.config.cursor_save_interval_s * 1000)
-            self._save_cursor()
-        self._write_state(self.clock())
+        self._published_keys = keys
+        self._tell(Published(self._publisher.stats), now)
 
     def _save_cursor(self) -> None:
         try:
             self.feed.save()
         except Exception as exc:
-            self._feed_failed(exc, self.clock())
-
-    def _set_status(self, now: int, status: Status, reason: str) -> None:
-        changed = status != self.status
-        self.status = status
-        self.status_reason = reason
-        if changed:
-            self._write_state(now, full=True)
+            self._feed_failed(exc)
 
     # -- queue-state ---------------------------------------------------------------
 
-    def _live(self, now: int) -> tuple[bool, str]:
-        if not self._started:
-            return False, "not started"
-        if self.status == "stalled":
-            return False, self.status_reason
-        if self._heartbeat_at == 0:
-            return True, "starting: first publish pending"
-        return True, "publishing"
-
-    def _exact(self) -> bool:
-        return self._loaded and self.feed.open and self.phase == "live"
+    @property
+    def phase(self) -> Phase:
+        return self.lifecycle.phase
 
     def _trust(self, now: int, counts_at: int) -> TrustGroup:
-        live, reason = self._live(now)
+        lifecycle = self.lifecycle
+        live, reason = lifecycle.live()
+        exact = lifecycle.exact
+        heartbeat_at = lifecycle.heartbeat_at
         counters = self.core.counters
+        feed = self.feed.statistics()
+        held_back_ms = 0 if feed is None else feed.held_back_ms
         return TrustGroup(
             live=live,
             live_reason=reason,
-            phase=self.phase,
-            exact=self._exact(),
-            exact_reason="" if self._exact() else self._exact_reason,
+            phase=lifecycle.phase,
+            exact=exact,
+            exact_reason="" if exact else lifecycle.exact_reason,
             # Before the first publish the heartbeat is the keeper's own: it is running.
-            heartbeat_at=self._heartbeat_at or now,
+            heartbeat_at=heartbeat_at or now,
             stall_after_ms=int(self.config.stall_after_s * 1000),
             counts_at=counts_at,
             counts_max_age_ms=int(2 * self.config.report_interval_s * 1000 + 1000),
-            feed_lag_ms=max(0, now - self.feed.caught_up_at) if self.feed.open else -1,
-            publish_age_ms=-1 if self._heartbeat_at == 0 else max(0, now - self._heartbeat_at),
+            feed_lag_ms=max(0, now - self.feed.caught_up_at, held_back_ms)
+            if self.feed.open
+            else -1,
+            feed_held_back_ms=held_back_ms,
+            feed_held_by_pid=0 if feed is None else feed.held_by_pid,
+            publish_age_ms=-1 if heartbeat_at == 0 else max(0, now - heartbeat_at),
             feed_reopens=self.feed.reopens,
-            resyncs=self._resyncs,
+            resyncs=lifecycle.resyncs,
             reclassifications=counters.reclassifications,
             rows_reclassified=counters.rows_reclassified,
             events=counters.events,
             held=len(self.core.queue),
             unreadable=counters.unreadable,
             memory_bytes=self._memory_bytes,
-            load=self._load,
+            load=lifecycle.load,
             publish=self._publisher.stats,
-            verification=self._verify,
+            verification=lifecycle.verify,
             repairs=self.core.repairs.snapshot(),
         )
 
@@ -493,8 +511,8 @@ class Keeper:
                 classes=self.core.classes,
                 flow=self.core.flow.minutes(now),
                 leases=self._lease_counts(now),
-                status=self.status,
-                status_reason=self.status_reason,
+                status=self.lifecycle.status,
+                status_reason=self.lifecycle.status_reason,
                 trust=self._trust(now, now),
                 earliest_claimable_at=queue.earliest_claimable(now, blocked),
                 rows_max=self.config.class_rows_max,
@@ -503,7 +521,9 @@ class Keeper:
         return msgspec.structs.replace(
             last,
             now=msgspec.structs.replace(
-                last.now, status=self.status, status_reason=self.status_reason
+                last.now,
+                status=self.lifecycle.status,
+                status_reason=self.lifecycle.status_reason,
             ),
             trust=self._trust(now, last.trust.counts_at),
         )
@@ -547,13 +567,14 @@ class Keeper:
         (a numpy view taken here could stop the keeper's thread from growing an array)."""
         core = self.core
         counters = core.counters
-        live, _ = self._live(self.clock())
+        lifecycle = self.lifecycle
+        live, _ = lifecycle.live()
         return KeeperStatistics(
-            phase=self.phase,
-            status=self.status,
-            status_reason=self.status_reason,
+            phase=lifecycle.phase,
+            status=lifecycle.status,
+            status_reason=lifecycle.status_reason,
             live=live,
-            exact=self._exact(),
+            exact=lifecycle.exact,
             held=len(core.queue),
             classes=len(core.classes),
             buckets=len(core.queue.buckets),
@@ -567,20 +588,23 @@ class Keeper:
             unreadable=counters.unreadable,
             collisions=counters.collisions,
             top_checks_waited=self._top.waited,
-            walk_chunks_waited=self._walk_chunks_waited,
+            walk_chunks_waited=lifecycle.walk_chunks_waited,
             feed_failures=self.feed.failures,
             feed_reopens=self.feed.reopens,
             cursor_resets=self.feed.cursor_resets,
-            resyncs=self._resyncs,
-            walk_errors=self._walk_errors,
-            verifications=self._verify.walks,
+            resyncs=lifecycle.resyncs,
+            walk_errors=lifecycle.walk_errors,
+            verifications=lifecycle.verify.walks,
             state_writes=self._state_writes,
             state_write_failures=self._state_write_failures,
             statistics_write_failures=self._statistics_write_failures,
-            load=self._load,
+            load=lifecycle.load,
             publish=self._publisher.stats,
-            verification=self._verify,
+            verification=lifecycle.verify,
             repairs=core.repairs.snapshot(),
             short_slice=self._short_slice,
             feed=self.feed.statistics(),
+            cluster=None if self.cluster is None else self.cluster.statistics(self.clock()),
+            unowned_events=counters.unowned,
+            dropped_unowned=counters.dropped_unowned,
         )

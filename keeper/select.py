@@ -5,8 +5,8 @@ order too, and no row of a bucket ranks above the rank at its start (its upper
 bound). Buckets are taken in order of their upper bound from a heap of class
 heads; each one's live, due entries are ranked, and the reading stops once N
 rows are in hand and no untaken bucket's upper bound beats the N-th best. That
-read is C (`keeper._native.best_read`): in numpy it was some fifteen calls per
-batch of buckets, 0.5 ms for 5,000 rows.
+read is C (`QueueView.best_read` in keeper/csrc): in numpy it would be some fifteen calls per
+batch of buckets, each paying numpy's per-call overhead on a few hundred rows.
 
 Leased or held keys are found after the read, on the N best only (one lease
 table probe per row): N is K plus a margin for them, and if they take more than
@@ -15,9 +15,9 @@ ranks at or below the N-th, so the K best left are exactly those of a full sort
 of every claimable row by rank.
 
 Under a claiming fleet the leased keys are the fleet's working set, which is the
-top of the last few publishes: with a quarter of the top 8,192 leased, a
-sixteenth's margin meant a second, larger read every publish (0.87 ms instead of
-0.29 at 1M rows). So the caller may say how many blocked rows to expect
+top of the last few publishes: with a quarter of the top leased, a fixed small
+margin would mean a second, larger read every publish. So the caller may say how
+many blocked rows to expect
 (`expect_blocked`: a publisher passes the `blocked_ahead` of its last selection,
 which moves little from one publish to the next), and a re-read is sized by the
 share of rows the first read found blocked.
@@ -32,7 +32,7 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from keeper._native import best_read, keep_unblocked
+from keeper._native import Picked
 
 if TYPE_CHECKING:
     from keeper.queue import HeldQueue
@@ -84,7 +84,7 @@ def select_best(
     cadence = table.cadence_ms().tolist()
     boost = table.boost().tolist()
     paused = table.paused_mask().tolist()
-    buckets = queue.buckets
+    view = queue.view
     expect = max(0, expect_blocked)
     need = k if blocked is None else k + max((k >> 4), expect + (expect >> 2)) + 16
     reads = 0
@@ -95,28 +95,14 @@ def select_best(
         due = np.empty(need, dtype=np.int64)
         hashes = np.empty(need, dtype=np.uint64)
         classes = np.empty(need, dtype=np.int32)
-        count, considered, _ = best_read(
-            buckets.starts,
-            buckets.ids,
-            buckets.members,
-            queue.rec,
-            cadence,
-            boost,
-            paused,
-            now_ms,
-            need,
-            slots,
-            rank,
-            due,
-            hashes,
-            classes,
-        )
+        picked = Picked(slots, rank, due, hashes, classes)
+        count, considered, _ = view.best_read(cadence, boost, paused, now_ms, picked)
         if blocked is None:
             kept = count
             n_blocked = ahead = 0
             break
         stopped = blocked(hashes[:count])
-        kept, scanned = keep_unblocked(stopped, k, slots, rank, due, hashes, classes)
+        kept, scanned = picked.keep_unblocked(stopped, k)
         if kept == k or count < need:  # enough, or every due row was read
             n_blocked = int(np.count_nonzero(stopped))
             ahead = scanned - kept

@@ -25,7 +25,7 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from keeper._native import find_many, index_many
+from keeper._native import SlotIndex
 
 FIELDS = 4
 HASH, DUE, VERSION, PLACE = 0, 1, 2, 3
@@ -56,8 +56,11 @@ class SlotTable:
         self.arena = bytearray()
         self.offsets: array[int] = array("q")
         self.lengths: array[int] = array("H")
+        # The index grows in place (never replaced), so the C view of it and the
+        # records is made once.
         self._table: array[int] = array("i", [-1]) * capacity
         self._mask = capacity - 1
+        self.index = SlotIndex(self.rec, self._table)
         self._free: array[int] = array("i")
         self._live = 0
         self._garbage = 0
@@ -230,7 +233,7 @@ class SlotTable:
         """Slots of held keys by hash (ABSENT where not held): one C pass."""
         found = np.empty(len(key_hashes), dtype=np.int32)
         hashes = np.ascontiguousarray(key_hashes, dtype=np.uint64)
-        find_many(self._table, self.rec, self._mask, hashes, found)
+        self.index.find_many(hashes, found)
         return found
 
     def live_slots(self) -> npt.NDArray[np.int32]:
@@ -239,11 +242,11 @@ class SlotTable:
 
     def _index_many(self, key_hashes: npt.NDArray[np.uint64], slots: npt.NDArray[np.int32]) -> None:
         hashes = np.ascontiguousarray(key_hashes, dtype=np.uint64)
-        index_many(self._table, self.rec, self._mask, hashes, np.ascontiguousarray(slots, np.int32))
+        self.index.index_many(hashes, np.ascontiguousarray(slots, np.int32))
 
     def _grow(self) -> None:
         capacity = (self._mask + 1) * 2
-        self._table = array("i", [-1]) * capacity
+        self._table[:] = array("i", [-1]) * capacity  # in place: the SlotIndex holds it
         self._mask = capacity - 1
         self._grows += 1
         live = self._live_slots_by_free_list()
@@ -264,10 +267,17 @@ class SlotTable:
         order = live[np.argsort(offsets[live], kind="stable")]
         starts = offsets[order]
         sizes = lengths[order]
-        keep = np.zeros(len(self.arena) + 1, dtype=np.int64)
-        keep[starts] += 1  # starts are distinct, and so are ends: no fancy-index collisions
-        keep[starts + sizes] -= 1
-        packed = np.frombuffer(self.arena, dtype=np.uint8)[np.cumsum(keep[:-1]) > 0].tobytes()
+        # One slice a run of adjacent live keys, joined: the work follows the live keys'
+        # runs, where a byte mask over the whole arena makes 8 bytes of temporaries for
+        # every byte of it, and the keeper's loop waits for all of it.
+        packed = b""
+        if len(order):
+            ends = starts + sizes
+            breaks = np.flatnonzero(starts[1:] != ends[:-1]) + 1
+            run_starts = starts[np.concatenate(([0], breaks))].tolist()
+            run_ends = ends[np.concatenate((breaks - 1, [len(order) - 1]))].tolist()
+            with memoryview(self.arena) as view:
+                packed = b"".join(map(view.__getitem__, map(slice, run_starts, run_ends)))
         new_offsets = np.zeros(len(order), dtype=np.int64)
         if len(order) > 1:
             np.cumsum(sizes[:-1], out=new_offsets[1:])

@@ -29,7 +29,8 @@ from store.base import FeedStatistics
 
 SCHEMA = 1
 Status = Literal["unready", "ready", "stalled"]
-Phase = Literal["starting", "loading", "live", "resyncing"]
+# rebalancing: live, walking the table for the rows a membership change brought here.
+Phase = Literal["starting", "loading", "live", "resyncing", "rebalancing"]
 
 
 class LeaseCounts(msgspec.Struct, frozen=True, kw_only=True):
@@ -158,7 +159,11 @@ class TrustGroup(msgspec.Struct, frozen=True, kw_only=True):
     stall_after_ms: int = 2000
     counts_at: int = 0  # when the counts (now, coming, lateness, flow) were taken
     counts_max_age_ms: int = 11_000
-    feed_lag_ms: int = 0  # since the feed was last read to its end
+    # Since the feed was last read to its end, or held back by a transaction still
+    # running (PostgreSQL), whichever is longer.
+    feed_lag_ms: int = 0
+    feed_held_back_ms: int = 0  # held back that long by one open transaction
+    feed_held_by_pid: int = 0  # that transaction's backend pid (0: none, or unknown)
     publish_age_ms: int = -1  # since the last publish, as of writing (-1: none yet)
     feed_reopens: int = 0
     resyncs: int = 0  # full walks after a feed gap (reopen or cursor lost)
@@ -215,6 +220,28 @@ def decode_queue_state(payload: bytes) -> QueueState:
     return state
 
 
+class Fence(msgspec.Struct, frozen=True, kw_only=True):
+    """Keys `node` owned under `view` are not granted here before `until_ms`."""
+
+    node: str
+    view: tuple[str, ...]
+    until_ms: int
+    reason: str  # "left", "dead" or "joined"
+
+
+class ClusterStatistics(msgspec.Struct, frozen=True, kw_only=True):
+    node: str
+    view: list[str]  # the live nodes, this one included when it is live
+    generation: int  # ownership changes seen
+    confirmed: bool  # this node read itself live within the grant window
+    confirmed_at: int  # when it last did (epoch ms; 0: never)
+    changes: int  # view changes
+    reads: int
+    read_failures: int
+    fences: list[Fence]  # still in force
+    fenced_until: int  # when the last fence ends (0: none)
+
+
 # The keeper's statistics record, written beside queue-state into its own buffer
 # (workers.segments.Segments.keeper) for every worker's /metrics and overview.
 class KeeperStatistics(msgspec.Struct, frozen=True, kw_only=True):
@@ -256,6 +283,9 @@ class KeeperStatistics(msgspec.Struct, frozen=True, kw_only=True):
     # The open subscription's counts, since it opened (a reopen starts them again); None
     # while the feed is closed.
     feed: FeedStatistics | None
+    cluster: ClusterStatistics | None = None  # in a cluster: the view and its fences
+    unowned_events: int = 0  # feed events for rows another node owns: dropped
+    dropped_unowned: int = 0  # held rows dropped because their key moved to another node
 
 
 _statistics_decoder = msgspec.msgpack.Decoder(KeeperStatistics)

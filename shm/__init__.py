@@ -5,7 +5,7 @@ our own C11 atomics (`shm._atomics`) under a ready ring, a lease table and a
 state buffer. Each module's docstring gives its protocol.
 """
 
-from shm.keys import key_hash, key_hashes
+from shm.keys import key_hash, key_hashes, use_secret
 from shm.leases import Grant, KeyLeaseState, LeaseStatistics, LeaseTable, Refusal
 from shm.ring import ReadyEntry, ReadyRing, RingStatistics
 from shm.segment import (
@@ -38,4 +38,5 @@ __all__ = [
     "key_hash",
     "key_hashes",
     "segment_name",
+    "use_secret",
 ]

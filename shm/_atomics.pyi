@@ -1,7 +1,7 @@
-"""Types of the C extension (shm/_atomics.c)."""
+"""Types of the C extension (shm/csrc/); `make typecheck` runs stubtest against the build."""
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, final
 
 from typing_extensions import Buffer
 
@@ -11,10 +11,16 @@ STRIPES: int
 STRIPE_WORDS: int
 
 def key_hash(key: Buffer, /) -> int:
-    """XXH64 (seed 0) of the key's bytes; 0 is mapped to 1."""
+    """SipHash-2-4 of the key's bytes under the process's secret; 0 is mapped to 1.
+    RuntimeError before set_hash_secret."""
 
 def key_hashes_into(keys: Sequence[Buffer], out: Any, /) -> None: ...
+def set_hash_secret(secret: Buffer, /) -> None: ...
+def clear_hash_secret() -> None: ...
+def siphash24(secret: Buffer, data: Buffer, /) -> int:
+    """SipHash-2-4 of data under a 16-byte secret, as published (0 is not remapped)."""
 
+@final
 class Words:
     def __init__(self, buffer: Buffer, offset: int = 0, nbytes: int = -1) -> None: ...
     @property
@@ -31,6 +37,7 @@ class Words:
     ) -> tuple[int, int, bytes] | None: ...
     def release(self) -> None: ...
 
+@final
 class Ring:
     def __init__(
         self,
@@ -40,7 +47,8 @@ class Ring:
         arena_offset: int,
         capacity: int,
         arena_bytes: int,
-        factory: Callable[[bytes, int, int, int], Any],
+        # Called as factory(key, due_at, class_id, key_hash, cadence_s) per entry claimed.
+        factory: Callable[[bytes, int, int, int, int], Any],
     ) -> None: ...
     def publish(
         self,
@@ -58,6 +66,7 @@ class Ring:
     def remaining(self) -> int: ...
     def release(self) -> None: ...
 
+@final
 class Leases:
     def __init__(
         self,
@@ -73,6 +82,8 @@ class Leases:
     def holds(self, key_hash: int, token: int, now: int, /) -> bool: ...
     def renew(self, key_hash: int, token: int, now: int, lease_ms: int, /) -> int: ...
     def complete(self, key_hash: int, token: int, now: int, /) -> bool: ...
+    def fail(self, key_hash: int, token: int, now: int, /) -> int: ...
+    def forgive(self, key_hash: int, now: int, /) -> int: ...
     def state(self, key_hash: int, now: int, /) -> tuple[bool, int, bool, int, int]: ...
     def blocked_mask(self, hashes: Any, out: Any, now: int, /) -> int: ...
     def sweep(self, now: int, keep_misses_ms: int, /) -> int: ...

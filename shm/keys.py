@@ -1,20 +1,30 @@
 """Key hashes: the 64-bit identity a key has in shared memory.
 
-The ready ring carries each key's hash and the lease table is keyed by it, so
-every process must compute the same value for the same bytes: Python's own
-`hash()` is salted per process, so this is XXH64 with seed 0, in the C
-extension (BLAKE2b in Python cost about 0.4 us a key, and the keeper hashes
-every event and every walked row). 0 marks an empty lease slot, so a hash of 0
-is mapped to 1.
+The ready ring carries each key's hash, the lease table is keyed by it and a cluster
+divides its keys by it (keeper/ownership.py), so every process of every node must
+compute the same value for the same bytes: Python's own `hash()` is salted per
+process, so this is SipHash-2-4, in the C extension (hashlib costs a Python call and
+an object per key, and the keeper hashes every event and every walked row). 0 marks
+an empty lease slot, so a hash of 0 is mapped to 1.
 
-XXH64 is not collision resistant: someone who controls URLs could craft two
-that share a hash, and so one lease. What that buys is a refused claim or a
-skipped render for those two keys (the keeper compares key bytes on its walks
-and counts a collision), never one key granted to two workers.
+The hash is keyed by a secret the store makes once per database (`hash_secret` in
+store/base.py), so every node of a cluster has the same one and nobody else does.
+An unkeyed hash would let someone who picks URLs (a sitemap) craft two keys that
+share a hash, and so one lease: a refused claim or a skipped render for those keys
+(never one key granted to two workers, since the keeper compares key bytes on its
+walks). Without the secret, colliding keys cannot be chosen.
+
+A process hashes under one secret, set once with `use_secret` before any key is
+hashed (a worker, from what the supervisor read from the store): hashes made under
+two secrets in one process would name the same key twice. Hashing before it is set
+raises. The secret never leaves the store and the processes that hash; what is
+written down beside hashes (the lease snapshot) is its `fingerprint`.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 from collections.abc import Sequence
 
 import numpy as np
@@ -22,7 +32,74 @@ import numpy.typing as npt
 
 from shm import _atomics
 
+SECRET_BYTES = 16
+# Domain separation: the fingerprint is no other BLAKE2b value of the secret.
+_FINGERPRINT_PERSON = b"rq-secret-print"
+
 key_hash = _atomics.key_hash  # the C function itself: no Python frame on the event path
+
+_secret: bytes | None = None
+
+
+class SecretConflict(RuntimeError):
+    """The process already hashes keys under another secret."""
+
+
+def check_secret(secret: object, where: str) -> bytes:
+    """`secret` as bytes if it is a hash secret, else ValueError naming `where`."""
+    if not isinstance(secret, bytes | bytearray | memoryview):
+        raise ValueError(f"the hash secret in {where} is a {type(secret).__name__}, not bytes")
+    raw = bytes(secret)
+    if len(raw) != SECRET_BYTES:
+        raise ValueError(
+            f"the hash secret in {where} is {len(raw)} bytes; renderqueue makes "
+            f"{SECRET_BYTES}, so it was not written by renderqueue"
+        )
+    return raw
+
+
+def use_secret(secret: bytes) -> None:
+    """Key this process's hashes with `secret`. Setting the same secret again is a no-op;
+    another one raises SecretConflict (hashes already made would no longer match)."""
+    global _secret
+    raw = check_secret(secret, "use_secret")
+    if _secret is not None:
+        if not hmac.compare_digest(_secret, raw):
+            raise SecretConflict(
+                f"this process hashes keys under the secret {fingerprint(_secret):016x}, "
+                f"not {fingerprint(raw):016x}"
+            )
+        return
+    _atomics.set_hash_secret(raw)
+    _secret = raw
+
+
+def forget_secret() -> None:
+    """Hash nothing until the next use_secret: for a process that hosts one node after
+    another (a test or bench harness), once the first is closed and its hashes are void."""
+    global _secret
+    _atomics.clear_hash_secret()
+    _secret = None
+
+
+def secret_in_use() -> bytes | None:
+    """The secret `use_secret` set, or None."""
+    return _secret
+
+
+def fingerprint(secret: bytes) -> int:
+    """A 64-bit name for `secret` that reveals nothing of it: what is stored beside
+    hashes, to tell whether they were made under the same secret."""
+    digest = hashlib.blake2b(
+        check_secret(secret, "fingerprint"), digest_size=8, person=_FINGERPRINT_PERSON
+    ).digest()
+    return int.from_bytes(digest, "little")
+
+
+def keyed_hash(secret: bytes, key: bytes) -> int:
+    """`key_hash` of `key` as a process hashing under `secret` computes it: for a tool or
+    test looking at another database than its own."""
+    return _atomics.siphash24(check_secret(secret, "keyed_hash"), key) or 1
 
 
 def key_hashes(keys: Sequence[bytes]) -> npt.NDArray[np.uint64]:

@@ -16,16 +16,22 @@ worker's completion then comes back `lease_not_held`, and its key may be granted
 The file is a fixed header and the raw slots (`shm.leases.SLOT`, little-endian):
 
     magic "rqlease\\0", lease layout version, capacity, slot size, written_at (epoch ms),
-    instance (64 bytes, NUL padded), CRC-32 of the header's other fields and the slots.
+    instance (64 bytes, NUL padded), the hash secret's fingerprint, CRC-32 of the
+    header's other fields and the slots.
+
+The slots are keyed by key hashes, which are keyed by the database's secret
+(shm/keys.py): under another secret no key would find its slot, so the snapshot names
+the secret by its fingerprint (never the secret itself, which stays in the store).
 
 It is written to a temporary file, fsynced, renamed over the path and the directory
 fsynced, so a reader sees a whole snapshot or none. `restore` checks every field before
 it touches the table: a wrong magic, version, slot size, capacity (the configured
-capacity changed: the slots could not stay at their indexes), instance, size or checksum,
-or a time in the future, rejects the file whole. A rejected file is renamed aside
-(`<path>.rejected`) and the node starts with an empty table: it never crashes on a bad
-snapshot and never loads half of one. A snapshot that was loaded is removed, so a crash
-later cannot bring back leases that have since ended.
+capacity changed: the slots could not stay at their indexes), instance, secret (the node
+now opens another database), size or checksum, or a time in the future, rejects the file
+whole. A rejected file is renamed aside (`<path>.rejected`) and the node starts with an
+empty table: it never crashes on a bad snapshot and never loads half of one. A snapshot
+that was loaded is removed, so a crash later cannot bring back leases that have since
+ended.
 """
 
 from __future__ import annotations
@@ -39,13 +45,15 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
+from shm.keys import fingerprint
 from shm.leases import SLOT, LeaseTable
 from shm.segment import LAYOUT_VERSION
 
 MAGIC = b"rqlease\x00"
-# magic, layout version, capacity, slot bytes, written_at, instance, crc32, padding
-HEADER = struct.Struct("<8sQQQq64sI4x")
-_CHECKED = struct.Struct("<8sQQQq64s")  # the header fields the checksum covers
+# magic, layout version, capacity, slot bytes, written_at, instance, secret fingerprint,
+# crc32, padding
+HEADER = struct.Struct("<8sQQQq64sQI4x")
+_CHECKED = struct.Struct("<8sQQQq64sQ")  # the header fields the checksum covers
 INSTANCE_BYTES = 64
 # Clocks of one machine across a restart: a snapshot from further ahead is not ours.
 MAX_FUTURE_MS = 5 * 60 * 1000
@@ -87,16 +95,25 @@ def _encode_instance(instance: str) -> bytes:
     return raw
 
 
-def save(path: str | os.PathLike[str], table: LeaseTable, *, instance: str, now_ms: int) -> Saved:
-    """Write the table's slots to `path` atomically. Only once no other process changes
-    the table. Raises OSError (the file is then left as it was)."""
+def save(
+    path: str | os.PathLike[str],
+    table: LeaseTable,
+    *,
+    instance: str,
+    secret: bytes,
+    now_ms: int,
+) -> Saved:
+    """Write the table's slots, whose hashes were made under `secret`, to `path`
+    atomically. Only once no other process changes the table. Raises OSError (the file
+    is then left as it was)."""
     slots = table.export_slots()
     body = slots.tobytes()
     fields = (MAGIC, LAYOUT_VERSION, table.capacity, SLOT.itemsize, now_ms)
     instance_raw = _encode_instance(instance)
-    checked = _CHECKED.pack(*fields, instance_raw)
+    secret_print = fingerprint(secret)
+    checked = _CHECKED.pack(*fields, instance_raw, secret_print)
     checksum = zlib.crc32(body, zlib.crc32(checked))
-    header = HEADER.pack(*fields, instance_raw, checksum)
+    header = HEADER.pack(*fields, instance_raw, secret_print, checksum)
     target = Path(path)
     temporary = target.with_name(f"{target.name}.tmp{os.getpid()}")
     fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -135,19 +152,27 @@ def _fsync_directory(directory: Path) -> None:
 
 
 def read(
-    path: str | os.PathLike[str], *, capacity: int, instance: str, now_ms: int
+    path: str | os.PathLike[str], *, capacity: int, instance: str, secret: bytes, now_ms: int
 ) -> tuple[np.ndarray, int]:
-    """The slots of a valid snapshot for this table, and when it was written; raises
-    SnapshotRejected naming the first field that is wrong, or OSError."""
+    """The slots of a valid snapshot for this table, hashed under `secret`, and when it
+    was written; raises SnapshotRejected naming the first field that is wrong, or
+    OSError."""
     expected_size = HEADER.size + capacity * SLOT.itemsize
     with open(path, "rb") as file:
         size = os.fstat(file.fileno()).st_size
         head = file.read(HEADER.size)
         if len(head) < HEADER.size:
             raise SnapshotRejected(f"truncated: {size} bytes, shorter than the header")
-        magic, version, stored_capacity, slot_bytes, written_at, raw_instance, checksum = (
-            HEADER.unpack(head)
-        )
+        (
+            magic,
+            version,
+            stored_capacity,
+            slot_bytes,
+            written_at,
+            raw_instance,
+            stored_print,
+            checksum,
+        ) = HEADER.unpack(head)
         if magic != MAGIC:
             raise SnapshotRejected(f"not a lease snapshot (magic {magic!r})")
         if version != LAYOUT_VERSION:
@@ -176,13 +201,24 @@ def read(
             f"written by instance {stored_instance!r}, this node is {instance!r} (set "
             f"instance = {stored_instance!r} to take its leases)"
         )
+    if stored_print != fingerprint(secret):
+        raise SnapshotRejected(
+            f"its key hashes were made under the hash secret {stored_print:016x}, this "
+            f"node's database has {fingerprint(secret):016x} (another database): no key "
+            "would find its lease"
+        )
     if not 0 < written_at <= now_ms + MAX_FUTURE_MS:
         raise SnapshotRejected(f"written_at {written_at} ms is not a time before now ({now_ms})")
     return np.frombuffer(body, dtype=SLOT), written_at
 
 
 def restore(
-    path: str | os.PathLike[str], table: LeaseTable, *, instance: str, now_ms: int
+    path: str | os.PathLike[str],
+    table: LeaseTable,
+    *,
+    instance: str,
+    secret: bytes,
+    now_ms: int,
 ) -> Restored | Rejected | None:
     """Load a snapshot into the fresh `table` and remove the file; None if there is none.
 
@@ -192,7 +228,9 @@ def restore(
     if not target.exists():
         return None
     try:
-        slots, written_at = read(target, capacity=table.capacity, instance=instance, now_ms=now_ms)
+        slots, written_at = read(
+            target, capacity=table.capacity, instance=instance, secret=secret, now_ms=now_ms
+        )
         table.import_slots(slots)
     except (SnapshotRejected, OSError, ValueError) as exc:
         reason = str(exc) if isinstance(exc, SnapshotRejected) else f"{type(exc).__name__}: {exc}"

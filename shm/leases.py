@@ -27,6 +27,11 @@ live?" and the change "grant it" are the same word:
   the cadence. `complete` (a result: rendered, failed, gone) resets the misses.
   `state` and `blocked_mask` read an expired, unanswered lease as the hold it
   will become, without writing.
+- **Failures back off**: `fail` (a `failed` result) ends the lease and holds the
+  key back from now as an unanswered expiry would, raising the misses, so a page
+  that always fails is retried after 2 lease lengths, then 4, 8, ... capped at
+  its cadence, not at every publish. Only `complete` (rendered, gone) resets it;
+  `forgive` (an operator's "render now") ends a key's hold and its misses.
 - **Reclaiming** empties a slot in three steps: CAS its state word to `removing`
   (stamped with the remover's pid), clear the key, then give the state word a
   stamp never used before. A grant can never start on a `removing` slot, so a
@@ -41,9 +46,9 @@ live?" and the change "grant it" are the same word:
   died between its steps.
 
 The window is bounded and probing is linear, so clusters fill windows early:
-with random keys and no completed slots to take, the first `probe_full` came
-at 16-22% occupancy, 0.3% of grants were refused at 46% and 1.3% at 61%
-(`bench/shm` measures it). Size the table well above the leases in flight
+with random keys and no completed slots to take, the first `probe_full` comes
+well below half occupancy, and refusals grow with it (`python -m bench.shm`
+measures them; bench/results/shm.json). Size the table well above the leases in flight
 plus the keys held back, and sweep it (the keeper, every few seconds).
 
 A claimant SIGKILLed at any point leaves at worst a lease that expires on time,
@@ -80,7 +85,7 @@ from shm.segment import now_ms as wall_clock_ms
 
 KIND = "lease_table"
 PROBE_WINDOW = LEASE_LAYOUT["probe"]
-# "reserved" is the counted-hold word (SLOT_COUNTED in _atomics.c): which HELD state
+# "reserved" is the counted-hold word (SLOT_COUNTED in csrc/leases.c): which HELD state
 # word the live held counter includes. recount() rewrites it, so a copy may carry any.
 SLOT = np.dtype([("key_hash", "<u8"), ("state", "<u8"), ("hold", "<u8"), ("reserved", "<u8")])
 assert SLOT.itemsize == LEASE_LAYOUT["slot_words"] * 8
@@ -137,7 +142,6 @@ class LeaseStatistics(msgspec.Struct, frozen=True):
     occupancy: float
     live_leases: int  # granted, not yet completed nor settled as expired
     held_keys: int  # holds started, not yet seen ended by a sweep or taken by a grant
-    expired_unanswered: int  # only census() can see expiry without settling: 0 here
     grants: int
     renewals: int
     completions: int
@@ -151,6 +155,8 @@ class LeaseStatistics(msgspec.Struct, frozen=True):
     reclaimed: int
     conflicts: int  # grants reverted because a duplicate slot held a live lease
     sweeps: int
+    failures: int = 0  # failed results that held their key back (fail)
+    forgiven: int = 0  # holds an operator released (forgive)
 
 
 class LeaseCensus(msgspec.Struct, frozen=True):
@@ -208,6 +214,18 @@ class LeaseTable:
         """A result for the key: end the lease and reset its misses. False if not held."""
         return bool(self._c.complete(key_hash, token, now_ms))
 
+    def fail(self, key_hash: int, token: int, now_ms: int) -> int | None:
+        """A failed render: end the lease and hold the key back from now as a missed lease
+        would (misses + 1). The hold's end, or None (nothing changed) if not held."""
+        until: int = self._c.fail(key_hash, token, now_ms)
+        return None if until < 0 else until
+
+    def forgive(self, key_hash: int, now_ms: int) -> int:
+        """End the key's holds and forget its misses (an operator's "render now"); a live
+        lease is left alone. The number of slots released."""
+        released: int = self._c.forgive(key_hash, now_ms)
+        return released
+
     # ------------------------------------------------------------------ keeper
 
     def state(self, key_hash: int, now_ms: int) -> KeyLeaseState:
@@ -248,7 +266,6 @@ class LeaseTable:
             occupancy=occupied / self.capacity,
             live_leases=live,
             held_keys=held,
-            expired_unanswered=0,
             grants=total("grants"),
             renewals=total("renewals"),
             completions=total("completions"),
@@ -262,6 +279,8 @@ class LeaseTable:
             reclaimed=total("reclaimed"),
             conflicts=total("conflicts"),
             sweeps=total("sweeps"),
+            failures=self._words.load(_CTRL // 8 + LEASE_LAYOUT["failures"]),
+            forgiven=self._words.load(_CTRL // 8 + LEASE_LAYOUT["forgiven"]),
         )
 
     def census(self, now_ms: int | None = None) -> LeaseCensus:
@@ -315,7 +334,7 @@ class LeaseTable:
 
         A removal that was under way is finished here (its remover is gone), and the
         incarnation counter starts past every stamp the slots carry, so a stamp is still
-        never reused (see remove_slot in _atomics.c)."""
+        never reused (see remove_slot in csrc/leases.c)."""
         if slots.dtype != SLOT or slots.shape != (self.capacity,):
             raise ValueError(
                 f"slots of {slots.dtype} x {slots.shape} do not fit this table "

@@ -49,8 +49,9 @@ MAGIC = int.from_bytes(b"rqshm\x00\x00\x01", "little")
 # Bump whenever any layout (header, ring, lease table, state buffer) changes, or the
 # key hash that the ring carries and the lease table is keyed by (3: XXH64; 4: the
 # lease table's live counters, tag lanes and counted-hold word; 5: the ring entry's
-# cadence; 6: the lease table's live counters in the process stripes).
-LAYOUT_VERSION = 6
+# cadence; 6: the lease table's live counters in the process stripes; 7: SipHash-2-4
+# under the database's secret).
+LAYOUT_VERSION = 7
 HEADER_BYTES = 256
 CACHE_LINE = 64
 

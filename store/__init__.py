@@ -13,7 +13,7 @@ from store.base import (
     ScheduleStore,
     Subscription,
 )
-from store.errors import SchemaTooNew, StoreBusy, StoreError
+from store.errors import SchemaTooNew, StoreBusy, StoreError, StoreFull, StoreUnavailable
 from store.rows import (
     Completion,
     FeedEvent,
@@ -44,6 +44,8 @@ __all__ = [
     "SettingsEvent",
     "StoreBusy",
     "StoreError",
+    "StoreFull",
+    "StoreUnavailable",
     "Subscription",
     "open_store",
 ]

@@ -9,6 +9,10 @@ import msgspec
 
 from store.rows import Completion, FeedEvent, Route, Row, RowWrite
 
+# How long a write waits for the lock other writers hold before it raises StoreBusy, in
+# either backend; a caller that waits on its own (api.completions) keeps the same bound.
+DEFAULT_BUSY_TIMEOUT_S = 30.0
+
 
 class Cursor(msgspec.Struct, frozen=True):
     """An opaque feed position. Only the backend that issued it reads `token`."""
@@ -37,6 +41,35 @@ class RowsRead(msgspec.Struct, frozen=True, kw_only=True):
     head: Cursor
 
 
+class Writability(msgspec.Struct, frozen=True, kw_only=True):
+    """Whether this process's writes reach the disk, as its last write found."""
+
+    writable: bool  # False from a write the disk refused (StoreFull) until one succeeds
+    refused: int  # writes the disk refused since the store opened
+    reason: str = ""  # the last refusal, while not writable
+
+
+class WriteHealth:
+    """A store's Writability, kept as its writes succeed or are refused for want of
+    disk (one tracker for all of a store's threads: a refusal on one is the disk's)."""
+
+    def __init__(self) -> None:
+        self._refused = 0
+        self._reason = ""
+
+    def refused(self, reason: str) -> None:
+        self._refused += 1
+        self._reason = reason
+
+    def succeeded(self) -> None:
+        if self._reason:
+            self._reason = ""
+
+    def statistics(self) -> Writability:
+        reason = self._reason
+        return Writability(writable=not reason, refused=self._refused, reason=reason)
+
+
 class CursorBelowFloor(Exception):
     """The log below this cursor was pruned: replaying from it would be short."""
 
@@ -59,6 +92,10 @@ class FeedStatistics(msgspec.Struct, frozen=True, kw_only=True):
     woken: int  # waits ended by a writer's post
     noticed: int  # waits ended by a commit seen without a post (SQLite: data_version)
     timeouts: int  # waits that ended with nothing committed
+    # How long the feed has been held back by one transaction still running (PostgreSQL:
+    # it holds the snapshot's xmin), and that transaction's backend pid (0: unknown).
+    held_back_ms: int = 0
+    held_by_pid: int = 0
 
     def common(self) -> FeedStatistics:
         if type(self) is FeedStatistics:
@@ -79,6 +116,13 @@ class Subscription(Protocol):
 
     def wait(self, timeout_s: float) -> bool:
         """Block until a commit may have happened (a hint) or the timeout passes."""
+        ...
+
+    def quiet(self) -> bool:
+        """True when a poll now would most likely find nothing, by what the backend already
+        knows (no wake-up since the last poll, none due): a caller that polls at every
+        turn of its loop may skip that poll. False whenever in doubt; a backend whose polls
+        are cheap may always say False. Never a substitute for `wait`."""
         ...
 
     def has_delivered(self, cursor: Cursor) -> bool:
@@ -129,12 +173,25 @@ class ScheduleStore(Protocol):
     def routes(self) -> list[Route]: ...
 
     def set_route(
-        self, route: str, *, default_cadence_s: int | None = None, paused: bool | None = None
-    ) -> Route: ...
+        self,
+        route: str,
+        *,
+        default_cadence_s: int | None = None,
+        paused: bool | None = None,
+        clear_default_cadence: bool = False,
+    ) -> Route:
+        """Create or change a route; None leaves a field as it is. `clear_default_cadence`
+        sends the route back to the global default."""
+        ...
 
     def default_cadence_s(self) -> int: ...
 
     def set_default_cadence_s(self, seconds: int) -> None: ...
+
+    def hash_secret(self) -> bytes:
+        """The database's key-hash secret (store/secret.py): made with the schema, the same
+        for every node and never changed. StoreError if it is missing or malformed."""
+        ...
 
     def feed_head(self) -> Cursor:
         """The position just after the last committed event."""
@@ -145,6 +202,11 @@ class ScheduleStore(Protocol):
 
         Raises CursorBelowFloor or CursorAhead rather than replaying short.
         """
+        ...
+
+    def writability(self) -> Writability:
+        """Whether writes reach the disk, as this process's last write found (a full
+        disk makes them raise StoreFull until space returns)."""
         ...
 
     def close(self) -> None: ...

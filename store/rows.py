@@ -5,7 +5,8 @@ Times are integer epoch milliseconds everywhere; cadences are whole seconds.
 
 from __future__ import annotations
 
-from typing import Literal
+from collections.abc import Sequence
+from typing import Any, Literal
 
 import msgspec
 
@@ -24,6 +25,33 @@ class Row(msgspec.Struct, frozen=True, kw_only=True):
     last_rendered_at: int | None = None
     last_outcome: str | None = None
     version: int = 0
+
+
+# The columns of render_schedule in Row's order, for both backends' statements.
+ROW_COLUMNS = (
+    "key, route, cadence_s, sitemap, next_render_at, last_rendered_at, last_outcome, version"
+)
+
+
+def row_from(values: tuple[Any, ...] | Any) -> Row:
+    """A Row from ROW_COLUMNS' values, as either backend returns them."""
+    key, route, cadence_s, sitemap, next_render_at, last_rendered_at, last_outcome, version = values
+    return Row(
+        key=key,
+        route=route,
+        cadence_s=cadence_s,
+        sitemap=bool(sitemap),
+        next_render_at=next_render_at,
+        last_rendered_at=last_rendered_at,
+        last_outcome=last_outcome,
+        version=version,
+    )
+
+
+def route_from(values: tuple[Any, ...] | Any) -> Route:
+    """A Route from (route, default_cadence_s, paused)."""
+    name, default_cadence_s, paused = values
+    return Route(route=name, default_cadence_s=default_cadence_s, paused=bool(paused))
 
 
 class RowWrite(msgspec.Struct, frozen=True, kw_only=True):
@@ -55,6 +83,23 @@ class Completion(msgspec.Struct, frozen=True, kw_only=True):
     next_render_at: int | None = None
 
 
+def completion_rounds(items: Sequence[Completion]) -> list[list[int]]:
+    """Indices of `items` split so no round names a key twice: round n holds each key's
+    n-th completion, so applying the rounds in order applies a key's completions in order
+    (a backend applies a round in one statement, where a key can change only once)."""
+    if len({item.key for item in items}) == len(items):
+        return [list(range(len(items)))]  # the usual batch: every key once
+    seen: dict[str, int] = {}
+    rounds: list[list[int]] = [[]]
+    for index, item in enumerate(items):
+        n = seen.get(item.key, 0)
+        seen[item.key] = n + 1
+        if n == len(rounds):
+            rounds.append([])
+        rounds[n].append(index)
+    return rounds
+
+
 class RowEvent(msgspec.Struct, frozen=True, kw_only=True, tag="row"):
     """The key's current row, or None when the row is gone (events are state, not deltas)."""
 
@@ -71,3 +116,15 @@ class SettingsEvent(msgspec.Struct, frozen=True, kw_only=True, tag="settings"):
 
 
 FeedEvent = RowEvent | RouteEvent | SettingsEvent
+
+
+class NodeRecord(msgspec.Struct, frozen=True, kw_only=True):
+    node: str
+    url: str
+    instance: str
+    started_at_ms: int  # the database's clock
+    heartbeat_age_ms: int  # by the database's clock, as of the read
+    left: bool  # stopped cleanly
+    live: bool  # not left, and heartbeat younger than the TTL
+    lease_horizon_ms: int  # when its last lease ends, if it left (its clock); 0: unknown
+    max_lease_ms: int  # the longest lease it grants

@@ -2,7 +2,7 @@
 
 Idle priority (`lower_to_idle`), for the upkeep's checkpoints: they only copy pages
 already durable in the WAL, so nobody waits on them and any runnable thread should
-have the core first (see store.upkeep).
+have the core first (see store.sqlite.upkeep).
 
 A short slice (`ask_short_slice`), for a feed's consumer. Its work comes in bursts
 of tens of microseconds, and its lag is how soon it runs after a commit. Linux's
@@ -10,20 +10,16 @@ fair scheduler (EEVDF, 6.6 and newer) lets a task that is woken run at once only
 its deadline, one slice after it became eligible, falls before the running task's.
 Since 6.12 a task may ask for its own slice (sched_setattr's `sched_runtime` for a
 SCHED_OTHER task, no privilege needed), and a woken task with a shorter slice than
-the running one preempts it. Traced on this project's two-core machines (`perf sched
-timehist`), the consumer, woken by its timer or a writer's post, waited 1.5-4 ms on
-the run queue behind kernel threads (kdamond every half second, rcu_preempt,
-ksoftirqd) that ran for 1.5-2 ms at the default slice of 1.4 ms. Those waits made
-the writer-flat-out lag's p99. With the shortest slice (0.1 ms) such a thread is cut
-off at its next preemption point instead. `python -m bench.store --part feed`, ten
-interleaved pairs: flat-out lag p99 0.36-1.19 ms (median 0.67, four runs over 0.8)
-without it, 0.34-0.95 ms (median 0.47, one run over 0.8) with it (issue #2's note);
-the full run of 2c54d13, with it, gave 1.09 ms. What was left then: kdamond's
-stretches without a preemption point (the kernel is built without preemption), vCPUs
-the host wakes late, and, traced later, the consumer woken onto the writer's own CPU,
-where it waits for the next tick (README; bench.store's "pinned apart" peer). The
-thread's share of the CPU is unchanged (that is its weight, its nice value); it gets
-its turns sooner and in shorter pieces.
+the running one preempts it. Without it, a consumer woken by its timer or a writer's
+post can wait on the run queue for a whole default slice behind a kernel thread, and
+those waits make the tail of the feed's lag; with the shortest slice the running
+thread is cut off at its next preemption point instead. It does not help where there
+is no preemption point to reach (a kernel built without preemption), nor when the
+consumer is woken onto the writer's own CPU, where it waits for the next tick
+(bench.store's "pinned apart" peer shows that case; the history and the figures are in
+docs/decisions/0002-short-slice-for-the-feed-consumer.md). The thread's share of the
+CPU is unchanged (that is its weight, its nice value); it gets its turns sooner and in
+shorter pieces.
 """
 
 from __future__ import annotations

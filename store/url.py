@@ -10,7 +10,8 @@ def open_store(url: str, *, wake_name: str | None = None) -> ScheduleStore:
 
     The three slashes follow the usual SQL URL form: what comes after `sqlite:///`
     is the path as written, so an absolute path keeps its own leading slash.
-    PostgreSQL (`postgresql://`) is the cluster backend, not built yet.
+    `postgresql://user@host:port/dbname` (or `postgres://`): PostgresStore, the cluster
+    backend; the URL is libpq's, so its query string may carry libpq's options.
     """
     if not isinstance(url, str) or not url.strip():
         raise ValueError(f"store URL must be a non-empty string, got {url!r}")
@@ -24,12 +25,13 @@ def open_store(url: str, *, wake_name: str | None = None) -> ScheduleStore:
             )
         path = rest[1:]
     elif scheme in ("postgresql", "postgres"):
-        raise ValueError(
-            f"store URL {url!r}: the PostgreSQL backend is not built yet; "
-            "use sqlite:///path (or a bare path) for the embedded store"
-        )
+        from store.postgres import PostgresStore
+
+        return PostgresStore(url)
     else:
-        raise ValueError(f"store URL {url!r}: unknown scheme {scheme!r}; use sqlite:///path")
+        raise ValueError(
+            f"store URL {url!r}: unknown scheme {scheme!r}; use sqlite:///path or postgresql://"
+        )
     if path == ":memory:" or "?" in path:
         raise ValueError(
             f"store URL {url!r}: the store needs a plain database file path (the change feed "

@@ -28,13 +28,22 @@ def _where(what: str, index: int | None, key: object) -> str:
 
 
 def check_key(key: object, *, what: str = "key", index: int | None = None) -> str:
-    if isinstance(key, str) and key and key.isascii() and len(key) <= MAX_KEY_BYTES:
+    if (
+        isinstance(key, str)
+        and key
+        and key.isascii()
+        and len(key) <= MAX_KEY_BYTES
+        and "\x00" not in key
+    ):
         return key  # the common case, without building the error prefix
     where = _where(what, index, key)
     if not isinstance(key, str):
         raise ValueError(f"{where}: key must be a string, got {type(key).__name__}")
     if not key:
         raise ValueError(f"{where}: key is empty")
+    if "\x00" in key:
+        # No URL holds one, and PostgreSQL's text cannot: refused on every backend alike.
+        raise ValueError(f"{where}: key holds a NUL character (\\x00)")
     if key.isascii():  # one byte a character: no encoding needed to know the size
         if len(key) > MAX_KEY_BYTES:
             raise ValueError(
@@ -51,6 +60,16 @@ def check_key(key: object, *, what: str = "key", index: int | None = None) -> st
 
 
 _known_routes: set[str] = set()  # names that passed: few, and checked on every row
+
+
+def check_keys(keys: Sequence[str], *, what: str) -> list[str]:
+    """A list of keys to read: each checked, each once (a backend that joins the list
+    would return a repeated key's row twice)."""
+    if isinstance(keys, str):
+        raise ValueError(f"{what}: expected a sequence of keys, got one string")
+    for index, key in enumerate(keys):
+        check_key(key, what=what, index=index)
+    return list(dict.fromkeys(keys))
 
 
 def check_route_name(route: object, *, where: str = "route") -> str:
@@ -129,6 +148,14 @@ def check_completions(items: Sequence[Completion]) -> None:
         if not isinstance(item, Completion):
             raise ValueError(f"completion[{index}]: expected a Completion, got {type(item)}")
         check_key(item.key, what="completion", index=index)
+        at, now = item.next_render_at, item.now
+        if (
+            item.outcome in OUTCOMES
+            and type(now) is int
+            and -MAX_TIME_MS <= now <= MAX_TIME_MS
+            and (at is None or (type(at) is int and -MAX_TIME_MS <= at <= MAX_TIME_MS))
+        ):
+            continue  # the common case, without building the error prefix
         where = _where("completion", index, item.key)
         if item.outcome not in OUTCOMES:
             raise ValueError(
@@ -145,3 +172,20 @@ def check_consumer(name: object) -> str:
             f"characters, got {name!r}"
         )
     return name
+
+
+def check_route_change(
+    route: object,
+    default_cadence_s: object,
+    paused: object,
+    clear_default_cadence: bool,
+) -> bool:
+    """A `set_route` call's arguments; returns whether the default cadence is written (set,
+    or cleared back to the global default)."""
+    check_route_name(route)
+    check_cadence(default_cadence_s, where="default_cadence_s", optional=True)
+    if paused is not None and not isinstance(paused, bool):
+        raise ValueError(f"paused: must be true or false, got {paused!r}")
+    if clear_default_cadence and default_cadence_s is not None:
+        raise ValueError("default_cadence_s: cannot both set and clear it")
+    return default_cadence_s is not None or clear_default_cadence

@@ -21,7 +21,15 @@ from keeper.config import KeeperConfig
 from keeper.core import KeeperCore
 from keeper.runner import Keeper
 from keeper.state import QueueState, decode_queue_state
-from store.base import Cursor, CursorAhead, CursorBelowFloor, FeedBatch, FeedStatistics, RowsRead
+from store.base import (
+    Cursor,
+    CursorAhead,
+    CursorBelowFloor,
+    FeedBatch,
+    FeedStatistics,
+    RowsRead,
+    Writability,
+)
 from store.rows import (
     Completion,
     FeedEvent,
@@ -110,6 +118,9 @@ class MemorySubscription:
             self.timeouts += 1
         return more
 
+    def quiet(self) -> bool:
+        return False
+
     def has_delivered(self, cursor: Cursor) -> bool:
         return self.position >= int(cursor.token)
 
@@ -180,16 +191,23 @@ class MemoryStore:
         self.seq += 1
         self.rows[row.key] = msgspec.structs.replace(row, version=self.seq)
 
-    def complete(self, items: Sequence[Completion]) -> list[Row | None]:
+    def complete(self, items: Sequence[Completion], *, wait: bool = True) -> list[Row | None]:
         raise NotImplementedError
 
     def set_route(
-        self, route: str, *, default_cadence_s: int | None = None, paused: bool | None = None
+        self,
+        route: str,
+        *,
+        default_cadence_s: int | None = None,
+        paused: bool | None = None,
+        clear_default_cadence: bool = False,
     ) -> Route:
         old = self.route_table.get(route, Route(route=route))
         new = Route(
             route=route,
-            default_cadence_s=default_cadence_s
+            default_cadence_s=None
+            if clear_default_cadence
+            else default_cadence_s
             if default_cadence_s is not None
             else old.default_cadence_s,
             paused=paused if paused is not None else old.paused,
@@ -241,6 +259,9 @@ class MemoryStore:
     def default_cadence_s(self) -> int:
         return self.default_cadence
 
+    def hash_secret(self) -> bytes:
+        return b"memory-store-key"
+
     def feed_head(self) -> Cursor:
         return Cursor(token=str(len(self.log)))
 
@@ -255,6 +276,9 @@ class MemoryStore:
         if position > len(self.log):
             raise CursorAhead(f"{position} > {len(self.log)}")
         return MemorySubscription(self, position)
+
+    def writability(self) -> Writability:
+        return Writability(writable=True, refused=0)
 
     def close(self) -> None:
         pass
@@ -357,7 +381,9 @@ class MemoryStateBuffer:
         return self.writes[-1][0]
 
 
-RIG_CONFIG = KeeperConfig(walk_chunk=10, best_k=100, verify_interval_s=3600, top_check=5)
+RIG_CONFIG = KeeperConfig(
+    walk_chunk=10, load_chunk=10, best_k=100, verify_interval_s=3600, top_check=5
+)
 
 
 class Rig:

@@ -30,6 +30,7 @@ import msgspec
 import pytest
 import uvicorn
 
+from shm.segment import now_ms as now_ms  # re-exported: the tests' one clock
 from store.rows import RowWrite
 from workers.body_limit import BodyLimit
 from workers.protocol import PROTOCOLS
@@ -57,8 +58,29 @@ ADMIN_TOKEN = "test-admin-token-" + "a" * 16
 FLEET_TOKEN = "test-fleet-token-" + "f" * 16
 
 
-def now_ms() -> int:
-    return time.time_ns() // 1_000_000
+# Which store a node's directory stands for: its SQLite file by default; a test module
+# that runs on every backend swaps this in with the `node_backend` fixture (conftest).
+def _sqlite_file(directory: Path) -> str:
+    return str(directory / "node.sqlite")
+
+
+_db_of: Callable[[Path], str] = _sqlite_file
+
+
+def node_db(directory: Path) -> str:
+    """The store URL (or SQLite path) of the node whose files live in `directory`."""
+    return _db_of(directory)
+
+
+@contextlib.contextmanager
+def nodes_on(db_of: Callable[[Path], str]) -> Iterator[None]:
+    """Nodes made meanwhile keep their store where `db_of` says."""
+    global _db_of
+    previous, _db_of = _db_of, db_of
+    try:
+        yield
+    finally:
+        _db_of = previous
 
 
 def unique(prefix: str = "t") -> str:
@@ -162,7 +184,7 @@ class ThreadNode:
         from workers.segments import SegmentNames, Segments
 
         self.dir = directory
-        self.db = directory / "node.sqlite"
+        self.db = node_db(directory)
         self.http = http
         self.instance = unique("ta")
         self.segments = Segments.create(
@@ -306,7 +328,7 @@ class NodeProcess:
         instance: str | None = None,  # another run's, to restart "the same node"
     ) -> None:
         self.dir = directory
-        self.db = directory / "node.sqlite"
+        self.db = node_db(directory)
         self.instance = instance or unique("tn")
         self.workers = workers
         self.tokens = tokens
@@ -394,10 +416,10 @@ class NodeProcess:
                 if len(found) > after:
                     return found[after]
                 remaining = deadline - time.monotonic()
-                exited = self.process is not None and self.process.poll() is not None
-                if remaining <= 0 or exited:
+                code = None if self.process is None else self.process.poll()
+                if remaining <= 0 or code is not None:
                     tail = "\n".join(self.lines[-40:])
-                    state = f"exited {self.process.returncode}" if exited else "running"
+                    state = "running" if code is None else f"exited {code}"
                     raise AssertionError(
                         f"no {name} event {fields or ''} ({state}); log tail:\n{tail}"
                     )
@@ -443,7 +465,7 @@ def node_process(directory: Path, **kwargs: Any) -> Iterator[NodeProcess]:
 
 
 @contextlib.contextmanager
-def local_node(db: Path) -> Iterator[tuple[Any, Any, Any]]:
+def local_node(db: Path | str) -> Iterator[tuple[Any, Any, Any]]:
     """A worker's Node on fresh segments over the store at `db`, with no server:
     (node, store, segments)."""
     from api.node import ApiSettings, Node

@@ -6,13 +6,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from node_harness import now_ms, seed_rows, thread_node, wait_for
+import pytest
+from node_harness import node_db, now_ms, seed_rows, thread_node, wait_for
+
+# Every node here runs on SQLite, then on PostgreSQL (conftest.node_backend).
+pytestmark = pytest.mark.usefixtures("node_backend")
 
 COUNT_FIELDS = {"due", "due_sitemap", "due_discovered", "unclaimed_estimate", "paused", "held"}
 
 
 def test_queue_state_is_503_until_the_keeper_reports(tmp_path: Path) -> None:
-    seed_rows(tmp_path / "node.sqlite", 10)
+    seed_rows(node_db(tmp_path), 10)
     with thread_node(tmp_path, keeper=False) as node, node.client() as client:
         response = client.get("/prerender_admin/queue-state")
         assert response.status_code == 503
@@ -26,7 +30,7 @@ def test_queue_state_is_503_until_the_keeper_reports(tmp_path: Path) -> None:
 
 
 def test_queue_state_counts_match_the_table_when_served(tmp_path: Path) -> None:
-    seed_rows(tmp_path / "node.sqlite", 300, due_share=0.4)
+    seed_rows(node_db(tmp_path), 300, due_share=0.4)
     with thread_node(tmp_path) as node:
         state = node.wait_exact()
         assert state["now"]["status"] == "ready"
@@ -40,7 +44,7 @@ def test_queue_state_counts_match_the_table_when_served(tmp_path: Path) -> None:
 
 
 def test_a_stalled_keeper_withholds_counts_but_serves_live_fields(tmp_path: Path) -> None:
-    seed_rows(tmp_path / "node.sqlite", 50)
+    seed_rows(node_db(tmp_path), 50)
     with thread_node(tmp_path) as node, node.client() as client:
         node.wait_exact()
         leases = client.post("/v1/claims", json={"max": 7, "worker": "t"}).json()["leases"]
@@ -66,7 +70,7 @@ def test_a_stalled_keeper_withholds_counts_but_serves_live_fields(tmp_path: Path
 
 
 def test_explain_says_why(tmp_path: Path) -> None:
-    keys = seed_rows(tmp_path / "node.sqlite", 20, due_share=0.5)
+    keys = seed_rows(node_db(tmp_path), 20, due_share=0.5)
     due_key, future_key = keys[0], keys[-1]
     with thread_node(tmp_path) as node, node.client() as client:
         node.wait_published()
@@ -94,7 +98,7 @@ def test_explain_says_why(tmp_path: Path) -> None:
 
 
 def test_overview_and_probes(tmp_path: Path) -> None:
-    seed_rows(tmp_path / "node.sqlite", 20)
+    seed_rows(node_db(tmp_path), 20)
     with thread_node(tmp_path) as node, node.client() as client:
         node.wait_published()
         client.post("/v1/claims", json={"max": 3, "worker": "t"})
@@ -111,7 +115,7 @@ def test_overview_and_probes(tmp_path: Path) -> None:
 
 
 def test_overview_carries_the_keepers_statistics(tmp_path: Path) -> None:
-    seed_rows(tmp_path / "node.sqlite", 20)
+    seed_rows(node_db(tmp_path), 20)
     with thread_node(tmp_path) as node, node.client() as client:
         node.wait_exact()
 
@@ -134,6 +138,8 @@ def test_overview_carries_the_keepers_statistics(tmp_path: Path) -> None:
         "woken",
         "noticed",
         "timeouts",
+        "held_back_ms",
+        "held_by_pid",
     }, "the backend-neutral part only"
     assert feed["polls"] >= 1
 

@@ -9,12 +9,13 @@ from pathlib import Path
 import pytest
 from node_harness import ADMIN_TOKEN, FLEET_TOKEN, ThreadNode, seed_rows, thread_node
 
-FLEET_CALLS = [
+Call = tuple[str, str, object]
+FLEET_CALLS: list[Call] = [
     ("POST", "/v1/claims", {"max": 1, "worker": "t"}),
     ("POST", "/v1/completions", {"items": [{"key": "k", "token": "1", "outcome": "failed"}]}),
     ("POST", "/v1/leases/renew", {"items": [{"key": "k", "token": "1"}]}),
 ]
-ADMIN_CALLS = [
+ADMIN_CALLS: list[Call] = [
     ("POST", "/v1/schedule", {"upsert": [{"key": "https://a.example/", "route": "product"}]}),
     ("GET", "/v1/schedule?key=https://shop.example/p/0000000", None),
     ("GET", "/v1/routes", None),
@@ -25,7 +26,11 @@ ADMIN_CALLS = [
     ("GET", "/prerender_admin/overview", None),
     ("GET", "/metrics", None),
 ]
-PUBLIC_CALLS = [("GET", "/healthz", None), ("GET", "/readyz", None), ("GET", "/openapi.json", None)]
+PUBLIC_CALLS: list[Call] = [
+    ("GET", "/healthz", None),
+    ("GET", "/readyz", None),
+    ("GET", "/openapi.json", None),
+]
 
 
 @pytest.fixture(scope="module")

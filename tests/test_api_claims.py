@@ -16,6 +16,7 @@ from node_harness import (
     ThreadNode,
     due_in_table,
     local_node,
+    node_db,
     node_process,
     now_ms,
     publish_with_cadence,
@@ -24,6 +25,9 @@ from node_harness import (
     unique,
     wait_for,
 )
+
+# Every node here runs on SQLite, then on PostgreSQL (conftest.node_backend).
+pytestmark = pytest.mark.usefixtures("node_backend")
 
 
 def claim(client: httpx.Client, n: int, **extra: Any) -> httpx.Response:
@@ -38,7 +42,7 @@ def complete(client: httpx.Client, items: list[dict[str, Any]]) -> list[dict[str
 
 
 def test_503_with_retry_after_before_the_first_publish(tmp_path: Path) -> None:
-    seed_rows(tmp_path / "node.sqlite", 10)
+    seed_rows(node_db(tmp_path), 10)
     with thread_node(tmp_path, keeper=False) as node, node.client() as client:
         response = claim(client, 5)
         assert response.status_code == 503
@@ -56,8 +60,8 @@ def test_503_with_retry_after_before_the_first_publish(tmp_path: Path) -> None:
 
 
 @pytest.fixture
-def live_node(tmp_path: Path) -> Any:
-    seed_rows(tmp_path / "node.sqlite", 40, due_share=0.5)
+def live_node(tmp_path: Path, node_backend: str) -> Any:
+    seed_rows(node_db(tmp_path), 40, due_share=0.5)
     with thread_node(tmp_path) as node:
         node.wait_published()
         yield node
@@ -103,6 +107,9 @@ def test_completions_apply_each_outcome(live_node: ThreadNode) -> None:
                 {"key": gone["key"], "token": gone["token"], "outcome": "gone"},
             ],
         )
+        # A failure keeps the row due and holds the key back: 2 lease lengths (600 s).
+        held_until = results[1].pop("held_until")
+        assert stamp + 600_000 <= held_until <= now_ms() + 600_000
         assert results == [
             {"key": rendered["key"], "ok": True},
             {"key": failed["key"], "ok": True},
@@ -146,7 +153,8 @@ def test_stale_and_unknown_tokens_change_nothing(live_node: ThreadNode) -> None:
         assert client.get("/v1/schedule", params={"key": lease["key"]}).json() == row_before
         # The real token still holds the lease; once used, it is stale.
         item = {"key": lease["key"], "token": lease["token"], "outcome": "failed"}
-        assert complete(client, [item]) == [{"key": lease["key"], "ok": True}]
+        (result,) = complete(client, [item])
+        assert result["ok"] is True and result["held_until"] > now_ms()
         assert complete(client, [item]) == [
             {"key": lease["key"], "ok": False, "error": "lease_not_held"}
         ]
@@ -202,8 +210,24 @@ def test_renew_extends_only_a_held_lease(live_node: ThreadNode) -> None:
         assert stale == {"key": lease["key"], "ok": False, "error": "lease_not_held"}
 
 
+def test_a_renewal_with_a_key_the_store_refuses_is_422_for_the_whole_request(
+    live_node: ThreadNode,
+) -> None:
+    with live_node.client() as client:
+        (lease,) = claim(client, 1, lease_s=10).json()["leases"]
+        for bad in ("a\x00b", "\u00e9" * 1025):  # a NUL; 1,025 characters but 2,050 bytes
+            items = [{"key": lease["key"], "token": lease["token"], "lease_s": 600}]
+            items.append({"key": bad, "token": lease["token"]})
+            response = client.post("/v1/leases/renew", json={"items": items})
+            assert response.status_code == 422, response.text
+            assert response.json()["field"] == "$.items[1].key"
+        # Nothing was renewed: the lease still ends when it did.
+        state = client.get("/prerender_admin/explain", params={"key": lease["key"]}).json()
+        assert state["lease"]["lease_expires_at"] == lease["lease_expires_at"]
+
+
 def test_wait_s_long_polls_until_work_is_published(tmp_path: Path) -> None:
-    seed_rows(tmp_path / "node.sqlite", 5, due_share=0.0)
+    seed_rows(node_db(tmp_path), 5, due_share=0.0)
     with thread_node(tmp_path) as node, node.client() as client:
         node.wait_published()
         assert claim(client, 5).json()["leases"] == []
@@ -232,7 +256,7 @@ def claimant(url: str, rounds_without_work: int, out: Any) -> None:
     ) as client:
         while idle < rounds_without_work:
             response = client.post(
-                "/v1/claims", json={"max": 100, "worker": "racer", "lease_s": 600, "wait_s": 2}
+                "/v1/claims", json={"max": 100, "worker": "racer", "lease_s": 300, "wait_s": 2}
             )
             response.raise_for_status()
             leases = response.json()["leases"]
@@ -260,7 +284,7 @@ def completer(url: str, leases: list[tuple[str, str]], out: Any) -> None:
 @pytest.mark.slow
 def test_eight_processes_race_and_no_key_is_granted_twice(tmp_path: Path) -> None:
     total = 20_000
-    seed_rows(tmp_path / "node.sqlite", total + 500, due_share=total / (total + 500))
+    seed_rows(node_db(tmp_path), total + 500, due_share=total / (total + 500))
     context = multiprocessing.get_context("spawn")
     with node_process(tmp_path, workers=2, tokens=True) as node:
         out = context.Queue()
@@ -308,22 +332,24 @@ def test_a_result_landing_between_read_and_grant_is_not_granted_again(tmp_path: 
     from shm import key_hash
     from store import open_store
     from store.rows import Completion
-    from store.sqlite import SqliteStore
     from workers.segments import SegmentNames, Segments
 
-    db = tmp_path / "node.sqlite"
+    db = node_db(tmp_path)
     keys = seed_rows(db, 3)
     raced = keys[1]
 
-    class RacingStore(SqliteStore):
+    class RacingStore:
         """A real store; right after its first read another writer renders one key."""
 
-        def __init__(self, path: Path) -> None:
-            super().__init__(path)
+        def __init__(self, inner: Any) -> None:
+            self.inner = inner
             self.armed = True
 
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.inner, name)
+
         def get_many(self, keys: Any) -> Any:
-            rows = super().get_many(keys)
+            rows = self.inner.get_many(keys)
             if self.armed:
                 self.armed = False
                 other = open_store(str(db))
@@ -334,7 +360,7 @@ def test_a_result_landing_between_read_and_grant_is_not_granted_again(tmp_path: 
     segments = Segments.create(
         SegmentNames.for_instance(unique("tr")), ring_entries=64, lease_slots=1024
     )
-    store = RacingStore(db)
+    store = RacingStore(open_store(db))
     try:
         node = Node(
             settings=ApiSettings(node="t", instance="t"),
@@ -369,7 +395,7 @@ def test_an_entry_rendered_since_its_publish_is_handed_back(tmp_path: Path) -> N
     from shm import key_hash
     from store.rows import Completion
 
-    db = tmp_path / "node.sqlite"
+    db = node_db(tmp_path)
     keys = seed_rows(db, 3)
     with local_node(db) as (node, store, segments):
         publish_with_cadence(node, keys, 3600)
@@ -386,7 +412,7 @@ def test_a_grant_takes_its_hold_cap_from_the_ring_entry(tmp_path: Path) -> None:
     from api.claims import grant_from_ring
     from shm import key_hash
 
-    db = tmp_path / "node.sqlite"
+    db = node_db(tmp_path)
     keys = seed_rows(db, 1, cadence_s=3600)
     with local_node(db) as (node, _, segments):
         publish_with_cadence(node, keys, 1)

@@ -188,7 +188,7 @@ def test_a_key_the_store_would_refuse_is_422_before_anything_waits(
         await asyncio.sleep(0.005)
         with pytest.raises(ApiError) as refused:
             await queue.complete(bad)
-        assert refused.value.status == 422 and "UTF-8 bytes" in refused.value.detail
+        assert refused.value.status == 422 and "UTF-8 bytes" in str(refused.value.detail)
         holder.execute("COMMIT")
         holder.close()
         assert (await waiting).results[0].ok

@@ -8,10 +8,15 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
-from node_harness import now_ms, seed_rows, thread_node, wait_for
+import pytest
+from node_harness import REPO, node_db, now_ms, seed_rows, thread_node, wait_for
+from prometheus_client.parser import text_string_to_metric_families
 
 from keeper.state import KeeperStatistics, decode_keeper_statistics
 from store.rows import RowWrite
+
+# Every node here runs on SQLite, then on PostgreSQL (conftest.node_backend).
+pytestmark = pytest.mark.usefixtures("node_backend")
 
 SAMPLE = re.compile(r'^([a-z_:][a-z0-9_:]*)(\{([a-z_]+="[^"]*",?)*\})? (-?[0-9.e+-]+|NaN)$')
 
@@ -38,7 +43,7 @@ def parse(text: str) -> dict[str, float]:
 
 
 def test_before_the_keeper_no_counts(tmp_path: Path) -> None:
-    seed_rows(tmp_path / "node.sqlite", 10)
+    seed_rows(node_db(tmp_path), 10)
     with thread_node(tmp_path, keeper=False) as node, node.client() as client:
         response = client.get("/metrics")
         assert response.headers["content-type"].startswith("text/plain; version=0.0.4")
@@ -50,7 +55,7 @@ def test_before_the_keeper_no_counts(tmp_path: Path) -> None:
 
 
 def test_counts_and_leases(tmp_path: Path) -> None:
-    seed_rows(tmp_path / "node.sqlite", 200, due_share=0.25)
+    seed_rows(node_db(tmp_path), 200, due_share=0.25)
     with thread_node(tmp_path) as node, node.client() as client:
         node.wait_exact()
         leases = client.post("/v1/claims", json={"max": 10, "worker": "t"}).json()["leases"]
@@ -64,6 +69,9 @@ def test_counts_and_leases(tmp_path: Path) -> None:
         assert samples["renderqueue_oldest_claimable_age_seconds"] > 0
         assert samples["renderqueue_publish_age_seconds"] >= 0
         assert samples["renderqueue_feed_lag_seconds"] >= 0
+        # Any transaction open on the server holds it, another test's too: only its presence.
+        assert "renderqueue_feed_held_back_seconds" in samples
+        assert "renderqueue_feed_held_by_pid" in samples
         for reason in ("taken", "held", "probe_full"):
             assert f'renderqueue_lease_refusals_total{{reason="{reason}"}}' in samples
         assert "renderqueue_held_keys" in samples
@@ -102,7 +110,7 @@ def keeper_record(node: Any) -> KeeperStatistics | None:
 
 
 def test_the_keepers_statistics_record_is_served_as_keeper_series(tmp_path: Path) -> None:
-    seed_rows(tmp_path / "node.sqlite", 40, due_share=0.5)
+    seed_rows(node_db(tmp_path), 40, due_share=0.5)
     with thread_node(tmp_path) as node, node.client() as client:
         node.wait_exact()
         node.store.write(
@@ -142,7 +150,7 @@ def test_the_keepers_statistics_record_is_served_as_keeper_series(tmp_path: Path
 def test_an_unreadable_keeper_record_leaves_its_series_out_and_is_no_error(
     tmp_path: Path,
 ) -> None:
-    seed_rows(tmp_path / "node.sqlite", 10)
+    seed_rows(node_db(tmp_path), 10)
     with thread_node(tmp_path, keeper=False) as node, node.client() as client:
         for payload in (b"\xc1 not msgpack", msgspec.msgpack.encode({"phase": "live"})):
             node.segments.keeper.write(payload, now_ms())
@@ -153,3 +161,35 @@ def test_an_unreadable_keeper_record_leaves_its_series_out_and_is_no_error(
             assert not [key for key in samples if key.startswith(KEEPER_SERIES)]
             overview = client.get("/prerender_admin/overview")
             assert overview.status_code == 200 and "keeper" not in overview.json()
+
+
+def readme_series() -> tuple[set[str], set[str]]:
+    """The series the README names: exact names, and prefixes it gives as `name_*`."""
+    named = set(re.findall(r"`(renderqueue_[a-z_]+\*?)`", (REPO / "README.md").read_text()))
+    return {n for n in named if not n.endswith("*")}, {n[:-1] for n in named if n.endswith("*")}
+
+
+def test_prometheus_clients_own_parser_reads_every_series_the_readme_names(
+    tmp_path: Path,
+) -> None:
+    seed_rows(node_db(tmp_path), 20)
+    with thread_node(tmp_path) as node, node.client() as client:
+        node.wait_exact()
+        (lease,) = client.post("/v1/claims", json={"max": 1, "worker": "t"}).json()["leases"]
+        item = {"key": lease["key"], "token": lease["token"], "outcome": "failed"}
+        client.post("/v1/completions", json={"items": [item]})
+
+        def with_keeper_series() -> str | None:
+            text = client.get("/metrics").text
+            return text if "renderqueue_keeper_feed_events_total" in text else None
+
+        text = wait_for(with_keeper_series, 30, "the keeper's statistics series", 0.1)
+    families = list(text_string_to_metric_families(text))
+    samples = {sample.name for family in families for sample in family.samples}
+    assert samples == {key.split("{")[0] for key in parse(text)}  # both parsers read it alike
+    exact, prefixes = readme_series()
+    assert exact  # the README still names some
+    assert exact - samples == set()
+    for prefix in prefixes:
+        assert any(name.startswith(prefix) for name in samples), prefix
+    assert {family.type for family in families} <= {"gauge", "counter"}

@@ -9,9 +9,12 @@ from typing import Any
 import pytest
 from node_harness import ThreadNode, now_ms, thread_node, wait_for
 
+# Every node here runs on SQLite, then on PostgreSQL (conftest.node_backend).
+pytestmark = pytest.mark.usefixtures("node_backend")
+
 
 @pytest.fixture
-def node(tmp_path: Any) -> Iterator[ThreadNode]:
+def node(tmp_path: Any, node_backend: str) -> Iterator[ThreadNode]:
     with thread_node(tmp_path) as running:
         running.wait_published()
         yield running
@@ -51,6 +54,33 @@ def test_upsert_and_delete_in_one_batch(node: ThreadNode) -> None:
         assert result == {"upserted": 1, "deleted": 2}
         assert client.get("/v1/schedule", params={"key": "k1"}).status_code == 404
         assert client.get("/v1/schedule", params={"key": "k2"}).status_code == 200
+
+
+def test_a_key_named_twice_is_written_once(node: ThreadNode) -> None:
+    """The last upsert of a key stands, and a delete of it wins over an upsert."""
+    body = {
+        "upsert": [
+            {"key": "twice", "route": "r", "cadence_s": 60},
+            {"key": "gone-anyway", "route": "r"},
+            {"key": "twice", "route": "s", "cadence_s": 120},
+        ],
+        "delete": ["gone-anyway", "gone-anyway"],
+    }
+    with node.client() as client:
+        client.post("/v1/schedule", json={"upsert": [{"key": "gone-anyway", "route": "r"}]})
+        assert client.post("/v1/schedule", json=body).json() == {"upserted": 1, "deleted": 1}
+        row = client.get("/v1/schedule", params={"key": "twice"}).json()
+        assert (row["route"], row["cadence_s"]) == ("s", 120)
+        assert client.get("/v1/schedule", params={"key": "gone-anyway"}).status_code == 404
+
+
+def test_an_empty_batch_is_422_and_writes_nothing(node: ThreadNode) -> None:
+    with node.client() as client:
+        bodies: list[dict[str, Any]] = [{}, {"upsert": []}, {"upsert": [], "delete": []}]
+        for body in bodies:
+            response = client.post("/v1/schedule", json=body)
+            assert response.status_code == 422, body
+            assert response.json()["field"] == "$"
 
 
 def test_get_needs_a_key(node: ThreadNode) -> None:

@@ -13,6 +13,9 @@ from node_harness import ThreadNode, thread_node
 
 from workers.config import ConfigError, load_settings
 
+# Every node here runs on SQLite, then on PostgreSQL (conftest.node_backend).
+pytestmark = pytest.mark.usefixtures("node_backend")
+
 RULES = """
 default_route = "page"
 
@@ -45,7 +48,7 @@ INDEX = b"""<?xml version="1.0" encoding="UTF-8"?>
 
 
 @pytest.fixture
-def node(tmp_path: Path) -> Iterator[ThreadNode]:
+def node(tmp_path: Path, node_backend: str) -> Iterator[ThreadNode]:
     rules = tmp_path / "rules.toml"
     rules.write_text(RULES)
     with thread_node(tmp_path, sitemap_route_rules=str(rules)) as running:

@@ -7,6 +7,7 @@ import textwrap
 import uuid
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from bench import __main__ as runner
@@ -147,3 +148,54 @@ def test_standing_rows_say_better_worse_meets_and_ahead_of() -> None:
     assert "| misses |" in seed
     peers = "\n".join(report_standing.against_peers([result]))
     assert "| claim | us | 2.00 | a | 1.00 | 2.00× | 1 of 2 |" in peers
+
+
+def test_node_split_rows_of_a_side_that_served_nothing_are_pending_not_missing() -> None:
+    from bench import node
+
+    def arm(claimants: int, share: float, zero_us: float | None) -> node.ArmResult:
+        return node.ArmResult(
+            peer=node.OURS, batch=100, claimants=claimants, keys=100, seconds=1.0,
+            keys_per_s=100.0, claim_p50_us=10.0, claim_p99_us=20.0, complete_p50_us=None,
+            complete_p99_us=None, granted_twice=0, worker0_share=share,
+            worker0_claim_p50_us=zero_us, worker0_claim_p99_us=zero_us,
+            others_claim_p50_us=10.0, others_claim_p99_us=20.0,
+        )  # fmt: skip
+
+    arms = [arm(1, 0.5, 12.0), arm(4, 0.0, None)]
+    result = report.new_result("node", True, ours_label=node.OURS)
+    config = msgspec.structs.replace(node.QUICK, claimants=(1, 4))
+    result.figures = node.figures(arms, {"p50_us": 1.0, "p99_us": 2.0}, {}, config)
+    result.promised = [figure.key for figure in result.figures]
+
+    def split_gaps() -> list[str]:
+        return [gap for gap in report.missing(result) if gap.startswith(node.SPLIT_TABLE)]
+
+    assert len(split_gaps()) == 2  # worker 0's p50 and p99 of the 4-claimant arm
+    result.pending.update(node._unserved_splits(result.figures, arms))
+    assert split_gaps() == []
+    pending = [key for key in result.pending if key.startswith(node.SPLIT_TABLE)]
+    assert sorted(pending) == sorted(
+        f"{node.SPLIT_TABLE}/batch 100, 4 claimants: claim {pct}" for pct in ("p50", "p99")
+    )
+
+
+def test_restart_figures_compare_the_restart_with_the_fresh_start_per_row_of_memory() -> None:
+    from bench import restart
+
+    empty = {"rss_bytes": 100_000_000, "keeper_bytes": 0, "held": 0}
+    after = {"rss_bytes": 250_000_000, "keeper_bytes": 120_000_000, "held": 1_000_000}
+    raw = {
+        "fresh_start_s": 4.0, "http_restart_s": 6.0, "http_load_s": 50.0, "empty": empty,
+        "after_http": after, "after_restart": after, "fresh": after,
+    }  # fmt: skip
+    by_what = {figure.what: figure for figure in restart.figures(raw, 1_000_000)}
+    assert by_what["restart ÷ fresh start"].ours == 1.5
+    assert by_what["rows through HTTP"].ours == 20_000
+    memory = by_what["worker 0 resident memory per row, after a restart on them"]
+    assert memory.ours == 150.0 and memory.target == "<= 150"
+    assert by_what["the keeper's own count per row, started on a fresh table"].ours == 120.0
+    result = report.new_result("restart", True)
+    result.figures = restart.figures({}, 1_000_000)  # a run that failed before measuring
+    result.promised = [figure.key for figure in result.figures]
+    assert len(report.missing(result)) == len(result.figures)

@@ -302,8 +302,11 @@ def test_real_node_long_poll_wakes_when_a_row_comes_due(node: object) -> None:
         assert response.status_code == 200, response.text
         poller.join(40)
     # one claim, one answer: had the publish not woken it, it would have come back empty
+    # (a 503 "not ready, retry" from a keeper slowed by a loaded machine is waited out,
+    # and is not an empty answer)
     assert result and [lease.key for lease in result[0]] == ["https://e.com/woken"]
-    assert client.statistics().requests == 1
+    stats = client.statistics()
+    assert stats.requests - stats.unready_waits == 1
 
 
 def test_real_node_renewal_keeps_a_lease_past_its_first_term(tmp_path: Path) -> None:

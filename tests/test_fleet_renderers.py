@@ -18,7 +18,9 @@ from fleet.renderers import CommandRenderer, SimulatedRenderer, command_argument
 
 
 def lease(key: str = "https://e.com/a?b=1&c=2", route: str = "product") -> Lease:
-    return Lease(key=key, token="1", route=route, due_at=0, lease_expires_at=0)
+    return Lease(
+        key=key, token="1", route=route, due_at=0, lease_expires_at=0, sitemap=False, cadence_s=3600
+    )
 
 
 PY = sys.executable

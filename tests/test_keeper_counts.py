@@ -78,7 +78,7 @@ def test_counts_equal_a_row_by_row_count(
     assert counts.due_15m == want["due_15m"]
     assert counts.due_60m == want["due_60m"]
     assert counts.next_24h_by_hour == want["by_hour"]
-    assert counts.due_24h == sum(want["by_hour"])  # type: ignore[arg-type]
+    assert counts.due_24h == sum(want["by_hour"])
     late = {c.class_id: c.lateness for c in counts.classes if any(c.lateness)}
     assert late == want["late"]
     oldest = {c.class_id: c.oldest_due_at for c in counts.classes if c.oldest_due_at is not None}

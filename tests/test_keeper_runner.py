@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 import pytest
 from keeper_helpers import (
@@ -12,6 +14,7 @@ from keeper_helpers import (
     MemoryStateBuffer,
     Rig,
 )
+from store_helpers import open_url
 
 from keeper.config import KeeperConfig
 from keeper.runner import Keeper
@@ -207,6 +210,30 @@ def test_a_route_change_reclassifies_in_memory_without_a_walk() -> None:
     assert [(c.route, c.cadence_s, c.cadence_from_row) for c in classes] == [("product", 60, False)]
 
 
+def test_a_feed_that_fails_as_a_walk_finishes_abandons_the_walk_without_its_sweep() -> None:
+    """The drain before a walk's sweep can fail the feed, which abandons the walk: the
+    sweep must not run after it (its touch window is closed, so a row an event added
+    behind the walk's position would read as gone)."""
+    rig = Rig(config=msgspec.structs.replace(CONFIG, verify_interval_s=10, top_check=0))
+    rig.keeper.start()
+    rig.steps(5)
+    assert rig.keeper.statistics().exact
+
+    def hook(after: str | None) -> None:
+        if after == "/k019":
+            rig.store.put("/k0055", NOW)  # behind the walk's position: it never reads it
+        elif after == "/k029" and rig.keeper.statistics().verifications == 0:
+            rig.store.fail_polls = 1  # the drain before the sweep fails
+
+    rig.store.walk_hook = hook
+    for _ in range(30):
+        rig.steps(1, advance_ms=1000)
+    stats = rig.keeper.statistics()
+    assert stats.feed_failures == 1 and stats.resyncs == 1 and stats.exact
+    assert rig.held() == rig.table()
+    assert stats.repairs.missed == 0, "no write was missed"
+
+
 def test_the_hourly_verification_walk_repairs_missed_writes() -> None:
     rig = Rig(config=msgspec.structs.replace(CONFIG, verify_interval_s=10, top_check=0))
     rig.keeper.start()
@@ -256,11 +283,11 @@ def _churn(path: str, seed: int, writes: int) -> None:
     """Another process's writes: upserts, reschedules and deletes, in small transactions."""
     import random
 
+    from store import open_store
     from store.rows import RowWrite
-    from store.sqlite import SqliteStore
 
     rng = random.Random(seed)
-    store = SqliteStore(path)
+    store = open_store(path)
     try:
         for _ in range(writes // 10):
             ups = [
@@ -289,23 +316,21 @@ def NOW_REAL() -> int:
 
 
 def test_with_the_real_store_and_shared_memory_the_keeper_ends_equal_to_the_table(
-    tmp_path: object,
+    backend_url: str,
 ) -> None:
     import multiprocessing
     import os
     import threading
     import time
     import uuid
-    from pathlib import Path
 
     from shm import LeaseTable, ReadyRing, StateBuffer
-    from store import scheduling
+    from store import open_store, scheduling
     from store.rows import RowWrite
-    from store.sqlite import SqliteStore
     from workers.segments import KEEPER_STATE_BYTES
 
-    path = str(Path(str(tmp_path)) / "schedule.db")
-    store = SqliteStore(path)
+    path = backend_url
+    store = open_store(path)
     now = NOW_REAL()
     store.write(
         [
@@ -418,10 +443,9 @@ def _reschedule_hot_rows(path: str, seed: int, commits: int) -> None:
     import time
 
     from store.rows import RowWrite
-    from store.sqlite import SqliteStore
 
     rng = random.Random(seed)
-    store = SqliteStore(path, prune_interval_s=None)
+    store = open_url(path, prune_interval_s=None)
     try:
         for _ in range(commits):
             now = NOW_REAL()
@@ -449,11 +473,9 @@ def _held_content(keeper: Keeper) -> dict[str, tuple[object, int, int]]:
     }
 
 
-def _table_content(store: object) -> dict[str, tuple[object, int, int]]:
+def _table_content(store: Any) -> dict[str, tuple[object, int, int]]:
     from keeper.classes import classify
-    from store.sqlite import SqliteStore
 
-    assert isinstance(store, SqliteStore)
     routes = {r.route: r for r in store.routes()}
     default = store.default_cadence_s()
     return {
@@ -463,19 +485,16 @@ def _table_content(store: object) -> dict[str, tuple[object, int, int]]:
 
 
 def _lagging_keeper_under_churn(
-    tmp_path: object, config: KeeperConfig
+    path: str, config: KeeperConfig
 ) -> tuple[Keeper, object, list[int]]:
     """A keeper on a real SQLite file whose feed lags a real writer process; stepped until
     the writer is done and the feed has caught up. Returns the keeper, the store, and the
     missed-write count seen after each step."""
     import multiprocessing
-    from pathlib import Path
 
     from store.rows import RowWrite
-    from store.sqlite import SqliteStore
 
-    path = str(Path(str(tmp_path)) / "schedule.db")
-    store = SqliteStore(path, prune_interval_s=None)
+    store = open_url(path, prune_interval_s=None)
     now = NOW_REAL()
     store.write(
         [
@@ -525,7 +544,7 @@ def _lagging_keeper_under_churn(
 
 
 def test_the_top_check_counts_no_missed_writes_while_the_feed_lags_a_real_writer(
-    tmp_path: object,
+    backend_url: str,
 ) -> None:
     config = KeeperConfig(
         walk_chunk=100,
@@ -535,7 +554,7 @@ def test_the_top_check_counts_no_missed_writes_while_the_feed_lags_a_real_writer
         top_check_every_s=1,
         verify_interval_s=1_000_000,
     )
-    keeper, store, missed = _lagging_keeper_under_churn(tmp_path, config)
+    keeper, store, missed = _lagging_keeper_under_churn(backend_url, config)
     try:
         stats = keeper.statistics()
         assert stats.repairs.missed == 0, (
@@ -550,7 +569,7 @@ def test_the_top_check_counts_no_missed_writes_while_the_feed_lags_a_real_writer
 
 
 def test_the_verification_walk_counts_no_missed_writes_while_the_feed_lags_a_real_writer(
-    tmp_path: object,
+    backend_url: str,
 ) -> None:
     config = KeeperConfig(
         walk_chunk=50,
@@ -559,7 +578,7 @@ def test_the_verification_walk_counts_no_missed_writes_while_the_feed_lags_a_rea
         top_check=0,
         verify_interval_s=20,
     )
-    keeper, store, missed = _lagging_keeper_under_churn(tmp_path, config)
+    keeper, store, missed = _lagging_keeper_under_churn(backend_url, config)
     try:
         stats = keeper.statistics()
         assert stats.repairs.missed == 0, (
@@ -611,6 +630,10 @@ def test_a_ring_drained_by_claims_is_refilled_before_the_next_tick() -> None:
     rig.ring.take(6)  # 4 of 20 left: below a quarter
     rig.keeper.step()
     assert rig.ring.generation == generation, "within refill_min_gap_s of the last publish"
+    # The last publish's real duration spaces refills too (the next test): a loaded machine
+    # must not make this one slow enough to count.
+    lifecycle = rig.keeper.lifecycle
+    lifecycle.published = msgspec.structs.replace(lifecycle.published, last_duration_us=100)
     rig.steps(1, advance_ms=20)
     assert rig.ring.generation == generation + 1 and rig.ring.remaining() == 20
     stats = rig.keeper.statistics().publish
@@ -623,14 +646,14 @@ def test_a_slow_publish_spaces_the_refills_out() -> None:
     """A publish reads past every leased row ranked above its last kept one, so a fleet
     with many keys in flight makes it slow; refills then wait REFILL_COST_SHARE times
     the last publish's duration, not just refill_min_gap_s."""
-    from keeper.runner import REFILL_COST_SHARE
+    from keeper.lifecycle import REFILL_COST_SHARE
 
     config = msgspec.structs.replace(RIG_CONFIG, best_k=20, refill_min_gap_s=0.02)
     rig = Rig(rows=60, config=config)
     rig.keeper.start()
     rig.steps(8)
-    publisher = rig.keeper._publisher
-    publisher.stats = msgspec.structs.replace(publisher.stats, last_duration_us=10_000)
+    lifecycle = rig.keeper.lifecycle
+    lifecycle.published = msgspec.structs.replace(lifecycle.published, last_duration_us=10_000)
     generation = rig.ring.generation
     rig.ring.take(18)
     rig.steps(1, advance_ms=20)
@@ -660,3 +683,157 @@ def test_the_cursor_is_saved_after_a_publish_at_most_once_a_second_and_on_close(
     assert rig.store.saved["keeper"] == saved + 1
     rig.keeper.close()
     assert rig.store.saved["keeper"] == saved + 2
+
+
+def test_a_transaction_holding_the_feed_back_shows_in_queue_state_with_its_pid(
+    pg_url: str,
+) -> None:
+    import time
+
+    import psycopg
+
+    from store.postgres import PostgresStore
+    from store.postgres import sql as pg_sql
+    from store.rows import RowWrite
+
+    store = PostgresStore(pg_url)
+    store.write([RowWrite(key="/a", route="product", next_render_at=NOW_REAL())])
+    keeper = Keeper(
+        store, MemoryRing(), MemoryLeases(), MemoryStateBuffer(), KeeperConfig(), node="n1"
+    )
+    keeper.start()
+    holder = psycopg.connect(pg_url)
+    try:
+        for _ in range(50):
+            keeper.step()
+            if keeper.statistics().phase == "live":
+                break
+        holder.execute(
+            pg_sql.UPSERT,
+            {
+                "keys": ["/open"],
+                "routes": ["product"],
+                "cadences": [None],
+                "sitemaps": [False],
+                "nexts": [1],
+            },
+        )
+        store.write([RowWrite(key="/b", route="product", next_render_at=NOW_REAL())])
+        deadline = time.monotonic() + 5
+        trust = keeper.queue_state(NOW_REAL(), full=False).trust
+        while trust.feed_held_by_pid == 0 and time.monotonic() < deadline:
+            keeper.step()
+            time.sleep(0.05)
+            trust = keeper.queue_state(NOW_REAL(), full=False).trust
+        assert trust.feed_held_by_pid == holder.info.backend_pid
+        assert trust.feed_held_back_ms >= 1000 and trust.feed_lag_ms >= trust.feed_held_back_ms
+        assert keeper.core.queue.slot_of(key_hash(b"/b")) < 0  # delayed behind it, not lost
+        holder.commit()
+        deadline = time.monotonic() + 5
+        while keeper.core.queue.slot_of(key_hash(b"/b")) < 0 and time.monotonic() < deadline:
+            keeper.step()
+            time.sleep(0.01)
+        trust = keeper.queue_state(NOW_REAL(), full=False).trust
+        assert keeper.core.queue.slot_of(key_hash(b"/open")) >= 0
+        assert keeper.core.queue.slot_of(key_hash(b"/b")) >= 0
+        assert trust.feed_held_back_ms == 0 and trust.feed_held_by_pid == 0
+    finally:
+        holder.close()
+        keeper.close()
+        store.close()
+
+
+def test_a_clustered_keeper_holds_its_share_and_rebalances_when_a_node_dies() -> None:
+    import threading
+
+    from keeper_helpers import (
+        NOW,
+        ManualClock,
+        MemoryLeases,
+        MemoryRing,
+        MemoryStateBuffer,
+        MemoryStore,
+    )
+
+    from keeper.ownership import winners
+    from keeper.runner import ClusterSettings
+    from shm import key_hashes
+    from store.rows import NodeRecord
+
+    def member(name: str, *, live: bool = True, age: int = 0) -> NodeRecord:
+        return NodeRecord(
+            node=name,
+            url="",
+            instance=name,
+            started_at_ms=0,
+            heartbeat_age_ms=age,
+            left=False,
+            live=live,
+            lease_horizon_ms=0,
+            max_lease_ms=10_000,
+        )
+
+    clock = ManualClock()
+    store = MemoryStore()
+    keys = [f"/k{i:03}" for i in range(200)]
+    for i, key in enumerate(keys):
+        store.put(key, NOW - 1000 * i)
+    owners = winners(key_hashes([k.encode() for k in keys]), ["a", "b"]).tolist()
+    mine = {k for k, o in zip(keys, owners, strict=True) if o == 0}
+    theirs = {k for k, o in zip(keys, owners, strict=True) if o == 1}
+    members = [member("a"), member("b")]
+    ring = MemoryRing()
+    settings = ClusterSettings(ttl_s=4, max_lease_s=10, poll_s=1)
+    keeper = Keeper(
+        store,
+        ring,
+        MemoryLeases(),
+        MemoryStateBuffer(),
+        msgspec.structs.replace(CONFIG, best_k=400),
+        node="a",
+        clock=clock,
+        cluster=settings,
+        members=lambda: members,
+    )
+    assert keeper._await_members(threading.Event())
+    keeper.start()
+
+    def held() -> set[str]:
+        queue = keeper.core.queue
+        return {queue.held_slot(s).key for s in queue.slots.live_slots().tolist()}
+
+    def published() -> set[str]:
+        return {k.decode() for k in ring.keys}
+
+    for _ in range(40):
+        clock.advance(100)
+        keeper.step()
+    assert held() == mine and keeper.statistics().exact
+    # It joined a live b: its keys were b's, fenced until b's leases on them have ended.
+    joined = keeper.statistics().cluster
+    assert joined is not None and joined.fences and not published()
+    while clock() <= joined.fenced_until:
+        clock.advance(500)
+        keeper.step()
+    assert published() and published() <= mine
+    # b dies: at the next read of the list the keeper drops nothing, walks for b's rows
+    # (rebalancing, not exact, meanwhile), counts them as gained, and fences them while
+    # b's leases may live.
+    members = [member("a"), member("b", live=False, age=4_500)]
+    clock.advance(1000)
+    keeper.step()
+    stats = keeper.statistics()
+    assert stats.phase == "rebalancing" and not stats.exact
+    assert "rebalancing" in keeper.queue_state(clock(), full=False).trust.exact_reason
+    for _ in range(40):
+        clock.advance(100)
+        keeper.step()
+    stats = keeper.statistics()
+    assert held() == mine | theirs and stats.exact and stats.phase == "live"
+    assert stats.repairs.gained == len(theirs) and stats.repairs.missed == 0
+    assert stats.cluster is not None and stats.cluster.view == ["a"] and stats.cluster.fences
+    assert published() and published() <= mine  # b's keys are fenced
+    while clock() <= stats.cluster.fenced_until:
+        clock.advance(500)
+        keeper.step()
+    assert published() & theirs  # and published once the fence ends

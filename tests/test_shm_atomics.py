@@ -1,4 +1,4 @@
-"""shm/_atomics.c: the word operations, their checks at construction, release, and a
+"""shm/csrc/words.c: the word operations, their checks at construction, release, and a
 cross-process fetch-add race."""
 
 from __future__ import annotations

@@ -17,13 +17,16 @@ import pytest
 
 from shm import Grant, LeaseTable, Refusal, key_hash, segment_name
 from shm import lease_snapshot as snap
+from shm.keys import fingerprint
 from shm.leases import SLOT
+from shm.segment import LAYOUT_VERSION
 
 CAPACITY = 4096
 NOW = 1_800_000_000_000
 LEASE_MS = 60_000
 CADENCE_MS = 3_600_000
 INSTANCE = "rqtest"
+SECRET = b"the store's hash"  # what the hashes were made under, as far as a snapshot knows
 
 
 def make_table(capacity: int = CAPACITY) -> LeaseTable:
@@ -74,12 +77,12 @@ def test_a_snapshot_brings_every_lease_back_at_its_index(
     # Granted 12 s ago for 10 s: expired 2 s ago, never answered; held for 20 s from then.
     expired_grants = grant_all(before, expired, NOW - 12_000, 10_000)
     path = tmp_path / "node.sqlite.leases"
-    saved = snap.save(path, before, instance=INSTANCE, now_ms=NOW + 2)
+    saved = snap.save(path, before, instance=INSTANCE, secret=SECRET, now_ms=NOW + 2)
     assert saved.live_leases == 300 and saved.bytes == snap.HEADER.size + CAPACITY * 32
     assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temporary file left
 
     after = tables()
-    restored = snap.restore(path, after, instance=INSTANCE, now_ms=NOW + 3)
+    restored = snap.restore(path, after, instance=INSTANCE, secret=SECRET, now_ms=NOW + 3)
     assert isinstance(restored, snap.Restored), restored
     assert restored.live_leases == 300 and restored.age_ms == 1 and restored.removed
     assert not path.exists()
@@ -104,7 +107,10 @@ def test_a_snapshot_brings_every_lease_back_at_its_index(
 
 def test_no_file_is_no_snapshot(tables: Callable[..., LeaseTable], tmp_path: Path) -> None:
     table = tables()
-    assert snap.restore(tmp_path / "none.leases", table, instance=INSTANCE, now_ms=NOW) is None
+    assert (
+        snap.restore(tmp_path / "none.leases", table, instance=INSTANCE, secret=SECRET, now_ms=NOW)
+        is None
+    )
 
 
 def test_save_replaces_an_older_snapshot_whole(
@@ -114,7 +120,7 @@ def test_save_replaces_an_older_snapshot_whole(
     path = tmp_path / "db.leases"
     path.write_bytes(b"an older, longer file" * 10_000)
     grant_all(table, keys(5), NOW, LEASE_MS)
-    snap.save(path, table, instance=INSTANCE, now_ms=NOW)
+    snap.save(path, table, instance=INSTANCE, secret=SECRET, now_ms=NOW)
     assert path.stat().st_size == snap.HEADER.size + CAPACITY * SLOT.itemsize
     assert sorted(p.name for p in tmp_path.iterdir()) == ["db.leases"]
 
@@ -124,7 +130,7 @@ def rewrite_header(data: bytes, **changes: object) -> bytes:
     field itself is what a reader must catch."""
     fields = dict(
         zip(
-            ("magic", "version", "capacity", "slot_bytes", "written_at", "instance"),
+            ("magic", "version", "capacity", "slot_bytes", "written_at", "instance", "secret"),
             snap._CHECKED.unpack(data[: snap._CHECKED.size]),
             strict=True,
         )
@@ -152,12 +158,16 @@ CORRUPTIONS: dict[str, tuple[Callable[[bytes], bytes], str]] = {
     "bit flip in written_at": (lambda d: d[:32] + bytes([d[32] ^ 4]) + d[33:], "checksum"),
     "not a snapshot": (lambda d: b"GIF89a" + d[6:], "not a lease snapshot"),
     "other layout version": (
-        lambda d: rewrite_header(d, version=snap.LAYOUT_VERSION + 1),
+        lambda d: rewrite_header(d, version=LAYOUT_VERSION + 1),
         "layout version",
     ),
     "other slot size": (lambda d: rewrite_header(d, slot_bytes=40), "slots"),
     "other capacity": (lambda d: rewrite_header(d, capacity=CAPACITY * 2), "capacity"),
     "other instance": (lambda d: rewrite_header(d, instance=b"rqother"), "instance"),
+    "other secret": (
+        lambda d: rewrite_header(d, secret=fingerprint(b"another database")),
+        "hash secret",
+    ),
     "from the future": (lambda d: rewrite_header(d, written_at=NOW + 86_400_000), "written_at"),
 }
 
@@ -169,13 +179,13 @@ def test_a_bad_snapshot_is_set_aside_and_the_table_left_empty(
     before = tables()
     grant_all(before, keys(100), NOW, LEASE_MS)
     path = tmp_path / "db.leases"
-    snap.save(path, before, instance=INSTANCE, now_ms=NOW)
+    snap.save(path, before, instance=INSTANCE, secret=SECRET, now_ms=NOW)
     corrupt, reason = CORRUPTIONS[case]
     bad = corrupt(path.read_bytes())
     path.write_bytes(bad)
 
     after = tables()
-    outcome = snap.restore(path, after, instance=INSTANCE, now_ms=NOW + 1)
+    outcome = snap.restore(path, after, instance=INSTANCE, secret=SECRET, now_ms=NOW + 1)
     assert isinstance(outcome, snap.Rejected), outcome
     assert reason in outcome.reason
     assert outcome.moved_to == str(path) + ".rejected"
@@ -189,11 +199,32 @@ def test_the_configured_capacity_must_match(
     before = tables()
     grant_all(before, keys(10), NOW, LEASE_MS)
     path = tmp_path / "db.leases"
-    snap.save(path, before, instance=INSTANCE, now_ms=NOW)
+    snap.save(path, before, instance=INSTANCE, secret=SECRET, now_ms=NOW)
     larger = tables(CAPACITY * 2)
-    outcome = snap.restore(path, larger, instance=INSTANCE, now_ms=NOW)
+    outcome = snap.restore(path, larger, instance=INSTANCE, secret=SECRET, now_ms=NOW)
     assert isinstance(outcome, snap.Rejected) and "lease_slots changed" in outcome.reason
     assert is_empty(larger)
+
+
+def test_a_snapshot_names_its_secret_by_fingerprint_and_another_secret_is_refused(
+    tables: Callable[..., LeaseTable], tmp_path: Path
+) -> None:
+    before = tables()
+    grant_all(before, keys(10), NOW, LEASE_MS)
+    path = tmp_path / "db.leases"
+    snap.save(path, before, instance=INSTANCE, secret=SECRET, now_ms=NOW)
+    written = path.read_bytes()
+    assert SECRET not in written
+    assert fingerprint(SECRET).to_bytes(8, "little") in written[: snap.HEADER.size]
+    # The node now opens another database: its keys hash elsewhere, so none of these
+    # leases could be found; the file is set aside and the table starts empty.
+    after = tables()
+    other = b"another database"
+    outcome = snap.restore(path, after, instance=INSTANCE, secret=other, now_ms=NOW + 1)
+    assert isinstance(outcome, snap.Rejected)
+    assert f"{fingerprint(SECRET):016x}" in outcome.reason
+    assert f"{fingerprint(other):016x}" in outcome.reason
+    assert is_empty(after) and outcome.moved_to == str(path) + ".rejected"
 
 
 def test_import_refuses_a_table_in_use_or_slots_of_another_shape(

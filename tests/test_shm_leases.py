@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import hash_secret  # noqa: F401  (spawned children import this module: they hash alike)
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -619,13 +620,14 @@ def test_a_claimant_killed_mid_claim_leaves_no_key_stuck_beyond_its_lease() -> N
         keys = [key_hash(b"/kill/%d" % i) for i in range(300)]
         rng = np.random.default_rng(1)
         for round_ in range(3):
-            progress = ctx.Value("q", 0)
+            progress = ctx.RawValue("q", 0)  # no lock for the victim to die holding
             victim = ctx.Process(target=_claim_forever, args=(name, keys, progress))
             victim.start()
             deadline = time.monotonic() + 60
             while progress.value < 300 * (round_ + 1) and time.monotonic() < deadline:
                 time.sleep(0.001)
             time.sleep(float(rng.uniform(0, 0.05)))
+            assert victim.pid is not None
             os.kill(victim.pid, signal.SIGKILL)  # wherever it is: mid-insert, mid-CAS, ...
             victim.join(10)
             assert victim.exitcode == -signal.SIGKILL

@@ -22,6 +22,7 @@ from sitemap_helpers import (
     urlset,
 )
 
+from shm.segment import now_ms
 from sitemap.errors import SitemapError
 from sitemap.fields import parse_w3c_datetime
 from sitemap.importer import (
@@ -61,10 +62,6 @@ def store(tmp_path: Path) -> Iterator[ScheduleStore]:
         yield opened
     finally:
         opened.close()
-
-
-def now_ms() -> int:
-    return time.time_ns() // 1_000_000
 
 
 def run(

@@ -1,6 +1,7 @@
-"""The feed end to end, across real processes: a consumer that subscribes, walks and applies
-events while three writers race ends equal to the table; so does one SIGKILLed mid-stream and
-restarted from its saved cursor; and one whose cursor the log rolled back resyncs."""
+"""The feed end to end, across real processes, on every backend: a consumer that subscribes,
+walks and applies events while three writers race ends equal to the table; so does one
+SIGKILLed mid-stream and restarted from its saved cursor. On SQLite, one whose cursor the
+log rolled back resyncs (PostgreSQL's restored log: test_store_postgres.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import random
 import signal
 import sqlite3
 import time
+from collections.abc import Callable
 from multiprocessing.sharedctypes import Synchronized
 from pathlib import Path
 from typing import Any
@@ -18,10 +20,12 @@ import msgspec
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
+from replica import Replica, ReplicaSnapshot, ReplicaStatistics, table_rows
+from store_helpers import ContractStore, close_all, open_url
 
-from store.replica import Replica, ReplicaSnapshot, ReplicaStatistics, table_rows
 from store.rows import Completion, Route, Row, RowWrite
 from store.sqlite import SqliteStore
+from store.sqlite.feed import parse_cursor
 
 KEYS = 20_000
 ROUTES = ("product", "article", "category")
@@ -62,8 +66,8 @@ def row_write(rng: random.Random, i: int) -> RowWrite:
     )
 
 
-def writer(path: str, number: int, plan: Plan, stop: Any, started: Synchronized[int]) -> None:
-    store = SqliteStore(path, prune_interval_s=None)  # pruning: explicit, below
+def writer(url: str, number: int, plan: Plan, stop: Any, started: Synchronized[int]) -> None:
+    store = open_url(url, prune_interval_s=None)  # pruning: explicit, below
     rng = random.Random(plan.seed * 7 + number)
     deadline = time.monotonic() + plan.max_seconds
     batches = 0
@@ -102,17 +106,17 @@ def writer(path: str, number: int, plan: Plan, stop: Any, started: Synchronized[
 
 
 def consumer(
-    path: str,
+    url: str,
     plan: Plan,
     result: str,
     snapshot: str,
     resume: bool,
     ready: Any,
     writers_done: Any,
-    events: Synchronized[int],
-    snapshots: Synchronized[int],
+    events: Any,
+    snapshots: Any,
 ) -> None:
-    store = SqliteStore(path, prune_interval_s=None)
+    store = open_url(url, prune_interval_s=None)
     replica = Replica(store, CONSUMER, walk_chunk=plan.walk_chunk)
     if resume and os.path.exists(snapshot):
         saved = msgspec.msgpack.decode(Path(snapshot).read_bytes(), type=ReplicaSnapshot)
@@ -124,8 +128,7 @@ def consumer(
     while True:
         done = writers_done.is_set()  # read first: a catch-up after it sees every write
         applied = replica.catch_up()
-        with events.get_lock():
-            events.value += applied
+        events.value += applied
         if time.monotonic() - saved_at > 0.02:
             # The state first, then the cursor: the saved cursor is never ahead of the state.
             tmp = Path(snapshot + ".tmp")
@@ -133,9 +136,14 @@ def consumer(
             tmp.replace(snapshot)
             replica.subscription.save()
             saved_at = time.monotonic()
-            with snapshots.get_lock():
-                snapshots.value += 1
+            snapshots.value += 1
         if done:
+            # Every write is committed: deliver up to the head read now (on PostgreSQL a
+            # transaction open elsewhere on the server can still hold entries back).
+            head = store.feed_head()
+            while not replica.subscription.has_delivered(head):
+                replica.subscription.wait(0.05)
+                replica.catch_up()
             break
         replica.subscription.wait(0.25)
     outcome = Outcome(
@@ -149,8 +157,8 @@ def consumer(
     store.close()
 
 
-def populate(path: Path, seed: int) -> None:
-    store = SqliteStore(path)
+def populate(url: str, seed: int) -> None:
+    store = open_url(url)
     rng = random.Random(seed)
     store.write([row_write(rng, i) for i in range(0, KEYS, 2)])  # half the key space
     store.set_route("product", default_cadence_s=900)
@@ -158,22 +166,24 @@ def populate(path: Path, seed: int) -> None:
 
 
 class Run:
-    """Three writers and a consumer on one database file, driven from the test."""
+    """Three writers and a consumer on one store, driven from the test."""
 
-    def __init__(self, tmp: Path, plan: Plan) -> None:
-        self.path = tmp / "schedule.db"
+    def __init__(self, tmp: Path, url: str, plan: Plan) -> None:
+        self.url = url
         self.result = str(tmp / "consumer.msgpack")
         self.snapshot = str(tmp / "snapshot.msgpack")
         self.plan = plan
         self.stop = SPAWN.Event()
         self.writers_done = SPAWN.Event()
         self.started = SPAWN.Value("q", 0)
-        self.events = SPAWN.Value("q", 0)
-        self.snapshots = SPAWN.Value("q", 0)
+        # Lock-free: one consumer at a time writes them, and the test SIGKILLs it, which
+        # would leave a Value's lock held for ever by a dead process.
+        self.events = SPAWN.RawValue("q", 0)
+        self.snapshots = SPAWN.RawValue("q", 0)
         self.consumers: list[multiprocessing.process.BaseProcess] = []
-        populate(self.path, plan.seed)
+        populate(url, plan.seed)
         self.writers = [
-            SPAWN.Process(target=writer, args=(str(self.path), n, plan, self.stop, self.started))
+            SPAWN.Process(target=writer, args=(url, n, plan, self.stop, self.started))
             for n in range(3)
         ]
         for process in self.writers:
@@ -195,7 +205,7 @@ class Run:
         process = SPAWN.Process(
             target=consumer,
             args=(
-                str(self.path),
+                self.url,
                 self.plan,
                 self.result,
                 self.snapshot,
@@ -222,8 +232,8 @@ class Run:
         assert process.exitcode == 0, "the consumer failed (see its traceback above)"
         return msgspec.msgpack.decode(Path(self.result).read_bytes(), type=Outcome)
 
-    def check(self, outcome: Outcome) -> SqliteStore:
-        store = SqliteStore(self.path)
+    def check(self, outcome: Outcome) -> ContractStore:
+        store = open_url(self.url)
         table = table_rows(store)
         assert len(outcome.rows) == len(table)
         assert outcome.rows == table  # every row, every field, every version
@@ -237,12 +247,6 @@ def wait_until(condition: Any, what: str, timeout_s: float = 120.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(0.005)
-
-
-def cleanup(store: SqliteStore) -> None:
-    for name in store.consumers():
-        store.drop_consumer(name)
-    store.close()
 
 
 plans = st.builds(
@@ -268,15 +272,15 @@ plans = st.builds(
 )
 @given(plan=plans)
 def test_subscribe_then_walk_under_three_writers_ends_equal_to_the_table(
-    tmp_path_factory: pytest.TempPathFactory, plan: Plan
+    tmp_path_factory: pytest.TempPathFactory, new_store_url: Callable[[], str], plan: Plan
 ) -> None:
     tmp = tmp_path_factory.mktemp("race")
-    run = Run(tmp, plan)
+    run = Run(tmp, new_store_url(), plan)
     try:
         process = run.start_consumer(resume=False)
         # Let the feed run a while beside the walk, pruning behind the consumer as it saves.
         wait_until(lambda: run.events.value >= 500, "events to flow")
-        pruner = SqliteStore(run.path)
+        pruner = open_url(run.url)
         pruner.prune()
         wait_until(lambda: run.snapshots.value >= 2, "the consumer to save its cursor")
         pruner.prune()
@@ -286,10 +290,12 @@ def test_subscribe_then_walk_under_three_writers_ends_equal_to_the_table(
         run.close()
     store = run.check(outcome)
     assert outcome.stats.bootstraps == 1 and outcome.stats.walked >= KEYS // 4
-    cleanup(store)
+    close_all(store)
 
 
-def test_a_consumer_killed_mid_stream_resumes_from_its_saved_cursor(tmp_path: Path) -> None:
+def test_a_consumer_killed_mid_stream_resumes_from_its_saved_cursor(
+    tmp_path: Path, store_url: str
+) -> None:
     plan = Plan(
         seed=20_24,
         delete_share=0.25,
@@ -299,7 +305,7 @@ def test_a_consumer_killed_mid_stream_resumes_from_its_saved_cursor(tmp_path: Pa
         walk_chunk=500,
         settings=True,
     )
-    run = Run(tmp_path, plan)
+    run = Run(tmp_path, store_url, plan)
     try:
         first = run.start_consumer(resume=False)
         wait_until(lambda: run.events.value >= 2_000 and run.snapshots.value >= 3, "progress")
@@ -307,11 +313,12 @@ def test_a_consumer_killed_mid_stream_resumes_from_its_saved_cursor(tmp_path: Pa
         first.join(30)
         assert first.exitcode == -signal.SIGKILL
         # While it is dead: writes go on, and pruning removes only what it had passed.
-        store = SqliteStore(run.path)
-        saved = store.statistics().lowest_consumer_seq
-        assert saved is not None and saved > 0
+        store = open_url(run.url)
+        saved = store.consumers()[CONSUMER]
         assert store.prune() > 0
-        assert store.statistics().floor == saved
+        assert store.consumers() == {CONSUMER: saved}
+        if isinstance(store, SqliteStore):
+            assert store.statistics().floor == parse_cursor(saved)[0]
         store.close()
         events_before = run.events.value
         second = run.start_consumer(resume=True)
@@ -322,7 +329,7 @@ def test_a_consumer_killed_mid_stream_resumes_from_its_saved_cursor(tmp_path: Pa
     store = run.check(outcome)
     # It replayed the gap from its cursor: no walk, no resync.
     assert (outcome.stats.resumed, outcome.stats.bootstraps, outcome.stats.resyncs) == (1, 0, 0)
-    cleanup(store)
+    close_all(store)
 
 
 def test_a_replica_whose_cursor_the_log_rolled_back_resyncs(tmp_path: Path) -> None:
@@ -340,7 +347,7 @@ def test_a_replica_whose_cursor_the_log_rolled_back_resyncs(tmp_path: Path) -> N
     replica.catch_up()
     kept = replica.snapshot()  # the consumer's state and cursor, kept outside the database
     replica.close()
-    cleanup(store)
+    close_all(store)
 
     for suffix in ("", "-wal", "-shm"):  # the power loss: back to the earlier file
         Path(f"{path}{suffix}").unlink(missing_ok=True)
@@ -357,4 +364,4 @@ def test_a_replica_whose_cursor_the_log_rolled_back_resyncs(tmp_path: Path) -> N
     assert replica.rows == table_rows(store)
     assert key(0) in replica.rows and key(120) not in replica.rows
     replica.close()
-    cleanup(store)
+    close_all(store)

@@ -1,22 +1,22 @@
-"""SqliteStore on real files: writes, reads, completions, routes, atomicity, concurrency."""
+"""SqliteStore's own, on real files: a version and a log entry for each write of a row in a
+batch, versions that are log seqs, its statistics, file paths, writer processes that never
+see "database is locked", reads whose head is a seq. What every backend promises is
+tested on both in test_store_base.py."""
 
 from __future__ import annotations
 
 import multiprocessing
 import random
 import sqlite3
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-import msgspec
 import pytest
 
 from store.base import RowsRead
-from store.errors import StoreError
-from store.rows import Completion, Route, Row, RowWrite
+from store.rows import Completion, Outcome, RowWrite
 from store.sqlite import SqliteStore
-from store.sqlite_feed import parse_cursor
+from store.sqlite.feed import parse_cursor
 
 
 def put(key: str, at: int = 1_000, **fields: object) -> RowWrite:
@@ -25,35 +25,6 @@ def put(key: str, at: int = 1_000, **fields: object) -> RowWrite:
 
 def log_size(store: SqliteStore) -> int:
     return store.statistics().log_rows
-
-
-def test_upsert_get_and_versions(store: SqliteStore) -> None:
-    store.write([put("/a", 5, cadence_s=60, sitemap=True), put("/b", 6)])
-    a = store.get("/a")
-    assert a is not None
-    assert a == Row(
-        key="/a", route="product", cadence_s=60, sitemap=True, next_render_at=5, version=a.version
-    )
-    assert a.version >= 1 and a.last_rendered_at is None and a.last_outcome is None
-    first = store.get("/b")
-    assert first is not None
-    store.write([put("/b", 7)])
-    second = store.get("/b")
-    assert second is not None and second.next_render_at == 7
-    assert second.version > first.version
-    assert store.get("/missing") is None
-    assert store.count() == 2
-
-
-def test_versions_keep_rising_across_delete_and_reinsert(store: SqliteStore) -> None:
-    store.write([put("/a")])
-    before = store.get("/a")
-    store.write(delete=["/a"])
-    assert store.get("/a") is None
-    store.write([put("/a")])
-    after = store.get("/a")
-    assert before is not None and after is not None
-    assert after.version > before.version
 
 
 def test_each_write_of_a_row_in_one_batch_bumps_it(store: SqliteStore) -> None:
@@ -65,169 +36,11 @@ def test_each_write_of_a_row_in_one_batch_bumps_it(store: SqliteStore) -> None:
     assert log_size(store) == 3
 
 
-def test_get_many_and_walk(store: SqliteStore) -> None:
-    keys = [f"/k/{i:04d}" for i in range(250)]
-    shuffled = keys[:]
-    random.Random(1).shuffle(shuffled)
-    store.write([put(k) for k in shuffled])
-    wanted = ["/k/0003", "/k/0100", "/nope", "/k/0003", 'weird "quote\\']
-    found = store.get_many(wanted)
-    assert sorted(found) == ["/k/0003", "/k/0100"]
-    assert store.get_many([]) == {}
-    # A key named twice is one row (the read joins the list of keys).
-    read = store.get_many_at(wanted)
-    assert sorted(row.key for row in read.rows) == ["/k/0003", "/k/0100"]
-    assert read.rows == [found[row.key] for row in read.rows]
-    walked: list[str] = []
-    after = None
-    while True:
-        chunk = store.walk(after, 64)
-        walked += [row.key for row in chunk]
-        if len(chunk) < 64:
-            break
-        after = chunk[-1].key
-    assert walked == keys
-    assert [r.key for r in store.walk("/k/0247", 10)] == ["/k/0248", "/k/0249"]
-    assert store.walk("/k/0249", 10) == []
-
-
-def test_walk_orders_non_ascii_keys_like_python(store: SqliteStore) -> None:
-    keys = ["/z", "/é", "/e", "/日本", "/E", "/ü/1", "/€"]
-    store.write([put(k) for k in keys])
-    assert [r.key for r in store.walk(None, 100)] == sorted(keys)
-
-
-def test_iterables_are_written_whole(store: SqliteStore) -> None:
-    store.write(iter([put("/a"), put("/b")]), delete=iter(["/none"]))  # type: ignore[arg-type]
-    assert store.count() == 2
-    store.write(delete=(k for k in ["/a"]))  # type: ignore[arg-type]
-    assert store.count() == 1
-
-
-def test_a_batch_with_one_bad_row_writes_nothing(store: SqliteStore) -> None:
-    store.write([put("/keep")])
-    size = log_size(store)
-    with pytest.raises(ValueError, match=r"upsert\[2\].*cadence_s"):
-        store.write([put("/x1"), put("/x2"), put("/x3", cadence_s=0)], delete=["/keep"])
-    with pytest.raises(ValueError, match=r"delete\[0\].*empty"):
-        store.write([put("/x1")], delete=[""])
-    assert store.count() == 1 and store.get("/keep") is not None
-    assert log_size(store) == size
-
-
-def test_a_batch_failing_inside_the_transaction_writes_nothing(store: SqliteStore) -> None:
-    store.write([put("/keep")])
-    size = log_size(store)
-    # A failure only SQLite sees, after the first rows of the batch were written.
-    conn = sqlite3.connect(store.path)
-    conn.execute(
-        "CREATE TRIGGER refuse BEFORE INSERT ON render_schedule WHEN NEW.key = '/poison' "
-        "BEGIN SELECT RAISE(ABORT, 'poisoned'); END"
-    )
-    conn.commit()
-    conn.close()
-    with pytest.raises(sqlite3.IntegrityError, match="poisoned"):
-        store.write([put("/x1"), put("/x2"), put("/poison")], delete=["/keep"])
-    assert store.count() == 1 and store.get("/keep") is not None
-    assert log_size(store) == size
-    store.write([put("/x1")])  # the connection is usable afterwards
-    assert store.count() == 2
-
-
-def test_complete_rendered_uses_the_effective_cadence(store: SqliteStore) -> None:
-    store.write(
-        [
-            put("/own", 1, cadence_s=60),
-            put("/route", 1, route="article"),
-            put("/global", 1, route="other"),
-            put("/given", 1, cadence_s=60),
-        ]
-    )
-    store.set_route("article", default_cadence_s=3600)
-    now = 1_000_000
-    got = store.complete(
-        [
-            Completion(key="/own", outcome="rendered", now=now),
-            Completion(key="/route", outcome="rendered", now=now),
-            Completion(key="/global", outcome="rendered", now=now),
-            Completion(key="/given", outcome="rendered", now=now, next_render_at=42),
-        ]
-    )
-    assert [r.next_render_at if r else None for r in got] == [
-        now + 60_000,
-        now + 3_600_000,
-        now + 86_400_000,  # the global default when never set
-        42,
-    ]
-    assert all(r is not None and r.last_rendered_at == now for r in got)
-    assert all(r is not None and r.last_outcome == "rendered" for r in got)
-    assert got == [store.get(k) for k in ("/own", "/route", "/global", "/given")]
-    store.set_default_cadence_s(120)
-    (again,) = store.complete([Completion(key="/global", outcome="rendered", now=now)])
-    assert again is not None and again.next_render_at == now + 120_000
-
-
-def test_the_largest_cadence_at_the_latest_time_stays_an_integer(store: SqliteStore) -> None:
-    store.write([put("/far", cadence_s=2**31 - 1)])
-    (row,) = store.complete([Completion(key="/far", outcome="rendered", now=2**62)])
-    assert row is not None and row.next_render_at == 2**62 + 1000 * (2**31 - 1)
-    assert type(row.next_render_at) is int
-
-
-def test_complete_failed_keeps_it_due_and_gone_deletes(store: SqliteStore) -> None:
-    store.write([put("/f", 500, cadence_s=60), put("/g", 500)])
-    before = store.get("/f")
-    failed, gone, missing = store.complete(
-        [
-            Completion(key="/f", outcome="failed", now=9_000),
-            Completion(key="/g", outcome="gone", now=9_000),
-            Completion(key="/nope", outcome="rendered", now=9_000),
-        ]
-    )
-    assert before is not None and failed is not None
-    assert failed.next_render_at == 500 and failed.last_rendered_at is None
-    assert failed.last_outcome == "failed" and failed.version > before.version
-    assert gone is None and store.get("/g") is None
-    assert missing is None and store.get("/nope") is None
-
-
-def test_a_key_completed_twice_in_one_call_is_applied_in_order(tmp_path: Path) -> None:
-    """A batch gives each item's row as one call per item would (versions aside)."""
-    keys = ["/a", "/b", "/c", "/d\x00nul", '/e "quote\\']
-    rng = random.Random(7)
-    items = [
-        Completion(
-            key=rng.choice([*keys, "/missing"]),
-            outcome=rng.choice(["rendered", "rendered", "failed", "gone"]),
-            now=1_000 * i,
-            next_render_at=rng.choice([None, 77_000 + i]),
-        )
-        for i in range(60)
-    ]
-    batched, one_by_one = SqliteStore(tmp_path / "b.db"), SqliteStore(tmp_path / "o.db")
-    for opened in (batched, one_by_one):
-        opened.set_route("article", default_cadence_s=3600)
-        opened.write([put(k, route="article" if i % 2 else "product") for i, k in enumerate(keys)])
-    try:
-        got = batched.complete(items)
-        want = [one_by_one.complete([item])[0] for item in items]
-        unversioned = [None if r is None else msgspec.structs.replace(r, version=0) for r in got]
-        assert unversioned == [
-            None if r is None else msgspec.structs.replace(r, version=0) for r in want
-        ]
-        assert any(r is None for r in got) and any(r is not None for r in got)
-        assert [r.key for r in batched.walk(None, 10)] == [r.key for r in one_by_one.walk(None, 10)]
-        assert log_size(batched) == log_size(one_by_one)  # one log entry per changed row
-    finally:
-        batched.close()
-        one_by_one.close()
-
-
 def test_each_completed_row_takes_the_seq_of_its_own_log_entry(store: SqliteStore) -> None:
     keys = [f"/v/{i:03d}" for i in range(120)]
     store.write([put(k, cadence_s=60 if i % 2 else None) for i, k in enumerate(keys)])
     size = log_size(store)
-    outcomes = ["rendered", "failed", "gone"]
+    outcomes: list[Outcome] = ["rendered", "failed", "gone"]
     got = store.complete(
         [Completion(key=k, outcome=outcomes[i % 3], now=5_000) for i, k in enumerate(keys)]
         + [Completion(key="/v/none", outcome="rendered", now=5_000)]
@@ -245,43 +58,6 @@ def test_each_completed_row_takes_the_seq_of_its_own_log_entry(store: SqliteStor
     assert rows == [store.get(r.key) for r in rows]
 
 
-def test_a_bad_completion_changes_nothing(store: SqliteStore) -> None:
-    store.write([put("/a", 5)])
-    with pytest.raises(ValueError, match=r"completion\[1\]"):
-        store.complete(
-            [
-                Completion(key="/a", outcome="gone", now=1),
-                Completion(key="/a", outcome="rendered", now=1.5),  # type: ignore[arg-type]
-            ]
-        )
-    assert store.get("/a") is not None
-
-
-def test_routes_and_the_global_default(store: SqliteStore) -> None:
-    assert store.routes() == [] and store.default_cadence_s() == 86_400
-    assert store.set_route("product", default_cadence_s=600) == Route(
-        route="product", default_cadence_s=600, paused=False
-    )
-    assert store.set_route("product", paused=True) == Route(
-        route="product", default_cadence_s=600, paused=True
-    )
-    assert store.set_route("product", clear_default_cadence=True) == Route(
-        route="product", default_cadence_s=None, paused=True
-    )
-    store.set_route("article")
-    assert [r.route for r in store.routes()] == ["article", "product"]
-    store.set_default_cadence_s(3_600)
-    assert store.default_cadence_s() == 3_600
-    with pytest.raises(ValueError, match="route name"):
-        store.set_route("Bad Name")
-    with pytest.raises(ValueError, match="default_cadence_s"):
-        store.set_route("product", default_cadence_s=0)
-    with pytest.raises(ValueError, match="default_cadence_s"):
-        store.set_default_cadence_s(True)
-    with pytest.raises(ValueError, match="paused"):
-        store.set_route("product", paused=1)  # type: ignore[arg-type]
-
-
 def test_statistics(store: SqliteStore) -> None:
     store.write([put(f"/{i}") for i in range(10)], [])
     store.write(delete=["/3"])
@@ -289,34 +65,6 @@ def test_statistics(store: SqliteStore) -> None:
     assert (stats.rows, stats.log_rows, stats.head, stats.floor) == (9, 11, 11, 0)
     assert (stats.transactions, stats.rows_written, stats.consumers) == (2, 11, 0)
     assert stats.schema_version >= 1 and stats.lowest_consumer_seq is None
-
-
-def test_threads_share_one_store(store: SqliteStore) -> None:
-    errors: list[BaseException] = []
-
-    def work(n: int) -> None:
-        try:
-            for i in range(50):
-                store.write([put(f"/t{n}/{i}")])
-                assert store.get(f"/t{n}/{i}") is not None
-        except BaseException as exc:  # reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=work, args=(n,)) for n in range(4)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert errors == []
-    assert store.count() == 200
-    assert store.statistics().transactions == 200
-
-
-def test_a_closed_store_refuses_work(tmp_path: Path) -> None:
-    opened = SqliteStore(tmp_path / "s.db")
-    opened.close()
-    with pytest.raises(StoreError, match="closed"):
-        opened.get("/a")
 
 
 def test_paths_that_are_not_files_are_refused() -> None:

@@ -12,7 +12,7 @@ import pytest
 from store.errors import StoreBusy
 from store.rows import RowWrite
 from store.sqlite import SqliteStore
-from store.sqlite_conn import Retry, is_busy
+from store.sqlite.conn import Retry, is_busy
 
 
 def hold_write_lock(path: Path) -> sqlite3.Connection:

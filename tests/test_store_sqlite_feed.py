@@ -1,4 +1,6 @@
-"""The SQLite change feed: exact, in commit order, state not deltas, and honest about gaps."""
+"""The SQLite change feed's own: seq cursors and their floor, a log rolled back by a power
+loss, wake-ups by semaphore, feed ring and data_version, and their clean-up. What every
+backend's feed promises is tested on both in test_store_base_feed.py."""
 
 from __future__ import annotations
 
@@ -11,13 +13,12 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-import msgspec
 import pytest
 
-from store.base import Cursor, CursorAhead, CursorBelowFloor, FeedStatistics
-from store.rows import Completion, Route, RouteEvent, RowEvent, RowWrite, SettingsEvent
+from store.base import Cursor, CursorAhead, CursorBelowFloor
+from store.rows import RowEvent, RowWrite
 from store.sqlite import SqliteStore
-from store.sqlite_feed import (
+from store.sqlite.feed import (
     FALLBACK_POLL_S,
     NEW_FALLBACK_POLL_S,
     NEW_FOR_S,
@@ -25,7 +26,7 @@ from store.sqlite_feed import (
     fallback_poll_s,
     parse_cursor,
 )
-from store.wake import REFRESH_S, unlink
+from store.sqlite.wake import REFRESH_S, unlink
 
 
 def drop_all(store: SqliteStore) -> None:
@@ -41,121 +42,9 @@ def keys_of(events: Sequence[object]) -> list[str]:
     return [e.key for e in events if isinstance(e, RowEvent)]
 
 
-def test_subscribing_at_the_head_sees_only_later_commits_in_order(store: SqliteStore) -> None:
-    store.write([put("/before")])
-    sub = store.subscribe("keeper")
-    store.write([put("/a", 1), put("/b", 2)])
-    store.write([put("/c", 3)], delete=["/before"])
-    batch = sub.poll()
-    assert keys_of(batch.events) == ["/a", "/b", "/c", "/before"]
-    rows = {e.key: e.row for e in batch.events if isinstance(e, RowEvent)}
-    assert rows["/before"] is None
-    assert rows["/a"] == store.get("/a") and rows["/c"] == store.get("/c")
-    assert sub.poll().events == []
-    assert batch.cursor == sub.cursor == store.feed_head()
-    sub.close()
-
-
-def test_events_carry_current_state_and_coalesce_per_batch(store: SqliteStore) -> None:
-    sub = store.subscribe("keeper")
-    store.write([put("/a", 1)])
-    store.write([put("/b", 1)])
-    store.write([put("/a", 2)])
-    store.write(delete=["/b"])
-    batch = sub.poll()
-    # /a's event sits at its last entry; each key appears once, with its state now.
-    assert keys_of(batch.events) == ["/a", "/b"]
-    a, b = batch.events
-    assert isinstance(a, RowEvent) and a.row is not None and a.row.next_render_at == 2
-    assert isinstance(b, RowEvent) and b.row is None
-    stats = sub.statistics()
-    assert (stats.log_entries, stats.events, stats.coalesced) == (4, 2, 2)
-    sub.close()
-
-
-def test_a_poll_limit_pages_through_the_log(store: SqliteStore) -> None:
-    sub = store.subscribe("keeper")
-    store.write([put(f"/{i:02d}") for i in range(25)])
-    seen: list[str] = []
-    more: list[bool] = []
-    for _ in range(3):
-        batch = sub.poll(limit=10)
-        seen += keys_of(batch.events)
-        more.append(batch.more)
-    assert seen == [f"/{i:02d}" for i in range(25)]
-    assert more == [True, True, False]  # the short batch says it read to the end
-    assert sub.poll(limit=10).events == []
-    with pytest.raises(ValueError, match="limit"):
-        sub.poll(limit=0)
-    sub.close()
-
-
-def test_wait_returns_at_once_while_a_full_batch_left_entries_behind(
+def test_pruning_stops_at_the_slowest_saved_seq_which_stays_as_the_floor(
     store: SqliteStore,
 ) -> None:
-    sub = store.subscribe("keeper")
-    store.write([put("/a", 1), put("/a", 2), put("/a", 3), put("/b")])
-    batch = sub.poll(limit=3)  # three entries, one event: fewer events than the limit
-    assert keys_of(batch.events) == ["/a"] and batch.more
-    assert sub.wait(30.0) is True  # no commit since the poll, and still no sleep
-    assert keys_of(sub.poll(limit=3).events) == ["/b"]
-    sub.close()
-
-
-def test_route_and_settings_changes_come_through_the_same_feed(store: SqliteStore) -> None:
-    sub = store.subscribe("keeper")
-    store.set_route("product", default_cadence_s=600)
-    store.write([put("/a")])
-    store.set_route("product", paused=True)
-    store.set_default_cadence_s(7_200)
-    batch = sub.poll()
-    assert batch.events[0] == RowEvent(key="/a", row=store.get("/a"))
-    assert batch.events[1] == RouteEvent(
-        route=Route(route="product", default_cadence_s=600, paused=True)
-    )
-    assert batch.events[2] == SettingsEvent(default_cadence_s=7_200)
-    sub.close()
-
-
-def test_completions_reach_the_feed(store: SqliteStore) -> None:
-    store.write([put("/a"), put("/b")])
-    sub = store.subscribe("keeper")
-    store.complete(
-        [
-            Completion(key="/a", outcome="rendered", now=5_000),
-            Completion(key="/b", outcome="gone", now=5_000),
-        ]
-    )
-    assert sub.poll().events == [
-        RowEvent(key="/a", row=store.get("/a")),
-        RowEvent(key="/b", row=None),
-    ]
-    sub.close()
-
-
-def test_a_consumer_resumes_from_its_saved_cursor_after_a_restart(tmp_path: Path) -> None:
-    path = tmp_path / "s.db"
-    store = SqliteStore(path)
-    sub = store.subscribe("keeper")
-    assert store.consumers() == {"keeper": sub.cursor}
-    store.write([put("/a")])
-    sub.poll()
-    sub.save()
-    store.write([put("/b")])  # committed while the consumer is away
-    sub.close()
-    store.close()
-
-    store = SqliteStore(path)
-    store.write([put("/c")])
-    again = store.subscribe("keeper")  # no cursor: the saved one
-    assert keys_of(again.poll().events) == ["/b", "/c"]
-    assert again.statistics().saved_seq < again.statistics().seq
-    again.close()
-    drop_all(store)
-    store.close()
-
-
-def test_pruning_keeps_what_a_registered_consumer_has_not_passed(store: SqliteStore) -> None:
     slow = store.subscribe("slow")
     fast = store.subscribe("fast")
     store.write([put(f"/{i:03d}") for i in range(30)])
@@ -199,7 +88,7 @@ def _stamp(store: SqliteStore, seq: int) -> int:
     return int(stamp)
 
 
-def test_pruning_with_no_consumer_keeps_the_head(store: SqliteStore) -> None:
+def test_pruning_with_no_consumer_keeps_the_head_subscribable(store: SqliteStore) -> None:
     store.write([put(f"/{i}") for i in range(50)])
     head = store.feed_head()
     assert store.prune(chunk=7) == 49
@@ -255,54 +144,12 @@ def test_a_cursor_ahead_of_a_rolled_back_log_forces_a_counted_resync(tmp_path: P
     store.close()
 
 
-def test_foreign_cursors_are_refused(store: SqliteStore) -> None:
-    for token in ("pg:1:2", "sqlite:x:1", "sqlite:-1:0", "sqlite:1"):
-        with pytest.raises(ValueError, match="cursor"):
-            store.subscribe("keeper", Cursor(token=token))
-
-
-def test_wait_times_out_without_commits(store: SqliteStore) -> None:
-    sub = store.subscribe("keeper")
-    sub.poll()
-    assert sub.wait(0.03) is False
-    assert sub.statistics().timeouts == 1
-    sub.close()
-
-
 def _write_later(path: str, started: object, key: str) -> None:
     store = SqliteStore(path)
     started.wait(30)  # type: ignore[attr-defined]
     time.sleep(0.05)
     store.write([put(key)])
     store.close()
-
-
-def test_statistics_are_feed_statistics_and_their_common_part_round_trips(
-    store: SqliteStore,
-) -> None:
-    sub = store.subscribe("keeper")
-    store.write([put("/a", 1)])
-    store.write([put("/a", 2)])
-    store.write([put("/b", 1)])
-    assert keys_of(sub.poll().events) == ["/a", "/b"]
-    assert sub.wait(0.0) is False
-    stats = sub.statistics()
-    assert isinstance(stats, FeedStatistics) and type(stats) is not FeedStatistics
-    common = stats.common()
-    assert type(common) is FeedStatistics and common.common() is common
-    assert (common.polls, common.events, common.log_entries, common.coalesced) == (1, 2, 3, 1)
-    assert (common.woken, common.noticed, common.timeouts) == (
-        stats.woken,
-        stats.noticed,
-        stats.timeouts,
-    )
-    assert common.timeouts == 1
-    # SQLite's own fields travel too, and a reader that knows only the common part drops them.
-    encoded = msgspec.msgpack.encode(stats)
-    assert msgspec.msgpack.decode(encoded, type=type(stats)) == stats
-    assert msgspec.msgpack.decode(encoded, type=FeedStatistics) == common
-    assert msgspec.msgpack.decode(msgspec.msgpack.encode(common), type=FeedStatistics) == common
-    sub.close()
 
 
 def receive(sub: SqliteSubscription) -> list[str]:
@@ -313,23 +160,6 @@ def receive(sub: SqliteSubscription) -> list[str]:
         if found:
             return found
     raise AssertionError("woken 100 times without an event")
-
-
-def test_a_commit_in_another_process_wakes_a_waiting_consumer(store: SqliteStore) -> None:
-    sub = store.subscribe("keeper")
-    assert isinstance(sub, SqliteSubscription)
-    context = multiprocessing.get_context("spawn")
-    started = context.Event()
-    child = context.Process(target=_write_later, args=(str(store.path), started, "/x"))
-    child.start()
-    sub.poll()
-    started.set()
-    assert receive(sub) == ["/x"]
-    stats = sub.statistics()
-    assert stats.woken + stats.noticed >= 1 and stats.timeouts == 0
-    child.join(30)
-    assert child.exitcode == 0
-    sub.close()
 
 
 def without_ring(sub: SqliteSubscription) -> SqliteSubscription:
@@ -492,18 +322,15 @@ def test_drop_consumer_removes_a_semaphore_left_behind(store: SqliteStore) -> No
     assert not sem_exists(left)
 
 
-def test_has_delivered_is_true_once_polls_pass_a_head(store: SqliteStore) -> None:
+def test_a_subscription_opened_at_the_head_has_delivered_it(store: SqliteStore) -> None:
+    """Seq order is commit order: the head is the cursor itself, before any poll (on
+    PostgreSQL a poll must first see the horizon pass the subscription's own commit)."""
+    store.write([put("/a")])
     sub = store.subscribe("keeper")
+    assert sub.cursor == store.feed_head()
     assert sub.has_delivered(store.feed_head())
-    store.write([put("/a"), put("/b")])
-    read = store.get_many_at(["/a", "/b"])
-    store.write([put("/c")])
-    assert not sub.has_delivered(read.head)
-    assert keys_of(sub.poll(limit=1).events) == ["/a"]
-    assert not sub.has_delivered(read.head)
-    assert keys_of(sub.poll(limit=1).events) == ["/b"]
-    assert sub.has_delivered(read.head)  # "/c" came after the read: not needed for it
+    store.write([put("/b")])
     assert not sub.has_delivered(store.feed_head())
-    with pytest.raises(ValueError):
-        sub.has_delivered(Cursor(token="postgres:1"))
+    sub.poll()
+    assert sub.cursor == store.feed_head() and sub.has_delivered(store.feed_head())
     sub.close()

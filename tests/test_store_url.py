@@ -28,8 +28,6 @@ def test_sqlite_urls_and_bare_paths(tmp_path: Path, monkeypatch: pytest.MonkeyPa
 @pytest.mark.parametrize(
     ("url", "words"),
     [
-        ("postgresql://postgres@127.0.0.1/test", "not built yet"),
-        ("postgres://x", "not built yet"),
         ("mysql://x", "unknown scheme"),
         ("sqlite://", "sqlite:///"),
         ("sqlite:///:memory:", "plain database file"),

@@ -32,6 +32,8 @@ def test_a_good_batch_passes() -> None:
     ("row", "words"),
     [
         (good(key=""), ["upsert[1]", "key is empty"]),
+        (good(key="/a\x00b"), ["upsert[1]", "NUL"]),
+        (good(key="/é\x00b"), ["upsert[1]", "NUL"]),
         (good(key="x" * 2049), ["upsert[1]", "2049 UTF-8 bytes", "2048"]),
         (good(key="é" * 1025), ["upsert[1]", "2050 UTF-8 bytes"]),
         (good(key="\ud800"), ["upsert[1]", "not valid UTF-8"]),

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 from node_harness import REPO, unique, wait_for
@@ -18,7 +19,7 @@ from store import open_store
 from workers.demo import EXAMPLES, load_example
 
 
-def example_lines() -> list[dict[str, object]]:
+def example_lines() -> list[dict[str, Any]]:
     return [json.loads(line) for line in (EXAMPLES / "schedule.jsonl").read_text().splitlines()]
 
 
@@ -30,7 +31,7 @@ def test_the_example_loads_as_shipped(tmp_path: Path) -> None:
         loaded = load_example(store, EXAMPLES, now)
         assert loaded.rows == len(lines) == store.count()
         assert 2000 <= loaded.rows <= 10_000
-        assert loaded.due == sum(1 for line in lines if int(line["due_in_s"]) <= 0)  # type: ignore[call-overload]
+        assert loaded.due == sum(1 for line in lines if int(line["due_in_s"]) <= 0)
         assert 0 < loaded.due < loaded.rows
         routes = {route.route: route for route in store.routes()}
         assert len({line["route"] for line in lines}) == len(routes) >= 4
@@ -38,7 +39,7 @@ def test_the_example_loads_as_shipped(tmp_path: Path) -> None:
         first = lines[0]
         row = store.get(str(first["key"]))
         assert row is not None
-        assert row.next_render_at == now + int(first["due_in_s"]) * 1000  # type: ignore[call-overload]
+        assert row.next_render_at == now + int(first["due_in_s"]) * 1000
         cadences = {line.get("cadence_s") for line in lines}
         assert len(cadences) >= 3  # rows with and without their own cadence
     finally:

@@ -6,6 +6,7 @@ snapshot is set aside with a log line and the node serves; SIGINT leaves none.""
 from __future__ import annotations
 
 import signal
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ from node_harness import NodeProcess, now_ms, seed_rows, wait_for
 
 from shm import LeaseTable, key_hash, segment_name
 from shm import lease_snapshot as snap
+from store.sqlite import SqliteStore
 
 LEASE_SLOTS = 65536  # small, so the snapshot files of these tests are 2 MiB
 
@@ -121,19 +123,28 @@ def test_sigint_leaves_no_snapshot(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir() if "leases" in p.name) == []
 
 
-def _valid_snapshot(path: Path, instance: str) -> bytes:
+def _database_secret(path: Path) -> bytes:
+    store = SqliteStore(path)
+    try:
+        return store.hash_secret()
+    finally:
+        store.close()
+
+
+def _valid_snapshot(path: Path, instance: str, secret: bytes) -> bytes:
+    """A snapshot of ten leases, its hashes said to be made under `secret`."""
     table = LeaseTable.create(segment_name(instance + "x", "leases"), LEASE_SLOTS)
     try:
         for i in range(10):
             table.grant(key_hash(f"https://shop.example/p/{i:07d}".encode()), now_ms(), 60_000, 0)
-        snap.save(path, table, instance=instance, now_ms=now_ms())
+        snap.save(path, table, instance=instance, secret=secret, now_ms=now_ms())
     finally:
         table.close()
         table.unlink()
     return path.read_bytes()
 
 
-BAD = {
+BAD: dict[str, tuple[Callable[[bytes], bytes], str]] = {
     "garbage": (lambda good: b"\x00garbage" * 100, "not a lease snapshot"),
     "truncated": (lambda good: good[: len(good) // 2], "truncated"),
     "corrupt": (lambda good: good[:-1] + bytes([good[-1] ^ 0xFF]), "checksum"),
@@ -152,7 +163,8 @@ def test_a_bad_snapshot_is_set_aside_and_the_node_serves(tmp_path: Path, case: s
     snapshot = tmp_path / "node.sqlite.leases"
     node = NodeProcess(tmp_path, workers=2, extra_args=("--lease-slots", str(LEASE_SLOTS)))
     corrupt, reason = BAD[case]
-    bad = corrupt(_valid_snapshot(snapshot, node.instance))
+    secret = _database_secret(tmp_path / "node.sqlite")
+    bad = corrupt(_valid_snapshot(snapshot, node.instance, secret))
     snapshot.write_bytes(bad)
     try:
         node.start()
@@ -166,6 +178,22 @@ def test_a_bad_snapshot_is_set_aside_and_the_node_serves(tmp_path: Path, case: s
     finally:
         node.stop()
     assert Path(str(snapshot) + ".rejected").read_bytes() == bad
+
+
+def test_a_snapshot_under_another_databases_secret_is_set_aside(tmp_path: Path) -> None:
+    seed_rows(tmp_path / "node.sqlite", 50)
+    snapshot = tmp_path / "node.sqlite.leases"
+    node = NodeProcess(tmp_path, workers=2, extra_args=("--lease-slots", str(LEASE_SLOTS)))
+    other = bytes(reversed(_database_secret(tmp_path / "node.sqlite")))
+    _valid_snapshot(snapshot, node.instance, other)
+    try:
+        node.start()
+        rejected = node.wait_event("lease_snapshot_rejected")
+        assert "hash secret" in rejected["reason"] and rejected["level"] == "warning"
+        wait_exact(node)
+        assert len(drain(node, "fleet")) == 50
+    finally:
+        node.stop()
 
 
 def test_where_the_snapshot_goes(tmp_path: Path) -> None:

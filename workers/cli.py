@@ -1,7 +1,7 @@
 """The `renderqueue` command.
 
     renderqueue serve [--config FILE] [--db PATH] [--host H] [--port P] [--workers N] ...
-    renderqueue demo [--port P] [--reset] [--with-fleet]
+    renderqueue demo [--port P] [--reset] [--with-fleet] [--cluster N]
     renderqueue fleet ...            (the simulated render fleet; fleet.cli)
     renderqueue import-sitemap ...   (sitemap import; sitemap.cli)
 
@@ -21,7 +21,7 @@ from typing import Any
 from workers.config import FIELD_NAMES, ConfigError, Settings, flag_name, load_settings
 
 EXIT_USAGE = 2
-SECRET_OR_NESTED = frozenset({"fleet_token", "admin_token", "keeper"})
+SECRET_OR_NESTED = frozenset({"fleet_token", "admin_token", "metrics_token", "keeper"})
 DELEGATED = {
     "fleet": ("fleet.cli", "the simulated fleet"),
     "import-sitemap": ("sitemap.cli", "the sitemap importer"),
@@ -88,6 +88,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument(
         "--with-fleet", action="store_true", help="also run the simulated fleet against it"
+    )
+    demo.add_argument(
+        "--cluster",
+        type=int,
+        default=0,
+        metavar="N",
+        help="run N nodes on PostgreSQL (--db, by default the local renderqueue_demo "
+        "database, created if missing) on ports P, P+1, ..., with a simulated fleet across "
+        "them",
     )
     for command, (_, what) in DELEGATED.items():
         commands.add_parser(command, help=f"{what} (see `renderqueue {command} --help`)")

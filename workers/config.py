@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import socket
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -53,17 +54,38 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     listeners_per_worker: Annotated[int, msgspec.Meta(ge=1, le=8)] = 2
     fleet_token: Token | None = None
     admin_token: Token | None = None
+    # Read-only: opens /metrics, queue-state, overview, explain and the schedule's reads,
+    # nothing that writes (for Prometheus, KEDA, a read-only console).
+    metrics_token: Token | None = None
+    # Serve /metrics without a token to peers on loopback (a scraper on this host).
+    metrics_open_on_loopback: bool = False
     # Past this many bytes a request body is refused with 413 before it is parsed.
     max_body_bytes: Annotated[int, msgspec.Meta(ge=1024, le=256 * 1024 * 1024)] = 4 * 1024 * 1024
     # Names the shared-memory segments; the default derives from the db and the port so a
     # crashed run's segments are found (and replaced) by the next run of the same node.
     instance: Name | None = None
     node: Name | None = None  # this node's name in a cluster; the host name by default
+    # The cluster (a PostgreSQL store): the URL other nodes and the fleet reach this node
+    # at; by default http://host:port when the node listens on one address, required when
+    # it listens on a wildcard (0.0.0.0, ::).
+    advertise_url: Annotated[str, msgspec.Meta(pattern=r"^https?://[^\s/]+(/[^\s]*)?$")] | None = (
+        None
+    )
+    # Other nodes' names (TOML list, or comma-separated): before loading, the keeper waits
+    # up to peer_wait_s to see one of them live, since ownership is unknowable before.
+    peers: list[Name] = []
+    peer_wait_s: Annotated[float, msgspec.Meta(ge=0, le=3600)] = 120.0
+    heartbeat_s: Annotated[float, msgspec.Meta(gt=0, le=60)] = 2.0
+    # A node whose heartbeat is older than this is dead (judged by the database's clock).
+    node_ttl_s: Annotated[float, msgspec.Meta(ge=1, le=600)] = 12.0
+    # The longest lease a clustered node grants: a node that takes over another's keys
+    # waits up to this long for the other's leases to end.
+    max_lease_s: Annotated[int, msgspec.Meta(ge=5, le=3600)] = 300
     graceful_timeout_s: Annotated[float, msgspec.Meta(ge=0, le=3600)] = 30.0
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     access_log: bool = False
     # uvicorn's HTTP protocol: "httptools" (the llhttp parser, in C) or "h11" (pure Python,
-    # 1.7-2x the server CPU per small request), a fallback should httptools misbehave.
+    # so more server CPU per request), a fallback should httptools misbehave.
     http: Literal["httptools", "h11"] = "httptools"
     lease_slots: Annotated[int, msgspec.Meta(ge=1024, le=1 << 26)] = 1 << 20
     # Where a graceful stop (SIGTERM) leaves the lease table for the next start, so live
@@ -94,6 +116,22 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
         if "://" in self.db:
             return self.db
         return "sqlite:///" + str(Path(self.db).expanduser().resolve())
+
+    @property
+    def clustered(self) -> bool:
+        """On PostgreSQL a node joins the cluster that shares the database."""
+        return self.store_url().startswith(("postgresql://", "postgres://"))
+
+    def advertised(self, port: int) -> str:
+        """The URL this node is reached at (advertise_url, else its listening address)."""
+        if self.advertise_url:
+            return self.advertise_url.rstrip("/")
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{port}"
+
+
+def _wildcard(host: str) -> bool:
+    return host.strip("[]") in ("0.0.0.0", "::", "")
 
 
 def is_loopback_host(host: str) -> bool:
@@ -153,13 +191,15 @@ def load_settings(
             continue
         raw = environ.get(env_name(name))
         if raw is not None and raw != "":
-            values[name] = raw
+            values[name] = _split_list(raw) if name in LIST_FIELDS else raw
             sources[name] = env_name(name)
     for name, value in (flags or {}).items():
         if value is None:
             continue
         if name not in FIELD_NAMES:
             raise ConfigError(name, "unknown setting", flag_name(name))
+        if name in LIST_FIELDS and isinstance(value, str):
+            value = _split_list(value)
         values[name] = value
         sources[name] = flag_name(name)
     try:
@@ -169,6 +209,13 @@ def load_settings(
         raise ConfigError(name, message, sources.get(name.split(".")[0])) from exc
     _check_consistency(settings, sources)
     return settings
+
+
+LIST_FIELDS = frozenset({"peers"})
+
+
+def _split_list(raw: str) -> list[str]:
+    return [part.strip() for part in raw.split(",") if part.strip()]
 
 
 def _split_validation_error(message: str) -> tuple[str, str]:
@@ -183,6 +230,15 @@ def _split_validation_error(message: str) -> tuple[str, str]:
 def _check_consistency(settings: Settings, sources: Mapping[str, str]) -> None:
     if settings.fleet_token is not None and settings.fleet_token == settings.admin_token:
         raise ConfigError("fleet_token", "must differ from admin_token", sources.get("fleet_token"))
+    if settings.metrics_token is not None and settings.metrics_token in (
+        settings.admin_token,
+        settings.fleet_token,
+    ):
+        raise ConfigError(
+            "metrics_token",
+            "must differ from admin_token and fleet_token",
+            sources.get("metrics_token"),
+        )
     if settings.admin_token is None and not settings.is_loopback:
         # Without the admin token the admin endpoints are open, which is only safe on loopback.
         raise ConfigError(
@@ -190,6 +246,17 @@ def _check_consistency(settings: Settings, sources: Mapping[str, str]) -> None:
             f"{settings.host!r} is beyond loopback and RENDERQUEUE_ADMIN_TOKEN is not set; set "
             "it (and RENDERQUEUE_FLEET_TOKEN for the fleet) or listen on 127.0.0.1",
             sources.get("host"),
+        )
+    if settings.clustered and settings.advertise_url is None and _wildcard(settings.host):
+        raise ConfigError(
+            "advertise_url",
+            f"the node listens on {settings.host!r}, every address: say which URL other nodes "
+            "and the fleet reach it at (e.g. http://10.0.0.5:8080)",
+            sources.get("host"),
+        )
+    if settings.node is not None and settings.node in settings.peers:
+        raise ConfigError(
+            "peers", f"names this node itself ({settings.node!r})", sources.get("peers")
         )
     try:
         config = keeper_config(settings)
@@ -221,5 +288,12 @@ NODE_KEEPER_DEFAULTS: dict[str, Any] = {"publish_interval_s": 0.25, "best_k": 81
 
 
 def keeper_config(settings: Settings) -> KeeperConfig:
-    """The keeper's settings: the node's defaults under whatever [keeper] sets."""
-    return msgspec.convert({**NODE_KEEPER_DEFAULTS, **settings.keeper}, KeeperConfig, strict=False)
+    """The keeper's settings: the node's defaults under whatever [keeper] sets. In a
+    cluster each node's keeper keeps a cursor of its own in the shared log."""
+    config = msgspec.convert(
+        {**NODE_KEEPER_DEFAULTS, **settings.keeper}, KeeperConfig, strict=False
+    )
+    if settings.clustered:
+        node = settings.node or socket.gethostname()
+        config = msgspec.structs.replace(config, consumer=f"{config.consumer}:{node}")
+    return config

@@ -2,8 +2,8 @@
 one send, and with a bound on a request's head under httptools.
 
 uvicorn writes a response's head and its body with two `transport.write` calls, and on
-loopback each write is its own send(2): the peer wakes twice, and on this 2-core machine a
-send that wakes another process costs tens of microseconds. Writes made in the same event
+loopback each write is its own send(2): the peer wakes twice, and each wake of another
+process is a context switch on cores the node shares with its fleet. Writes made in the same event
 loop step are joined and sent once at the end of the step, before anything else can run,
 so the bytes and their order are unchanged; only the number of sends falls.
 

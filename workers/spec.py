@@ -1,5 +1,5 @@
 """What the supervisor tells a worker it spawns (sent as JSON on the worker's stdin, so the
-tokens in the settings never show in a process listing)."""
+tokens in the settings and the hash secret never show in a process listing)."""
 
 from __future__ import annotations
 
@@ -18,3 +18,6 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
     instance: str
     segments: SegmentNames
     settings: Settings
+    # The store's key-hash secret, read once by the supervisor, so every process of the
+    # node hashes under the one its lease snapshot was checked against.
+    hash_secret: bytes

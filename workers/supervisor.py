@@ -35,9 +35,12 @@ from pathlib import Path
 import msgspec
 
 from shm import lease_snapshot
+from shm.leases import LeaseCensus
+from shm.segment import now_ms
 from workers import logs
 from workers.config import Settings
 from workers.listeners import Listeners, ListenFailed
+from workers.membership import MembershipHeartbeat, MembershipStatistics
 from workers.segments import SegmentNames, Segments
 from workers.spec import WorkerSpec
 
@@ -50,6 +53,9 @@ BACKOFF_BASE_S = 0.5
 BACKOFF_CAP_S = 30.0
 GIVE_UP_AFTER_BOOT_FAILURES = 5
 QUICK_STOP_S = 5.0
+# How often the supervisor counts the lease table (a read-only scan of every slot)
+# for the workers' in-flight and expired-unanswered counts.
+CENSUS_INTERVAL_S = 1.0
 
 
 class WorkerStatistics(msgspec.Struct, frozen=True, kw_only=True):
@@ -76,6 +82,10 @@ class SupervisorStatistics(msgspec.Struct, frozen=True, kw_only=True):
     lease_sweeps: int
     lease_slots_reclaimed: int
     workers: list[WorkerStatistics]
+    # A full scan of the lease table, every CENSUS_INTERVAL_S: the workers' in-flight and
+    # expired-unanswered counts (api.status), which the ops' counters cannot give.
+    lease_census: LeaseCensus | None = None
+    membership: MembershipStatistics | None = None  # in a cluster (a PostgreSQL store)
 
 
 @dataclass(eq=False)
@@ -118,10 +128,6 @@ def describe_exit(returncode: int) -> str:
     return f"exit {returncode}"
 
 
-def now_ms() -> int:
-    return time.time_ns() // 1_000_000
-
-
 def lease_snapshot_path(settings: Settings, instance: str) -> Path:
     if settings.lease_snapshot:
         return Path(settings.lease_snapshot).expanduser()
@@ -154,8 +160,12 @@ class Supervisor:
     _next_sweep: float = 0.0
     lease_sweeps: int = 0
     lease_slots_reclaimed: int = 0
+    _next_census: float = 0.0
+    _census: LeaseCensus | None = None
     _snapshot_on_exit: bool = False  # the stop was graceful (SIGTERM) and not overridden
+    _membership: MembershipHeartbeat | None = None
     _loop_ended: bool = False
+    _hash_secret: bytes = b""  # the store's, read by _prepare_store
 
     # --- lifecycle ---------------------------------------------------------------------
 
@@ -189,6 +199,8 @@ class Supervisor:
             names, ring_entries=settings.ring_entries, lease_slots=settings.lease_slots
         )
         self._restore_leases()
+        if settings.clustered:
+            self._join_cluster()
         logs.event(
             log,
             "listening",
@@ -220,14 +232,47 @@ class Supervisor:
         self._publish()
 
     def _prepare_store(self) -> None:
-        """Open the store once here, so a bad URL or schema fails before any worker boots."""
+        """Open the store once here, so a bad URL or schema fails before any worker boots,
+        and read the key-hash secret the workers and the lease snapshot use."""
         from store import open_store
 
         url = self.settings.store_url()
         if url.startswith("sqlite:///"):
             os.makedirs(os.path.dirname(url[len("sqlite:///") :]) or ".", exist_ok=True)
         store = open_store(url)
-        store.close()
+        try:
+            self._hash_secret = store.hash_secret()
+        finally:
+            store.close()
+
+    def _join_cluster(self) -> None:
+        """Become a member before any worker spawns: a name taken by a live node stops here."""
+        from store.postgres.membership import Membership
+
+        settings = self.settings
+        membership = Membership(
+            settings.store_url(),
+            self.node,
+            instance=self.instance,
+            advertised_url=settings.advertised(self.port),
+            ttl_s=settings.node_ttl_s,
+            max_lease_ms=settings.max_lease_s * 1000,
+        )
+        self._membership = MembershipHeartbeat(membership, settings.heartbeat_s)
+        self._membership.join()
+
+    def _leave_cluster(self) -> None:
+        """After the workers exited: nothing is granted any more, so the others may take this
+        node's keys once the leases it granted have ended (at most the longest lease)."""
+        if self._membership is None or self._segments is None:
+            return
+        now = now_ms()
+        try:
+            live = self._segments.leases.census(now).live_leases
+        except Exception:
+            live = 1  # unknown: assume a lease may live
+        horizon = now + self.settings.max_lease_s * 1000 if live else now
+        self._membership.leave(horizon)
 
     def _bind(self) -> int:
         """Bind the node's port once (workers/listeners.py) and return it."""
@@ -262,6 +307,7 @@ class Supervisor:
         if self._listeners is not None:
             self._listeners.close()
         self.state = "stopped"
+        self._leave_cluster()
         if self._segments is not None:
             if self._snapshot_on_exit and self._loop_ended:
                 self._save_leases()
@@ -293,6 +339,7 @@ class Supervisor:
             else:
                 self._start_due()
                 self._sweep_leases()
+                self._count_leases()
             for key, _ in self._selector.select(self._select_timeout()):
                 if key.data is None:
                     with contextlib.suppress(BlockingIOError):
@@ -314,9 +361,20 @@ class Supervisor:
         self.lease_slots_reclaimed += reclaimed
         self._publish()
 
+    def _count_leases(self) -> None:
+        if self._segments is None or time.monotonic() < self._next_census:
+            return
+        self._next_census = time.monotonic() + CENSUS_INTERVAL_S
+        try:
+            self._census = self._segments.leases.census(now_ms())
+        except Exception as exc:
+            logs.event(log, "lease_census_failed", logging.ERROR, error=str(exc))
+            return
+        self._publish()
+
     def _select_timeout(self) -> float:
         now = time.monotonic()
-        timeout = max(0.0, min(1.0, self._next_sweep - now))
+        timeout = max(0.0, min(1.0, self._next_sweep - now, self._next_census - now))
         if self.state != "stopping":
             for slot in self.slots:
                 if slot.process is None and slot.next_start_at is not None:
@@ -371,7 +429,11 @@ class Supervisor:
         path = lease_snapshot_path(self.settings, self.instance)
         try:
             outcome = lease_snapshot.restore(
-                path, self._segments.leases, instance=self.instance, now_ms=now_ms()
+                path,
+                self._segments.leases,
+                instance=self.instance,
+                secret=self._hash_secret,
+                now_ms=now_ms(),
             )
         except Exception as exc:  # restore reports a bad file itself; this is the unforeseen
             logs.event(
@@ -414,7 +476,11 @@ class Supervisor:
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             saved = lease_snapshot.save(
-                path, self._segments.leases, instance=self.instance, now_ms=now_ms()
+                path,
+                self._segments.leases,
+                instance=self.instance,
+                secret=self._hash_secret,
+                now_ms=now_ms(),
             )
         except Exception as exc:
             logs.event(
@@ -458,6 +524,7 @@ class Supervisor:
             instance=self.instance,
             segments=self._segments.names,
             settings=self.settings,
+            hash_secret=self._hash_secret,
         )
         try:
             process = subprocess.Popen(
@@ -622,6 +689,8 @@ class Supervisor:
             boot_failures=sum(slot.total_boot_failures for slot in self.slots),
             lease_sweeps=self.lease_sweeps,
             lease_slots_reclaimed=self.lease_slots_reclaimed,
+            lease_census=self._census,
+            membership=None if self._membership is None else self._membership.statistics(),
             workers=[
                 WorkerStatistics(
                     index=slot.index,

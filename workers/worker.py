@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import gc
 import math
 import os
@@ -24,6 +25,7 @@ import uvicorn
 
 from api.app import create_app
 from api.node import ApiSettings, Node
+from shm.keys import use_secret
 from workers import logs
 from workers.body_limit import BodyLimit
 from workers.config import keeper_config
@@ -85,13 +87,29 @@ def die_with_parent(supervisor_pid: int) -> None:
 
 
 def start_keeper(spec: WorkerSpec, segments: Segments) -> KeeperHost:
-    from keeper.runner import Keeper
+    from keeper.runner import ClusterSettings, Keeper
     from store import open_store
 
     config = keeper_config(spec.settings)
 
+    settings = spec.settings
+    cluster = (
+        ClusterSettings(
+            ttl_s=settings.node_ttl_s,
+            max_lease_s=settings.max_lease_s,
+            peers=list(settings.peers),
+            peer_wait_s=settings.peer_wait_s,
+        )
+        if settings.clustered
+        else None
+    )
+
     def run_once(stop: threading.Event) -> None:
-        store = open_store(spec.settings.store_url())
+        store = open_store(settings.store_url())
+        # A clustered node's store is a PostgresStore: it reads the member list.
+        members = (
+            None if cluster is None else functools.partial(store.nodes, cluster.ttl_s)  # type: ignore[attr-defined]
+        )
         try:
             keeper = Keeper(
                 store,
@@ -101,6 +119,8 @@ def start_keeper(spec: WorkerSpec, segments: Segments) -> KeeperHost:
                 config,
                 node=spec.node,
                 statistics_buffer=segments.keeper,
+                cluster=cluster,
+                members=members,
             )
             keeper.run(stop)
         finally:
@@ -115,10 +135,12 @@ def serve(spec: WorkerSpec) -> int:
     from store import open_store
 
     settings = spec.settings
+    use_secret(spec.hash_secret)  # before the keeper or any request hashes a key
     sockets = [socket.socket(fileno=fd) for fd in spec.listen_fds]
     segments = Segments.attach(spec.segments)
     store = open_store(settings.store_url())
     keeper: KeeperHost | None = None
+    keeping = keeper_config(settings)
     try:
         if spec.index == 0:
             # The keeper thread shares this process's GIL with the event loop; a short
@@ -132,9 +154,17 @@ def serve(spec: WorkerSpec) -> int:
                 worker=spec.index,
                 fleet_token=settings.fleet_token,
                 admin_token=settings.admin_token,
+                metrics_token=settings.metrics_token,
+                metrics_open_on_loopback=settings.metrics_open_on_loopback,
                 max_body_bytes=settings.max_body_bytes,
-                sitemap_boost=keeper_config(settings).sitemap_boost,
+                stall_after_ms=int(keeping.stall_after_s * 1000),
+                sitemap_boost=keeping.sitemap_boost,
                 sitemap_route_rules=settings.sitemap_route_rules,
+                clustered=settings.clustered,
+                max_lease_s=settings.max_lease_s if settings.clustered else 3600,
+                # What GET /v1/cluster lists, as the supervisor registered it.
+                advertised_url=settings.advertised(sockets[0].getsockname()[1]),
+                node_ttl_s=settings.node_ttl_s,
             ),
             store=store,
             ring=segments.ring,
@@ -157,8 +187,8 @@ def serve(spec: WorkerSpec) -> int:
         )
         server = WorkerServer(config, spec.status_fd)
         # Everything allocated so far lives as long as the worker: out of the collector's
-        # sight, a full collection walks only what came after (one walked the imports and
-        # the app for about 10 ms, a stall for every request and feed event in flight).
+        # sight, a full collection walks only what came after (walking the imports and the
+        # app too would stall every request and feed event in flight).
         gc.freeze()
         logs.event(log, "worker_serving", worker=spec.index)
         server.run(sockets=sockets)

@@ -1,0 +1,544 @@
+"""A node's side of the cluster in the API: the member list, results routed to the node
+that granted the lease, and the cluster's queue-state.
+
+- `GET /v1/cluster` lists the live nodes from the shared database's member list (a
+  single node lists itself), so the fleet finds every node from any one of them.
+- Leases live in the granting node's shared memory: a completion or renewal only that
+  node can check. A clustered node's tokens name it (`node-a:4294967297`), so a node
+  handed an item another node granted forwards the item there (one hop: a forwarded
+  request is never forwarded again) and answers every item in one response. The
+  granting node applies it exactly as if it had been sent there; a forward that fails
+  changes nothing here and says which node did not answer (`node_unavailable`), and an
+  item whose granting node is no longer live is `lease_not_held` (its leases ended with
+  it), each with a `detail` naming the node.
+- `GET /prerender_admin/cluster/queue-state` asks every live node for its queue-state at
+  once and sums the counts only when every node vouches for its own; otherwise 503,
+  naming each node that is missing, unready, not exact, stale or holding another view of
+  the membership. Never a partial sum: an autoscaler reading one would under-scale.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import httpx
+import msgspec
+from starlette.responses import Response
+
+from api.body import json_response
+from api.claims import LEASE_NOT_HELD, split_token
+from api.problems import PROBLEM_TYPE
+from api.schemas import (
+    ClusterMember,
+    ClusterNodes,
+    CompletionsRequest,
+    ItemResult,
+    ItemResults,
+    RenewRequest,
+    RenewResult,
+    RenewResults,
+)
+from shm.segment import now_ms
+from store.rows import NodeRecord
+
+if TYPE_CHECKING:
+    from api.node import Node
+
+# Set on a request one node forwards to another: the receiver never forwards it again,
+# so two nodes whose member lists disagree for a moment cannot pass an item back and forth.
+FORWARDED_BY = "x-renderqueue-forwarded-by"
+NODE_UNAVAILABLE = "node_unavailable"
+QUEUE_STATE_PATH = "/prerender_admin/queue-state"
+MEMBERS_MAX_AGE_S = 1.0  # the member list is re-read at most this often per worker
+
+_encoder = msgspec.json.Encoder()
+Item = TypeVar("Item")
+Result = TypeVar("Result")
+
+
+class ClusterLink:
+    """One worker's view of the cluster: the member list (cached briefly) and the client it
+    reaches the other nodes with."""
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+        self._records: list[NodeRecord] = []
+        self._read_at = 0.0
+        self._http: httpx.AsyncClient | None = None
+        self.forwarded = 0  # items this worker sent to the node that granted them
+        self.forward_failures = 0
+
+    # -- the member list -----------------------------------------------------------------
+
+    def live(self, max_age_s: float = MEMBERS_MAX_AGE_S) -> list[NodeRecord]:
+        """The live nodes, by name; a single node is the only one."""
+        settings = self.node.settings
+        if not settings.clustered:
+            return [self._myself()]
+        if time.monotonic() - self._read_at > max_age_s:
+            read: Callable[[float], list[NodeRecord]] = self.node.store.nodes  # type: ignore[attr-defined]
+            self._records = [r for r in read(settings.node_ttl_s) if r.live]
+            self._read_at = time.monotonic()
+        return self._records
+
+    def _myself(self) -> NodeRecord:
+        from api.status import supervisor_statistics
+
+        supervisor = supervisor_statistics(self.node) or {}
+        return NodeRecord(
+            node=self.node.settings.node,
+            url=self.node.settings.advertised_url,
+            instance=self.node.settings.instance,
+            started_at_ms=int(supervisor.get("started_at") or 0),
+            heartbeat_age_ms=0,
+            left=False,
+            live=True,
+            lease_horizon_ms=0,
+            max_lease_ms=self.node.settings.max_lease_s * 1000,
+        )
+
+    def url_of(self, name: str) -> str | None:
+        """A live node's URL; the list is re-read once when the name is not in it (it may
+        have just joined)."""
+        for max_age in (MEMBERS_MAX_AGE_S, 0.0):
+            for record in self.live(max_age):
+                if record.node == name:
+                    return record.url.rstrip("/")
+        return None
+
+    def members(self) -> ClusterNodes:
+        settings = self.node.settings
+        return ClusterNodes(
+            node=settings.node,
+            clustered=settings.clustered,
+            ttl_s=settings.node_ttl_s,
+            nodes=[
+                ClusterMember(
+                    node=r.node,
+                    url=r.url,
+                    started_at=r.started_at_ms,
+                    heartbeat_age_ms=r.heartbeat_age_ms,
+                    answering=r.node == settings.node,
+                )
+                for r in self.live()
+            ],
+        )
+
+    def http(self) -> httpx.AsyncClient:
+        if self._http is None:
+            self._http = httpx.AsyncClient(
+                timeout=self.node.settings.peer_timeout_s,
+                limits=httpx.Limits(max_connections=64, max_keepalive_connections=16),
+            )
+        return self._http
+
+    # -- completions and renewals, at the node that granted them -------------------------
+
+    def _granted_elsewhere(self, token: str) -> str | None:
+        name, _ = split_token(token)
+        return name if name is not None and name != self.node.settings.node else None
+
+    async def _routed(
+        self,
+        items: Sequence[Item],
+        token_of: Callable[[Item], str],
+        key_of: Callable[[Item], str],
+        run_here: Callable[[list[Item]], Any],
+        path: str,
+        encode: Callable[[list[Item]], bytes],
+        decode: Callable[[bytes], list[Result]],
+        refuse: Callable[[str, str, str], Result],
+        authorization: str | None,
+        forwarded_by: str | None,
+    ) -> list[Result]:
+        """Each item answered by the node that granted it, in the request's order."""
+        here: list[int] = []
+        elsewhere: dict[str, list[int]] = {}
+        for index, item in enumerate(items):
+            owner = self._granted_elsewhere(token_of(item))
+            if owner is None:
+                here.append(index)
+            else:
+                elsewhere.setdefault(owner, []).append(index)
+        answers: list[Result | None] = [None] * len(items)
+        me = self.node.settings.node
+
+        async def at(owner: str, indices: list[int]) -> None:
+            group = [items[i] for i in indices]
+            results = await self._forward(
+                owner, group, key_of, path, encode, decode, refuse, authorization, forwarded_by
+            )
+            for i, result in zip(indices, results, strict=True):
+                answers[i] = result
+
+        async def local() -> None:
+            if not here:
+                return
+            outcome = run_here([items[i] for i in here])
+            results = await outcome if asyncio.iscoroutine(outcome) else outcome
+            for i, result in zip(here, results, strict=True):
+                answers[i] = result
+
+        # Forwards first as tasks, then the local items: each group waits on its own.
+        tasks = [asyncio.ensure_future(at(owner, idx)) for owner, idx in elsewhere.items()]
+        try:
+            await local()
+        finally:
+            if tasks:
+                await asyncio.gather(*tasks)
+        assert all(answer is not None for answer in answers), f"{me}: an item left unanswered"
+        return [answer for answer in answers if answer is not None]
+
+    async def _forward(
+        self,
+        owner: str,
+        group: list[Item],
+        key_of: Callable[[Item], str],
+        path: str,
+        encode: Callable[[list[Item]], bytes],
+        decode: Callable[[bytes], list[Result]],
+        refuse: Callable[[str, str, str], Result],
+        authorization: str | None,
+        forwarded_by: str | None,
+    ) -> list[Result]:
+        me = self.node.settings.node
+        if forwarded_by is not None:
+            detail = (
+                f"granted by node {owner!r}; node {forwarded_by!r} forwarded it to this node "
+                f"({me!r}), which does not forward again: send it to {owner!r} (GET /v1/cluster "
+                "has its URL)"
+            )
+            return [refuse(key_of(item), LEASE_NOT_HELD, detail) for item in group]
+        url = self.url_of(owner) if self.node.settings.clustered else None
+        if url is None:
+            detail = (
+                f"granted by node {owner!r}, which is not a live member of this cluster: "
+                "its leases ended with it; claim the key again"
+                if self.node.settings.clustered
+                else f"granted by node {owner!r}; this node ({me!r}) is a single node"
+            )
+            return [refuse(key_of(item), LEASE_NOT_HELD, detail) for item in group]
+        headers = {"content-type": "application/json", FORWARDED_BY: me}
+        if authorization:
+            headers["authorization"] = authorization
+        self.forwarded += len(group)
+        try:
+            response = await self.http().post(url + path, content=encode(group), headers=headers)
+        except httpx.HTTPError as exc:
+            self.forward_failures += len(group)
+            detail = (
+                f"granted by node {owner!r} at {url}, which did not answer "
+                f"({type(exc).__name__}): nothing changed; retry, or send it there"
+            )
+            return [refuse(key_of(item), NODE_UNAVAILABLE, detail) for item in group]
+        if response.status_code != 200:
+            self.forward_failures += len(group)
+            problem = _detail(response)
+            retry = response.status_code >= 500 or response.status_code == 429
+            detail = (
+                f"granted by node {owner!r} at {url}, which answered HTTP "
+                f"{response.status_code}{': ' + problem if problem else ''}"
+            )
+            error = NODE_UNAVAILABLE if retry else LEASE_NOT_HELD
+            return [refuse(key_of(item), error, detail) for item in group]
+        try:
+            results = decode(response.content)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            self.forward_failures += len(group)
+            detail = f"granted by node {owner!r} at {url}, whose answer was unreadable ({exc})"
+            return [refuse(key_of(item), NODE_UNAVAILABLE, detail) for item in group]
+        if len(results) != len(group):
+            detail = f"granted by node {owner!r}, which answered {len(results)} of {len(group)}"
+            return [refuse(key_of(item), NODE_UNAVAILABLE, detail) for item in group]
+        return results
+
+    async def complete(
+        self, request: CompletionsRequest, authorization: str | None, forwarded_by: str | None
+    ) -> ItemResults:
+        from api.completions import check
+
+        if not any(self._granted_elsewhere(item.token) for item in request.items):
+            return await self.node.completions.complete(request)  # which checks it
+        check(request)  # 422 for the whole request before any item goes anywhere
+
+        async def here(items: list[Any]) -> list[ItemResult]:
+            answered = await self.node.completions.complete(CompletionsRequest(items=items))
+            return answered.results
+
+        results = await self._routed(
+            request.items,
+            lambda item: item.token,
+            lambda item: item.key,
+            here,
+            "/v1/completions",
+            lambda items: _encoder.encode(CompletionsRequest(items=items)),
+            lambda content: msgspec.json.decode(content, type=ItemResults).results,
+            lambda key, error, detail: ItemResult(key=key, ok=False, error=error, detail=detail),
+            authorization,
+            forwarded_by,
+        )
+        return ItemResults(results=results)
+
+    async def renew(
+        self, request: RenewRequest, authorization: str | None, forwarded_by: str | None
+    ) -> RenewResults:
+        from api.claims import renew
+        from api.schedule import check_item_keys
+
+        check_item_keys(request.items)  # 422 for the whole request before any item goes anywhere
+        if not any(self._granted_elsewhere(item.token) for item in request.items):
+            return renew(self.node, request)
+        results = await self._routed(
+            request.items,
+            lambda item: item.token,
+            lambda item: item.key,
+            lambda items: renew(self.node, RenewRequest(items=items)).results,
+            "/v1/leases/renew",
+            lambda items: _encoder.encode(RenewRequest(items=items)),
+            lambda content: msgspec.json.decode(content, type=RenewResults).results,
+            lambda key, error, detail: RenewResult(key=key, ok=False, error=error, detail=detail),
+            authorization,
+            forwarded_by,
+        )
+        return RenewResults(results=results)
+
+    # -- the cluster's queue-state -------------------------------------------------------
+
+    async def queue_state(self, authorization: str | None) -> Response:
+        from api.admin import queue_state_document
+
+        settings = self.node.settings
+        members = self.live()
+        names = sorted(r.node for r in members)
+
+        async def ask(record: NodeRecord) -> NodeAnswer:
+            if record.node == settings.node:
+                status, mine = queue_state_document(self.node)
+                return NodeAnswer(record=record, http_status=status, document=mine)
+            headers = {"accept": "application/json"}
+            if authorization:
+                headers["authorization"] = authorization
+            url = record.url.rstrip("/") + QUEUE_STATE_PATH
+            try:
+                response = await self.http().get(url, headers=headers)
+            except httpx.HTTPError as exc:
+                return NodeAnswer(record=record, error=f"{type(exc).__name__}: {exc}".rstrip(": "))
+            document: Any
+            try:
+                document = msgspec.json.decode(response.content)
+            except msgspec.DecodeError:
+                document = None
+            return NodeAnswer(
+                record=record,
+                http_status=response.status_code,
+                document=document if isinstance(document, dict) else None,
+            )
+
+        answers = await asyncio.gather(*(ask(record) for record in members))
+        judged = [judge(answer, names, settings.clustered, settings.node) for answer in answers]
+        generated_at = now_ms()
+        nodes = [builtins_of(view) for view in judged]
+        missing = [view for view in judged if view.problem is not None]
+        if not members:
+            missing_detail = (
+                "the member list has no live node (this node's own heartbeats may be failing)"
+            )
+        else:
+            missing_detail = "; ".join(f"{v.problem}" for v in missing)
+        if missing or not members:
+            body = {
+                "type": "about:blank",
+                "title": "Cluster counts withheld",
+                "status": 503,
+                "detail": f"{missing_detail}. The cluster's counts are summed only when every "
+                "live node vouches for its own; retry shortly",
+                "instance": "/prerender_admin/cluster/queue-state",
+                "node": settings.node,
+                "clustered": settings.clustered,
+                "generated_at": generated_at,
+                "withheld": [v.node for v in missing],
+                "nodes": nodes,
+            }
+            return Response(
+                _encoder.encode(body),
+                status_code=503,
+                media_type=PROBLEM_TYPE,
+                headers={"Retry-After": str(settings.retry_after_s)},
+            )
+        documents = [view.document for view in judged if view.document is not None]
+        return json_response(
+            {
+                "node": settings.node,
+                "clustered": settings.clustered,
+                "generated_at": generated_at,
+                "exact": True,
+                "nodes": nodes,
+                **sums(documents),
+            }
+        )
+
+
+def _detail(response: httpx.Response) -> str:
+    try:
+        body = msgspec.json.decode(response.content)
+    except msgspec.DecodeError:
+        return response.text[:200]
+    if isinstance(body, dict):
+        return str(body.get("detail") or body.get("title") or "")[:300]
+    return ""
+
+
+class NodeAnswer(msgspec.Struct, kw_only=True):
+    record: NodeRecord
+    http_status: int = 0  # 0: no answer
+    document: dict[str, Any] | None = None
+    error: str | None = None
+
+
+class NodeView(msgspec.Struct, kw_only=True):
+    """One node's line in the cluster's queue-state (the console draws these)."""
+
+    node: str
+    url: str
+    answering: bool
+    http_status: int
+    status: str  # the node's claim status, or `missing`
+    missing: bool
+    exact: bool | None
+    state_age_ms: int | None
+    problem: str | None  # why its counts cannot be summed; None: they are
+    view: list[str] | None  # the live nodes its keeper holds rows for
+    now: dict[str, Any] | None  # due, in flight...: only when it vouches
+    autoscale: dict[str, Any] | None
+    document: dict[str, Any] | None = None  # left out of the answer
+
+
+def builtins_of(view: NodeView) -> dict[str, Any]:
+    found = msgspec.to_builtins(view)
+    assert isinstance(found, dict)
+    found.pop("document", None)
+    return {k: v for k, v in found.items() if v is not None}
+
+
+def _dig(document: dict[str, Any] | None, *path: str) -> Any:
+    value: Any = document
+    for name in path:
+        if not isinstance(value, dict):
+            return None
+        value = value.get(name)
+    return value
+
+
+def judge(answer: NodeAnswer, live: list[str], clustered: bool, me: str) -> NodeView:
+    record, document = answer.record, answer.document
+    name = f"node {record.node!r} ({record.url})"
+    status = str(_dig(document, "now", "claims", "status") or _dig(document, "now", "status") or "")
+    trust = _dig(document, "trust") or {}
+    view_names = _dig(document, "cluster", "view")
+    problem: str | None = None
+    if answer.http_status == 0:
+        problem = f"{name} is missing: {answer.error or 'no answer'}"
+        status = "missing"
+    elif answer.http_status in (401, 403):
+        problem = (
+            f"{name} refused the read (HTTP {answer.http_status}): the cluster's nodes must "
+            "share their tokens"
+        )
+    elif answer.http_status == 503:
+        why = (
+            (trust.get("live_reason") if trust.get("live") is False else None)
+            or (trust.get("exact_reason") if trust.get("exact") is False else None)
+            or _dig(document, "now", "status_reason")
+            or status
+            or "unavailable"
+        )
+        kind = "unready" if status in ("unready", "stalled", "") else "not exact"
+        problem = f"{name} is {kind}: {why}"
+    elif answer.http_status != 200 or document is None:
+        problem = f"{name} answered HTTP {answer.http_status}"
+    elif document.get("node") != record.node:
+        problem = f"{name} answered as node {document.get('node')!r}"
+    elif trust.get("exact") is not True or trust.get("live") is not True:
+        problem = f"{name} is not exact: {trust.get('exact_reason') or trust.get('live_reason')}"
+    elif (age := trust.get("state_age_ms")) is not None and age > int(
+        trust.get("counts_max_age_ms") or 11_000
+    ):
+        problem = f"{name} is stale: its counts are {age} ms old"
+    elif clustered and isinstance(view_names, list) and sorted(view_names) != live:
+        # Its keeper holds the rows of another membership: summing would count a moved
+        # row twice or not at all. It passes as soon as it reads the list again (1 s).
+        problem = (
+            f"{name} holds the rows of the live nodes {sorted(view_names)} while the member "
+            f"list says {live}"
+        )
+    vouched = problem is None
+    now = _dig(document, "now") if vouched else None
+    return NodeView(
+        node=record.node,
+        url=record.url,
+        answering=record.node == me,
+        http_status=answer.http_status,
+        status=status or ("missing" if answer.http_status == 0 else "unknown"),
+        missing=answer.http_status == 0,
+        exact=trust.get("exact") if document is not None else None,
+        state_age_ms=trust.get("state_age_ms") if document is not None else None,
+        problem=problem,
+        view=view_names if isinstance(view_names, list) else None,
+        now=None
+        if now is None
+        else {k: now.get(k) for k in ("due", "in_flight", "unclaimed_estimate", "held")},
+        autoscale=_dig(document, "autoscale") if vouched else None,
+        document=document if vouched else None,
+    )
+
+
+NOW_SUMS = (
+    "due",
+    "due_sitemap",
+    "due_discovered",
+    "in_flight",
+    "unclaimed_estimate",
+    "paused",
+    "held",
+)
+COMING_SUMS = ("due_15m", "due_60m", "due_24h")
+FLOW_SUMS = ("came_due", "added", "triggered", "rescheduled", "removed")
+
+
+def _int(value: Any) -> int:
+    return int(value) if isinstance(value, int | float) and not isinstance(value, bool) else 0
+
+
+def sums(documents: list[dict[str, Any]]) -> dict[str, Any]:
+    """The cluster's counts from every node's exact ones: sums, and the oldest age."""
+    now: dict[str, Any] = {k: sum(_int(_dig(d, "now", k)) for d in documents) for k in NOW_SUMS}
+    now["status"] = "ready"
+    hours: list[int] = []
+    for document in documents:
+        for i, count in enumerate(_dig(document, "coming", "next_24h_by_hour") or []):
+            if i >= len(hours):
+                hours.append(0)
+            hours[i] += _int(count)
+    coming: dict[str, Any] = {
+        k: sum(_int(_dig(d, "coming", k)) for d in documents) for k in COMING_SUMS
+    }
+    coming["next_24h_by_hour"] = hours
+    ages = [_dig(d, "autoscale", "oldest_claimable_age_s") for d in documents]
+    oldest = max((float(a) for a in ages if isinstance(a, int | float)), default=0.0)
+    return {
+        "now": now,
+        "coming": coming,
+        "flow": {
+            "last_hour": {
+                k: sum(_int(_dig(d, "flow", "last_hour", k)) for d in documents) for k in FLOW_SUMS
+            }
+        },
+        # What an autoscaler reads (KEDA metrics-api: valueLocation `autoscale.due_now`).
+        "autoscale": {
+            "due_now": sum(_int(_dig(d, "autoscale", "due_now")) for d in documents),
+            "oldest_claimable_age_s": oldest,
+        },
+    }

@@ -1,0 +1,38 @@
+"""Query and path parameters, checked against the types `/openapi.json` states for them.
+
+The endpoint table names each parameter's type (api.endpoints.Param); the document's
+schema for it and this check are both made from that type, and a rule beyond it (a key's
+size in UTF-8 bytes) is the store's own check, so a value the document calls valid is not
+refused here and one it refuses is a 422 naming the parameter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from api.problems import invalid_query
+
+if TYPE_CHECKING:
+    from api.endpoints import Param
+
+
+def checked(param: Param, value: str | None) -> str:
+    if value is None:
+        raise invalid_query(param.name, f"required: {param.description}")
+    try:
+        msgspec.convert(value, param.schema)
+        if param.check is not None:
+            param.check(value)
+    except msgspec.ValidationError as exc:
+        raise invalid_query(param.name, str(exc)) from None
+    except ValueError as exc:  # the store's check says "what: why"
+        raise invalid_query(param.name, str(exc).partition(": ")[2] or str(exc)) from None
+    return value
+
+
+def read_params(params: tuple[Param, ...], values: Mapping[str, str]) -> dict[str, str]:
+    """Every declared parameter, checked; `values` are the request's query or path values."""
+    return {param.name: checked(param, values.get(param.name)) for param in params}

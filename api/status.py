@@ -1,0 +1,148 @@
+"""What this node can honestly say about itself right now: whether it can grant a claim,
+and how many leases are really in flight.
+
+Claim status, from the ready ring's header alone (two atomic loads per claim; the
+ring's remaining count only once the keeper is late):
+
+- `unready`: the keeper has not published yet; nothing can be granted.
+- `ready`: the keeper published within its stall limit.
+- `draining`: the keeper has not published for longer than that, but the last published
+  set still has entries; claims take them, each checked against its row.
+- `stalled`: the keeper is not publishing and its last set is drained: nothing can be
+  granted until it publishes again. `/readyz` and claims answer 503.
+
+Leases in flight: the lease table's counters are kept by the ops, so a lease that expired
+with no result stays counted as leased until a grant of the key or a sweep settles it.
+The supervisor (otherwise idle) takes a census of the table every second (a read-only
+scan of every slot) and writes it with its statistics. `expired_unanswered` is
+that census's count; in flight is the counters' live leases now less those, so a grant or
+a result shows at once and an expiry within about a second (a lease that expired since the
+census still counts; one settled since is taken off twice, floored at 0). A worker with no
+fresh census (no supervisor: an embedded node, the tests' thread node) takes its own, at
+most once a second.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Literal
+
+import msgspec
+
+from shm.segment import now_ms
+
+if TYPE_CHECKING:
+    from api.node import Node
+
+ClaimStatus = Literal["unready", "ready", "draining", "stalled"]
+# A census older than this is not served; the supervisor writes one every second.
+CENSUS_MAX_AGE_MS = 3000
+OWN_CENSUS_EVERY_MS = 1000
+
+
+class NodeClaimStatus(msgspec.Struct, frozen=True, kw_only=True):
+    status: ClaimStatus
+    reason: str
+    publish_age_ms: int | None = None
+    remaining: int | None = None  # entries left in the published set, when it matters
+
+    @property
+    def can_grant(self) -> bool:
+        return self.status in ("ready", "draining")
+
+
+def claim_status(node: Node, now: int | None = None) -> NodeClaimStatus:
+    now = now_ms() if now is None else now
+    ring = node.ring
+    published_at = ring.published_at
+    if ring.generation == 0 or published_at == 0:
+        return NodeClaimStatus(
+            status="unready", reason="the keeper has not published the queue yet"
+        )
+    age = max(0, now - published_at)
+    limit = node.settings.stall_after_ms
+    if age <= limit:
+        return NodeClaimStatus(
+            status="ready", reason="the keeper is publishing", publish_age_ms=age
+        )
+    remaining = ring.remaining()
+    if remaining > 0 and node.settings.clustered:
+        return NodeClaimStatus(
+            status="stalled",
+            reason=f"the keeper has not published for {age / 1000:.1f} s (limit "
+            f"{limit / 1000:.1f} s); in a cluster its last set may name keys that have moved "
+            "to another node, so nothing is granted until it publishes again",
+            publish_age_ms=age,
+            remaining=remaining,
+        )
+    if remaining > 0:
+        return NodeClaimStatus(
+            status="draining",
+            reason=f"the keeper has not published for {age / 1000:.1f} s (limit "
+            f"{limit / 1000:.1f} s); claims take the {remaining} entries left of its last set",
+            publish_age_ms=age,
+            remaining=remaining,
+        )
+    return NodeClaimStatus(
+        status="stalled",
+        reason=f"the keeper has not published for {age / 1000:.1f} s (limit "
+        f"{limit / 1000:.1f} s) and its last set is drained: nothing to grant until it does",
+        publish_age_ms=age,
+        remaining=0,
+    )
+
+
+class LeaseView(msgspec.Struct, frozen=True, kw_only=True):
+    """Leases as of a census of the whole table (`as_of`), with the counters' totals."""
+
+    in_flight: int  # live leases: granted, not answered, not expired (as of the census)
+    expired_unanswered: int  # expired with no result, not yet settled into their holds
+    held_keys: int  # keys held back now (an expired, unanswered lease read as its hold)
+    as_of: int  # the census's time (epoch ms)
+    source: Literal["supervisor", "worker"]
+    hold_events: int = 0  # leases that expired with no result and started a hold
+    failures: int = 0  # failed results that held their key back
+    forgiven: int = 0  # holds released by "render now"
+    refusals_taken: int = 0
+    refusals_held: int = 0
+    refusals_probe_full: int = 0  # the bounded probe window, which can refuse below 100%
+
+
+def supervisor_statistics(node: Node) -> dict[str, Any] | None:
+    if node.supervisor_state is None:
+        return None
+    snapshot = node.supervisor_state.read()
+    if snapshot is None:
+        return None
+    try:
+        decoded = msgspec.msgpack.decode(snapshot.payload)
+    except msgspec.DecodeError:
+        return None
+    return decoded if isinstance(decoded, dict) else None
+
+
+def lease_view(
+    node: Node, supervisor: dict[str, Any] | None = None, now: int | None = None
+) -> LeaseView:
+    now = now_ms() if now is None else now
+    stats = node.leases.statistics()
+    census = (supervisor or {}).get("lease_census")
+    source: Literal["supervisor", "worker"] = "supervisor"
+    if not isinstance(census, dict) or now - int(census.get("now", 0)) > CENSUS_MAX_AGE_MS:
+        source = "worker"
+        taken = node.own_census
+        if taken is None or now - taken[0] >= OWN_CENSUS_EVERY_MS:
+            taken = node.own_census = (now, msgspec.to_builtins(node.leases.census(now)))
+        census = taken[1]
+    return LeaseView(
+        in_flight=max(0, stats.live_leases - int(census["expired_unanswered"])),
+        expired_unanswered=int(census["expired_unanswered"]),
+        held_keys=int(census["held_keys"]),
+        as_of=int(census["now"]),
+        source=source,
+        hold_events=stats.hold_events,
+        failures=stats.failures,
+        forgiven=stats.forgiven,
+        refusals_taken=stats.refusals_taken,
+        refusals_held=stats.refusals_held,
+        refusals_probe_full=stats.refusals_probe_full,
+    )

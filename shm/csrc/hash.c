@@ -1,0 +1,247 @@
+/* key_hash, key_hashes_into: a key's 64-bit identity in shared memory. */
+#include "atomics.h"
+
+#include <string.h>
+
+/* SipHash-2-4 of a key's bytes under the database's hash secret: the key's 64-bit
+ * identity in shared memory (shm/keys.py says why a keyed hash). 0 marks an empty
+ * lease slot, so 0 maps to 1. Written out from the published algorithm (Aumasson and
+ * Bernstein); reads are memcpy'd (unaligned and little-endian safe on the x86-64 and
+ * aarch64 hosts this runs on). */
+
+/* Words are read in host order: a big-endian host would hash differently, and a hash
+ * is persisted (the lease snapshot), so such a build must not exist. */
+_Static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "SipHash words are little-endian");
+
+#define SECRET_BYTES 16
+
+/* The state each hash starts from: the constants XORed with the secret once, when it is
+ * set. Every key of this process hashes under the one secret (its store's), so it is
+ * process state, read under the GIL, and set before any thread hashes. */
+static uint64_t sip_init[4];
+static int sip_keyed = 0;
+
+static inline uint64_t
+sip_rotl(uint64_t x, int r)
+{
+    return (x << r) | (x >> (64 - r));
+}
+
+static inline uint64_t
+sip_read64(const unsigned char *p)
+{
+    uint64_t v;
+    memcpy(&v, p, 8);
+    return v;
+}
+
+#define SIPROUND                                                                            \
+    do {                                                                                    \
+        v0 += v1;                                                                           \
+        v1 = sip_rotl(v1, 13);                                                              \
+        v1 ^= v0;                                                                           \
+        v0 = sip_rotl(v0, 32);                                                              \
+        v2 += v3;                                                                           \
+        v3 = sip_rotl(v3, 16);                                                              \
+        v3 ^= v2;                                                                           \
+        v0 += v3;                                                                           \
+        v3 = sip_rotl(v3, 21);                                                              \
+        v3 ^= v0;                                                                           \
+        v2 += v1;                                                                           \
+        v1 = sip_rotl(v1, 17);                                                              \
+        v1 ^= v2;                                                                           \
+        v2 = sip_rotl(v2, 32);                                                              \
+    } while (0)
+
+static void
+sip_start(const unsigned char *secret, uint64_t init[4])
+{
+    uint64_t k0 = sip_read64(secret), k1 = sip_read64(secret + 8);
+    init[0] = 0x736f6d6570736575ULL ^ k0;
+    init[1] = 0x646f72616e646f6dULL ^ k1;
+    init[2] = 0x6c7967656e657261ULL ^ k0;
+    init[3] = 0x7465646279746573ULL ^ k1;
+}
+
+/* SipHash-2-4 with the 64-bit output, from a started state. */
+static uint64_t
+siphash24(const uint64_t init[4], const unsigned char *p, size_t len)
+{
+    uint64_t v0 = init[0], v1 = init[1], v2 = init[2], v3 = init[3];
+    const unsigned char *end = p + (len & ~(size_t)7);
+    for (; p != end; p += 8) {
+        uint64_t m = sip_read64(p);
+        v3 ^= m;
+        SIPROUND;
+        SIPROUND;
+        v0 ^= m;
+    }
+    uint64_t tail = 0;
+    memcpy(&tail, p, len & 7); /* the last 0-7 bytes, little-endian, the rest zero */
+    uint64_t b = ((uint64_t)len << 56) | tail;
+    v3 ^= b;
+    SIPROUND;
+    SIPROUND;
+    v0 ^= b;
+    v2 ^= 0xff;
+    SIPROUND;
+    SIPROUND;
+    SIPROUND;
+    SIPROUND;
+    return v0 ^ v1 ^ v2 ^ v3;
+}
+
+static inline uint64_t
+key_hash_of(const unsigned char *p, size_t len)
+{
+    if (len == 0) p = (const unsigned char *)""; /* an empty buffer may have no address */
+    uint64_t h = siphash24(sip_init, p, len);
+    return h ? h : 1;
+}
+
+static int
+need_secret(void)
+{
+    if (sip_keyed) return 0;
+    PyErr_SetString(PyExc_RuntimeError,
+                    "no hash secret: call shm.keys.use_secret with the store's before "
+                    "hashing a key");
+    return -1;
+}
+
+/* The bytes of a contiguous buffer of exactly SECRET_BYTES bytes into `out`. */
+static int
+read_secret(PyObject *obj, unsigned char out[SECRET_BYTES])
+{
+    Py_buffer view;
+    if (PyObject_GetBuffer(obj, &view, PyBUF_C_CONTIGUOUS) < 0) return -1;
+    if (view.len != SECRET_BYTES) {
+        PyErr_Format(PyExc_ValueError, "a hash secret is %d bytes, got %zd", SECRET_BYTES,
+                     view.len);
+        PyBuffer_Release(&view);
+        return -1;
+    }
+    memcpy(out, view.buf, SECRET_BYTES);
+    PyBuffer_Release(&view);
+    return 0;
+}
+
+/* The hash of one key's bytes (bytes fast, any contiguous buffer otherwise). */
+static int
+hash_object(PyObject *key, uint64_t *out)
+{
+    if (PyBytes_CheckExact(key)) {
+        *out = key_hash_of((const unsigned char *)PyBytes_AS_STRING(key),
+                           (size_t)PyBytes_GET_SIZE(key));
+        return 0;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(key, &view, PyBUF_C_CONTIGUOUS) < 0) return -1;
+    *out = key_hash_of((const unsigned char *)view.buf, (size_t)view.len);
+    PyBuffer_Release(&view);
+    return 0;
+}
+
+/* key_hash(key) -> the key's nonzero 64-bit hash. */
+static PyObject *
+module_key_hash(PyObject *Py_UNUSED(module), PyObject *key)
+{
+    uint64_t h;
+    if (need_secret() < 0 || hash_object(key, &h) < 0) return NULL;
+    return PyLong_FromUnsignedLongLong(h);
+}
+
+/* key_hashes_into(keys, out) -> None: hash each key of a list or tuple into the
+ * aligned uint64 buffer `out` (one word per key). */
+static PyObject *
+module_key_hashes_into(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs("key_hashes_into", nargs, 2) < 0 || need_secret() < 0) return NULL;
+    PyObject *seq = PySequence_Fast(args[0], "key_hashes_into wants a sequence of keys");
+    if (seq == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    Py_buffer out;
+    if (PyObject_GetBuffer(args[1], &out, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+        Py_DECREF(seq);
+        return NULL;
+    }
+    if (out.len != n * 8 || ((uintptr_t)out.buf & 7u)) {
+        PyBuffer_Release(&out);
+        Py_DECREF(seq);
+        PyErr_SetString(PyExc_ValueError,
+                        "key_hashes_into wants an aligned uint64 buffer of one word per key");
+        return NULL;
+    }
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    uint64_t *o = out.buf;
+    int failed = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (hash_object(items[i], &o[i]) < 0) {
+            failed = 1;
+            break;
+        }
+    }
+    PyBuffer_Release(&out);
+    Py_DECREF(seq);
+    if (failed) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* set_hash_secret(secret) -> None: every later key_hash of this process is keyed by
+ * these 16 bytes (shm.keys.use_secret decides when that may happen). */
+static PyObject *
+module_set_hash_secret(PyObject *Py_UNUSED(module), PyObject *secret)
+{
+    unsigned char raw[SECRET_BYTES];
+    if (read_secret(secret, raw) < 0) return NULL;
+    sip_start(raw, sip_init);
+    sip_keyed = 1;
+    Py_RETURN_NONE;
+}
+
+/* clear_hash_secret() -> None: key_hash raises again until the next set_hash_secret. */
+static PyObject *
+module_clear_hash_secret(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(unused))
+{
+    memset(sip_init, 0, sizeof sip_init);
+    sip_keyed = 0;
+    Py_RETURN_NONE;
+}
+
+/* siphash24(secret, data) -> SipHash-2-4 of data under secret, as published (0 stays 0),
+ * so the known-answer tests reach the very function key_hash runs. */
+static PyObject *
+module_siphash24(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs("siphash24", nargs, 2) < 0) return NULL;
+    unsigned char raw[SECRET_BYTES];
+    if (read_secret(args[0], raw) < 0) return NULL;
+    uint64_t init[4];
+    sip_start(raw, init);
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[1], &view, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    const unsigned char *p = view.len ? (const unsigned char *)view.buf : (const unsigned char *)"";
+    uint64_t h = siphash24(init, p, (size_t)view.len);
+    PyBuffer_Release(&view);
+    return PyLong_FromUnsignedLongLong(h);
+}
+
+static PyMethodDef hash_methods[] = {
+    {"key_hash", (PyCFunction)module_key_hash, METH_O,
+     "key_hash($module, key, /)\n--\n\nkey_hash(key) -> SipHash-2-4 of the key's bytes under the process's secret, 0 mapped to 1."},
+    {"key_hashes_into", (PyCFunction)(void (*)(void))module_key_hashes_into, METH_FASTCALL,
+     "key_hashes_into($module, keys, out, /)\n--\n\nkey_hashes_into(keys, out_u64) -> None: key_hash of each key into out."},
+    {"set_hash_secret", (PyCFunction)module_set_hash_secret, METH_O,
+     "set_hash_secret($module, secret, /)\n--\n\nset_hash_secret(secret) -> None: key every later key_hash with these 16 bytes."},
+    {"clear_hash_secret", (PyCFunction)module_clear_hash_secret, METH_NOARGS,
+     "clear_hash_secret($module, /)\n--\n\nclear_hash_secret() -> None: key_hash raises until the next set_hash_secret."},
+    {"siphash24", (PyCFunction)(void (*)(void))module_siphash24, METH_FASTCALL,
+     "siphash24($module, secret, data, /)\n--\n\nsiphash24(secret, data) -> SipHash-2-4 of data under the 16-byte secret (0 not remapped)."},
+    {NULL, NULL, 0, NULL},
+};
+
+int
+shm_hash_add(PyObject *m)
+{
+    return PyModule_AddFunctions(m, hash_methods);
+}

@@ -1,0 +1,204 @@
+"""The PostgreSQL schema and its versioned migrations.
+
+The change log is filled by statement-level triggers in the writing transaction, so
+a write and its entries commit together or not at all. Each entry carries the
+writing transaction's id (`xid`, a 64-bit xid8 that never wraps) and a `seq` from a
+sequence. Several transactions write at once and commit in any order, so no single
+position orders the log by commit: a reader pages it by the keyset `(xid, seq)` and
+reads only entries below its statement's snapshot xmin, every one of which belongs
+to a finished transaction (see store.postgres.feed).
+
+Each logging trigger also sends a NOTIFY with a constant payload, a wake-up hint for
+the feed's listeners; a session (or database) that sets `renderqueue.notify` to `off`
+sends none, for writers that need throughput more than the keeper's wake-up: listeners
+then find its entries by their fallback look.
+
+`feed_state.origin` names the cluster and database that wrote the log. A dump
+restored elsewhere keeps the log's xids but not its origin: the store then treats
+the log and the saved cursors as new (store.postgres.store.PostgresStore).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import psycopg
+
+from store.errors import StoreError, refuse_newer
+from store.secret import new_secret
+
+KIND_ROW = 0
+KIND_ROUTE = 1
+KIND_SETTINGS = 2
+DEFAULT_CADENCE_SETTING = "default_cadence_s"
+DEFAULT_CADENCE_S = 86_400
+NOTIFY_CHANNEL = "renderqueue_feed"
+# Taken for the whole of a migration, so nodes starting at once migrate one at a time.
+MIGRATION_LOCK = 0x7265_6E64_6572_7175  # "renderqu"
+
+
+def _logged(table: str, event: str, kind: int, column: str, rows: str) -> list[str]:
+    """A statement-level AFTER trigger logging every row the statement touched."""
+    name = f"{table}_logged_{event.lower()}"
+    return [
+        f"""CREATE FUNCTION {name}() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN
+            INSERT INTO change_log (kind, key) SELECT {kind}, {column} FROM {rows};
+            IF FOUND AND coalesce(current_setting('renderqueue.notify', true), '') <> 'off'
+            THEN
+                PERFORM pg_notify('{NOTIFY_CHANNEL}', '');
+            END IF;
+            RETURN NULL;
+        END $$""",
+        f"""CREATE TRIGGER {name} AFTER {event} ON {table}
+        REFERENCING {"OLD" if event == "DELETE" else "NEW"} TABLE AS {rows}
+        FOR EACH STATEMENT EXECUTE FUNCTION {name}()""",
+    ]
+
+
+# render_schedule leaves room in each page: a completion rewrites its row, and with room
+# beside it the new version stays on the page and skips the index (a HOT update).
+_V1 = [
+    """CREATE TABLE render_schedule (
+        key text PRIMARY KEY COLLATE "C" CHECK (key <> ''),
+        route text NOT NULL,
+        cadence_s integer CHECK (cadence_s IS NULL OR cadence_s > 0),
+        sitemap boolean NOT NULL,
+        next_render_at bigint NOT NULL,
+        last_rendered_at bigint,
+        last_outcome text,
+        version bigint NOT NULL
+    ) WITH (fillfactor = 85)""",
+    # Versions only grow, across a delete and re-insert of the same key too.
+    "CREATE SEQUENCE render_schedule_version AS bigint",
+    """CREATE TABLE routes (
+        route text PRIMARY KEY COLLATE "C",
+        default_cadence_s integer CHECK (default_cadence_s IS NULL OR default_cadence_s > 0),
+        paused boolean NOT NULL DEFAULT false
+    )""",
+    """CREATE TABLE settings (
+        name text PRIMARY KEY COLLATE "C",
+        value bigint NOT NULL
+    )""",
+    """CREATE TABLE change_log (
+        xid xid8 NOT NULL DEFAULT pg_current_xact_id(),
+        seq bigint GENERATED ALWAYS AS IDENTITY,
+        kind smallint NOT NULL,
+        key text NOT NULL,
+        PRIMARY KEY (xid, seq)
+    )""",
+    # One row per registered consumer: pruning never passes the lowest live cursor here.
+    """CREATE TABLE feed_consumers (
+        consumer text PRIMARY KEY,
+        xid xid8 NOT NULL,
+        seq bigint NOT NULL,
+        saved_at timestamptz NOT NULL DEFAULT now()
+    )""",
+    # floor: every entry at or above (floor_xid, floor_seq) is present.
+    """CREATE TABLE feed_state (
+        id integer PRIMARY KEY CHECK (id = 1),
+        origin text NOT NULL,
+        floor_xid xid8 NOT NULL,
+        floor_seq bigint NOT NULL,
+        resyncs bigint NOT NULL DEFAULT 0
+    )""",
+    """INSERT INTO feed_state (id, origin, floor_xid, floor_seq)
+    VALUES (1, '', '0'::xid8, 0)""",
+    *_logged("render_schedule", "INSERT", KIND_ROW, "key", "changed"),
+    *_logged("render_schedule", "UPDATE", KIND_ROW, "key", "changed"),
+    *_logged("render_schedule", "DELETE", KIND_ROW, "key", "changed"),
+    *_logged("routes", "INSERT", KIND_ROUTE, "route", "changed"),
+    *_logged("routes", "UPDATE", KIND_ROUTE, "route", "changed"),
+    *_logged("routes", "DELETE", KIND_ROUTE, "route", "changed"),
+    *_logged("settings", "INSERT", KIND_SETTINGS, "name", "changed"),
+    *_logged("settings", "UPDATE", KIND_SETTINGS, "name", "changed"),
+]
+
+# The cluster's members (store.postgres.membership). Liveness is judged by the database's
+# clock: a node is live while its heartbeat is younger than the TTL, and a node that
+# stopped cleanly has `left_at` set. `lease_horizon_ms` is when the last lease the node
+# has granted ends (its clock), for the nodes that take over its keys.
+_V2 = [
+    """CREATE TABLE nodes (
+        node text PRIMARY KEY,
+        url text NOT NULL,
+        instance text NOT NULL,
+        started_at timestamptz NOT NULL DEFAULT now(),
+        heartbeat_at timestamptz NOT NULL DEFAULT now(),
+        left_at timestamptz,
+        lease_horizon_ms bigint NOT NULL DEFAULT 0,
+        max_lease_ms bigint NOT NULL DEFAULT 0
+    )""",
+]
+
+# The key hashes' secret (store/secret.py): one row, written with the table, so every
+# node of the cluster reads the same one.
+_V3 = [
+    """CREATE TABLE hash_secret (
+        id integer PRIMARY KEY CHECK (id = 1),
+        secret bytea NOT NULL
+    )""",
+]
+
+
+def _seed_secret(conn: psycopg.Connection[tuple[object, ...]]) -> None:
+    conn.execute("INSERT INTO hash_secret (id, secret) VALUES (1, %s)", (new_secret(),))
+
+
+# Index i holds the statements that take a database from version i to i + 1.
+MIGRATIONS: list[list[str]] = [_V1, _V2, _V3]
+# What a version's tables start with that SQL cannot make (random bytes from Python's
+# `secrets`), run after that version's statements, in the same transaction.
+SEEDS: dict[int, Callable[[psycopg.Connection[tuple[object, ...]]], None]] = {3: _seed_secret}
+LATEST = len(MIGRATIONS)
+
+
+def schema_version(conn: psycopg.Connection[tuple[object, ...]]) -> int:
+    """The database's schema version; 0 when renderqueue has never written to it."""
+    found = conn.execute(
+        "SELECT to_regclass('schema_version') IS NOT NULL,"
+        " to_regclass('render_schedule') IS NOT NULL"
+    ).fetchone()
+    assert found is not None
+    has_version, has_schedule = found
+    if not has_version:
+        if has_schedule:
+            raise StoreError(
+                "the database has a render_schedule table but no schema_version table: "
+                "it was not made by renderqueue; use another database"
+            )
+        return 0
+    row = conn.execute("SELECT max(version) FROM schema_version").fetchone()
+    return int(row[0] or 0) if row is not None else 0  # type: ignore[call-overload]
+
+
+def migrate(conn: psycopg.Connection[tuple[object, ...]], where: str) -> int:
+    """Bring the database to LATEST in one transaction; returns the version found before.
+
+    The connection must be in autocommit mode. Idempotent, and safe with many nodes
+    starting at once: they take an advisory lock in turn and re-read the version in a
+    transaction begun once they hold it. (Begun before, it would keep the catalog as it
+    was: taking an advisory lock reads no invalidations, so the table another node just
+    created would still look absent, and CREATE TABLE would fail.)
+    """
+    found = schema_version(conn)
+    refuse_newer(found, LATEST, where)
+    if found == LATEST:
+        return found
+    conn.execute("SELECT pg_advisory_lock(%s)", (MIGRATION_LOCK,))
+    try:
+        with conn.transaction():
+            found = schema_version(conn)
+            refuse_newer(found, LATEST, where)
+            if found == 0:
+                conn.execute("CREATE TABLE schema_version (version integer NOT NULL)")
+            for version in range(found, LATEST):
+                for statement in MIGRATIONS[version]:
+                    conn.execute(statement)
+                if (seed := SEEDS.get(version + 1)) is not None:
+                    seed(conn)
+                conn.execute("INSERT INTO schema_version (version) VALUES (%s)", (version + 1,))
+    finally:
+        if not conn.closed:
+            conn.execute("SELECT pg_advisory_unlock(%s)", (MIGRATION_LOCK,))
+    return found

@@ -1,0 +1,189 @@
+"""The statements PostgresStore runs.
+
+Every batch is one statement over arrays (`unnest`), so a write is one round trip and,
+in autocommit, one transaction: all or nothing. The arrays travel in binary (`%b`):
+psycopg's text form quotes each element after a regular-expression test, which on a
+hundred-key batch cost the worker more than the database spent on the statement.
+Reads that must agree with the feed's position return their snapshot's xmin and xmax
+beside the rows, from the same statement (`HORIZON`); xid8 values travel as text and
+become Python ints here.
+"""
+
+from __future__ import annotations
+
+from store.postgres.schema import DEFAULT_CADENCE_S, DEFAULT_CADENCE_SETTING
+from store.rows import ROW_COLUMNS
+
+_R_COLUMNS = ", ".join(f"r.{c}" for c in ROW_COLUMNS.split(", "))
+
+# The statement's own snapshot: every transaction below xmin has finished, and every one
+# this statement sees committed is below xmax.
+HORIZON = """
+SELECT pg_snapshot_xmin(s)::text::bigint AS xmin, pg_snapshot_xmax(s)::text::bigint AS xmax
+FROM pg_current_snapshot() AS s
+"""
+
+# Rows are locked in key order, so two batches sharing keys cannot deadlock.
+_UPSERT = """
+INSERT INTO render_schedule AS r (key, route, cadence_s, sitemap, next_render_at, version)
+SELECT k, rt, c, s, n, nextval('render_schedule_version')
+FROM unnest(%(keys)b::text[], %(routes)b::text[], %(cadences)b::integer[],
+            %(sitemaps)b::boolean[], %(nexts)b::bigint[]) AS t(k, rt, c, s, n)
+ORDER BY k
+ON CONFLICT (key) DO UPDATE SET
+    route = excluded.route,
+    cadence_s = excluded.cadence_s,
+    sitemap = excluded.sitemap,
+    next_render_at = excluded.next_render_at,
+    version = excluded.version
+"""
+_DELETE = "DELETE FROM render_schedule WHERE key = ANY(%(deletes)b::text[])"
+
+UPSERT = _UPSERT
+DELETE = _DELETE
+UPSERT_AND_DELETE = f"WITH gone AS ({_DELETE} RETURNING 1) {_UPSERT}"
+
+GET = f"SELECT {ROW_COLUMNS} FROM render_schedule WHERE key = %s"
+GET_MANY = f"SELECT {ROW_COLUMNS} FROM render_schedule WHERE key = ANY(%b::text[])"
+GET_MANY_AT = f"""
+WITH h AS ({HORIZON})
+SELECT h.xmin, h.xmax, {_R_COLUMNS}
+FROM h LEFT JOIN render_schedule AS r ON r.key = ANY(%b::text[])
+"""
+
+WALK_FIRST = f"SELECT {ROW_COLUMNS} FROM render_schedule ORDER BY key LIMIT %s"
+WALK_AFTER = f"SELECT {ROW_COLUMNS} FROM render_schedule WHERE key > %s ORDER BY key LIMIT %s"
+_WALK_AT = """
+WITH h AS ({horizon})
+SELECT h.xmin, h.xmax, {columns}
+FROM h LEFT JOIN LATERAL (
+    SELECT * FROM render_schedule {where} ORDER BY key LIMIT %(limit)s
+) AS r ON true
+ORDER BY r.key
+"""
+WALK_AT_FIRST = _WALK_AT.format(horizon=HORIZON, columns=_R_COLUMNS, where="")
+WALK_AT_AFTER = _WALK_AT.format(
+    horizon=HORIZON, columns=_R_COLUMNS, where="WHERE key > %(after)s::text"
+)
+
+GLOBAL_CADENCE = (
+    f"coalesce((SELECT value FROM settings WHERE name = '{DEFAULT_CADENCE_SETTING}'), "
+    f"{DEFAULT_CADENCE_S})"
+)
+
+# One round of completions (no key twice) in one statement: each outcome's change is a
+# data-modifying CTE over the same arrays. A failure keeps the row due.
+COMPLETE = f"""
+WITH c AS (
+    SELECT * FROM unnest(%(keys)b::text[], %(outcomes)b::text[], %(nows)b::bigint[],
+                         %(nexts)b::bigint[]) AS c(key, outcome, now, next_at)
+    ORDER BY key
+),
+rendered AS (
+    UPDATE render_schedule AS r SET
+        last_rendered_at = c.now,
+        next_render_at = coalesce(c.next_at, c.now + 1000::bigint * coalesce(
+            r.cadence_s,
+            (SELECT default_cadence_s FROM routes WHERE routes.route = r.route),
+            {GLOBAL_CADENCE})),
+        last_outcome = 'rendered',
+        version = nextval('render_schedule_version')
+    FROM c WHERE c.key = r.key AND c.outcome = 'rendered'
+    RETURNING {_R_COLUMNS}
+),
+failed AS (
+    UPDATE render_schedule AS r SET
+        last_outcome = 'failed',
+        version = nextval('render_schedule_version')
+    FROM c WHERE c.key = r.key AND c.outcome = 'failed'
+    RETURNING {_R_COLUMNS}
+),
+gone AS (
+    DELETE FROM render_schedule AS r USING c WHERE c.key = r.key AND c.outcome = 'gone'
+    RETURNING r.key
+)
+SELECT * FROM rendered UNION ALL SELECT * FROM failed
+"""
+
+COUNT = "SELECT count(*) FROM render_schedule"
+
+ROUTES = "SELECT route, default_cadence_s, paused FROM routes ORDER BY route"
+
+SET_ROUTE = """
+INSERT INTO routes AS r (route, default_cadence_s, paused)
+VALUES (%(route)s, %(cadence)s, coalesce(%(paused)s, false))
+ON CONFLICT (route) DO UPDATE SET
+    default_cadence_s = CASE WHEN %(set_cadence)s THEN %(cadence)s ELSE r.default_cadence_s END,
+    paused = coalesce(%(paused)s, r.paused)
+RETURNING route, default_cadence_s, paused
+"""
+
+GET_DEFAULT_CADENCE = f"SELECT {GLOBAL_CADENCE}"
+GET_HASH_SECRET = "SELECT secret FROM hash_secret WHERE id = 1"
+
+SET_DEFAULT_CADENCE = f"""
+INSERT INTO settings (name, value) VALUES ('{DEFAULT_CADENCE_SETTING}', %s)
+ON CONFLICT (name) DO UPDATE SET value = excluded.value
+"""
+
+# The feed's position after every finished transaction: entries from xmin on may still
+# come (a transaction running now commits later), so a cursor starts at (xmin, 0).
+HEAD = HORIZON
+
+# One statement is one snapshot: the entries below its xmin after the cursor, each with
+# the current state of what it names, the floor, and whether committed entries wait at
+# or past xmin (held back by a transaction still running). Each entry's row is a primary
+# key lookup of its own (LATERAL, LIMIT 1 so the planner cannot turn it into a join that
+# reads the whole table), and `pending` is read once, from the log index's last entry,
+# in the materialized horizon: the cost of a poll follows its entries, not the table.
+POLL = """
+WITH h AS MATERIALIZED (
+    SELECT pg_snapshot_xmin(s) AS xmin, pg_snapshot_xmax(s) AS xmax,
+           coalesce((SELECT max(xid) FROM change_log) >= pg_snapshot_xmin(s), false)
+               AS pending
+    FROM pg_current_snapshot() AS s
+)
+SELECT h.xmin::text::bigint, h.xmax::text::bigint,
+       f.floor_xid::text::bigint, f.floor_seq,
+       h.pending,
+       l.xid::text::bigint, l.seq, l.kind, l.key,
+       r.route, r.cadence_s, r.sitemap, r.next_render_at, r.last_rendered_at,
+       r.last_outcome, r.version,
+       rt.default_cadence_s, rt.paused, st.value
+FROM h CROSS JOIN feed_state AS f
+LEFT JOIN LATERAL (
+    SELECT * FROM change_log
+    WHERE (xid, seq) > (%(xid)s::text::xid8, %(seq)s) AND xid < h.xmin
+    ORDER BY xid, seq LIMIT %(limit)s
+) AS l ON true
+LEFT JOIN LATERAL (
+    SELECT * FROM render_schedule WHERE l.kind = 0 AND key = l.key LIMIT 1
+) AS r ON true
+LEFT JOIN LATERAL (
+    SELECT * FROM routes WHERE l.kind = 1 AND route = l.key LIMIT 1
+) AS rt ON true
+LEFT JOIN LATERAL (
+    SELECT * FROM settings WHERE l.kind = 2 AND name = l.key LIMIT 1
+) AS st ON true
+WHERE f.id = 1
+ORDER BY l.xid, l.seq
+"""
+
+FLOOR = "SELECT floor_xid::text::bigint, floor_seq, origin, resyncs FROM feed_state WHERE id = 1"
+
+CONSUMER = "SELECT xid::text::bigint, seq FROM feed_consumers WHERE consumer = %s"
+SAVE_CONSUMER = """
+INSERT INTO feed_consumers (consumer, xid, seq, saved_at)
+VALUES (%s, %s::text::xid8, %s, now())
+ON CONFLICT (consumer) DO UPDATE SET xid = excluded.xid, seq = excluded.seq, saved_at = now()
+"""
+CONSUMERS = "SELECT consumer, xid::text::bigint, seq FROM feed_consumers"
+DROP_CONSUMER = "DELETE FROM feed_consumers WHERE consumer = %s RETURNING consumer"
+
+# Who holds the feed back: the backend whose transaction is the snapshot's xmin.
+HOLDER = """
+SELECT pid FROM pg_stat_activity
+WHERE backend_xid IS NOT NULL
+  AND backend_xid::text::bigint = %s::bigint %% 4294967296
+LIMIT 1
+"""

@@ -1,0 +1,607 @@
+"""PostgresStore: the durable schedule on PostgreSQL, shared by every node of a cluster.
+
+Thread-safety: one PostgresStore may be shared by the threads of one process; each
+thread gets its own autocommit connection (threading.local), so the keeper thread
+and the HTTP handlers never share one. Use a store only in the process that opened
+it. A Subscription has a connection of its own that LISTENs.
+
+Every batch (an upsert with deletes, a round of completions) is one statement, so one
+round trip and one transaction. A connection lost mid-call raises StoreUnavailable and
+is replaced at the next call; a read is retried once on a new connection first, a
+write never is (its outcome would be unknown). `complete(wait=False)` gives up on a row
+lock after NOWAIT_LOCK_MS with StoreBusy, so a caller on an event loop waits there.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+from urllib.parse import urlsplit, urlunsplit
+
+import msgspec
+import psycopg
+
+from store.base import (
+    DEFAULT_BUSY_TIMEOUT_S,
+    Cursor,
+    CursorAhead,
+    CursorBelowFloor,
+    RowsRead,
+    Writability,
+    WriteHealth,
+)
+from store.errors import StoreBusy, StoreError, StoreFull, StoreUnavailable
+from store.postgres import sql
+from store.postgres.conn import Conn, connect, translated
+from store.postgres.feed import (
+    CONSUMER_TTL_S,
+    PRUNE_CHUNK,
+    PRUNE_INTERVAL_S,
+    PostgresSubscription,
+    cursor_token,
+    head,
+    parse_cursor,
+    prune,
+)
+from store.postgres.membership import read_nodes
+from store.postgres.schema import LATEST, migrate
+from store.rows import (
+    Completion,
+    NodeRecord,
+    Route,
+    Row,
+    RowWrite,
+    completion_rounds,
+    route_from,
+    row_from,
+)
+from store.secret import checked
+from store.validate import (
+    check_cadence,
+    check_completions,
+    check_consumer,
+    check_deletes,
+    check_key,
+    check_keys,
+    check_route_change,
+    check_upserts,
+)
+
+T = TypeVar("T")
+log = logging.getLogger("renderqueue.store")
+
+# A caller that will not wait (an event loop) hears StoreBusy past this: long enough for
+# the brief locks of the server's own upkeep, short next to a request's budget.
+NOWAIT_LOCK_MS = 50
+WRITE_ATTEMPTS = 3
+
+
+class PostgresStoreStatistics(msgspec.Struct, frozen=True, kw_only=True):
+    url: str  # without its password
+    schema_version: int
+    origin: str  # the cluster and database the log belongs to
+    rows: int
+    routes: int
+    log_rows: int
+    floor_xid: int  # every log entry at or above the floor is present
+    consumers: int
+    resyncs: int  # times the log was found restored from elsewhere and started anew
+    transactions: int  # write statements committed through this object
+    rows_written: int
+    reconnects: int  # connections replaced after one was lost
+    busy: int  # calls refused with StoreBusy
+    rollbacks: int  # writes the server rolled back (deadlocks) and this store retried
+
+
+class _ThreadState:
+    def __init__(self) -> None:
+        self.conn: Conn | None = None
+        self.lock_timeout_ms = -1
+        self.transactions = 0
+        self.rows_written = 0
+        self.reconnects = 0
+        self.busy = 0
+        self.rollbacks = 0
+
+
+def redacted(url: str) -> str:
+    """The URL without its password, for logs and statistics."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rsplit("@", 1)
+    user = netloc[0].split(":", 1)[0]
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc[1]}"))
+
+
+class PostgresStore:
+    """The PostgreSQL backend of `store.base.ScheduleStore`."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        busy_timeout_s: float = DEFAULT_BUSY_TIMEOUT_S,
+        consumer_ttl_s: float = CONSUMER_TTL_S,
+        prune_interval_s: float | None = PRUNE_INTERVAL_S,
+    ) -> None:
+        """`consumer_ttl_s`: a consumer that saved no cursor for this long stops holding the
+        log; `prune_interval_s`: how often a consumer's cursor save also prunes the log
+        (None: only explicit `prune()` calls do)."""
+        if not url.startswith(("postgresql://", "postgres://")):
+            raise ValueError(f"PostgresStore needs a postgresql:// URL, got {redacted(url)!r}")
+        self.url = url
+        self.busy_timeout_s = busy_timeout_s
+        self.consumer_ttl_s = consumer_ttl_s
+        self.prune_interval_s = prune_interval_s
+        self._pid = os.getpid()
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._states: list[_ThreadState] = []
+        self._health = WriteHealth()
+        self._closed = False
+        conn = self._conn(self._state(), wait=True)
+        with translated("open"):
+            migrate(conn, redacted(url))
+            self._schema_version = LATEST  # migrate() brought it there, or raised
+            self.origin = self._adopt_log(conn)
+
+    # -- connections ---------------------------------------------------------------------
+
+    def _state(self) -> _ThreadState:
+        state: _ThreadState | None = getattr(self._local, "state", None)
+        if state is not None:
+            return state
+        if self._closed:
+            raise StoreError(f"the store at {redacted(self.url)} is closed")
+        if os.getpid() != self._pid:
+            raise StoreError(
+                f"this PostgresStore was opened in process {self._pid}; "
+                "open a new one in each process"
+            )
+        state = _ThreadState()
+        self._local.state = state
+        with self._lock:
+            self._states.append(state)
+        return state
+
+    def _conn(self, state: _ThreadState, *, wait: bool | None) -> Conn:
+        """The thread's connection, with the lock timeout a writer that waits (or not) needs;
+        `wait=None` (a read, which takes no row locks) leaves it as it is."""
+        if self._closed:
+            raise StoreError(f"the store at {redacted(self.url)} is closed")
+        if state.conn is not None and not state.conn.closed and not _still_open(state.conn):
+            self._drop(state)
+        if state.conn is None or state.conn.closed:
+            if state.conn is not None:
+                state.reconnects += 1
+            state.conn = connect(self.url)
+            state.lock_timeout_ms = -1
+        if wait is None:
+            return state.conn
+        lock_timeout_ms = int(self.busy_timeout_s * 1000) if wait else NOWAIT_LOCK_MS
+        if state.lock_timeout_ms != lock_timeout_ms:
+            with translated("open"):
+                state.conn.execute(f"SET lock_timeout = {lock_timeout_ms}")
+            state.lock_timeout_ms = lock_timeout_ms
+        return state.conn
+
+    def _drop(self, state: _ThreadState) -> None:
+        if state.conn is not None:
+            try:
+                state.conn.close()
+            except Exception:  # already broken: closing is best effort
+                log.debug("closing a broken connection failed", exc_info=True)
+
+    def _read(self, what: str, body: Callable[[Conn], T]) -> T:
+        """A read, retried once on a new connection when the first one was lost."""
+        state = self._state()
+        for attempt in (1, 2):
+            conn = self._conn(state, wait=None)
+            try:
+                with translated(what):
+                    return body(conn)
+            except StoreUnavailable:
+                self._drop(state)
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
+
+    def _write(self, what: str, body: Callable[[Conn], T], *, rows: int, wait: bool = True) -> T:
+        """A write; one the server rolled back whole (a deadlock between batches that lock
+        shared rows in another order) is retried, a few times, when the caller waits."""
+        state = self._state()
+        for attempt in range(1, WRITE_ATTEMPTS + 1):
+            conn = self._conn(state, wait=wait)
+            try:
+                with translated(what):
+                    try:
+                        result = body(conn)
+                    except psycopg.errors.TransactionRollback:
+                        if not wait or attempt == WRITE_ATTEMPTS:
+                            raise
+                        state.rollbacks += 1
+                        continue
+            except StoreUnavailable:
+                self._drop(state)
+                raise
+            except StoreBusy:
+                state.busy += 1
+                raise
+            except StoreFull as exc:
+                self._health.refused(str(exc))
+                raise
+            state.transactions += 1
+            state.rows_written += rows
+            self._health.succeeded()
+            return result
+        raise AssertionError("unreachable")
+
+    def writability(self) -> Writability:
+        return self._health.statistics()
+
+    def _adopt_log(self, conn: Conn) -> str:
+        """This database's identity; a log written under another (a restored dump) is
+        started anew, with every consumer's cursor: its xids mean nothing here."""
+        origin = _origin(conn)
+        found = conn.execute(sql.FLOOR).fetchone()
+        assert found is not None
+        if found[2] == origin:
+            return origin
+        with conn.transaction():
+            locked = conn.execute("SELECT origin FROM feed_state WHERE id = 1 FOR UPDATE")
+            row = locked.fetchone()
+            assert row is not None
+            if row[0] == origin:
+                return origin  # another process adopted it meanwhile
+            xmin, _ = head(conn)
+            if row[0]:
+                log.warning(
+                    "store: the change log was written by database %s, this is %s (restored "
+                    "from a dump?); starting the log and its cursors anew",
+                    row[0],
+                    origin,
+                )
+                conn.execute("DELETE FROM change_log")
+                conn.execute("DELETE FROM feed_consumers")
+            conn.execute(
+                """UPDATE feed_state SET origin = %s, floor_xid = %s::text::xid8, floor_seq = 0,
+                resyncs = resyncs + %s WHERE id = 1""",
+                (origin, str(xmin), 1 if row[0] else 0),
+            )
+        return origin
+
+    # -- the schedule --------------------------------------------------------------------
+
+    def write(self, upsert: Sequence[RowWrite] = (), delete: Sequence[str] = ()) -> None:
+        if not isinstance(upsert, list | tuple):
+            upsert = list(upsert)  # iterated twice below: an iterator would write nothing
+        if not isinstance(delete, list | tuple | str):
+            delete = list(delete)
+        check_upserts(upsert)
+        check_deletes(delete, upsert)
+        if not upsert and not delete:
+            return
+        # ON CONFLICT touches a row once per statement: the last write of a key wins, as
+        # if the batch had been applied in order.
+        last = {row.key: row for row in upsert}
+        rows = list(last.values())
+        params: dict[str, Any] = {
+            "keys": [r.key for r in rows],
+            "routes": [r.route for r in rows],
+            "cadences": [r.cadence_s for r in rows],
+            "sitemaps": [r.sitemap for r in rows],
+            "nexts": [r.next_render_at for r in rows],
+            "deletes": list(dict.fromkeys(delete)),
+        }
+        if rows and delete:
+            statement = sql.UPSERT_AND_DELETE
+        elif rows:
+            statement = sql.UPSERT
+        else:
+            statement = sql.DELETE
+        self._write(
+            "write",
+            lambda conn: conn.execute(statement, params),
+            rows=len(rows) + len(delete),
+        )
+
+    def complete(self, items: Sequence[Completion], *, wait: bool = True) -> list[Row | None]:
+        if not isinstance(items, list | tuple):
+            items = list(items)
+        check_completions(items)
+        if not items:
+            return []
+        rounds = completion_rounds(items)
+
+        def apply_round(conn: Conn, indices: list[int], out: list[Row | None]) -> None:
+            staged = [items[i] for i in indices]
+            params = {
+                "keys": [c.key for c in staged],
+                "outcomes": [c.outcome for c in staged],
+                "nows": [c.now for c in staged],
+                "nexts": [c.next_render_at for c in staged],
+            }
+            found = {
+                row.key: row for row in map(row_from, conn.execute(sql.COMPLETE, params).fetchall())
+            }
+            for index, item in zip(indices, staged, strict=True):
+                out[index] = found.get(item.key)  # gone or missing: None
+
+        def body(conn: Conn) -> list[Row | None]:
+            out: list[Row | None] = [None] * len(items)
+            if len(rounds) == 1:
+                apply_round(conn, rounds[0], out)
+                return out
+            with conn.transaction():
+                for indices in rounds:
+                    apply_round(conn, indices, out)
+            return out
+
+        return self._write("complete", body, rows=len(items), wait=wait)
+
+    def get(self, key: str) -> Row | None:
+        check_key(key)
+        found = self._read("get", lambda conn: conn.execute(sql.GET, (key,)).fetchone())
+        return None if found is None else row_from(found)
+
+    def get_many(self, keys: Sequence[str]) -> dict[str, Row]:
+        wanted = check_keys(keys, what="get_many")
+        if not wanted:
+            return {}
+        found = self._read("get_many", lambda c: c.execute(sql.GET_MANY, (wanted,)).fetchall())
+        return {values[0]: row_from(values) for values in found}
+
+    def get_many_at(self, keys: Sequence[str]) -> RowsRead:
+        wanted = check_keys(keys, what="get_many")
+        if not wanted:
+            return RowsRead(rows=[], head=self.feed_head())
+        return self._read_at("get_many_at", sql.GET_MANY_AT, (wanted,))
+
+    def walk(self, after: str | None, limit: int) -> list[Row]:
+        if limit < 1:
+            raise ValueError(f"walk: limit must be at least 1, got {limit}")
+        if after is None:
+            found = self._read("walk", lambda c: c.execute(sql.WALK_FIRST, (limit,)).fetchall())
+        else:
+            found = self._read(
+                "walk", lambda c: c.execute(sql.WALK_AFTER, (after, limit)).fetchall()
+            )
+        return [row_from(values) for values in found]
+
+    def walk_at(self, after: str | None, limit: int) -> RowsRead:
+        if limit < 1:
+            raise ValueError(f"walk: limit must be at least 1, got {limit}")
+        if after is None:
+            return self._read_at("walk_at", sql.WALK_AT_FIRST, {"limit": limit})
+        return self._read_at("walk_at", sql.WALK_AT_AFTER, {"after": after, "limit": limit})
+
+    def _read_at(self, what: str, statement: str, params: Any) -> RowsRead:
+        """Rows and the feed's head from one statement: one snapshot for both."""
+        found = self._read(what, lambda c: c.execute(statement, params).fetchall())
+        xmin, xmax = int(found[0][0]), int(found[0][1])
+        rows = [row_from(values[2:]) for values in found if values[2] is not None]
+        return RowsRead(rows=rows, head=cursor_token(self.origin, xmin, 0, xmax))
+
+    def count(self) -> int:
+        found = self._read("count", lambda c: c.execute(sql.COUNT).fetchone())
+        return 0 if found is None else int(found[0])
+
+    # -- routes and the global default ---------------------------------------------------
+
+    def routes(self) -> list[Route]:
+        found = self._read("routes", lambda c: c.execute(sql.ROUTES).fetchall())
+        return [route_from(values) for values in found]
+
+    def set_route(
+        self,
+        route: str,
+        *,
+        default_cadence_s: int | None = None,
+        paused: bool | None = None,
+        clear_default_cadence: bool = False,
+    ) -> Route:
+        """Create or change a route. None leaves a field as it is (a new route: no default
+        cadence, not paused); `clear_default_cadence` sends the route back to the global default.
+        """
+        set_cadence = check_route_change(route, default_cadence_s, paused, clear_default_cadence)
+        params = {
+            "route": route,
+            "cadence": default_cadence_s,
+            "set_cadence": set_cadence,
+            "paused": paused,
+        }
+        found = self._write(
+            "set_route", lambda conn: conn.execute(sql.SET_ROUTE, params).fetchone(), rows=1
+        )
+        return route_from(found)
+
+    def default_cadence_s(self) -> int:
+        found = self._read("default", lambda c: c.execute(sql.GET_DEFAULT_CADENCE).fetchone())
+        assert found is not None
+        return int(found[0])
+
+    def hash_secret(self) -> bytes:
+        found = self._read("hash_secret", lambda c: c.execute(sql.GET_HASH_SECRET).fetchone())
+        return checked(None if found is None else found[0], redacted(self.url))
+
+    def set_default_cadence_s(self, seconds: int) -> None:
+        check_cadence(seconds, where="default_cadence_s", optional=False)
+        self._write(
+            "set_default_cadence_s",
+            lambda conn: conn.execute(sql.SET_DEFAULT_CADENCE, (seconds,)),
+            rows=1,
+        )
+
+    # -- the change feed -----------------------------------------------------------------
+
+    def feed_head(self) -> Cursor:
+        xmin, xmax = self._read("feed_head", head)
+        return cursor_token(self.origin, xmin, 0, xmax)
+
+    def subscribe(self, consumer: str, cursor: Cursor | None = None) -> PostgresSubscription:
+        """Open the feed at `cursor`, else at the consumer's saved cursor, else at the head.
+
+        Registers the consumer at that position, so pruning keeps what it has not read.
+        Raises CursorBelowFloor or CursorAhead instead of replaying short.
+        """
+        check_consumer(consumer)
+        start = None if cursor is None else parse_cursor(cursor, self.origin)
+
+        def body(conn: Conn) -> tuple[int, int]:
+            with conn.transaction():
+                floor = conn.execute(
+                    "SELECT floor_xid::text::bigint, floor_seq FROM feed_state"
+                    " WHERE id = 1 FOR SHARE"
+                ).fetchone()
+                assert floor is not None
+                xmin, xmax = head(conn)
+                saved = conn.execute(sql.CONSUMER, (consumer,)).fetchone()
+                if start is not None:
+                    position = (start.xid, start.seq)
+                elif saved is not None:
+                    position = (int(saved[0]), int(saved[1]))
+                else:
+                    position = (xmin, 0)
+                if position[0] > xmax:
+                    raise CursorAhead(
+                        f"consumer {consumer!r}: cursor xid {position[0]} is past the "
+                        f"database's next transaction id {xmax} (a restored or different "
+                        "database); resync: subscribe at feed_head() and walk the table."
+                    )
+                if position < (int(floor[0]), int(floor[1])):
+                    raise CursorBelowFloor(
+                        f"consumer {consumer!r}: cursor {position} is below the change log's "
+                        f"pruned floor {tuple(floor)}; replay would be short. Resync: "
+                        "subscribe at feed_head() and walk the table."
+                    )
+                conn.execute(sql.SAVE_CONSUMER, (consumer, str(position[0]), position[1]))
+                return position
+
+        xid, seq = self._write("subscribe", body, rows=0)
+        return PostgresSubscription(
+            url=self.url,
+            consumer=consumer,
+            origin=self.origin,
+            xid=xid,
+            seq=seq,
+            consumer_ttl_s=self.consumer_ttl_s,
+            prune_interval_s=self.prune_interval_s,
+        )
+
+    def consumers(self) -> dict[str, Cursor]:
+        """Every registered consumer's saved cursor."""
+        found = self._read("consumers", lambda c: c.execute(sql.CONSUMERS).fetchall())
+        return {name: cursor_token(self.origin, int(xid), int(seq)) for name, xid, seq in found}
+
+    def drop_consumer(self, consumer: str) -> bool:
+        """Unregister a consumer: pruning stops waiting for it."""
+        check_consumer(consumer)
+        found = self._write(
+            "drop_consumer",
+            lambda c: c.execute(sql.DROP_CONSUMER, (consumer,)).fetchone(),
+            rows=0,
+        )
+        return found is not None
+
+    def prune(self, chunk: int = PRUNE_CHUNK) -> int:
+        """Remove every log entry all live consumers have passed; returns how many."""
+        if chunk < 1:
+            raise ValueError(f"prune: chunk must be at least 1, got {chunk}")
+        return self._write(
+            "prune",
+            lambda conn: prune(conn, consumer_ttl_s=self.consumer_ttl_s, chunk=chunk),
+            rows=0,
+        )
+
+    # -- the cluster's members -----------------------------------------------------------
+
+    def nodes(self, ttl_s: float) -> list[NodeRecord]:
+        """Every known node, live (by the database's clock and `ttl_s`) or not."""
+        return self._read("nodes", lambda conn: read_nodes(conn, ttl_s))
+
+    # -- upkeep --------------------------------------------------------------------------
+
+    def statistics(self) -> PostgresStoreStatistics:
+        def body(conn: Conn) -> tuple[Any, ...]:
+            found = conn.execute(
+                """SELECT (SELECT count(*) FROM render_schedule),
+                          (SELECT count(*) FROM routes),
+                          (SELECT count(*) FROM change_log),
+                          (SELECT floor_xid::text::bigint FROM feed_state WHERE id = 1),
+                          (SELECT count(*) FROM feed_consumers),
+                          (SELECT resyncs FROM feed_state WHERE id = 1)"""
+            ).fetchone()
+            assert found is not None
+            return tuple(found)
+
+        rows, routes, log_rows, floor_xid, consumers, resyncs = self._read("statistics", body)
+        with self._lock:
+            states = list(self._states)
+        return PostgresStoreStatistics(
+            url=redacted(self.url),
+            schema_version=self._schema_version,
+            origin=self.origin,
+            rows=int(rows),
+            routes=int(routes),
+            log_rows=int(log_rows),
+            floor_xid=int(floor_xid),
+            consumers=int(consumers),
+            resyncs=int(resyncs),
+            transactions=sum(s.transactions for s in states),
+            rows_written=sum(s.rows_written for s in states),
+            reconnects=sum(s.reconnects for s in states),
+            busy=sum(s.busy for s in states),
+            rollbacks=sum(s.rollbacks for s in states),
+        )
+
+    @property
+    def last_commit_ns(self) -> int:
+        """time.monotonic_ns() now: a write returns only once its commit is acknowledged."""
+        return time.monotonic_ns()
+
+    def close(self) -> None:
+        """Close every thread's connection; the object is unusable afterwards."""
+        with self._lock:
+            self._closed = True
+            states, self._states = self._states, []
+        for state in states:
+            self._drop(state)
+        self._local = threading.local()
+
+    def __enter__(self) -> PostgresStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _still_open(conn: Conn) -> bool:
+    """False when the server has closed an idle connection (a restart, a terminated
+    backend): the socket reads as ready with nothing asked of it. Found before a write is
+    sent, not by the write, which could not then be retried."""
+    try:
+        ready, _, _ = select.select([conn.pgconn.socket], [], [], 0)
+    except (OSError, ValueError, psycopg.OperationalError):
+        return False
+    return not ready
+
+
+def _origin(conn: Conn) -> str:
+    """The cluster's system identifier and the database's oid: a restore changes one."""
+    try:
+        with conn.transaction():
+            found = conn.execute("SELECT system_identifier FROM pg_control_system()").fetchone()
+        system = "" if found is None else str(found[0])
+    except psycopg.errors.InsufficientPrivilege:
+        system = "unknown"
+    found = conn.execute(
+        "SELECT oid FROM pg_database WHERE datname = current_database()"
+    ).fetchone()
+    assert found is not None
+    return f"{system}.{found[0]}"

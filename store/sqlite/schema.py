@@ -1,0 +1,181 @@
+"""The SQLite schema and its versioned migrations.
+
+The change log is filled by triggers inside the writing transaction, so a write
+and its log entry commit together or not at all. With one writer at a time, seq
+order is commit order. `seq` is the rowid (max + 1), not AUTOINCREMENT: pruning
+never removes the newest entry, so a committed seq is never reused all the same
+(a rolled-back transaction takes its seqs back with it, unseen), and each write
+skips AUTOINCREMENT's extra `sqlite_sequence` page, one more page written and synced
+per commit. Each entry carries a random `stamp` so a cursor can tell its
+entry from a different one that reused the seq after the log was rolled back by
+a power loss.
+
+A row's `version` is the seq of the log entry its write made, so versions only
+grow, even across a delete and re-insert of the same key.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Callable
+
+from store.errors import StoreError, refuse_newer
+from store.secret import new_secret
+
+KIND_ROW = 0
+KIND_ROUTE = 1
+KIND_SETTINGS = 2
+DEFAULT_CADENCE_SETTING = "default_cadence_s"
+DEFAULT_CADENCE_S = 86_400
+# Every TRIM_EVERY-th log entry's write removes up to TRIM_ENTRIES below the floor (about a
+# page): the log can shrink four times as fast as it grows, and the page holding its oldest
+# entries is rewritten once per 16 writes rather than by every one.
+TRIM_EVERY = 16
+TRIM_ENTRIES = 64
+
+# The seq the next log entry will take, read inside the writing statement.
+NEXT_SEQ = "(SELECT coalesce(max(seq), 0) + 1 FROM change_log)"
+
+_V1 = [
+    """CREATE TABLE render_schedule (
+        key TEXT PRIMARY KEY NOT NULL CHECK (key <> ''),
+        route TEXT NOT NULL,
+        cadence_s INTEGER CHECK (cadence_s IS NULL OR cadence_s > 0),
+        sitemap INTEGER NOT NULL CHECK (sitemap IN (0, 1)),
+        next_render_at INTEGER NOT NULL,
+        last_rendered_at INTEGER,
+        last_outcome TEXT,
+        version INTEGER NOT NULL
+    ) WITHOUT ROWID""",
+    """CREATE TABLE routes (
+        route TEXT PRIMARY KEY NOT NULL,
+        default_cadence_s INTEGER CHECK (default_cadence_s IS NULL OR default_cadence_s > 0),
+        paused INTEGER NOT NULL DEFAULT 0 CHECK (paused IN (0, 1))
+    ) WITHOUT ROWID""",
+    """CREATE TABLE settings (
+        name TEXT PRIMARY KEY NOT NULL,
+        value INTEGER NOT NULL
+    ) WITHOUT ROWID""",
+    """CREATE TABLE change_log (
+        seq INTEGER PRIMARY KEY,
+        kind INTEGER NOT NULL,
+        key TEXT NOT NULL,
+        stamp INTEGER NOT NULL
+    )""",
+    # One row per registered consumer: pruning never passes the lowest cursor here.
+    """CREATE TABLE feed_consumers (
+        consumer TEXT PRIMARY KEY NOT NULL,
+        seq INTEGER NOT NULL,
+        stamp INTEGER NOT NULL,
+        wake TEXT NOT NULL,
+        saved_at INTEGER NOT NULL
+    ) WITHOUT ROWID""",
+    # floor: every log entry with seq >= floor is present (0: nothing was ever pruned).
+    """CREATE TABLE feed_state (
+        id INTEGER PRIMARY KEY CHECK (id = 1),
+        floor INTEGER NOT NULL,
+        resyncs INTEGER NOT NULL
+    )""",
+    "INSERT INTO feed_state (id, floor, resyncs) VALUES (1, 0, 0)",
+    """CREATE TRIGGER render_schedule_logged_insert AFTER INSERT ON render_schedule BEGIN
+        INSERT INTO change_log (kind, key, stamp) VALUES (0, NEW.key, random());
+    END""",
+    """CREATE TRIGGER render_schedule_logged_update AFTER UPDATE ON render_schedule BEGIN
+        INSERT INTO change_log (kind, key, stamp) VALUES (0, NEW.key, random());
+    END""",
+    """CREATE TRIGGER render_schedule_logged_delete AFTER DELETE ON render_schedule BEGIN
+        INSERT INTO change_log (kind, key, stamp) VALUES (0, OLD.key, random());
+    END""",
+    """CREATE TRIGGER routes_logged_insert AFTER INSERT ON routes BEGIN
+        INSERT INTO change_log (kind, key, stamp) VALUES (1, NEW.route, random());
+    END""",
+    """CREATE TRIGGER routes_logged_update AFTER UPDATE ON routes BEGIN
+        INSERT INTO change_log (kind, key, stamp) VALUES (1, NEW.route, random());
+    END""",
+    """CREATE TRIGGER routes_logged_delete AFTER DELETE ON routes BEGIN
+        INSERT INTO change_log (kind, key, stamp) VALUES (1, OLD.route, random());
+    END""",
+    """CREATE TRIGGER settings_logged_insert AFTER INSERT ON settings BEGIN
+        INSERT INTO change_log (kind, key, stamp) VALUES (2, NEW.name, random());
+    END""",
+    """CREATE TRIGGER settings_logged_update AFTER UPDATE ON settings BEGIN
+        INSERT INTO change_log (kind, key, stamp) VALUES (2, NEW.name, random());
+    END""",
+]
+
+# Writes trim log entries below the floor, so the log shrinks by small steps
+# inside the writers' own transactions instead of in bulk deletes that hold the write
+# lock for milliseconds. Only entries below the committed floor go: the floor is raised
+# first (SqliteStore.raise_floor), and the entry at the floor stays.
+_V2 = [
+    f"""CREATE TRIGGER change_log_trimmed AFTER INSERT ON change_log
+    WHEN NEW.seq % {TRIM_EVERY} = 0 BEGIN
+        DELETE FROM change_log WHERE seq < min(
+            (SELECT floor FROM feed_state WHERE id = 1),
+            (SELECT min(seq) FROM change_log) + {TRIM_ENTRIES});
+    END""",
+]
+
+# The key hashes' secret (store/secret.py): one row, written with the table.
+_V3 = [
+    """CREATE TABLE hash_secret (
+        id INTEGER PRIMARY KEY CHECK (id = 1),
+        secret BLOB NOT NULL
+    )""",
+]
+
+
+def _seed_secret(conn: sqlite3.Connection) -> None:
+    conn.execute("INSERT INTO hash_secret (id, secret) VALUES (1, ?)", (new_secret(),))
+
+
+# Index i holds the statements that take a database from version i to i + 1.
+MIGRATIONS: list[list[str]] = [_V1, _V2, _V3]
+# What a version's tables start with that SQL cannot make (random bytes from Python's
+# `secrets`), run after that version's statements, in the same transaction.
+SEEDS: dict[int, Callable[[sqlite3.Connection], None]] = {3: _seed_secret}
+LATEST = len(MIGRATIONS)
+
+
+def _tables(conn: sqlite3.Connection) -> set[str]:
+    return {name for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+
+
+def schema_version(conn: sqlite3.Connection) -> int:
+    """The database's schema version; 0 for an empty file."""
+    tables = _tables(conn)
+    if "schema_version" not in tables:
+        if "render_schedule" in tables or "change_log" in tables:
+            raise StoreError("the database has renderqueue tables but no schema_version table")
+        return 0
+    row = conn.execute("SELECT max(version) FROM schema_version").fetchone()
+    return int(row[0] or 0)
+
+
+def migrate(conn: sqlite3.Connection, where: str) -> int:
+    """Bring the database to LATEST in one transaction; returns the version found before.
+
+    The connection must be in autocommit mode (isolation_level=None).
+    """
+    found = schema_version(conn)
+    refuse_newer(found, LATEST, where)
+    if found == LATEST:
+        return found
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        # Another process may have migrated while this one waited for the lock.
+        found = schema_version(conn)
+        refuse_newer(found, LATEST, where)
+        if found == 0:
+            conn.execute("CREATE TABLE schema_version (version INTEGER NOT NULL)")
+        for version in range(found, LATEST):
+            for statement in MIGRATIONS[version]:
+                conn.execute(statement)
+            if (seed := SEEDS.get(version + 1)) is not None:
+                seed(conn)
+            conn.execute("INSERT INTO schema_version (version) VALUES (?)", (version + 1,))
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    return found

@@ -1,0 +1,133 @@
+"""The statements SqliteStore runs."""
+
+from __future__ import annotations
+
+from store.rows import ROW_COLUMNS
+from store.sqlite.schema import DEFAULT_CADENCE_S, DEFAULT_CADENCE_SETTING, NEXT_SEQ
+
+UPSERT = f"""
+INSERT INTO render_schedule (key, route, cadence_s, sitemap, next_render_at, version)
+VALUES (?, ?, ?, ?, ?, {NEXT_SEQ})
+ON CONFLICT (key) DO UPDATE SET
+    route = excluded.route,
+    cadence_s = excluded.cadence_s,
+    sitemap = excluded.sitemap,
+    next_render_at = excluded.next_render_at,
+    version = excluded.version
+"""
+
+DELETE = "DELETE FROM render_schedule WHERE key = ?"
+
+GET = f"SELECT {ROW_COLUMNS} FROM render_schedule WHERE key = ?"
+
+# Driven by the key list (CROSS JOIN keeps that order), one primary-key seek per key;
+# `key IN (SELECT value FROM json_each(?))` would first build and sort an ephemeral index
+# of the list, a cost per key the driven join does not pay.
+# The list must name each key once (SqliteStore dedupes it): a repeat would repeat a row.
+GET_MANY = f"""
+SELECT {", ".join(f"r.{c}" for c in ROW_COLUMNS.split(", "))}
+FROM json_each(?) AS j CROSS JOIN render_schedule AS r ON r.key = j.value
+"""
+
+WALK_FIRST = f"SELECT {ROW_COLUMNS} FROM render_schedule ORDER BY key LIMIT ?"
+WALK_AFTER = f"SELECT {ROW_COLUMNS} FROM render_schedule WHERE key > ? ORDER BY key LIMIT ?"
+
+GLOBAL_CADENCE = (
+    f"coalesce((SELECT value FROM settings WHERE name = '{DEFAULT_CADENCE_SETTING}'), "
+    f"{DEFAULT_CADENCE_S})"
+)
+
+# complete() stages each round of a batch (no key twice) in this per-connection table, so
+# one statement per outcome applies the round. Created outside any transaction: a table
+# created inside one would vanish with a BUSY rollback.
+CREATE_COMPLETING = """
+CREATE TEMP TABLE IF NOT EXISTS completing (
+    key TEXT PRIMARY KEY NOT NULL,
+    outcome TEXT NOT NULL,
+    now INTEGER NOT NULL,
+    next_render_at INTEGER
+) WITHOUT ROWID
+"""
+STAGE_COMPLETING = "INSERT INTO temp.completing VALUES (?, ?, ?, ?)"
+CLEAR_COMPLETING = "DELETE FROM temp.completing"
+
+# NEXT_SEQ is read once per statement; this one names the updated row, so SQLite reads it
+# again for each row, after the previous row's trigger logged its entry: each row's
+# version is the seq of its own log entry, as with one statement per row.
+_NEXT_SEQ_PER_ROW = (
+    "(SELECT coalesce(max(seq), 0) + 1 + 0 * render_schedule.version FROM change_log)"
+)
+
+COMPLETE_GONE = """
+DELETE FROM render_schedule
+WHERE key IN (SELECT key FROM temp.completing WHERE outcome = 'gone')
+"""
+
+COMPLETE_RENDERED = f"""
+UPDATE render_schedule SET
+    (last_rendered_at, next_render_at) = (
+        SELECT c.now, coalesce(c.next_render_at, c.now + 1000 * coalesce(
+            render_schedule.cadence_s,
+            (SELECT default_cadence_s FROM routes WHERE routes.route = render_schedule.route),
+            {GLOBAL_CADENCE}))
+        FROM temp.completing AS c WHERE c.key = render_schedule.key),
+    last_outcome = 'rendered',
+    version = {_NEXT_SEQ_PER_ROW}
+WHERE key IN (SELECT key FROM temp.completing WHERE outcome = 'rendered')
+RETURNING {ROW_COLUMNS}
+"""
+
+# A failure keeps the row due: next_render_at and last_rendered_at stay as they were.
+COMPLETE_FAILED = f"""
+UPDATE render_schedule SET last_outcome = 'failed', version = {_NEXT_SEQ_PER_ROW}
+WHERE key IN (SELECT key FROM temp.completing WHERE outcome = 'failed')
+RETURNING {ROW_COLUMNS}
+"""
+
+ROUTES = "SELECT route, default_cadence_s, paused FROM routes ORDER BY route"
+ROUTES_NAMED = (
+    "SELECT route, default_cadence_s, paused FROM routes "
+    "WHERE route IN (SELECT value FROM json_each(?))"
+)
+
+SET_ROUTE = """
+INSERT INTO routes (route, default_cadence_s, paused)
+VALUES (:route, :cadence, coalesce(:paused, 0))
+ON CONFLICT (route) DO UPDATE SET
+    default_cadence_s = CASE WHEN :set_cadence THEN :cadence ELSE default_cadence_s END,
+    paused = coalesce(:paused, paused)
+RETURNING route, default_cadence_s, paused
+"""
+
+GET_DEFAULT_CADENCE = f"SELECT {GLOBAL_CADENCE}"
+GET_HASH_SECRET = "SELECT secret FROM hash_secret WHERE id = 1"
+
+SET_DEFAULT_CADENCE = f"""
+INSERT INTO settings (name, value) VALUES ('{DEFAULT_CADENCE_SETTING}', ?)
+ON CONFLICT (name) DO UPDATE SET value = excluded.value
+"""
+
+HEAD = "SELECT coalesce(max(seq), 0) FROM change_log"
+LAST_ENTRY = "SELECT seq, stamp FROM change_log ORDER BY seq DESC LIMIT 1"
+FLOOR = "SELECT floor FROM feed_state WHERE id = 1"
+STAMP_AT = "SELECT stamp FROM change_log WHERE seq = ?"
+
+# One statement reads the log after a cursor and each row it names, in one snapshot.
+POLL = """
+SELECT l.seq, l.kind, l.key, l.stamp,
+       r.route, r.cadence_s, r.sitemap, r.next_render_at, r.last_rendered_at,
+       r.last_outcome, r.version
+FROM change_log AS l
+LEFT JOIN render_schedule AS r ON l.kind = 0 AND r.key = l.key
+WHERE l.seq > ?
+ORDER BY l.seq
+LIMIT ?
+"""
+
+CONSUMER = "SELECT seq, stamp, wake FROM feed_consumers WHERE consumer = ?"
+SAVE_CONSUMER = """
+INSERT INTO feed_consumers (consumer, seq, stamp, wake, saved_at) VALUES (?, ?, ?, ?, ?)
+ON CONFLICT (consumer) DO UPDATE SET
+    seq = excluded.seq, stamp = excluded.stamp, wake = excluded.wake, saved_at = excluded.saved_at
+"""
+WAKE_NAMES = "SELECT wake FROM feed_consumers"

@@ -1,0 +1,623 @@
+"""SqliteStore: the embedded durable schedule (stdlib sqlite3, WAL) and its exact change feed.
+
+Thread-safety: one SqliteStore may be shared by the threads of one process;
+each thread gets its own connection (threading.local), so the keeper thread
+and HTTP handlers never share one. Use a store only in the process that
+opened it (open another after a fork or in a spawned child). A Subscription
+has a connection of its own and serves one reader.
+
+Writes are all or nothing: every batch is one BEGIN IMMEDIATE transaction,
+retried whole while other writers hold the lock (see sqlite_conn). After each
+commit the writer copies the commit's log records into the subscribed consumers'
+rings (see feed_ring), then posts their semaphores (see wake); a daemon thread
+checkpoints the WAL off the writers' path (see upkeep).
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TypeVar
+
+import msgspec
+
+from store.base import DEFAULT_BUSY_TIMEOUT_S, Cursor, RowsRead, Writability, WriteHealth
+from store.errors import StoreError, StoreFull
+from store.rows import Completion, Route, Row, RowWrite, completion_rounds, route_from, row_from
+from store.secret import checked
+from store.sqlite import sql
+from store.sqlite.conn import Retry, configure, connect
+from store.sqlite.feed import (
+    SqliteSubscription,
+    Verdict,
+    cursor_token,
+    forget,
+    head,
+    judge,
+    parse_cursor,
+    raise_for,
+    release,
+)
+from store.sqlite.feed_ring import HANDOFF_LIMIT, FeedHandoff, LogRecord, create_ring
+from store.sqlite.schema import KIND_ROW, migrate, schema_version
+from store.sqlite.upkeep import PRUNE_INTERVAL_S, WRITER_CHECKPOINT_PAGES, Upkeep, UpkeepStatistics
+from store.sqlite.wake import (
+    WakePoster,
+    WakeStatistics,
+    new_wake_name,
+    open_waiter,
+    wake_prefix,
+)
+from store.validate import (
+    check_cadence,
+    check_completions,
+    check_consumer,
+    check_deletes,
+    check_key,
+    check_keys,
+    check_route_change,
+    check_upserts,
+)
+
+T = TypeVar("T")
+
+PRUNE_CHUNK = 20_000
+
+
+class StoreStatistics(msgspec.Struct, frozen=True, kw_only=True):
+    path: str
+    schema_version: int
+    rows: int
+    routes: int
+    log_rows: int
+    floor: int  # every log entry at or above it is present
+    head: int  # the last committed log entry
+    consumers: int
+    lowest_consumer_seq: int | None  # pruning never passes it
+    resyncs: int  # cursors found ahead of the log (rolled back), all processes, ever
+    transactions: int  # write transactions committed through this object
+    rows_written: int
+    busy_retries: int  # transactions retried because another writer held the lock
+    pruned: int  # log entries this object removed
+    wake: WakeStatistics
+    upkeep: UpkeepStatistics
+
+
+class _ThreadState:
+    def __init__(self, conn: sqlite3.Connection, busy_timeout_s: float) -> None:
+        self.conn = conn
+        self.retry = Retry(busy_timeout_s)
+        self.transactions = 0
+        self.rows_written = 0
+        self.last_commit_ns = 0
+
+
+class SqliteStore:
+    """The SQLite backend of `store.base.ScheduleStore`."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        wake_name: str | None = None,
+        busy_timeout_s: float = DEFAULT_BUSY_TIMEOUT_S,
+        background_checkpoints: bool = True,
+        prune_interval_s: float | None = PRUNE_INTERVAL_S,
+    ) -> None:
+        """`background_checkpoints`: checkpoint on a daemon thread (see store.sqlite.upkeep) rather
+        than in commits; `prune_interval_s`: how often a write also raises the change log's
+        floor, below which writes trim it (None: only explicit `raise_floor()` or
+        `prune()` calls do)."""
+        text = os.fspath(path)
+        if not text or text == ":memory:" or text.startswith("file:"):
+            raise ValueError(f"SqliteStore needs a database file path, got {text!r}")
+        self.path = Path(os.path.abspath(text))  # threads and subscriptions reopen it
+        self.busy_timeout_s = busy_timeout_s
+        self._wake_prefix = wake_prefix(self.path, wake_name)
+        self._pid = os.getpid()
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._states: list[_ThreadState] = []
+        self._poster = WakePoster()
+        self._handoff = FeedHandoff()
+        self._health = WriteHealth()
+        self._upkeep = (
+            Upkeep(self.path, self.raise_floor, prune_interval_s)
+            if background_checkpoints
+            else None
+        )
+        self._pruned = 0
+        self._closed = False
+        state = self._state()  # opens, migrates, and refuses a newer schema now
+        self._schema_version = state.retry.call("open", lambda: schema_version(state.conn))
+
+    # -- connections ---------------------------------------------------------------------
+
+    def _state(self) -> _ThreadState:
+        state: _ThreadState | None = getattr(self._local, "state", None)
+        if state is not None:
+            return state
+        if self._closed:
+            raise StoreError(f"the store at {self.path} is closed")
+        if os.getpid() != self._pid:
+            raise StoreError(
+                f"this SqliteStore for {self.path} was opened in process {self._pid}; "
+                "open a new one in each process"
+            )
+        conn = connect(self.path)
+        retry = Retry(self.busy_timeout_s)
+        try:
+            retry.call("open", lambda: configure(conn))
+            retry.call("open", lambda: migrate(conn, str(self.path)))
+            retry.call("open", lambda: conn.execute(sql.CREATE_COMPLETING))
+            if self._upkeep is not None:
+                conn.execute(f"PRAGMA wal_autocheckpoint = {WRITER_CHECKPOINT_PAGES}")
+        except BaseException:
+            conn.close()
+            raise
+        state = _ThreadState(conn, self.busy_timeout_s)
+        state.retry.retries = retry.retries
+        self._local.state = state
+        with self._lock:
+            self._states.append(state)
+        return state
+
+    def _read(self, what: str, body: Callable[[sqlite3.Connection], T]) -> T:
+        state = self._state()
+        return state.retry.call(what, lambda: body(state.conn))
+
+    def _write(
+        self,
+        what: str,
+        body: Callable[[sqlite3.Connection], T],
+        *,
+        rows: int,
+        logged: bool,
+        wait: bool = True,
+    ) -> T:
+        try:
+            result = self._write_once(what, body, rows=rows, logged=logged, wait=wait)
+        except StoreFull as exc:
+            self._health.refused(str(exc))
+            raise
+        self._health.succeeded()
+        return result
+
+    def writability(self) -> Writability:
+        return self._health.statistics()
+
+    def _write_once(
+        self,
+        what: str,
+        body: Callable[[sqlite3.Connection], T],
+        *,
+        rows: int,
+        logged: bool,
+        wait: bool,
+    ) -> T:
+        state = self._state()
+        if logged:
+            self._refresh_consumers(state)
+        if logged and self._handoff.rings:
+            # The transaction's own log records, read back before it commits, for the
+            # consumers' rings (store.sqlite.feed_ring): the entry before them gives the chain.
+            def logged_body(conn: sqlite3.Connection) -> tuple[T, list[LogRecord], int]:
+                before, prev_stamp = head(conn)
+                result = body(conn)
+                records = conn.execute(sql.POLL, (before, HANDOFF_LIMIT + 1)).fetchall()
+                return result, records, prev_stamp
+
+            result, records, prev_stamp = state.retry.transaction(
+                state.conn, what, logged_body, write=True, wait=wait
+            )
+            self._committed(state, rows)
+            self._handoff.hand_over(records, prev_stamp, whole=len(records) <= HANDOFF_LIMIT)
+        else:
+            result = state.retry.transaction(state.conn, what, body, write=True, wait=wait)
+            self._committed(state, rows)
+        if logged:
+            self._poster.post()
+        return result
+
+    def _committed(self, state: _ThreadState, rows: int) -> None:
+        state.last_commit_ns = time.monotonic_ns()
+        if self._upkeep is not None:
+            self._upkeep.committed()
+        state.transactions += 1
+        state.rows_written += rows
+
+    def _refresh_consumers(self, state: _ThreadState) -> None:
+        """Learn the subscribed consumers' semaphores and rings now and then."""
+        if self._poster.due():
+            try:
+                names = [n for (n,) in state.conn.execute(sql.WAKE_NAMES)]
+            except sqlite3.OperationalError:
+                return  # busy: keep the old lists; a wake-up is only a hint
+            self._poster.refresh(names)
+            self._handoff.refresh(names)
+
+    @property
+    def last_commit_ns(self) -> int:
+        """time.monotonic_ns() just after this thread's last commit (for lag measurements)."""
+        return self._state().last_commit_ns
+
+    # -- the schedule --------------------------------------------------------------------
+
+    def write(self, upsert: Sequence[RowWrite] = (), delete: Sequence[str] = ()) -> None:
+        if not isinstance(upsert, list | tuple):
+            upsert = list(upsert)  # iterated twice below: an iterator would write nothing
+        if not isinstance(delete, list | tuple | str):
+            delete = list(delete)
+        check_upserts(upsert)
+        check_deletes(delete, upsert)
+        if not upsert and not delete:
+            return
+        params = [
+            (r.key, r.route, r.cadence_s, 1 if r.sitemap else 0, r.next_render_at) for r in upsert
+        ]
+        gone = [(key,) for key in delete]
+
+        def body(conn: sqlite3.Connection) -> None:
+            if len(params) == 1:
+                conn.execute(sql.UPSERT, params[0])
+            elif params:
+                conn.executemany(sql.UPSERT, params)
+            if gone:
+                conn.executemany(sql.DELETE, gone)
+
+        self._write("write", body, rows=len(params) + len(gone), logged=True)
+
+    def complete(self, items: Sequence[Completion], *, wait: bool = True) -> list[Row | None]:
+        if not isinstance(items, list | tuple):
+            items = list(items)
+        check_completions(items)
+        if not items:
+            return []
+
+        # One statement per outcome per round, not per item: within a round the log holds
+        # the rendered rows, then the failed, then the gone (input order is lost there);
+        # a key named twice is in two rounds, so its own completions apply in order.
+        rounds = completion_rounds(items)
+
+        def body(conn: sqlite3.Connection) -> list[Row | None]:
+            out: list[Row | None] = [None] * len(items)
+            for indices in rounds:
+                staged = [items[i] for i in indices]
+                conn.executemany(
+                    sql.STAGE_COMPLETING,
+                    [(c.key, c.outcome, c.now, c.next_render_at) for c in staged],
+                )
+                outcomes = {c.outcome for c in staged}
+                found: dict[str, Row] = {}
+                for outcome, statement in _COMPLETE_STATEMENTS:
+                    if outcome in outcomes:
+                        for values in conn.execute(statement):
+                            row = row_from(values)
+                            found[row.key] = row
+                if "gone" in outcomes:
+                    conn.execute(sql.COMPLETE_GONE)
+                conn.execute(sql.CLEAR_COMPLETING)
+                for index, item in zip(indices, staged, strict=True):
+                    out[index] = found.get(item.key)  # gone or missing: None
+            return out
+
+        return self._write("complete", body, rows=len(items), logged=True, wait=wait)
+
+    def get(self, key: str) -> Row | None:
+        check_key(key)
+        found = self._read("get", lambda conn: conn.execute(sql.GET, (key,)).fetchone())
+        return None if found is None else row_from(found)
+
+    def get_many(self, keys: Sequence[str]) -> dict[str, Row]:
+        wanted = self._wanted(keys)
+        if wanted is None:
+            return {}
+        found = self._read(
+            "get_many", lambda conn: conn.execute(sql.GET_MANY, (wanted,)).fetchall()
+        )
+        return {values[0]: row_from(values) for values in found}
+
+    def get_many_at(self, keys: Sequence[str]) -> RowsRead:
+        wanted = self._wanted(keys)
+        if wanted is None:
+            return RowsRead(rows=[], head=self.feed_head())
+        return self._read_at("get_many_at", sql.GET_MANY, (wanted,))
+
+    def _wanted(self, keys: Sequence[str]) -> str | None:
+        """The keys as the JSON array GET_MANY takes; None when there are none."""
+        wanted = check_keys(keys, what="get_many")
+        return msgspec.json.encode(wanted).decode() if wanted else None
+
+    def walk(self, after: str | None, limit: int) -> list[Row]:
+        if limit < 1:
+            raise ValueError(f"walk: limit must be at least 1, got {limit}")
+        if after is None:
+            found = self._read("walk", lambda c: c.execute(sql.WALK_FIRST, (limit,)).fetchall())
+        else:
+            found = self._read(
+                "walk", lambda c: c.execute(sql.WALK_AFTER, (after, limit)).fetchall()
+            )
+        return [row_from(values) for values in found]
+
+    def walk_at(self, after: str | None, limit: int) -> RowsRead:
+        if limit < 1:
+            raise ValueError(f"walk: limit must be at least 1, got {limit}")
+        if after is None:
+            return self._read_at("walk_at", sql.WALK_FIRST, (limit,))
+        return self._read_at("walk_at", sql.WALK_AFTER, (after, limit))
+
+    def _read_at(self, what: str, statement: str, params: tuple[object, ...]) -> RowsRead:
+        """Rows and the log's head in one read transaction: one snapshot for both."""
+
+        def body(conn: sqlite3.Connection) -> tuple[list[Row], tuple[int, int]]:
+            rows = [row_from(values) for values in conn.execute(statement, params)]
+            return rows, head(conn)
+
+        state = self._state()
+        rows, (seq, stamp) = state.retry.transaction(state.conn, what, body, write=False)
+        return RowsRead(rows=rows, head=cursor_token(seq, stamp))
+
+    def count(self) -> int:
+        query = "SELECT count(*) FROM render_schedule"
+        return int(self._read("count", lambda c: c.execute(query).fetchone()[0]))
+
+    # -- routes and the global default ---------------------------------------------------
+
+    def routes(self) -> list[Route]:
+        found = self._read("routes", lambda c: c.execute(sql.ROUTES).fetchall())
+        return [route_from(values) for values in found]
+
+    def set_route(
+        self,
+        route: str,
+        *,
+        default_cadence_s: int | None = None,
+        paused: bool | None = None,
+        clear_default_cadence: bool = False,
+    ) -> Route:
+        """Create or change a route. None leaves a field as it is (a new route: no default
+        cadence, not paused); `clear_default_cadence` sends the route back to the global default.
+        """
+        set_cadence = check_route_change(route, default_cadence_s, paused, clear_default_cadence)
+        params = {
+            "route": route,
+            "cadence": default_cadence_s,
+            "set_cadence": 1 if set_cadence else 0,
+            "paused": None if paused is None else int(paused),
+        }
+        found = self._write(
+            "set_route",
+            lambda conn: conn.execute(sql.SET_ROUTE, params).fetchall(),
+            rows=1,
+            logged=True,
+        )
+        return route_from(found[0])
+
+    def default_cadence_s(self) -> int:
+        return int(
+            self._read("default", lambda c: c.execute(sql.GET_DEFAULT_CADENCE).fetchone()[0])
+        )
+
+    def hash_secret(self) -> bytes:
+        found = self._read("hash_secret", lambda c: c.execute(sql.GET_HASH_SECRET).fetchone())
+        return checked(None if found is None else found[0], str(self.path))
+
+    def set_default_cadence_s(self, seconds: int) -> None:
+        check_cadence(seconds, where="default_cadence_s", optional=False)
+        self._write(
+            "set_default_cadence_s",
+            lambda conn: conn.execute(sql.SET_DEFAULT_CADENCE, (seconds,)),
+            rows=1,
+            logged=True,
+        )
+
+    # -- the change feed -----------------------------------------------------------------
+
+    def feed_head(self) -> Cursor:
+        seq, stamp = self._state().retry.transaction(
+            self._state().conn, "feed_head", head, write=False
+        )
+        return cursor_token(seq, stamp)
+
+    def subscribe(self, consumer: str, cursor: Cursor | None = None) -> SqliteSubscription:
+        """Open the feed at `cursor`, else at the consumer's saved cursor, else at the head.
+
+        Registers the consumer at that position, so pruning keeps what it has not read.
+        Raises CursorBelowFloor or CursorAhead (counted as a resync) instead of replaying short.
+        """
+        check_consumer(consumer)
+        start = None if cursor is None else parse_cursor(cursor)
+        # A fresh semaphore per subscription, made before writers can learn its name.
+        wake = new_wake_name(self._wake_prefix)
+        waiter = open_waiter(wake)
+        ring = create_ring(wake) if waiter is not None else None
+
+        def body(conn: sqlite3.Connection) -> tuple[Verdict, str, int, int, str | None]:
+            saved = conn.execute(sql.CONSUMER, (consumer,)).fetchone()
+            if start is not None:
+                seq, stamp = start
+            elif saved is not None:
+                seq, stamp = int(saved[0]), int(saved[1])
+            else:
+                seq, stamp = head(conn)
+            verdict, reason = judge(conn, seq, stamp)
+            if verdict == "ahead":
+                conn.execute("UPDATE feed_state SET resyncs = resyncs + 1 WHERE id = 1")
+            if verdict != "ok":
+                return verdict, reason, seq, stamp, None
+            now_ms = time.time_ns() // 1_000_000
+            conn.execute(sql.SAVE_CONSUMER, (consumer, seq, stamp, wake, now_ms))
+            return verdict, reason, seq, stamp, None if saved is None else str(saved[2])
+
+        try:
+            verdict, reason, seq, stamp, previous = self._write(
+                "subscribe", body, rows=0, logged=False
+            )
+            if verdict != "ok":
+                raise_for(verdict, reason, consumer)
+        except BaseException:
+            release(wake, waiter, ring)
+            raise
+        if previous is not None and previous != wake:
+            forget(previous)  # left by this consumer's last run, if it died without closing
+        return SqliteSubscription(
+            path=self.path,
+            consumer=consumer,
+            seq=seq,
+            stamp=stamp,
+            wake_name=wake,
+            waiter=waiter,
+            ring=ring,
+            busy_timeout_s=self.busy_timeout_s,
+        )
+
+    def consumers(self) -> dict[str, Cursor]:
+        """Every registered consumer's saved cursor."""
+        found = self._read(
+            "consumers",
+            lambda c: c.execute("SELECT consumer, seq, stamp FROM feed_consumers").fetchall(),
+        )
+        return {name: cursor_token(int(seq), int(stamp)) for name, seq, stamp in found}
+
+    def drop_consumer(self, consumer: str) -> bool:
+        """Unregister a consumer (pruning stops waiting for it) and remove its semaphore."""
+        check_consumer(consumer)
+
+        def body(conn: sqlite3.Connection) -> str | None:
+            found = conn.execute(sql.CONSUMER, (consumer,)).fetchone()
+            conn.execute("DELETE FROM feed_consumers WHERE consumer = ?", (consumer,))
+            return None if found is None else str(found[2])
+
+        wake = self._write("drop_consumer", body, rows=0, logged=False)
+        if wake is not None:
+            forget(wake)
+        return wake is not None
+
+    def raise_floor(self) -> int:
+        """Raise the log's floor to the lowest cursor a registered consumer saved (the head
+        when none is registered); returns the entries now below it.
+
+        Nothing is removed here: each later write trims a few entries below the floor
+        in its own transaction (see store.sqlite.schema), and `prune()` removes them all.
+        """
+
+        def body(conn: sqlite3.Connection) -> int:
+            last, _ = head(conn)
+            lowest = conn.execute("SELECT min(seq) FROM feed_consumers").fetchone()[0]
+            target = last if lowest is None else min(int(lowest), last)
+            conn.execute("UPDATE feed_state SET floor = max(floor, ?) WHERE id = 1", (target,))
+            floor = int(conn.execute(sql.FLOOR).fetchone()[0])
+            oldest = conn.execute("SELECT min(seq) FROM change_log").fetchone()[0]
+            return 0 if oldest is None else max(0, floor - int(oldest))
+
+        return self._write("raise_floor", body, rows=0, logged=False)
+
+    def prune(self, chunk: int = PRUNE_CHUNK, pause_s: float = 0.0) -> int:
+        """Remove every log entry all registered consumers have passed; returns how many.
+
+        The floor is raised (and committed) first, so a cursor below it is refused
+        before anything it needs is gone; then entries below the floor go, a chunk
+        per transaction so writers wait at most one chunk. The entry at the floor
+        stays: it lets a cursor there prove it belongs to this log. The store's upkeep
+        thread only raises the floor; writes trim below it a few entries at a time.
+        """
+        if chunk < 1:
+            raise ValueError(f"prune: chunk must be at least 1, got {chunk}")
+        self.raise_floor()
+        floor = int(self._read("prune", lambda c: c.execute(sql.FLOOR).fetchone()[0]))
+        removed = 0
+        while True:
+
+            def delete_chunk(conn: sqlite3.Connection) -> int:
+                lowest = conn.execute("SELECT min(seq) FROM change_log").fetchone()[0]
+                if lowest is None or lowest >= floor:
+                    return 0
+                bound = min(floor, int(lowest) + chunk)
+                return conn.execute("DELETE FROM change_log WHERE seq < ?", (bound,)).rowcount
+
+            done = self._write("prune", delete_chunk, rows=0, logged=False)
+            if done == 0:
+                break
+            removed += done
+            if pause_s:
+                time.sleep(pause_s)
+        with self._lock:
+            self._pruned += removed
+        return removed
+
+    # -- upkeep --------------------------------------------------------------------------
+
+    def statistics(self) -> StoreStatistics:
+        def body(conn: sqlite3.Connection) -> tuple[int, ...]:
+            def one(query: str) -> int:
+                value = conn.execute(query).fetchone()[0]
+                return -1 if value is None else int(value)
+
+            return (
+                one("SELECT count(*) FROM render_schedule"),
+                one("SELECT count(*) FROM routes"),
+                # committed seqs are contiguous: no scan of the log needed
+                one(
+                    "SELECT coalesce((SELECT max(seq) FROM change_log)"
+                    " - (SELECT min(seq) FROM change_log) + 1, 0)"
+                ),
+                one(sql.FLOOR),
+                one(sql.HEAD),
+                one("SELECT count(*) FROM feed_consumers"),
+                one("SELECT min(seq) FROM feed_consumers"),
+                one("SELECT resyncs FROM feed_state WHERE id = 1"),
+            )
+
+        state = self._state()
+        rows, routes, log_rows, floor, last, consumers, lowest, resyncs = state.retry.transaction(
+            state.conn, "statistics", body, write=False
+        )
+        with self._lock:
+            states = list(self._states)
+        return StoreStatistics(
+            path=str(self.path),
+            schema_version=self._schema_version,
+            rows=rows,
+            routes=routes,
+            log_rows=log_rows,
+            floor=floor,
+            head=last,
+            consumers=consumers,
+            lowest_consumer_seq=None if lowest < 0 else lowest,
+            resyncs=resyncs,
+            transactions=sum(s.transactions for s in states),
+            rows_written=sum(s.rows_written for s in states),
+            busy_retries=sum(s.retry.retries for s in states),
+            pruned=self._pruned,
+            wake=self._poster.statistics(),
+            upkeep=(self._upkeep or Upkeep(self.path)).statistics(),
+        )
+
+    def close(self) -> None:
+        """Close every thread's connection; the object is unusable afterwards."""
+        if self._upkeep is not None:
+            self._upkeep.close()  # first: its thread may be pruning on a connection below
+        with self._lock:
+            self._closed = True
+            states, self._states = self._states, []
+        for state in states:
+            state.conn.close()
+        self._local = threading.local()
+        self._poster.close()
+        self._handoff.close()
+
+    def __enter__(self) -> SqliteStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+_COMPLETE_STATEMENTS = (("rendered", sql.COMPLETE_RENDERED), ("failed", sql.COMPLETE_FAILED))
+
+
+assert KIND_ROW == 0  # the triggers in store.sqlite.schema write row entries as kind 0

@@ -1,0 +1,131 @@
+"""Honest signals: the claim status (ready, draining, stalled, unready) on /readyz, claims
+and /metrics; in flight without expired leases, and expired_unanswered counting them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from node_harness import local_node, now_ms
+
+from api import admin, claims, metrics
+from api.schemas import ClaimRequest
+from api.status import claim_status, lease_view
+from shm import key_hash
+from store.rows import RowWrite
+
+
+@pytest.fixture
+def node(tmp_path: Path) -> Iterator[Any]:
+    with local_node(tmp_path / "node.sqlite") as (found, _, _):
+        yield found
+
+
+def seed(node: Any, count: int) -> list[str]:
+    now = now_ms()
+    keys = [f"https://shop.example/s/{i}" for i in range(count)]
+    node.store.write(
+        upsert=[
+            RowWrite(key=k, route="product", next_render_at=now - 1000, cadence_s=600) for k in keys
+        ]
+    )
+    return keys
+
+
+def publish(node: Any, keys: list[str], at: int) -> None:
+    node.ring.publish(
+        [k.encode() for k in keys],
+        np.full(len(keys), at - 1000, dtype=np.int64),
+        np.zeros(len(keys), dtype=np.int32),
+        np.array([key_hash(k.encode()) for k in keys], dtype=np.uint64),
+        at,
+        np.full(len(keys), 600, dtype=np.uint32),
+    )
+
+
+def claim(node: Any, n: int) -> Any:
+    return asyncio.run(claims.claim(node, ClaimRequest(max=n, worker="t")))
+
+
+def readyz(node: Any) -> tuple[int, dict[str, Any]]:
+    response = admin.readyz(node)
+    return response.status_code, json.loads(bytes(response.body))
+
+
+def gauge(text: str, name: str) -> str:
+    (line,) = [line for line in text.splitlines() if line.startswith(name + " ")]
+    return line.split()[-1]
+
+
+def test_unready_before_the_first_publish(node: Any) -> None:
+    assert claim_status(node).status == "unready"
+    code, body = readyz(node)
+    assert code == 503 and body["status"] == "unready" and "not published" in body["reason"]
+    refused = claim(node, 1)
+    assert refused.status_code == 503 and json.loads(refused.body)["status"] == "unready"
+
+
+def test_ready_draining_stalled(node: Any) -> None:
+    keys = seed(node, 3)
+    publish(node, keys, now_ms())
+    code, body = readyz(node)
+    assert code == 200 and body["status"] == "ready"
+    granted = claim(node, 1)
+    assert granted.status == "ready" and len(granted.leases) == 1
+    # The keeper stops publishing: its last set still has two entries, claims drain it.
+    publish(node, keys[1:], now_ms() - 10_000)
+    status = claim_status(node)
+    assert status.status == "draining" and status.remaining == 2
+    code, body = readyz(node)
+    assert code == 200 and body["status"] == "draining" and "2 entries left" in body["reason"]
+    assert 'renderqueue_claim_status{status="draining"} 1' in metrics.render(node)
+    drained = claim(node, 5)
+    assert drained.status == "draining" and len(drained.leases) == 2
+    # Drained with the keeper not publishing: nothing can be granted.
+    assert claim_status(node).status == "stalled"
+    code, body = readyz(node)
+    assert code == 503 and body["status"] == "stalled" and "drained" in body["reason"]
+    refused = claim(node, 1)
+    assert refused.status_code == 503 and json.loads(refused.body)["status"] == "stalled"
+    assert refused.headers["retry-after"] == "1"
+    text = metrics.render(node)
+    assert gauge(text, "renderqueue_ready") == "0"
+    assert 'renderqueue_claim_status{status="stalled"} 1' in text
+    # A publish brings it back.
+    publish(node, [], now_ms())
+    assert readyz(node)[1]["status"] == "ready"
+
+
+def test_in_flight_leaves_out_expired_leases(node: Any) -> None:
+    now = now_ms()
+    live = node.leases.grant(key_hash(b"live"), now, 60_000, 600_000)
+    node.leases.grant(key_hash(b"expired"), now - 10_000, 5_000, 600_000)
+    assert live.expires_at > now
+    # The counters alone still count the expired lease as live.
+    assert node.leases.statistics().live_leases == 2
+    view = lease_view(node)
+    assert (view.in_flight, view.expired_unanswered) == (1, 1)
+    assert view.held_keys == 1  # the expired lease reads as the hold it becomes
+    text = metrics.render(node)
+    assert gauge(text, "renderqueue_in_flight") == "1"
+    assert gauge(text, "renderqueue_leases_expired_unanswered") == "1"
+    body = json.loads(bytes(admin.queue_state(node).body))
+    assert body["now"]["in_flight"] == 1 and body["now"]["leases"]["expired_unanswered"] == 1
+
+
+def test_a_fresh_supervisor_census_is_used(node: Any) -> None:
+    import msgspec
+
+    now = now_ms()
+    node.leases.grant(key_hash(b"a"), now, 60_000, 600_000)
+    census = {"now": now, "live_leases": 1, "expired_unanswered": 0, "held_keys": 0}
+    view = lease_view(node, {"lease_census": census}, now)
+    assert view.source == "supervisor" and view.in_flight == 1
+    stale = {**census, "now": now - 60_000}
+    assert lease_view(node, {"lease_census": stale}, now).source == "worker"
+    assert msgspec.to_builtins(view)["source"] == "supervisor"

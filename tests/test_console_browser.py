@@ -1,0 +1,386 @@
+"""The console in a real browser: Playwright for Python driving Debian's chromium against a
+real node (`renderqueue serve`, two workers) with rows.
+
+Without chromium or Playwright these tests skip and say why; under CI=true they fail
+(`.ci/run` installs chromium where it is missing). A screenshot of each state is saved in
+the directory the run prints (RENDERQUEUE_SCREENSHOTS, or pytest's temporary directory).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from conftest import IN_CI
+from node_harness import (
+    ADMIN_TOKEN,
+    NodeProcess,
+    now_ms,
+    seed_rows,
+    wait_for,
+)
+
+CHROMIUM = os.environ.get("RENDERQUEUE_CHROMIUM", "/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+READ_TOKEN = "test-read-token-" + "r" * 16
+HOSTILE = '<script>window.__pwned=1</script><img src=x onerror="window.__pwned=2">'
+HOSTILE_KEY = "https://shop.example/p/<img src=x onerror=window.__pwned=3>"
+
+
+def _unavailable(reason: str) -> None:
+    if IN_CI:
+        pytest.fail(f"{reason}; CI runs the browser tests (.ci/run installs chromium)")
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        _unavailable("Playwright is not installed (pip install -e '.[test]')")
+    if not (os.path.exists(CHROMIUM) or shutil.which(CHROMIUM)):
+        _unavailable(f"no chromium at {CHROMIUM} (apt-get install chromium)")
+    with sync_playwright() as playwright:
+        launched = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            yield launched
+        finally:
+            launched.close()
+
+
+@pytest.fixture(scope="module")
+def shots(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    chosen = os.environ.get("RENDERQUEUE_SCREENSHOTS")
+    directory = Path(chosen) if chosen else tmp_path_factory.mktemp("console-screenshots")
+    directory.mkdir(parents=True, exist_ok=True)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory, browser: Any) -> Iterator[NodeProcess]:
+    directory = tmp_path_factory.mktemp("console-node")
+    db = directory / "node.sqlite"
+    now = now_ms()
+    seed_rows(db, 240, due_share=0.5, route="product", now=now)
+    seed_rows(
+        db,
+        90,
+        due_share=0.8,
+        route="blog",
+        cadence_s=None,
+        prefix="https://shop.example/b/",
+        now=now,
+    )
+    from store import open_store
+    from store.rows import RowWrite
+
+    store = open_store(str(db))
+    try:
+        store.write(upsert=[RowWrite(key=HOSTILE_KEY, route="product", next_render_at=now - 5000)])
+        store.set_route("blog", default_cadence_s=7200)
+    finally:
+        store.close()
+    process = NodeProcess(
+        directory,
+        workers=2,
+        tokens=True,
+        env={"RENDERQUEUE_METRICS_TOKEN": READ_TOKEN},
+        # Worker 0 gets one listener in nine: most connections survive its SIGSTOP.
+        extra_args=("--listeners-per-worker", "8"),
+    )
+    process.start()
+    try:
+        with process.client() as client:
+            wait_for(
+                lambda: client.get("/prerender_admin/queue-state").status_code == 200,
+                60,
+                "an exact queue-state",
+                0.2,
+            )
+        yield process
+    finally:
+        process.stop()
+
+
+@contextlib.contextmanager
+def console(browser: Any, node: NodeProcess, token: str | None) -> Iterator[Any]:
+    context = browser.new_context(viewport={"width": 1400, "height": 1900})
+    page = context.new_page()
+    page.on("dialog", lambda dialog: dialog.accept())
+    try:
+        page.goto(f"{node.url}/console")
+        if token is not None:
+            page.fill("#token", token)
+            page.dispatch_event("#token", "change")
+        yield page
+    finally:
+        context.close()
+
+
+def ticks(page: Any) -> int:
+    return int(page.get_attribute("body", "data-ticks") or 0)
+
+
+def wait_ticks(page: Any, more: int = 1, timeout_s: float = 30) -> None:
+    start = ticks(page)
+    wait_for(lambda: ticks(page) >= start + more, timeout_s, "the console to refresh", 0.1)
+
+
+def shot(page: Any, shots: Path, name: str) -> None:
+    path = shots / f"{name}.png"
+    page.screenshot(path=str(path), full_page=True)
+    assert path.stat().st_size > 0
+
+
+def admin_get(node: NodeProcess, path: str, **params: str) -> httpx.Response:
+    """A fresh connection each time, and a short timeout: worker 0 may be stopped."""
+    for _ in range(20):
+        try:
+            with httpx.Client(
+                base_url=node.url,
+                headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
+                timeout=2,
+            ) as client:
+                return client.get(path, params=params)
+        except httpx.TimeoutException:
+            continue
+    raise AssertionError(f"{path}: no answer from any worker")
+
+
+def test_screenshots_directory_is_reported(shots: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with capsys.disabled():
+        print(f"\nconsole screenshots: {shots}")
+
+
+def test_numbers_equal_queue_state(browser: Any, node: NodeProcess, shots: Path) -> None:
+    with console(browser, node, ADMIN_TOKEN) as page:
+        wait_ticks(page, 2)
+        state = admin_get(node, "/prerender_admin/queue-state").json()
+        now = state["now"]
+        for field in ("due", "due_sitemap", "due_discovered", "unclaimed_estimate", "paused"):
+            assert page.get_attribute(f"#now-{field}", "data-value") == str(now[field]), field
+        for field in ("due_15m", "due_60m", "due_24h"):
+            shown = page.get_attribute(f"#coming-{field}", "data-value")
+            assert shown == str(state["coming"][field]), field
+        assert page.get_attribute("#now-in_flight", "data-value") == str(now["in_flight"])
+        assert now["due"] == 120 + 72 + 1
+        # Due by route, in the routes table as in the lateness table.
+        by_route = {r: sum(bins) for r, bins in state["lateness"]["by_route"].items()}
+        for route, due in by_route.items():
+            cells = page.locator(f'#routes tr[data-route="{route}"] td')
+            assert cells.nth(3).inner_text() == f"{due:,}"
+        assert page.locator("#classes tr").count() == len(state["lateness"]["classes"]) + 1
+        assert page.inner_text("#status") == "ready"
+        assert "Single node" in page.inner_text("#cluster")
+        workers = page.locator("#workers tr")
+        assert workers.count() == 3  # a header and two workers
+        assert "ready" in workers.nth(1).inner_text()
+        # In flight comes from the supervisor's census of the lease table.
+        view = admin_get(node, "/prerender_admin/overview").json()["lease_view"]
+        assert view["source"] == "supervisor"
+        assert "supervisor" in page.inner_text("#leases")
+        shot(page, shots, "01-ready")
+
+
+def test_pause_and_resume_a_route(browser: Any, node: NodeProcess, shots: Path) -> None:
+    with console(browser, node, ADMIN_TOKEN) as page:
+        wait_ticks(page)
+        page.click('button[data-route="blog"][data-action="pause"]')
+        wait_for(
+            lambda: (
+                page.locator('#routes tr[data-route="blog"] td').nth(2).inner_text() == "paused"
+            ),
+            45,
+            "the page to show blog paused",
+        )
+        routes = admin_get(node, "/v1/routes").json()["routes"]
+        assert {r["route"]: r["paused"] for r in routes}["blog"] is True
+        assert "blog" in page.inner_text("#routes-msg")
+        shot(page, shots, "02-route-paused")
+        page.click('button[data-route="blog"][data-action="resume"]')
+        wait_for(
+            lambda: page.locator('#routes tr[data-route="blog"] td').nth(2).inner_text() == "no",
+            45,
+            "the page to show blog resumed",
+        )
+        routes = admin_get(node, "/v1/routes").json()["routes"]
+        assert {r["route"]: r["paused"] for r in routes}["blog"] is False
+        # Clear the route's default: it follows the global default again.
+        page.click('button[data-route="blog"][data-action="clear-default"]')
+        wait_for(
+            lambda: (
+                "global" in page.locator('#routes tr[data-route="blog"] td').nth(1).inner_text()
+            ),
+            45,
+            "the page to show blog on the global default",
+        )
+        routes = admin_get(node, "/v1/routes").json()["routes"]
+        assert {r["route"]: r["default_cadence_s"] for r in routes}.get("blog") is None
+
+
+def test_a_stopped_keeper_withholds_the_counts(
+    browser: Any, node: NodeProcess, shots: Path
+) -> None:
+    worker0 = node.worker_pid(0)
+    with console(browser, node, ADMIN_TOKEN) as page:
+        wait_ticks(page)
+        assert page.get_attribute("#now-due", "data-value") not in ("", None)
+        os.kill(worker0, signal.SIGSTOP)
+        try:
+            # A tick that reaches the stopped worker 0 times out ("did not answer"), one that
+            # reaches worker 1 reads the stale state: wait for the latter's banner.
+            wait_for(
+                lambda: (
+                    page.inner_text("#now-due") == "withheld"
+                    and page.is_visible("#banner")
+                    and "cannot vouch" in page.inner_text("#banner")
+                ),
+                60,
+                "the counts withheld and the banner",
+                0.2,
+            )
+            banner = page.inner_text("#banner")
+            assert "cannot vouch" in banner and "stalled" in banner
+            assert page.inner_text("#status") in ("draining", "stalled")
+            assert page.inner_text("#now-unclaimed_estimate") == "withheld"
+            assert "withheld" in page.inner_text("#coming-chart")
+            # The live fields are still served, from the lease table.
+            assert page.get_attribute("#now-in_flight", "data-value") not in ("", None)
+            shot(page, shots, "03-keeper-stopped")
+        finally:
+            os.kill(worker0, signal.SIGCONT)
+        wait_for(
+            lambda: (
+                page.get_attribute("#now-due", "data-value") not in ("", None)
+                and not page.is_visible("#banner")
+            ),
+            60,
+            "the counts back after SIGCONT",
+            0.2,
+        )
+        assert page.inner_text("#status") == "ready"
+        shot(page, shots, "04-live-again")
+
+
+def test_server_strings_render_as_text(browser: Any, node: NodeProcess, shots: Path) -> None:
+    def hostile(route: Any) -> None:
+        response = route.fetch()
+        body = response.json()
+        body["trust"]["live"] = False
+        body["trust"]["live_reason"] = HOSTILE
+        body["now"]["status_reason"] = HOSTILE
+        route.fulfill(response=response, status=503, json=body)
+
+    with console(browser, node, ADMIN_TOKEN) as page:
+        page.route("**/prerender_admin/queue-state", hostile)
+        wait_ticks(page, 2)
+        banner = page.inner_text("#banner")
+        assert HOSTILE in banner
+        assert page.locator("#banner script, #banner img").count() == 0
+        # A key holding markup, explained: shown as the text it is.
+        page.fill("#explain-key", HOSTILE_KEY)
+        page.click("#explain-form button")
+        wait_for(lambda: HOSTILE_KEY in page.inner_text("#explain"), 15, "the explained key")
+        assert page.locator("#explain img, #explain script").count() == 0
+        assert page.evaluate("window.__pwned") is None
+        shot(page, shots, "05-hostile-strings")
+
+
+def test_explain_and_render_now_need_the_admin_token(
+    browser: Any, node: NodeProcess, shots: Path
+) -> None:
+    key = "https://shop.example/p/0000200"  # not due: seeded an hour ahead
+    with console(browser, node, READ_TOKEN) as page:
+        wait_ticks(page)
+        assert page.get_attribute("#now-due", "data-value") not in ("", None)
+        page.fill("#explain-key", key)
+        page.click("#explain-form button")
+        wait_for(lambda: "not_due" in page.inner_text("#explain"), 15, "the explanation")
+        page.click("#render-now")
+        wait_for(lambda: "Refused" in page.inner_text("#explain-msg"), 15, "the refusal")
+        message = page.inner_text("#explain-msg")
+        assert "admin token" in message
+        shot(page, shots, "06-read-only-refused")
+        # With the admin token, render now makes it due.
+        page.fill("#token", ADMIN_TOKEN)
+        page.dispatch_event("#token", "change")
+        page.click("#render-now")
+        wait_for(lambda: "claimable" in page.inner_text("#explain"), 15, "the key due now")
+        assert "due now" in page.inner_text("#explain-msg")
+        row = admin_get(node, "/v1/schedule", key=key).json()
+        assert row["next_render_at"] <= now_ms()
+        shot(page, shots, "07-explain-render-now")
+
+
+def test_the_token_stays_in_the_tab(browser: Any, node: NodeProcess) -> None:
+    with console(browser, node, ADMIN_TOKEN) as page:
+        wait_ticks(page)
+        assert page.evaluate("sessionStorage.getItem('rq-token')") == ADMIN_TOKEN
+        assert page.evaluate("localStorage.length") == 0
+        assert "rq-token" not in page.evaluate("document.cookie")
+    # A new tab (context) starts without it.
+    with console(browser, node, None) as page:
+        time.sleep(0.5)
+        assert page.evaluate("sessionStorage.getItem('rq-token')") is None
+        wait_for(lambda: "refused" in page.inner_text("#banner"), 15, "the refusal banner")
+
+
+def test_the_cluster_section(browser: Any, shots: Path, pg_database: str, tmp_path: Path) -> None:
+    """Two PostgreSQL nodes: the console shows the cluster's totals and each node's line
+    from the cluster queue-state, and withholds the totals, naming the node, while one
+    does not answer."""
+    from test_api_cluster import ROWS, cluster_state, fresh_schema, two_nodes
+
+    url = fresh_schema(pg_database)
+    seed_rows(url, ROWS, due_share=0.5)
+    with two_nodes(tmp_path, url) as nodes:
+        a, b = nodes["a"], nodes["b"]
+        state = wait_for(lambda: cluster_state(a), 90, "an exact cluster queue-state", 0.25)
+        with console(browser, a, ADMIN_TOKEN) as page:
+            wait_for(
+                lambda: page.get_attribute("#cluster-due", "data-value") == str(ROWS // 2),
+                30,
+                "the cluster's due on the console",
+                0.2,
+            )
+            assert state["now"]["due"] == ROWS // 2
+            lines = page.locator("#cluster-nodes-table tr")
+            assert lines.count() == 3  # a header and a line per node
+            assert "(this node)" in page.inner_text('#cluster-nodes-table tr[data-node="a"]')
+            assert b.url in page.inner_text('#cluster-nodes-table tr[data-node="b"]')
+            assert "exact" in page.inner_text("#cluster-note")
+            shot(page, shots, "08-cluster")
+            assert b.process is not None
+            frozen = [b.process.pid, b.worker_pid(0)]
+            for pid in frozen:
+                os.kill(pid, signal.SIGSTOP)
+            try:
+                wait_for(
+                    lambda: "node 'b'" in page.inner_text("#cluster-note"),
+                    30,
+                    "the console to name the silent node",
+                    0.2,
+                )
+                assert page.inner_text("#cluster-due") == "withheld"
+                shot(page, shots, "09-cluster-node-missing")
+            finally:
+                for pid in frozen:
+                    os.kill(pid, signal.SIGCONT)

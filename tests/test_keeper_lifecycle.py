@@ -1,0 +1,474 @@
+"""The keeper's lifecycle, driven with events and times only: no store, feed, ring or
+thread. A small script stands in for the runner: it answers each action with the
+outcome a test chose (by default, the one that goes well)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import msgspec
+
+from keeper.config import KeeperConfig
+from keeper.lifecycle import (
+    DROP_CHUNK,
+    REFILL_COST_SHARE,
+    AbandonWalk,
+    Action,
+    BeginWalk,
+    CheckTop,
+    ChunkApplied,
+    ChunkFailed,
+    ChunkWaiting,
+    Drain,
+    Drained,
+    Dropped,
+    DropTopCheck,
+    DropUnowned,
+    Event,
+    FeedFailed,
+    FeedOpened,
+    FinishWalk,
+    FreezeHeap,
+    Lifecycle,
+    Marked,
+    MarkUnowned,
+    MembersRead,
+    OpenFeed,
+    Publish,
+    Published,
+    PublishRefused,
+    ReadMembers,
+    SaveCursor,
+    Started,
+    Wait,
+    Waiting,
+    WalkChunk,
+    WalkFinished,
+    WriteState,
+)
+from keeper.state import Phase, PublishStats, Status
+from keeper.walk import RepairCounts, WalkReason, WalkSummary
+
+NOW = 1_800_000_000_000
+CONFIG = KeeperConfig(walk_chunk=10, load_chunk=10, best_k=100, verify_interval_s=3600, top_check=5)
+
+Answer = Callable[[Action], Event | None]
+
+
+def summary(reason: WalkReason, rows: int, started_at: int = NOW) -> WalkSummary:
+    return WalkSummary(
+        reason=reason,
+        started_at=started_at,
+        finished_at=None,
+        rows=rows,
+        chunks=(rows + 9) // 10,
+        loaded=rows if reason == "load" else 0,
+        unreadable=0,
+        repairs=RepairCounts(),
+    )
+
+
+class Script:
+    """The runner's part, scripted: a table of `rows` rows walked in chunks, a feed
+    that drains to empty, publishes of `published` keys. `answers` overrides the
+    outcome of an action type once (a queue per type)."""
+
+    def __init__(self, lc: Lifecycle, rows: int = 35, published: int = 35) -> None:
+        self.lc = lc
+        self.rows = rows
+        self.published = published
+        self.now = NOW
+        self.done: list[Action] = []
+        self.walked = 0  # rows the current walk has read
+        self.chunks: list[tuple[WalkReason, int]] = []  # each WalkChunk's walk and rows
+        self.walk: WalkReason | None = None
+        self.stats = PublishStats()
+        self.overrides: dict[type, list[Event | None]] = {}
+        self.dropping_left = 0  # DropUnowned chunks before the marked rows are gone
+
+    def once(self, action: type, outcome: Event | None) -> None:
+        self.overrides.setdefault(action, []).append(outcome)
+
+    def tell(self, event: Event) -> None:
+        for action in self.lc.handle(event, self.now):
+            self.do(action)
+
+    def do(self, action: Action) -> None:
+        self.done.append(action)
+        queued = self.overrides.get(type(action))
+        if queued:
+            outcome = queued.pop(0)
+            if outcome is not None:
+                self.tell(outcome)
+            return
+        match action:
+            case OpenFeed():
+                self.tell(FeedOpened())
+            case BeginWalk(reason):
+                self.walk, self.walked = reason, 0
+            case AbandonWalk():
+                self.walk = None
+            case WalkChunk(rows):
+                assert self.walk is not None
+                self.chunks.append((self.walk, rows))
+                chunk = min(rows, self.rows - self.walked)
+                self.walked += chunk
+                self.tell(ChunkApplied(rows=chunk, walk=summary(self.walk, self.walked)))
+            case FinishWalk():
+                assert self.walk is not None
+                walk, self.walk = summary(self.walk, self.walked), None
+                self.tell(WalkFinished(walk))
+            case Drain():
+                self.tell(Drained(emptied=True))
+            case Publish(refill):
+                self.stats = msgspec.structs.replace(
+                    self.stats,
+                    publishes=self.stats.publishes + 1,
+                    refills=self.stats.refills + refill,
+                    last_at=self.now,
+                    last_count=self.published,
+                )
+                self.tell(Published(self.stats))
+            case DropUnowned():
+                self.dropping_left = max(0, self.dropping_left - 1)
+                self.tell(Dropped(left=self.dropping_left > 0))
+            case _:
+                pass
+
+    def round(self, remaining: int | None = None, advance_ms: int = 0) -> float:
+        """One round of the loop; returns its wait (s). The ring is full unless told."""
+        self.now += advance_ms
+        self.done = []
+        while True:
+            action = self.lc.next_action(
+                self.now, self.published if remaining is None else remaining
+            )
+            if isinstance(action, Wait):
+                return action.seconds
+            self.do(action)
+
+    def kinds(self) -> list[str]:
+        return [type(a).__name__ for a in self.done]
+
+
+def where(lc: Lifecycle) -> tuple[Phase, Status, bool]:
+    """Phase, status and exactness as of now (read afresh, after the events since)."""
+    return lc.phase, lc.status, lc.exact
+
+
+def started(config: KeeperConfig = CONFIG, rows: int = 35) -> Script:
+    script = Script(Lifecycle(config), rows=rows)
+    script.tell(Started())
+    return script
+
+
+def live(config: KeeperConfig = CONFIG, rows: int = 35) -> Script:
+    script = started(config, rows)
+    while script.lc.phase != "live":
+        script.round()
+    return script
+
+
+def test_a_start_writes_unready_opens_the_feed_at_the_head_and_walks_to_load() -> None:
+    script = Script(Lifecycle(CONFIG))
+    lc = script.lc
+    assert lc.live() == (False, "not started") and lc.phase == "starting"
+    script.tell(Started())
+    assert script.done == [
+        WriteState(full=True),
+        OpenFeed(resume=False),
+        DropTopCheck(),
+        BeginWalk("load"),
+        WriteState(),
+    ]
+    assert where(lc) == ("loading", "unready", False)
+    assert lc.exact_reason == "loading: walking the table" and lc.load.started_at == NOW
+    assert lc.live() == (True, "starting: first publish pending")
+
+
+def test_the_first_round_reads_a_chunk_then_publishes_and_the_load_ends_live() -> None:
+    script = started()
+    lc = script.lc
+    assert script.round() == 0.0, "the walk goes on: no wait"
+    assert script.kinds()[:4] == ["WalkChunk", "Drain", "Publish", "WriteState"]
+    assert script.done[1] == Drain(until_ms=NOW) and script.done[2] == Publish(refill=False)
+    assert lc.status == "ready" and lc.status_reason == "publishing"
+    assert lc.live() == (True, "publishing") and lc.load.first_publish_at == NOW
+    assert lc.phase == "loading" and not lc.exact
+    for _ in range(3):
+        script.round()
+    assert "FinishWalk" in script.kinds()
+    assert where(lc) == ("live", "ready", True) and lc.exact_reason == "" and lc.loaded
+    assert FreezeHeap() in script.done and WriteState(full=True) in script.done
+    assert lc.load.rows == 35 and lc.load.chunks == 4 and lc.load.finished_at == NOW
+    assert script.round() > 0, "loaded, published: wait for the next tick"
+
+
+def test_publishes_come_every_interval_and_a_late_one_does_not_bunch_up() -> None:
+    script = live()
+    lc = script.lc
+    assert lc.next_publish == NOW + 1000
+    assert script.round(advance_ms=400) == 0.6
+    assert "Publish" not in script.kinds()
+    script.round(advance_ms=600)
+    assert Publish(refill=False) in script.done and lc.next_publish == NOW + 2000
+    script.round(advance_ms=2500)  # a stall: one publish, not the ticks it missed
+    assert script.kinds().count("Publish") == 1 and lc.next_publish == NOW + 3501
+    script.round()
+    assert "Publish" not in script.kinds()
+    script.round(advance_ms=1)
+    assert "Publish" in script.kinds() and lc.next_publish == NOW + 4501
+
+
+def test_queue_state_is_rewritten_in_full_every_report_interval() -> None:
+    script = live()
+    script.round(advance_ms=4999)
+    assert WriteState(full=True) not in script.done
+    script.round(advance_ms=1)
+    assert WriteState(full=True) in script.done
+    assert script.lc.next_report == script.now + 5000
+
+
+def test_a_ring_drained_by_claims_is_refilled_at_most_once_per_gap() -> None:
+    config = msgspec.structs.replace(CONFIG, refill_below=0.25, refill_min_gap_s=0.02)
+    script = live(config)
+    script.round(advance_ms=1000)  # a publish of 35 keys at NOW + 1000
+    assert script.round(remaining=35) > config.refill_min_gap_s, "nothing taken"
+    assert script.round(remaining=20) == config.refill_min_gap_s, "claims: look again soon"
+    script.round(remaining=8)  # below a quarter, but within the gap of the last publish
+    assert "Publish" not in script.kinds()
+    script.round(remaining=8, advance_ms=20)
+    assert script.done[script.kinds().index("Publish")] == Publish(refill=True)
+    script.round(remaining=35, advance_ms=20)
+    assert "Publish" not in script.kinds()
+
+
+def test_a_slow_publish_spaces_the_refills_out() -> None:
+    script = live()
+    script.round(advance_ms=1000)
+    script.lc.published = msgspec.structs.replace(script.lc.published, last_duration_us=10_000)
+    script.round(remaining=2, advance_ms=20)
+    assert "Publish" not in script.kinds(), "10 ms publishes: not before 50 ms"
+    script.round(remaining=2, advance_ms=10 * REFILL_COST_SHARE - 20)
+    assert Publish(refill=True) in script.done
+
+
+def test_a_failed_publish_stalls_the_status_and_the_next_one_restores_it() -> None:
+    script = live()
+    lc = script.lc
+    script.once(Publish, PublishRefused("publish failed: OSError: gone"))
+    script.round(advance_ms=1000)
+    assert lc.status == "stalled" and lc.live() == (False, "publish failed: OSError: gone")
+    assert script.kinds()[-1] == "WriteState" and WriteState(full=True) in script.done
+    assert "CheckTop" not in script.kinds()
+    script.round(advance_ms=1000)
+    assert where(lc)[1] == "ready" and lc.live() == (True, "publishing")
+    assert script.kinds()[script.kinds().index("Publish") :][:3] == [
+        "Publish",
+        "WriteState",
+        "CheckTop",
+    ]
+
+
+def test_the_cursor_is_saved_after_a_publish_at_most_once_an_interval() -> None:
+    config = msgspec.structs.replace(CONFIG, publish_interval_s=0.25)
+    script = live(config)
+    saves = 0
+    for _ in range(8):
+        script.round(advance_ms=250)
+        saves += script.done.count(SaveCursor())
+    assert saves == 2, "two seconds of publishes every 0.25 s"
+
+
+def test_a_failed_feed_resyncs_after_its_backoff_and_is_exact_once_walked() -> None:
+    script = live()
+    lc = script.lc
+    script.done = []
+    script.tell(FeedFailed("ConnectionError", reopen_at=NOW + 100))
+    assert script.done == [DropTopCheck(), WriteState()]
+    assert lc.phase == "resyncing" and not lc.exact
+    assert lc.exact_reason == "feed failed (ConnectionError); reopening"
+    script.round(advance_ms=50)
+    assert "OpenFeed" not in script.kinds()
+    script.round(advance_ms=50)
+    assert script.done[0] == OpenFeed(resume=True) and BeginWalk("resync") in script.done
+    assert lc.resyncs == 1 and lc.exact_reason.startswith("resyncing")
+    while where(lc)[0] != "live":
+        script.round()
+    assert lc.exact and lc.verify.walks == 1 and lc.verify.last_reason == "resync"
+    assert FreezeHeap() in script.done, "live again after a resync"
+
+
+def test_a_feed_failing_under_a_walk_abandons_it_and_the_reopen_walks_again() -> None:
+    script = started()
+    script.round()
+    assert script.lc.walk == "load"
+    script.tell(FeedFailed("OSError", reopen_at=NOW))
+    assert AbandonWalk() in script.done and script.lc.walk is None
+    assert script.lc.phase == "loading", "not live yet: no resync, the load starts again"
+    script.round()
+    assert BeginWalk("load") in script.done and script.lc.resyncs == 0
+
+
+def test_a_feed_that_fails_at_the_start_leaves_the_keeper_starting() -> None:
+    script = Script(Lifecycle(CONFIG))
+    script.once(OpenFeed, FeedFailed("ConnectionError", reopen_at=NOW + 100))
+    script.tell(Started())
+    lc = script.lc
+    assert lc.phase == "starting" and lc.status == "unready" and lc.walk is None
+    assert lc.exact_reason == "feed failed (ConnectionError); reopening"
+    script.round(advance_ms=100)
+    assert script.done[0] == OpenFeed(resume=True) and where(lc)[0] == "loading"
+
+
+def test_a_failed_chunk_read_is_retried_after_the_backoff() -> None:
+    script = started()
+    script.once(WalkChunk, ChunkFailed())
+    script.round()
+    lc = script.lc
+    assert lc.walk_errors == 1 and lc.walk_retry_at == NOW + 100
+    script.round(advance_ms=99)
+    assert "WalkChunk" not in script.kinds()
+    script.round(advance_ms=1)
+    assert "WalkChunk" in script.kinds()
+
+
+def test_a_chunk_waiting_for_the_feed_is_counted_once_and_keeps_the_loop_busy() -> None:
+    script = started()
+    for _ in range(3):
+        script.once(WalkChunk, ChunkWaiting())
+        assert script.round() == 0.0
+    assert script.lc.walk_chunks_waited == 1
+    script.round()
+    script.once(WalkChunk, ChunkWaiting())
+    script.round()
+    assert script.lc.walk_chunks_waited == 2, "a new read, a new wait"
+
+
+def test_a_drain_stopped_at_its_deadline_keeps_the_loop_busy() -> None:
+    script = live()
+    script.once(Drain, Drained(emptied=False))
+    assert script.round() == 0.0
+    assert script.round() > 0
+
+
+def test_the_verification_walk_runs_every_interval_once_loaded_and_idle() -> None:
+    config = msgspec.structs.replace(CONFIG, verify_interval_s=10)
+    script = live(config)
+    lc = script.lc
+    script.round(advance_ms=9000)
+    assert BeginWalk("verify") not in script.done
+    script.round(advance_ms=1000)
+    assert script.done[-2:] == [BeginWalk("verify"), WriteState()]
+    assert lc.verify.running and lc.phase == "live" and lc.exact, "a check, not a gap"
+    assert lc.next_verify == NOW + 20_000
+    while lc.walk is not None:
+        script.round()
+    assert lc.verify.walks == 1 and not lc.verify.running and lc.verify.last_rows == 35
+
+
+def test_a_load_reads_in_load_chunks_and_a_verification_in_walk_chunks() -> None:
+    """A load lands each chunk on most buckets, so it reads bigger chunks than a walk
+    that compares rows with what the keeper holds; each ends at its first short chunk."""
+    config = msgspec.structs.replace(CONFIG, load_chunk=25, verify_interval_s=10)
+    script = live(config)
+    assert script.chunks == [("load", 25), ("load", 25)] and script.lc.load.rows == 35
+    script.chunks.clear()
+    script.round(advance_ms=10_000)
+    while script.lc.walk is not None:
+        script.round()
+    assert script.chunks == [("verify", 10)] * 4 and script.lc.verify.last_rows == 35
+
+
+def test_a_waiting_reason_is_written_once() -> None:
+    lc = Lifecycle(CONFIG, members_poll_ms=1000, peer_wait_s=120)
+    assert lc.handle(Waiting("this node is not in the member list yet"), NOW) == [
+        WriteState(full=True)
+    ]
+    assert lc.handle(Waiting("this node is not in the member list yet"), NOW + 500) == []
+    assert lc.status_reason == lc.exact_reason == "this node is not in the member list yet"
+
+
+def test_a_clustered_keeper_waits_for_a_named_peer_then_for_itself() -> None:
+    lc = Lifecycle(CONFIG, members_poll_ms=1000, peer_wait_s=120)
+    wait = lc.members_wait("a", ["b", "c"], {"a"}, waited_s=1)
+    assert wait is not None and wait[0] == "waiting to see a peer live (b, c)"
+    assert lc.members_wait("a", ["b", "c"], {"a", "c"}, waited_s=1) is None
+    assert lc.members_wait("a", ["b"], {"a"}, waited_s=120) is None, "waited long enough"
+    wait = lc.members_wait("a", [], {"b"}, waited_s=0)
+    assert wait is not None and wait[0] == "this node is not in the member list yet"
+    assert lc.members_wait("a", [], {"a"}, waited_s=0) is None
+
+
+def clustered_live() -> Script:
+    script = Script(Lifecycle(CONFIG, members_poll_ms=1000, peer_wait_s=0))
+    script.lc.admitted(NOW)
+    script.tell(Started())
+    while script.lc.phase != "live":
+        script.round()
+    return script
+
+
+def test_the_member_list_is_read_every_poll_and_a_new_view_republishes_at_once() -> None:
+    script = clustered_live()
+    script.once(ReadMembers, MembersRead(view_changed=False, ownership_changed=False))
+    script.round(advance_ms=999)
+    assert "ReadMembers" not in script.kinds()
+    script.round(advance_ms=1)
+    assert "ReadMembers" in script.kinds() and "Publish" in script.kinds()
+    script.once(ReadMembers, MembersRead(view_changed=True, ownership_changed=False))
+    script.round(advance_ms=1000)
+    assert script.lc.next_publish == script.now + 1000, "published at the read"
+    assert script.kinds().index("ReadMembers") < script.kinds().index("Publish")
+
+
+def test_newcomers_taking_rows_drop_them_in_chunks_then_the_keeper_is_exact_again() -> None:
+    script = clustered_live()
+    lc = script.lc
+    script.once(ReadMembers, MembersRead(view_changed=True, ownership_changed=True))
+    script.once(MarkUnowned, Marked(rows=5000, gains=False))
+    script.dropping_left = 3
+    assert script.round(advance_ms=1000) == 0.0
+    assert script.kinds()[:3] == ["ReadMembers", "MarkUnowned", "WriteState"]
+    assert DropUnowned(DROP_CHUNK) in script.done and BeginWalk("membership") not in script.done
+    assert lc.phase == "rebalancing" and not lc.exact and lc.dropping
+    assert lc.exact_reason == "rebalancing: dropping the rows the new members took"
+    assert script.round() == 0.0 and lc.dropping
+    script.round()
+    assert not lc.dropping and lc.phase == "live" and lc.exact
+    assert script.done[:2] == [DropUnowned(DROP_CHUNK), WriteState(full=True)]
+
+
+def test_a_change_that_may_bring_rows_walks_for_them_and_is_exact_once_both_are_done() -> None:
+    script = clustered_live()
+    lc = script.lc
+    script.once(ReadMembers, MembersRead(view_changed=True, ownership_changed=True))
+    script.once(MarkUnowned, Marked(rows=10, gains=True))
+    script.dropping_left = 2
+    script.round(advance_ms=1000)
+    assert BeginWalk("membership") in script.done and lc.phase == "rebalancing"
+    assert lc.exact_reason.startswith("rebalancing: walking the table")
+    assert "WalkChunk" not in script.kinds(), "the marked rows go first"
+    while lc.walk is not None:
+        script.round()
+    assert where(lc) == ("live", "ready", True) and lc.verify.last_reason == "membership"
+
+
+def test_an_ownership_change_during_a_walk_restarts_it() -> None:
+    script = Script(Lifecycle(CONFIG, members_poll_ms=1000))
+    script.lc.admitted(NOW)
+    script.tell(Started())
+    script.round()
+    assert script.lc.walk == "load"
+    script.once(ReadMembers, MembersRead(view_changed=True, ownership_changed=True))
+    script.once(MarkUnowned, Marked(rows=0, gains=True))
+    script.round(advance_ms=1000)
+    assert script.kinds()[:4] == ["ReadMembers", "MarkUnowned", "AbandonWalk", "BeginWalk"]
+    assert script.done[3] == BeginWalk("load") and script.lc.phase == "loading"
+
+
+def test_the_top_check_follows_every_publish_and_is_dropped_when_the_feed_fails() -> None:
+    script = live()
+    script.round(advance_ms=1000)
+    assert CheckTop() in script.done
+    assert script.lc.handle(FeedFailed("OSError", reopen_at=NOW), script.now)[0] == DropTopCheck()

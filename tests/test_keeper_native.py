@@ -1,0 +1,330 @@
+"""keeper/csrc against the Python it stands in for.
+
+Each C path of the keeper has one Python path beside it: the fallback for what the C
+does not take, which is also the reference here. Driven with the same inputs, the
+two must leave every structure of the queue identical (not merely equivalent), and
+return the same answers.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from typing import Any
+
+import msgspec
+import numpy as np
+import numpy.typing as npt
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from keeper import buckets as buckets_module
+from keeper._native import FeedShape, Picked, QueueView, SlotIndex
+from keeper.classes import ClassTable, RenderClass
+from keeper.config import KeeperConfig
+from keeper.core import MAX_DUE_MS, KeeperCore
+from keeper.queue import HeldQueue
+from keeper.slots import SlotTable
+from keeper.tallies import MINUTE_MS
+from shm import key_hash
+from store.rows import Row, RowEvent
+
+NOW = 1_800_000_000_000
+CLASSES = [
+    RenderClass("product", 86_400, False, False),
+    RenderClass("category", 3_600, False, False),
+    RenderClass("home", 600, True, True),
+]
+SETTINGS = settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+
+
+@pytest.fixture
+def small_buckets(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Tiny buckets, so a few dozen rows split, merge and tidy."""
+    monkeypatch.setattr(buckets_module, "TARGET", 4)
+    monkeypatch.setattr(buckets_module, "SPLIT_AT", 8)
+    monkeypatch.setattr(buckets_module, "MERGE_BELOW", 2)
+    monkeypatch.setattr(buckets_module, "MERGE_MAX", 6)
+    yield
+
+
+def new_queue() -> HeldQueue:
+    table = ClassTable(1.0)
+    for cls in CLASSES:
+        table.intern(cls)
+    return HeldQueue(table)
+
+
+def key(i: int) -> bytes:
+    return f"https://shop.example.com/item/{i}".encode()
+
+
+def queue_state(queue: HeldQueue) -> tuple[Any, ...]:
+    """Every structure of the queue, as plain values."""
+    b = queue.buckets
+    t = queue.tallies
+    return (
+        queue.rec.tolist(),
+        queue.slots._table.tolist(),
+        [m.tolist() for m in b.members],
+        [a.tolist() for a in (b.b_class, b.b_start, b.b_live, b.b_stale, b.b_split_at)],
+        b.starts,
+        b.ids,
+        sorted(b._free),
+        [c.tolist() for c in t.counts],
+        t.base,
+        t.outside,
+    )
+
+
+def upsert_reference(queue: HeldQueue, k: bytes, class_id: int, due: int, version: int) -> int:
+    """HeldQueue.upsert without its C path."""
+    queue.tallies.now_minute = NOW // MINUTE_MS
+    return queue.upsert_unmoved(k, key_hash(k), class_id, due, version, NOW)
+
+
+def upsert_counting(
+    queue: HeldQueue, k: bytes, class_id: int, due: int, version: int, taken: list[int]
+) -> int:
+    """HeldQueue.upsert as it is, counting the calls its C path took whole."""
+    queue.tallies.now_minute = NOW // MINUTE_MS
+    done = queue.moved(key_hash(k), class_id, due, version, NOW)
+    if done >= 0:
+        taken[0] += 1
+        return done
+    return queue.upsert_unmoved(k, key_hash(k), class_id, due, version, NOW)
+
+
+# Dues near now (the tallies' dense range, where the C path works) and a few far off
+# (beyond it, which the C hands back).
+due = st.one_of(
+    st.integers(-3 * 86_400_000, 86_400_000),
+    st.integers(-200 * 86_400_000, 200 * 86_400_000),
+)
+operation = st.tuples(st.integers(0, 40), st.integers(0, len(CLASSES) - 1), due, st.booleans())
+
+
+def run_both(ops: list[tuple[int, int, int, bool]]) -> tuple[HeldQueue, HeldQueue, int]:
+    c_queue, py_queue = new_queue(), new_queue()
+    taken = [0]
+    for version, (i, class_id, offset, remove) in enumerate(ops, 1):
+        if remove:
+            assert c_queue.remove(key_hash(key(i))) == py_queue.remove(key_hash(key(i)))
+            continue
+        want = upsert_reference(py_queue, key(i), class_id, NOW + offset, version)
+        got = upsert_counting(c_queue, key(i), class_id, NOW + offset, version, taken)
+        assert got == want
+    return c_queue, py_queue, taken[0]
+
+
+@SETTINGS
+@given(ops=st.lists(operation, max_size=200))
+def test_upsert_moved_leaves_the_queue_as_the_python_path_does(
+    small_buckets: None, ops: list[tuple[int, int, int, bool]]
+) -> None:
+    c_queue, py_queue, _ = run_both(ops)
+    assert queue_state(c_queue) == queue_state(py_queue)
+
+
+def test_the_comparison_exercises_the_c_path(small_buckets: None) -> None:
+    """The comparison above means something only if the C takes many of the upserts,
+    splits and tidies included."""
+    rng = random.Random(3)
+    ops = []
+    for _ in range(3000):
+        i = rng.randrange(60)
+        class_id = i % 3 if rng.random() < 0.9 else rng.randrange(3)  # mostly stays put
+        ops.append((i, class_id, rng.randrange(-86_400_000, 86_400_000), False))
+    c_queue, py_queue, taken = run_both(ops)
+    assert queue_state(c_queue) == queue_state(py_queue)
+    assert taken > 2000
+    assert c_queue.buckets.splits > 10 and c_queue.buckets.rebuilds > 100
+
+
+# -- apply_moves: the feed's batches --------------------------------------------------
+
+ROUTES = ["product", "category", "home"]
+Event = tuple[int, str, int | None, int, str]  # key, route, cadence, due offset, kind
+event = st.tuples(
+    st.integers(0, 30),  # key
+    st.sampled_from(ROUTES),
+    st.sampled_from([None, 60, 3600, 0]),  # cadence (0 is unreadable)
+    st.one_of(due, st.sampled_from([-5, MAX_DUE_MS])),  # due, relative to now
+    st.sampled_from(["ok", "ok", "ok", "ok", "delete", "float due", "text version", "other key"]),
+)
+
+
+def to_event(i: int, route: str, cadence: int | None, offset: int, kind: str, v: int) -> RowEvent:
+    k = f"/k{i}"
+    if kind == "delete":
+        return RowEvent(key=k, row=None)
+    due_at: Any = NOW + offset if offset not in (-5, MAX_DUE_MS) else offset
+    version: Any = v
+    if kind == "float due":
+        due_at = float(NOW)
+    if kind == "text version":
+        version = str(v)
+    row = Row(
+        key=k,
+        route=route,
+        cadence_s=cadence,
+        sitemap=i % 3 == 0,
+        next_render_at=due_at,
+        version=version,
+    )
+    return RowEvent(key=f"/k{i + 1}" if kind == "other key" else k, row=row)
+
+
+def core_state(core: KeeperCore) -> tuple[Any, ...]:
+    counters = msgspec.structs.asdict(core.counters)
+    return (queue_state(core.queue), counters, dict(core._touched or {}))
+
+
+def run_cores(batches: list[list[Event]], walking: bool) -> int:
+    """Both keepers fed the same batches, compared after each; returns the events the
+    C path took."""
+    c_core, py_core = KeeperCore(KeeperConfig()), KeeperCore(KeeperConfig())
+    # The reference: the C path takes no event, so the Python loop takes them all.
+    py_core.queue.apply_moves = lambda events, start, *rest: start
+    taken = [0]
+    c_apply = c_core.queue.apply_moves
+
+    def counting(events: list[Any], start: int, *rest: Any) -> int:
+        stop = c_apply(events, start, *rest)
+        taken[0] += stop - start
+        return stop
+
+    c_core.queue.apply_moves = counting
+    version = 0
+    for n, batch in enumerate(batches):
+        events = []
+        for i, route, cadence, offset, kind in batch:
+            version += 1
+            events.append(to_event(i, route, cadence, offset, kind, version))
+        if walking and n == 1:
+            for core in (c_core, py_core):
+                core.begin_walk("verify", NOW)
+        for core in (c_core, py_core):
+            core.apply_events(events, NOW)
+        assert core_state(c_core) == core_state(py_core)
+    c_flow, py_flow = c_core.flow.minutes(NOW), py_core.flow.minutes(NOW)
+    assert [msgspec.structs.asdict(m) for m in c_flow] == [
+        msgspec.structs.asdict(m) for m in py_flow
+    ]
+    return taken[0]
+
+
+@SETTINGS
+@given(batches=st.lists(st.lists(event, max_size=40), max_size=6), walking=st.booleans())
+def test_apply_moves_leaves_the_keeper_as_the_python_loop_does(
+    small_buckets: None, batches: list[list[Event]], walking: bool
+) -> None:
+    run_cores(batches, walking)
+
+
+def test_the_feed_comparison_exercises_the_c_path(small_buckets: None) -> None:
+    rng = random.Random(5)
+    batches: list[list[Event]] = []
+    for _ in range(20):
+        batch: list[Event] = []
+        for _ in range(200):
+            i = rng.randrange(30)
+            kind = "ok" if rng.random() < 0.9 else rng.choice(["delete", "float due", "other key"])
+            offset = rng.randrange(-86_400_000, 86_400_000)
+            batch.append((i, ROUTES[i % 3], None, offset, kind))
+        batches.append(batch)
+    assert run_cores(batches, walking=True) > 2000
+
+
+# -- the best read's columns, and the slot index ------------------------------------
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    blocked=st.lists(st.booleans(), max_size=60),
+    spare=st.integers(0, 5),
+    limit=st.integers(0, 70),
+)
+def test_keep_unblocked_is_a_stable_filter_up_to_the_limit(
+    blocked: list[bool], spare: int, limit: int
+) -> None:
+    n = len(blocked) + spare  # the columns may be longer than the rows read
+    cols: tuple[npt.NDArray[Any], ...] = (
+        np.arange(n, dtype=np.int32),
+        np.arange(n, dtype=np.float64) / 3,
+        np.arange(n, dtype=np.int64) * 7,
+        np.arange(n, dtype=np.uint64) + np.uint64(2**63),
+        np.arange(n, dtype=np.int32) % 5,
+    )
+    before: list[npt.NDArray[Any]] = [c.copy() for c in cols]
+    mask = np.array(blocked, dtype=np.bool_)
+    kept, scanned = Picked(*cols).keep_unblocked(mask, limit)
+    free = np.flatnonzero(~mask)
+    assert kept == min(limit, len(free))
+    if kept == limit:  # stopped at the limit, just after the last row kept
+        assert scanned == (int(free[kept - 1]) + 1 if kept else 0)
+    else:
+        assert scanned == len(blocked)
+    for col, old in zip(cols, before, strict=True):
+        assert col[:kept].tolist() == old[free[:kept]].tolist()
+
+
+def test_the_c_types_check_what_they_are_given() -> None:
+    i32, f64 = np.zeros(4, dtype=np.int32), np.zeros(4, dtype=np.float64)
+    i64, u64 = np.zeros(4, dtype=np.int64), np.zeros(4, dtype=np.uint64)
+    with pytest.raises(ValueError, match="rank"):
+        Picked(i32, i64.view(np.float64)[:3], i64, u64, i32)
+    with pytest.raises(ValueError, match="slots"):
+        Picked(i64, f64, i64, u64, i32)  # type: ignore[arg-type]
+    slots = SlotTable()
+    with pytest.raises(TypeError):
+        SlotIndex(slots.rec, slots.rec)  # the index is int32
+    queue = new_queue()
+    fields: dict[str, Any] = {
+        "index": queue.slots.index,
+        "b_class": queue.buckets.b_class,
+        "b_live": queue.buckets.b_live,
+        "b_stale": queue.buckets.b_stale,
+        "b_split_at": queue.buckets.b_split_at,
+        "starts": queue.buckets.starts,
+        "ids": queue.buckets.ids,
+        "members": queue.buckets.members,
+        "tally_counts": queue.tallies.counts,
+        "tally_base": queue.tallies.base,
+        "buckets": queue.buckets,
+        "merge_below": 2,
+        "stale_slack": 2,
+    }
+    QueueView(**fields)
+    with pytest.raises(TypeError, match="keyword arguments"):  # no b_start
+        QueueView(**fields, b_start=queue.buckets.b_start)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="b_live"):
+        QueueView(**{**fields, "b_live": queue.buckets.b_start})  # int64, not int32
+    with pytest.raises(TypeError, match="starts"):
+        QueueView(**{**fields, "starts": tuple(queue.buckets.starts)})
+    with pytest.raises(TypeError, match="stale_slack"):
+        QueueView(**{k: v for k, v in fields.items() if k != "stale_slack"})
+    not_a_shape: Any = object()
+    with pytest.raises(TypeError, match="FeedShape"):
+        queue.view.apply_moves([], 0, [], not_a_shape, None, 0, NOW, [0] * 6)
+    not_a_dict: Any = []
+    with pytest.raises(TypeError):
+        FeedShape(RowEvent, not_a_dict, MAX_DUE_MS)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    present=st.lists(st.integers(1, 2**64 - 1), unique=True, max_size=300),
+    absent=st.lists(st.integers(1, 2**64 - 1), max_size=30),
+)
+def test_find_many_answers_as_the_python_find_does(present: list[int], absent: list[int]) -> None:
+    table = SlotTable(index_capacity=16)  # grows, in place, several times on the way
+    keys = [str(h).encode() for h in present]
+    table.add_many(np.array(present, dtype=np.uint64), keys)
+    probe: npt.NDArray[np.uint64] = np.array(present + absent, dtype=np.uint64)
+    want = [table.find(int(h)) for h in probe]
+    assert table.find_many(probe).tolist() == want
+    assert all(s >= 0 for s in want[: len(present)])

@@ -1,0 +1,298 @@
+"""PostgresStore's own, on a real server: the schema made once however many nodes open it
+at once, a database from a newer build or not from renderqueue refused, a log restored
+from elsewhere started anew, consumers that stopped saving dropped by pruning, a locked
+row answered with StoreBusy at once or waited for, statistics, and URLs without their
+passwords. The contract both backends keep is in test_store_base*.py; the feed's
+ordering under concurrent transactions in test_store_postgres_feed.py."""
+
+from __future__ import annotations
+
+import multiprocessing
+import threading
+import time
+from typing import Any
+
+import psycopg
+import pytest
+from store_helpers import close_all, keys_of, put, settle
+
+from store.base import Cursor, CursorAhead, CursorBelowFloor
+from store.errors import SchemaTooNew, StoreBusy, StoreError, StoreUnavailable
+from store.postgres import PostgresStore
+from store.postgres.schema import LATEST, MIGRATIONS
+from store.postgres.store import redacted
+from store.rows import Completion
+
+SPAWN = multiprocessing.get_context("spawn")
+# One row per migration applied: each applied once.
+VERSIONS = "SELECT max(version), count(*) FROM schema_version"
+
+
+def run_sql(url: str, statement: str, params: Any = None) -> list[tuple[Any, ...]]:
+    with psycopg.connect(url, autocommit=True) as conn:
+        cur = conn.execute(statement, params)
+        return cur.fetchall() if cur.description else []
+
+
+def test_stores_opening_a_new_database_at_once_create_the_schema_once(pg_url: str) -> None:
+    barrier = threading.Barrier(4)
+    opened: list[PostgresStore] = []
+    errors: list[BaseException] = []
+
+    def open_one() -> None:
+        barrier.wait()
+        try:
+            opened.append(PostgresStore(pg_url))
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=open_one) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == [] and len(opened) == 4
+    assert run_sql(pg_url, VERSIONS) == [(LATEST, LATEST)]
+    assert run_sql(pg_url, "SELECT count(*) FROM feed_state") == [(1,)]
+    assert run_sql(pg_url, "SELECT count(*) FROM hash_secret") == [(1,)]
+    assert len({store.hash_secret() for store in opened}) == 1
+    opened[0].write([put("/a")])
+    assert all(store.get("/a") is not None for store in opened)
+    for store in opened:
+        store.close()
+    again = PostgresStore(pg_url)  # a reopen migrates nothing and keeps the rows
+    assert again.count() == 1 and again.statistics().schema_version == LATEST
+    assert run_sql(pg_url, VERSIONS) == [(LATEST, LATEST)]
+    again.close()
+
+
+def _open_and_write(url: str, number: int, barrier: Any) -> None:
+    barrier.wait(60)
+    store = PostgresStore(url)
+    store.write([put(f"/p{number}")])
+    store.close()
+
+
+def test_many_processes_opening_a_new_database_at_once_all_open_it(pg_url: str) -> None:
+    barrier = SPAWN.Barrier(6)
+    processes = [SPAWN.Process(target=_open_and_write, args=(pg_url, n, barrier)) for n in range(6)]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(120)
+    assert [process.exitcode for process in processes] == [0] * 6
+    assert run_sql(pg_url, VERSIONS) == [(LATEST, LATEST)]
+    store = PostgresStore(pg_url)
+    assert [row.key for row in store.walk(None, 10)] == [f"/p{n}" for n in range(6)]
+    store.close()
+
+
+def test_a_version_2_database_is_migrated_and_gets_its_hash_secret(pg_url: str) -> None:
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        conn.execute("CREATE TABLE schema_version (version integer NOT NULL)")
+        for version in (0, 1):
+            for statement in MIGRATIONS[version]:
+                conn.execute(statement)
+            conn.execute("INSERT INTO schema_version (version) VALUES (%s)", (version + 1,))
+        conn.execute(
+            "INSERT INTO render_schedule (key, route, sitemap, next_render_at, version) "
+            "VALUES ('/kept', 'product', false, 5, 1)"
+        )
+    store = PostgresStore(pg_url)
+    secret = store.hash_secret()
+    assert len(secret) == 16 and store.get("/kept") is not None
+    store.close()
+    assert run_sql(pg_url, VERSIONS) == [(LATEST, LATEST)] and LATEST == 3
+    again = PostgresStore(pg_url)
+    assert again.hash_secret() == secret
+    again.close()
+
+
+def test_a_malformed_hash_secret_is_a_clear_error(pg_url: str) -> None:
+    PostgresStore(pg_url).close()
+    run_sql(pg_url, "UPDATE hash_secret SET secret = %s", (b"\x00" * 20,))
+    store = PostgresStore(pg_url)
+    try:
+        with pytest.raises(StoreError, match="is 20 bytes"):
+            store.hash_secret()
+        run_sql(pg_url, "DELETE FROM hash_secret")
+        with pytest.raises(StoreError, match="missing"):
+            store.hash_secret()
+    finally:
+        store.close()
+
+
+def test_a_database_at_a_newer_schema_version_is_refused(pg_url: str) -> None:
+    store = PostgresStore(pg_url)
+    store.write([put("/a")])
+    store.close()
+    run_sql(pg_url, "INSERT INTO schema_version (version) VALUES (%s)", (LATEST + 1,))
+    with pytest.raises(SchemaTooNew) as refused:
+        PostgresStore(pg_url)
+    message = str(refused.value)
+    assert f"schema version {LATEST + 1}" in message and f"versions up to {LATEST}" in message
+    assert "127.0.0.1" in message  # which database
+    assert "at least as new" in message  # and what to do
+    assert run_sql(pg_url, "SELECT count(*) FROM render_schedule") == [(1,)]
+
+
+def test_a_render_schedule_table_without_a_schema_version_is_refused(pg_url: str) -> None:
+    run_sql(pg_url, "CREATE TABLE render_schedule (key text PRIMARY KEY, owner text)")
+    with pytest.raises(StoreError, match="not made by renderqueue") as refused:
+        PostgresStore(pg_url)
+    assert not isinstance(refused.value, SchemaTooNew)
+    assert run_sql(pg_url, "SELECT to_regclass('change_log'), to_regclass('schema_version')") == [
+        (None, None)
+    ]
+
+
+def test_a_log_restored_from_another_database_is_started_anew_and_its_cursors_refused(
+    pg_url: str,
+) -> None:
+    store = PostgresStore(pg_url)
+    sub = store.subscribe("keeper")
+    store.write([put("/a"), put("/b")])
+    settle(store)
+    assert keys_of(sub.poll().events) == ["/a", "/b"]
+    sub.save()
+    ours = sub.cursor
+    sub.close()
+    store.close()
+    # What a dump restored here carries: the log and cursors of the database it came from.
+    run_sql(pg_url, "UPDATE feed_state SET origin = 'elsewhere.1'")
+    theirs = Cursor(token=ours.token.replace(f":{store.origin}:", ":elsewhere.1:"))
+    assert theirs != ours
+
+    store = PostgresStore(pg_url)
+    stats = store.statistics()
+    assert (stats.resyncs, stats.log_rows, stats.consumers) == (1, 0, 0)
+    assert store.count() == 2  # the rows stay; only the log and its cursors are new
+    with pytest.raises(CursorAhead, match="restored from a dump"):
+        store.subscribe("keeper", theirs)
+    with pytest.raises(CursorBelowFloor):
+        store.subscribe("keeper", ours)  # issued here, but the log below it is gone
+    fresh = store.subscribe("keeper")  # the saved cursor went with the log: the head
+    store.write([put("/c")])
+    settle(store)
+    assert keys_of(fresh.poll().events) == ["/c"]
+    fresh.close()
+    assert PostgresStore(pg_url).statistics().resyncs == 1  # adopted once, not at each open
+    close_all(store)
+
+
+def test_a_cursor_past_the_next_transaction_is_refused_as_ahead(pg_url: str) -> None:
+    store = PostgresStore(pg_url)
+    _, _, xid, _, _ = store.feed_head().token.rsplit(":", 4)
+    ahead = Cursor(token=f"pg:{store.origin}:{int(xid) + 10**9}:0:{int(xid) + 10**9}")
+    with pytest.raises(CursorAhead, match="past the database's next transaction id"):
+        store.subscribe("keeper", ahead)
+    assert store.consumers() == {}
+    store.close()
+
+
+def test_pruning_drops_consumers_that_saved_nothing_for_their_ttl(pg_url: str) -> None:
+    store = PostgresStore(pg_url, consumer_ttl_s=60, prune_interval_s=None)
+    dead = store.subscribe("dead")
+    live = store.subscribe("live")
+    store.write([put(f"/{i}") for i in range(20)])
+    settle(store)
+    assert len(live.poll().events) == 20
+    live.save()
+    assert store.prune() == 0  # "dead" holds the log at its start
+    run_sql(
+        pg_url,
+        "UPDATE feed_consumers SET saved_at = now() - interval '61 seconds' WHERE consumer = %s",
+        ("dead",),
+    )
+    assert store.prune() == 20
+    assert set(store.consumers()) == {"live"}
+    with pytest.raises(CursorBelowFloor):
+        dead.poll()  # back after its TTL: told to resync, never replayed short
+    store.write([put("/after")])
+    settle(store)
+    assert keys_of(live.poll().events) == ["/after"]
+    dead.close()
+    live.close()
+    close_all(store)
+
+
+def test_a_locked_row_makes_complete_busy_at_once_without_wait_and_waited_for_with_it(
+    pg_url: str,
+) -> None:
+    store = PostgresStore(pg_url)
+    store.write([put("/free"), put("/locked")])
+    before = store.get_many(["/free", "/locked"])
+    items = [
+        Completion(key="/free", outcome="rendered", now=5_000),
+        Completion(key="/locked", outcome="rendered", now=5_000),
+    ]
+    holder = psycopg.connect(pg_url)  # a transaction of its own, left open
+    try:
+        holder.execute("SELECT 1 FROM render_schedule WHERE key = '/locked' FOR UPDATE")
+        started = time.monotonic()
+        with pytest.raises(StoreBusy):
+            store.complete(items, wait=False)
+        assert time.monotonic() - started < 1.0
+        assert store.get_many(["/free", "/locked"]) == before  # nothing written
+        assert store.statistics().busy == 1
+
+        done: list[Any] = []
+        waiter = threading.Thread(target=lambda: done.append(store.complete(items, wait=True)))
+        waiter.start()
+        waiter.join(0.5)
+        assert waiter.is_alive() and done == []  # waiting on the lock, not refused
+        holder.rollback()
+        waiter.join(30)
+        assert not waiter.is_alive()
+    finally:
+        holder.close()
+    (rows,) = done
+    assert [row.last_outcome for row in rows] == ["rendered", "rendered"]
+    assert rows == [store.get("/free"), store.get("/locked")]
+    store.close()
+
+
+def test_statistics_count_what_the_store_holds_and_did(pg_url: str) -> None:
+    store = PostgresStore(pg_url, prune_interval_s=None)
+    sub = store.subscribe("keeper")
+    store.write([put(f"/{i}") for i in range(10)])
+    store.write(delete=["/3"])
+    store.set_route("product", default_cadence_s=60)
+    stats = store.statistics()
+    assert (stats.rows, stats.routes, stats.log_rows, stats.consumers) == (9, 1, 12, 1)
+    assert (stats.transactions, stats.rows_written) == (4, 12)  # subscribe writes too
+    assert (stats.schema_version, stats.resyncs, stats.reconnects, stats.busy) == (
+        LATEST,
+        0,
+        0,
+        0,
+    )
+    assert stats.origin == store.origin and stats.origin.count(".") == 1
+    assert stats.url == pg_url  # no password in it to hide
+    sub.close()
+    close_all(store)
+
+
+def test_urls_lose_their_passwords_in_statistics_and_errors(pg_url: str) -> None:
+    assert (
+        redacted("postgresql://rq:s3cret@db.example:5432/rq?sslmode=require")
+        == "postgresql://rq:***@db.example:5432/rq?sslmode=require"
+    )
+    assert redacted("postgresql://rq@db.example/rq") == "postgresql://rq@db.example/rq"
+    assert redacted("postgresql://rq:p%40ss@db/rq") == "postgresql://rq:***@db/rq"
+
+    with pytest.raises(ValueError, match="postgresql://") as wrong:
+        PostgresStore("mysql://rq:s3cret@db.example/rq")
+    assert "s3cret" not in str(wrong.value)
+    with pytest.raises(StoreUnavailable) as unreachable:
+        PostgresStore("postgresql://rq:s3cret@127.0.0.1:1/rq")
+    assert "s3cret" not in str(unreachable.value)
+
+    with_password = pg_url.replace("postgresql://postgres@", "postgresql://postgres:s3cret@", 1)
+    assert with_password != pg_url  # trust authentication ignores the password
+    store = PostgresStore(with_password)
+    assert "s3cret" not in store.statistics().url and ":***@" in store.statistics().url
+    store.close()
+    with pytest.raises(StoreError, match="closed") as closed:
+        store.get("/a")
+    assert "s3cret" not in str(closed.value)

@@ -1,0 +1,312 @@
+"""The PostgreSQL feed is exact where transactions commit out of order.
+
+Two naive cursors over the same log show what they lose (a `seq`-only cursor, and
+`seq` with the xmin filter); the `(xid, seq)` keyset misses nothing. Then sixteen
+writer processes with random delays before commit and a share of rollbacks: a
+consumer tailing them ends equal to the table, with no event of a rolled-back write.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import random
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import psycopg
+import pytest
+from replica import Replica
+
+from store.postgres import PostgresStore
+from store.postgres import sql as pg_sql
+from store.rows import FeedEvent, RowEvent, RowWrite
+
+
+def row_keys(events: Sequence[FeedEvent]) -> list[str]:
+    """The keys of a batch that must hold row events only."""
+    assert all(isinstance(e, RowEvent) for e in events)
+    return [e.key for e in events if isinstance(e, RowEvent)]
+
+
+def upsert_params(key: str, next_render_at: int) -> dict[str, Any]:
+    return {
+        "keys": [key],
+        "routes": ["page"],
+        "cadences": [None],
+        "sitemaps": [False],
+        "nexts": [next_render_at],
+    }
+
+
+class SeqCursor:
+    """The cursor the tests refute: entries after a seq, in seq order."""
+
+    def __init__(self, conn: psycopg.Connection[Any], *, xmin_filter: bool) -> None:
+        self.conn = conn
+        self.seq = 0
+        self.seen: list[str] = []
+        self.xmin_filter = xmin_filter
+
+    def poll(self) -> None:
+        horizon = " AND xid < pg_snapshot_xmin(pg_current_snapshot())" if self.xmin_filter else ""
+        for seq, key in self.conn.execute(
+            f"SELECT seq, key FROM change_log WHERE seq > %s{horizon} ORDER BY seq", (self.seq,)
+        ).fetchall():
+            self.seq = seq
+            self.seen.append(key)
+
+
+def test_out_of_order_commits_lose_rows_to_seq_cursors_and_none_to_the_keyset(
+    pg_url: str,
+) -> None:
+    store = PostgresStore(pg_url)
+    keyset = store.subscribe("keyset")
+    reader = psycopg.connect(pg_url, autocommit=True)
+    seq_only = SeqCursor(reader, xmin_filter=False)
+    seq_xmin = SeqCursor(reader, xmin_filter=True)
+    delivered: list[str] = []
+
+    def poll_all() -> None:
+        seq_only.poll()
+        seq_xmin.poll()
+        for event in keyset.poll().events:
+            assert isinstance(event, RowEvent)
+            delivered.append(event.key)
+
+    early = psycopg.connect(pg_url)  # takes the lower xid, its log seq second, commits first
+    late = psycopg.connect(pg_url)  # takes the higher xid, its log seq first, commits last
+    try:
+        xid_early = early.execute("SELECT pg_current_xact_id()::text::bigint").fetchone()
+        xid_late = late.execute("SELECT pg_current_xact_id()::text::bigint").fetchone()
+        assert xid_early is not None and xid_late is not None and xid_early[0] < xid_late[0]
+        late.execute(pg_sql.UPSERT, upsert_params("/late", 1))
+        early.execute(pg_sql.UPSERT, upsert_params("/early", 2))
+        seqs: dict[str, int] = dict(reader.execute("SELECT key, seq FROM change_log").fetchall())
+        assert seqs == {}  # neither has committed: nothing is visible yet
+        early.commit()
+        poll_all()
+        late.commit()
+        poll_all()
+        poll_all()
+    finally:
+        early.close()
+        late.close()
+    seqs = dict(reader.execute("SELECT key, seq FROM change_log").fetchall())
+    assert seqs["/late"] < seqs["/early"]  # the late commit took its seq first
+
+    assert seq_only.seen == ["/early"], "a seq-only cursor skips the late commit's lower seq"
+    assert seq_xmin.seen == ["/early"], "seq + xmin skips it too: its xid was above xmin"
+    assert sorted(delivered) == ["/early", "/late"]
+    assert store.count() == 2
+    reader.close()
+    keyset.close()
+    store.close()
+
+
+def test_a_transaction_left_open_holds_the_feed_back_and_is_named(pg_url: str) -> None:
+    store = PostgresStore(pg_url)
+    feed = store.subscribe("held")
+    holder = psycopg.connect(pg_url)
+    try:
+        holder.execute(pg_sql.UPSERT, upsert_params("/open", 1))
+        holder_pid = holder.info.backend_pid
+        store.write([RowWrite(key="/after", route="page", next_render_at=5)])
+        # The later commit waits behind the open transaction: delayed, not lost.
+        assert feed.poll().events == []
+        deadline = time.monotonic() + 5
+        while feed.statistics().held_by_pid == 0 and time.monotonic() < deadline:
+            assert feed.wait(0.2)  # entries are pending: the wait re-polls soon
+            assert feed.poll().events == []
+        stats = feed.statistics()
+        assert stats.held_by_pid == holder_pid
+        assert stats.held_back_ms >= 1000
+        holder.commit()
+        keys: set[str] = set()
+        deadline = time.monotonic() + 5
+        while len(keys) < 2 and time.monotonic() < deadline:
+            feed.wait(0.5)
+            keys |= {e.key for e in feed.poll().events if isinstance(e, RowEvent)}
+        assert keys == {"/open", "/after"}
+        assert feed.statistics().held_back_ms == 0
+    finally:
+        holder.close()
+        feed.close()
+        store.close()
+
+
+WRITERS = 16
+KEYS = 400
+
+
+def _writer(url: str, number: int, commits: int, seed: int) -> None:
+    rng = random.Random(seed)
+    conn = psycopg.connect(url)
+    done = 0
+    while done < commits:
+        keys = rng.sample(range(KEYS), rng.randint(1, 4))
+        rollback = rng.random() < 0.25
+        try:
+            for k in keys:
+                # A rolled-back write carries a value no committed write has: any event
+                # with it would be a phantom.
+                value = -1 - number if rollback else rng.randint(1, 10**9)
+                conn.execute(pg_sql.UPSERT, upsert_params(f"/k/{k}", value))
+            if rng.random() < 0.2:
+                conn.execute(pg_sql.DELETE, {"deletes": [f"/k/{rng.randrange(KEYS)}"]})
+        except psycopg.errors.DeadlockDetected:  # rows taken in random order: it happens
+            conn.rollback()
+            continue
+        time.sleep(rng.random() * 0.004)  # hold the transaction open: commits reorder
+        if rollback:
+            conn.rollback()
+        else:
+            conn.commit()
+            done += 1
+    conn.close()
+
+
+@pytest.mark.slow
+def test_sixteen_writers_out_of_order_with_rollbacks_feed_an_exact_consumer(
+    pg_url: str,
+) -> None:
+    store = PostgresStore(pg_url)
+    replica = Replica(store, "tail")
+    replica.bootstrap()
+    phantoms = 0
+    events = 0
+    ctx = multiprocessing.get_context("spawn")
+    writers = [ctx.Process(target=_writer, args=(pg_url, n, 120, 1000 + n)) for n in range(WRITERS)]
+    for process in writers:
+        process.start()
+    sub = replica.subscription
+
+    def follow() -> None:
+        nonlocal phantoms, events
+        batch = sub.poll(500)
+        for event in batch.events:
+            if isinstance(event, RowEvent) and event.row is not None:
+                events += 1
+                if event.row.next_render_at < 0:
+                    phantoms += 1
+        replica.apply(batch)
+
+    deadline = time.monotonic() + 120
+    while any(p.is_alive() for p in writers) and time.monotonic() < deadline:
+        sub.wait(0.05)
+        follow()
+    for process in writers:
+        process.join(timeout=10)
+        assert process.exitcode == 0
+    # Every write is committed: deliver up to a head read now (a transaction open
+    # elsewhere on the server may still hold entries back for a while).
+    head = store.feed_head()
+    deadline = time.monotonic() + 60
+    while not sub.has_delivered(head) and time.monotonic() < deadline:
+        sub.wait(0.05)
+        follow()
+    follow()
+    assert sub.has_delivered(head)
+    table = {row.key: row for row in store.walk(None, 10 * KEYS)}
+    assert len(table) > KEYS // 2
+    assert phantoms == 0
+    assert events > 0
+    assert replica.rows == table
+    assert not any(row.next_render_at < 0 for row in table.values())
+    sub.close()
+    store.close()
+
+
+def test_a_feed_is_quiet_only_while_nothing_was_announced_since_its_last_read(
+    pg_url: str,
+) -> None:
+    from store.postgres import feed as pg_feed
+
+    store = PostgresStore(pg_url)
+    sub = store.subscribe("quiet")
+    try:
+        assert not sub.quiet()  # never read
+        sub.poll()
+        assert sub.quiet()
+        store.write([RowWrite(key="/a", route="page", next_render_at=1)])
+        deadline = time.monotonic() + 5
+        while sub.quiet() and time.monotonic() < deadline:  # until its NOTIFY arrives
+            time.sleep(0.001)
+        assert not sub.quiet()  # announced: the next poll must read
+        assert [e.key for e in sub.poll().events if isinstance(e, RowEvent)] == ["/a"]
+        assert sub.quiet()
+        head = store.feed_head()
+        if not sub.has_delivered(head):
+            time.sleep(pg_feed.GATHER_S)
+            assert not sub.quiet()  # someone waits on a head: read
+            sub.poll()
+        time.sleep(pg_feed.FALLBACK_POLL_S)
+        assert not sub.quiet()  # and at least every FALLBACK_POLL_S
+        assert sub.statistics().skipped >= 2
+    finally:
+        sub.close()
+        store.close()
+
+
+def test_commits_announced_moments_after_a_read_gather_for_the_next_one(
+    pg_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read within GATHER_S of the last is put off, so a stream of single-row commits
+    is read a few at a time, not one statement per commit; nothing waits much longer."""
+    from store.postgres import feed as pg_feed
+
+    monkeypatch.setattr(pg_feed, "GATHER_S", 0.5)  # long enough for a loaded machine
+    store = PostgresStore(pg_url)
+    sub = store.subscribe("gather")
+    try:
+        read_at = time.monotonic()  # before the read: it counts from its own start
+        sub.poll()
+        store.write([RowWrite(key="/g/first", route="page", next_render_at=1)])
+        assert sub.quiet()  # read moments ago: the announced commit gathers
+        assert sub.wait(5.0)
+        waited = time.monotonic() - read_at
+        assert pg_feed.GATHER_S <= waited < pg_feed.GATHER_S + 1.0
+        assert row_keys(sub.poll().events) == ["/g/first"]
+        writes = 200
+        delivered: list[str] = []
+        started = time.monotonic()
+        for i in range(writes):
+            store.write([RowWrite(key=f"/g/{i}", route="page", next_render_at=1)])
+            if not sub.quiet():
+                delivered += row_keys(sub.poll().events)
+        head = store.feed_head()
+        while not sub.has_delivered(head) and time.monotonic() - started < 10:
+            sub.wait(0.05)
+            delivered += row_keys(sub.poll().events)
+        assert delivered == [f"/g/{i}" for i in range(writes)]
+        elapsed = time.monotonic() - started
+        # At most one read a GATHER_S (plus the reads that waited on the head at the end).
+        assert sub.statistics().polls <= 2 + elapsed / pg_feed.GATHER_S + 5
+        assert sub.statistics().polls < writes
+    finally:
+        sub.close()
+        store.close()
+
+
+def test_a_saving_consumer_prunes_the_log_on_a_thread_of_its_own(pg_url: str) -> None:
+    store = PostgresStore(pg_url, prune_interval_s=0.2)
+    sub = store.subscribe("pruned")
+    try:
+        store.write([RowWrite(key=f"/p/{i}", route="page", next_render_at=1) for i in range(300)])
+        deadline = time.monotonic() + 10
+        while not sub.has_delivered(store.feed_head()) and time.monotonic() < deadline:
+            sub.wait(0.05)
+            sub.poll()
+        sub.save()  # starts the pruner; returns at once
+        while sub.statistics().pruned < 300 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sub.statistics().pruned >= 300
+        assert store.statistics().log_rows == 0
+        store.write([RowWrite(key="/after", route="page", next_render_at=1)])
+        while not sub.has_delivered(store.feed_head()) and time.monotonic() < deadline:
+            sub.wait(0.05)
+            sub.poll()
+        assert sub.has_delivered(store.feed_head())
+    finally:
+        sub.close()
+        store.close()

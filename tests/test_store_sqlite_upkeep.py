@@ -1,0 +1,121 @@
+"""Background upkeep: the WAL is checkpointed by the store's own idle-priority thread, not
+by a commit, and the change log is pruned behind every registered consumer."""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from store.rows import RowEvent, RowWrite
+from store.sqlite import SqliteStore
+from store.sqlite.upkeep import WRITER_CHECKPOINT_PAGES, Upkeep
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def put(i: int) -> RowWrite:
+    return RowWrite(key=f"/k{i}", route="product", next_render_at=i)
+
+
+def test_commits_are_checkpointed_by_the_thread(tmp_path: Path) -> None:
+    store = SqliteStore(tmp_path / "s.db")
+    assert store.statistics().upkeep.running is False  # no thread before a write
+    conn = store._state().conn
+    assert conn.execute("PRAGMA wal_autocheckpoint").fetchone()[0] == WRITER_CHECKPOINT_PAGES
+    for i in range(300):
+        store.write([put(i)])
+    assert wait_for(lambda: store.statistics().upkeep.checkpoints > 0)
+    stats = store.statistics().upkeep
+    assert stats.running and stats.errors == 0
+    # Everything the thread saw is in the database file now: a checkpoint finds nothing left.
+    probe = sqlite3.connect(tmp_path / "s.db")
+    assert wait_for(lambda: probe.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()[0] == 0)
+    probe.close()
+    upkeep = store._upkeep
+    store.close()
+    assert upkeep is not None and not upkeep.statistics().running
+
+
+def test_without_the_thread_writers_checkpoint_as_sqlite_does(tmp_path: Path) -> None:
+    store = SqliteStore(tmp_path / "s.db", background_checkpoints=False)
+    store.write([put(1)])
+    conn = store._state().conn
+    assert conn.execute("PRAGMA wal_autocheckpoint").fetchone()[0] == 1000
+    assert store.statistics().upkeep.running is False
+    store.close()
+
+
+def test_the_thread_runs_at_idle_priority(tmp_path: Path) -> None:
+    store = SqliteStore(tmp_path / "s.db")
+    store.write([put(1)])
+    assert wait_for(lambda: store.statistics().upkeep.running)
+    upkeep = store._upkeep
+    assert upkeep is not None and upkeep._thread is not None
+    assert wait_for(lambda: store.statistics().upkeep.idle_priority)
+    native_id = upkeep._thread.native_id
+    assert native_id is not None
+    assert os.sched_getscheduler(native_id) == os.SCHED_IDLE
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the writer's own thread is untouched
+    store.close()
+
+
+def test_writes_raise_the_floor_when_due_and_trim_below_it(tmp_path: Path) -> None:
+    # An interval the twelve writes below finish well inside, even on a loaded machine.
+    store = SqliteStore(tmp_path / "s.db", prune_interval_s=1.0)
+    sub = store.subscribe("keeper")
+    store.write([put(i) for i in range(50)])
+    sub.poll(limit=20)
+    sub.save()  # passed entry 20
+    time.sleep(1.05)
+    store.write([put(50)])  # seq 51: past the interval, this write raises the floor
+    stats = store.statistics()
+    assert (stats.floor, stats.log_rows, stats.upkeep.backlog) == (20, 51, 19)
+    assert stats.upkeep.floor_raises == 1
+    for i in range(100, 112):  # seqs 52..63: no trimming yet, and no raise before the interval
+        store.write([put(i)])
+    assert store.statistics().log_rows == 63
+    assert store.statistics().upkeep.floor_raises == 1
+    store.write([put(113)])  # seq 64: every TRIM_EVERY-th write trims below the floor
+    stats = store.statistics()
+    assert (stats.floor, stats.log_rows) == (20, 64 - 19)  # down to the floor's entry
+    assert [e.key for e in sub.poll().events if isinstance(e, RowEvent)][:2] == [
+        "/k20",
+        "/k21",
+    ]  # nothing it needs went
+    sub.close()
+    store.drop_consumer("keeper")
+    time.sleep(1.05)
+    store.write([put(999)])  # nobody registered: all but the head may go
+    assert store.statistics().floor == store.statistics().head
+    for i in range(200, 240):
+        store.write([put(i)])
+    assert store.statistics().upkeep.errors == 0
+    assert store.statistics().log_rows < 45
+    store.close()
+
+
+def test_no_pruning_thread_when_asked_for_none(tmp_path: Path) -> None:
+    store = SqliteStore(tmp_path / "s.db", prune_interval_s=None)
+    store.write([put(i) for i in range(10)])
+    time.sleep(0.3)
+    assert store.statistics().log_rows == 10
+    assert store.statistics().upkeep.floor_raises == 0
+    store.close()
+
+
+def test_an_idle_upkeep_starts_nothing(tmp_path: Path) -> None:
+    upkeep = Upkeep(tmp_path / "s.db")
+    assert upkeep.statistics().running is False
+    upkeep.close()
+    upkeep.committed()  # after close: no thread is started
+    assert upkeep.statistics().running is False
