@@ -42,8 +42,11 @@ def fresh_schema(database: str) -> str:
 
 
 @contextlib.contextmanager
-def two_nodes(tmp_path: Path, url: str) -> Iterator[dict[str, NodeProcess]]:
-    """Nodes a and b on the store at `url`, started together (each waits for the other)."""
+def two_nodes(
+    tmp_path: Path, url: str, extra_args: tuple[str, ...] = ()
+) -> Iterator[dict[str, NodeProcess]]:
+    """Nodes a and b on the store at `url`, started together (each waits for the other);
+    `extra_args` come after CLUSTER_ARGS, so they override them."""
     nodes: dict[str, NodeProcess] = {}
     with nodes_on(lambda directory: url):
         try:
@@ -54,7 +57,7 @@ def two_nodes(tmp_path: Path, url: str) -> Iterator[dict[str, NodeProcess]]:
                     directory,
                     workers=1,
                     tokens=True,
-                    extra_args=("--node", name, "--peers", peer, *CLUSTER_ARGS),
+                    extra_args=("--node", name, "--peers", peer, *CLUSTER_ARGS, *extra_args),
                 ).start(wait_ready=False)
             for node in nodes.values():
                 node.wait_event("node_ready")
