@@ -119,7 +119,10 @@ class LocalNode:
         ready = threading.Event()
 
         def run() -> None:
-            store = self.open_store()
+            from store import open_store
+            from workers.worker import KEEPER_PAGE_CACHE_KIB
+
+            store = open_store(self.store_url, page_cache_kib=KEEPER_PAGE_CACHE_KIB)
             try:
                 hash_as_node(store)
                 self.keeper = Keeper(

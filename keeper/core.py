@@ -525,6 +525,7 @@ class KeeperCore:
         self.repairs.add(walk.repairs)
         if walk.reason == "load":
             self.queue.buckets.end_load()
+            self.queue.slots.fit()
 
     def abandon_walk(self, walk: Walk) -> None:
         """Stop a walk without its sweep (e.g. the feed failed under it)."""

@@ -130,9 +130,9 @@ class WriteState(msgspec.Struct, frozen=True):
     full: bool = False
 
 
-class FreezeHeap(msgspec.Struct, frozen=True):
+class SettleAfterLoad(msgspec.Struct, frozen=True):
     """Live for the first time since loading: what the load built stays as long as the
-    keeper, so keep full collections from walking it."""
+    keeper, so keep full collections from walking it; what it freed goes back to the OS."""
 
 
 class Wait(msgspec.Struct, frozen=True):
@@ -156,7 +156,7 @@ Action = (
     | CheckTop
     | SaveCursor
     | WriteState
-    | FreezeHeap
+    | SettleAfterLoad
     | Wait
 )
 
@@ -461,7 +461,7 @@ class Lifecycle:
         actions: list[Action] = []
         if self.feed_open and not self.dropping:
             if self.phase != "live":
-                actions.append(FreezeHeap())
+                actions.append(SettleAfterLoad())
             self.phase = "live"
             self.exact_reason = ""
         actions.append(WriteState(full=True))

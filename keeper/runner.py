@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 
 import msgspec
 
+from keeper import heap
 from keeper.cluster import ClusterView
 from keeper.config import KeeperConfig
 from keeper.core import KeeperCore
@@ -51,7 +52,6 @@ from keeper.lifecycle import (
     FeedFailed,
     FeedOpened,
     FinishWalk,
-    FreezeHeap,
     Lifecycle,
     Marked,
     MarkUnowned,
@@ -62,6 +62,7 @@ from keeper.lifecycle import (
     PublishRefused,
     ReadMembers,
     SaveCursor,
+    SettleAfterLoad,
     Started,
     Wait,
     Waiting,
@@ -305,9 +306,10 @@ class Keeper:
                 self._save_cursor()
             case WriteState(full):
                 self._write_state(self.clock(), full=full)
-            case FreezeHeap():
+            case SettleAfterLoad():
                 # The load's objects stay as long as the keeper (see workers.worker.serve).
                 gc.freeze()
+                heap.trim()
             case Wait():
                 pass
 

@@ -6,8 +6,9 @@ hash, the due time, the version, and its place (bucket << 32 | index in the
 bucket). Keeping them side by side makes an event touch one cache line
 of records instead of four columns; scalar reads of `array` are several times
 cheaper than numpy scalars, and numpy views of the same buffer serve the bulk
-paths. Key bytes sit in one bytearray arena (offset and length per slot), not
-as a Python object per key.
+paths. Key bytes sit in one bytearray arena (a 32-bit offset and a 16-bit
+length per slot), not as a Python object per key: a node holds at most 4 GiB of
+key bytes, some 50 million keys of the usual length.
 
 Slots are found through an open-addressing index over the 64-bit key hash
 (linear probing, backward-shift deletion). The hash is the key's identity, as
@@ -34,9 +35,14 @@ NO_PLACE = (1 << 64) - 1  # a free slot's place: no bucket entry is ever live fo
 MAX_LOAD = 0.6  # index occupancy that triggers doubling
 MIN_GARBAGE_TO_COMPACT = 1 << 20  # arena bytes freed by deletes before a compaction is worth it
 ABSENT = -1
+MAX_ARENA_BYTES = 1 << 32  # every offset fits the 32-bit column
 _ZERO_RECORD = array("Q", [0] * FIELDS)
 # The record as a numpy item: gathering whole records with np.take is one fast pass.
 RECORD = np.dtype([("hash", "<u8"), ("due", "<i8"), ("version", "<i8"), ("place", "<i8")])
+
+
+class KeyArenaFull(Exception):
+    """The held keys' bytes would pass MAX_ARENA_BYTES."""
 
 
 class SlotTableStatistics(msgspec.Struct, frozen=True, kw_only=True):
@@ -54,7 +60,7 @@ class SlotTable:
         capacity = 1 << max(4, (index_capacity - 1).bit_length())
         self.rec: array[int] = array("Q")
         self.arena = bytearray()
-        self.offsets: array[int] = array("q")
+        self.offsets: array[int] = array("I")
         self.lengths: array[int] = array("H")
         # The index grows in place (never replaced), so the C view of it and the
         # records is made once.
@@ -93,6 +99,7 @@ class SlotTable:
         """Hold a key whose hash the caller found ABSENT; returns its slot."""
         if self._live + 1 > MAX_LOAD * (self._mask + 1):
             self._grow()
+        self._make_room(len(key))
         offset = len(self.arena)
         self.arena += key
         if self._free:
@@ -162,9 +169,9 @@ class SlotTable:
     ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
         """Where the slots' keys sit in `arena`: (starts, lengths), copies. The ring's
         publish copies the bytes from there in one C pass, with no bytes object per key."""
-        offsets = np.frombuffer(self.offsets, dtype=np.int64)
+        offsets = np.frombuffer(self.offsets, dtype=np.uint32)
         lengths = np.frombuffer(self.lengths, dtype=np.uint16)
-        starts = offsets.take(slots)
+        starts = offsets.take(slots).astype(np.int64)
         sizes = lengths.take(slots).astype(np.int64)
         del offsets, lengths  # a live view would make the next append raise BufferError
         return starts, sizes
@@ -205,6 +212,8 @@ class SlotTable:
             return np.empty(0, dtype=np.int32)
         while (self._live + count) > MAX_LOAD * (self._mask + 1):
             self._grow()
+        lengths = np.fromiter(map(len, keys), dtype=np.int64, count=count)
+        self._make_room(int(lengths.sum()))
         reuse = min(len(self._free), count)
         fresh = count - reuse
         slots = np.empty(count, dtype=np.int32)
@@ -213,16 +222,15 @@ class SlotTable:
             del self._free[len(self._free) - reuse :]
         first_fresh = len(self.offsets)
         slots[reuse:] = np.arange(first_fresh, first_fresh + fresh, dtype=np.int32)
-        self.offsets.frombytes(bytes(8 * fresh))
+        self.offsets.frombytes(bytes(4 * fresh))
         self.lengths.frombytes(bytes(2 * fresh))
         self.rec.frombytes(bytes(8 * FIELDS * fresh))
-        lengths = np.fromiter(map(len, keys), dtype=np.int64, count=count)
         offsets = np.empty(count, dtype=np.int64)
         offsets[0] = 0
         np.cumsum(lengths[:-1], out=offsets[1:])
         offsets += len(self.arena)
         self.arena += b"".join(keys)
-        np.frombuffer(self.offsets, dtype=np.int64)[slots] = offsets
+        np.frombuffer(self.offsets, dtype=np.uint32)[slots] = offsets
         np.frombuffer(self.lengths, dtype=np.uint16)[slots] = lengths
         self.records()[slots, HASH] = key_hashes
         self._index_many(key_hashes, slots)
@@ -262,10 +270,10 @@ class SlotTable:
     def compact(self) -> None:
         """Rewrite the arena with only live keys, in their current order."""
         live = self._live_slots_by_free_list()
-        offsets = np.frombuffer(self.offsets, dtype=np.int64)
+        offsets = np.frombuffer(self.offsets, dtype=np.uint32)
         lengths = np.frombuffer(self.lengths, dtype=np.uint16).astype(np.int64)
         order = live[np.argsort(offsets[live], kind="stable")]
-        starts = offsets[order]
+        starts = offsets[order].astype(np.int64)
         sizes = lengths[order]
         # One slice a run of adjacent live keys, joined: the work follows the live keys'
         # runs, where a byte mask over the whole arena makes 8 bytes of temporaries for
@@ -287,11 +295,27 @@ class SlotTable:
         self._garbage = 0
         self._compactions += 1
 
+    def _make_room(self, size: int) -> None:
+        if len(self.arena) + size <= MAX_ARENA_BYTES:
+            return
+        if self._garbage:
+            self.compact()
+        if len(self.arena) + size > MAX_ARENA_BYTES:
+            raise KeyArenaFull(
+                f"the held keys would take {len(self.arena) + size:,} bytes, over the "
+                f"{MAX_ARENA_BYTES:,} one node holds: spread the rows over more nodes"
+            )
+
+    def fit(self) -> None:
+        """Drop the arena's spare room: a bytearray grows by an eighth at a time, and
+        after a load the arena may not grow again for hours."""
+        self.arena = bytearray(self.arena)
+
     def nbytes(self) -> int:
         """Bytes held by this table's buffers (allocated lengths, not capacity)."""
         return (
             len(self.arena)
-            + len(self.offsets) * 8
+            + len(self.offsets) * 4
             + len(self.lengths) * 2
             + len(self.rec) * 8
             + len(self._table) * 4

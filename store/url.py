@@ -5,13 +5,18 @@ from __future__ import annotations
 from store.base import ScheduleStore
 
 
-def open_store(url: str, *, wake_name: str | None = None) -> ScheduleStore:
+def open_store(
+    url: str, *, wake_name: str | None = None, page_cache_kib: int | None = None
+) -> ScheduleStore:
     """`sqlite:///relative/path`, `sqlite:////absolute/path` or a bare path: SqliteStore.
 
     The three slashes follow the usual SQL URL form: what comes after `sqlite:///`
     is the path as written, so an absolute path keeps its own leading slash.
     `postgresql://user@host:port/dbname` (or `postgres://`): PostgresStore, the cluster
     backend; the URL is libpq's, so its query string may carry libpq's options.
+
+    `page_cache_kib`: SQLite's page cache for each of the store's connections (the
+    PostgreSQL server keeps its own).
     """
     if not isinstance(url, str) or not url.strip():
         raise ValueError(f"store URL must be a non-empty string, got {url!r}")
@@ -39,4 +44,6 @@ def open_store(url: str, *, wake_name: str | None = None) -> ScheduleStore:
         )
     from store.sqlite import SqliteStore
 
-    return SqliteStore(path, wake_name=wake_name)
+    if page_cache_kib is None:
+        return SqliteStore(path, wake_name=wake_name)
+    return SqliteStore(path, wake_name=wake_name, page_cache_kib=page_cache_kib)

@@ -28,7 +28,6 @@ from keeper.lifecycle import (
     FeedFailed,
     FeedOpened,
     FinishWalk,
-    FreezeHeap,
     Lifecycle,
     Marked,
     MarkUnowned,
@@ -39,6 +38,7 @@ from keeper.lifecycle import (
     PublishRefused,
     ReadMembers,
     SaveCursor,
+    SettleAfterLoad,
     Started,
     Wait,
     Waiting,
@@ -199,7 +199,7 @@ def test_the_first_round_reads_a_chunk_then_publishes_and_the_load_ends_live() -
         script.round()
     assert "FinishWalk" in script.kinds()
     assert where(lc) == ("live", "ready", True) and lc.exact_reason == "" and lc.loaded
-    assert FreezeHeap() in script.done and WriteState(full=True) in script.done
+    assert SettleAfterLoad() in script.done and WriteState(full=True) in script.done
     assert lc.load.rows == 35 and lc.load.chunks == 4 and lc.load.finished_at == NOW
     assert script.round() > 0, "loaded, published: wait for the next tick"
 
@@ -296,7 +296,7 @@ def test_a_failed_feed_resyncs_after_its_backoff_and_is_exact_once_walked() -> N
     while where(lc)[0] != "live":
         script.round()
     assert lc.exact and lc.verify.walks == 1 and lc.verify.last_reason == "resync"
-    assert FreezeHeap() in script.done, "live again after a resync"
+    assert SettleAfterLoad() in script.done, "live again after a resync"
 
 
 def test_a_feed_failing_under_a_walk_abandons_it_and_the_reopen_walks_again() -> None:

@@ -54,6 +54,21 @@ def test_status_is_unready_until_the_first_publish_which_comes_after_the_first_c
     assert rig.held() == rig.table()
 
 
+def test_the_heap_is_trimmed_once_the_load_is_over(monkeypatch: pytest.MonkeyPatch) -> None:
+    from keeper import heap
+
+    trims: list[int] = []
+    monkeypatch.setattr(heap, "trim", lambda: trims.append(1))
+    rig = Rig(rows=35)
+    rig.keeper.start()
+    rig.keeper.step()
+    assert rig.last().trust.phase == "loading" and not trims
+    rig.steps(4)
+    assert rig.last().trust.phase == "live" and len(trims) == 1
+    rig.steps(3, advance_ms=1000)
+    assert len(trims) == 1  # not on every round, only after a load
+
+
 def test_each_status_change_is_written_at_once() -> None:
     rig = Rig()
     rig.keeper.start()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -72,3 +73,46 @@ def test_keys_come_back_in_the_order_asked() -> None:
     picked = np.array(slots[::-7])
     assert table.keys(picked) == [table.key(int(s)) for s in picked]
     assert table.keys(picked) == [key(i) for i in range(49, -1, -7)]
+
+
+def test_fit_drops_the_arenas_spare_room_and_keeps_every_key() -> None:
+    import sys
+
+    table = SlotTable()
+    model: dict[bytes, int] = {}
+    for i in range(5_000):
+        k = key(i)
+        model[k] = table.add(key_hash(k), k)
+    spare = sys.getsizeof(table.arena) - len(table.arena)
+    table.fit()
+    assert sys.getsizeof(table.arena) - len(table.arena) < spare
+    assert sys.getsizeof(table.arena) - len(table.arena) <= sys.getsizeof(bytearray(b"x")) - 1
+    check(table, model)
+    k = key(10_000)
+    model[k] = table.add(key_hash(k), k)  # it grows again from there
+    check(table, model)
+
+
+def wide(i: int) -> bytes:
+    return key(1000 + i)  # all of one length
+
+
+def test_an_arena_past_its_limit_compacts_first_then_refuses(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from keeper.slots import KeyArenaFull
+
+    monkeypatch.setattr(slots_module, "MAX_ARENA_BYTES", 40 * len(wide(0)))
+    monkeypatch.setattr(slots_module, "MIN_GARBAGE_TO_COMPACT", 1 << 30)  # only when full
+    table = SlotTable()
+    model = {wide(i): table.add(key_hash(wide(i)), wide(i)) for i in range(30)}
+    for i in range(10):
+        table.remove(model.pop(wide(i)))
+    # 20 live keys and 10 keys of garbage: 20 more fit only once the garbage is gone.
+    fresh = [wide(i) for i in range(100, 120)]
+    model.update(zip(fresh, table.add_many(key_hashes(fresh), fresh).tolist(), strict=True))
+    check(table, model)
+    assert table.statistics().compactions == 1
+    with pytest.raises(KeyArenaFull, match="spread the rows over more nodes"):
+        table.add(key_hash(wide(999)), wide(999))
+    with pytest.raises(KeyArenaFull):
+        table.add_many(key_hashes([wide(998)]), [wide(998)])
+    check(table, model)  # the refused keys changed nothing

@@ -175,3 +175,20 @@ def test_reads_at_a_head_show_exactly_the_table_as_of_that_head(tmp_path: Path) 
             assert [row.key for row in read.rows] == later
             assert got == {k: table[k] for k in later}
     assert len(heads) > 10, "the writer never moved the head between reads: nothing tested"
+
+
+def test_the_page_cache_is_the_one_asked_for_and_a_bad_one_is_refused(tmp_path: Path) -> None:
+    from store import open_store
+
+    path = tmp_path / "cache.sqlite"
+    for asked, expected in ((None, -32_000), (2_000, -2_000)):
+        store = open_store(str(path), page_cache_kib=asked)
+        try:
+            assert isinstance(store, SqliteStore)
+            seen = store._read("test", lambda c: c.execute("PRAGMA cache_size").fetchone()[0])
+            assert seen == expected
+        finally:
+            store.close()
+    for bad in (0, -5, 1 << 30):
+        with pytest.raises(ValueError, match="page_cache_kib"):
+            SqliteStore(path, page_cache_kib=bad)

@@ -25,6 +25,7 @@ import uvicorn
 
 from api.app import create_app
 from api.node import ApiSettings, Node
+from keeper import heap
 from shm.keys import use_secret
 from workers import logs
 from workers.body_limit import BodyLimit
@@ -86,6 +87,11 @@ def die_with_parent(supervisor_pid: int) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
+# The keeper's walks read each page of the table once a pass, so a large page cache
+# gains them nothing; filled by the load, it would stay in worker 0 as long as it runs.
+KEEPER_PAGE_CACHE_KIB = 2_000
+
+
 def start_keeper(spec: WorkerSpec, segments: Segments) -> KeeperHost:
     from keeper.runner import ClusterSettings, Keeper
     from store import open_store
@@ -105,7 +111,7 @@ def start_keeper(spec: WorkerSpec, segments: Segments) -> KeeperHost:
     )
 
     def run_once(stop: threading.Event) -> None:
-        store = open_store(settings.store_url())
+        store = open_store(settings.store_url(), page_cache_kib=KEEPER_PAGE_CACHE_KIB)
         # A clustered node's store is a PostgresStore: it reads the member list.
         members = (
             None if cluster is None else functools.partial(store.nodes, cluster.ttl_s)  # type: ignore[attr-defined]
@@ -135,6 +141,7 @@ def serve(spec: WorkerSpec) -> int:
     from store import open_store
 
     settings = spec.settings
+    heap.map_large_blocks()  # before the keeper's buffers grow (keeper.heap)
     use_secret(spec.hash_secret)  # before the keeper or any request hashes a key
     sockets = [socket.socket(fileno=fd) for fd in spec.listen_fds]
     segments = Segments.attach(spec.segments)

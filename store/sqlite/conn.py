@@ -29,11 +29,12 @@ _MAX_BACKOFF_S = 2e-3
 _PRAGMAS = (
     "PRAGMA synchronous = NORMAL",
     "PRAGMA temp_store = MEMORY",
-    "PRAGMA cache_size = -32000",
     "PRAGMA journal_size_limit = 67108864",
     "PRAGMA foreign_keys = OFF",
 )
 
+
+PAGE_CACHE_KIB = 32_000  # per connection, unless the store is opened with another
 
 # SQLITE_IOERR and SQLITE_FULL: the disk refused a write (it is full, or failing).
 _FULL_CODES = (10, 13)
@@ -64,12 +65,13 @@ def connect(path: str | os.PathLike[str]) -> sqlite3.Connection:
     return conn
 
 
-def configure(conn: sqlite3.Connection) -> None:
+def configure(conn: sqlite3.Connection, page_cache_kib: int = PAGE_CACHE_KIB) -> None:
     mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
     if str(mode).lower() != "wal":
         raise sqlite3.OperationalError(f"could not switch the database to WAL (it is {mode})")
     for pragma in _PRAGMAS:
         conn.execute(pragma)
+    conn.execute(f"PRAGMA cache_size = -{int(page_cache_kib)}")
 
 
 class Retry:

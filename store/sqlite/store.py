@@ -30,7 +30,7 @@ from store.errors import StoreError, StoreFull
 from store.rows import Completion, Route, Row, RowWrite, completion_rounds, route_from, row_from
 from store.secret import checked
 from store.sqlite import sql
-from store.sqlite.conn import Retry, configure, connect
+from store.sqlite.conn import PAGE_CACHE_KIB, Retry, configure, connect
 from store.sqlite.feed import (
     SqliteSubscription,
     Verdict,
@@ -107,16 +107,20 @@ class SqliteStore:
         busy_timeout_s: float = DEFAULT_BUSY_TIMEOUT_S,
         background_checkpoints: bool = True,
         prune_interval_s: float | None = PRUNE_INTERVAL_S,
+        page_cache_kib: int = PAGE_CACHE_KIB,
     ) -> None:
         """`background_checkpoints`: checkpoint on a daemon thread (see store.sqlite.upkeep) rather
         than in commits; `prune_interval_s`: how often a write also raises the change log's
         floor, below which writes trim it (None: only explicit `raise_floor()` or
-        `prune()` calls do)."""
+        `prune()` calls do); `page_cache_kib`: each connection's page cache."""
+        if not 100 <= page_cache_kib <= 1 << 22:
+            raise ValueError(f"page_cache_kib must be 100..{1 << 22}, got {page_cache_kib}")
         text = os.fspath(path)
         if not text or text == ":memory:" or text.startswith("file:"):
             raise ValueError(f"SqliteStore needs a database file path, got {text!r}")
         self.path = Path(os.path.abspath(text))  # threads and subscriptions reopen it
         self.busy_timeout_s = busy_timeout_s
+        self.page_cache_kib = page_cache_kib
         self._wake_prefix = wake_prefix(self.path, wake_name)
         self._pid = os.getpid()
         self._local = threading.local()
@@ -151,7 +155,7 @@ class SqliteStore:
         conn = connect(self.path)
         retry = Retry(self.busy_timeout_s)
         try:
-            retry.call("open", lambda: configure(conn))
+            retry.call("open", lambda: configure(conn, self.page_cache_kib))
             retry.call("open", lambda: migrate(conn, str(self.path)))
             retry.call("open", lambda: conn.execute(sql.CREATE_COMPLETING))
             if self._upkeep is not None:
