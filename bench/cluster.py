@@ -132,6 +132,8 @@ class ClusterNode(Node):
 
     def launch(self, peers: Sequence[str]) -> None:
         """Start without waiting (the caller waits for the cluster)."""
+        instance = f"rqbc{os.getpid()}{self.name}{int(time.time())}"
+        self.instances.add(instance)
         self.probe.mkdir(exist_ok=True)
         for stale in self.probe.iterdir():
             stale.unlink()
@@ -145,7 +147,7 @@ class ClusterNode(Node):
         command = [
             sys.executable, "-m", "workers.cli", "serve", "--db", self.db,
             "--port", str(self.port), "--workers", "1", "--node", self.name,
-            "--instance", f"rqbc{os.getpid()}{self.name}{int(time.time())}", *CLUSTER_ARGS,
+            "--instance", instance, *CLUSTER_ARGS,
         ]  # fmt: skip
         others = [p for p in peers if p != self.name]
         if others:

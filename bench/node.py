@@ -387,6 +387,7 @@ class Node:
         self.port = free_port()
         self.process: subprocess.Popen[bytes] | None = None
         self.log = (self.dir / "node.log").open("wb")
+        self.instances: set[str] = set()  # every one it started as: drop() removes their segments
         if load and rows is not None:
             load_store(self.db, rows)
 
@@ -401,12 +402,13 @@ class Node:
     ) -> None:
         """`instance`: keep one across restarts (the lease snapshot is the instance's);
         `args`: more `serve` flags."""
+        self.instances.add(instance := instance or f"rqbn{unique_suffix()}")
         env = {k: v for k, v in os.environ.items() if not k.startswith("RENDERQUEUE_")}
         env.update(RENDERQUEUE_ADMIN_TOKEN=ADMIN_TOKEN, RENDERQUEUE_FLEET_TOKEN=FLEET_TOKEN)
         command = [
             sys.executable, "-m", "workers.cli", "serve", "--db", self.db,
             "--port", str(self.port), "--workers", "2",
-            "--instance", instance or f"rqbn{unique_suffix()}", *args,
+            "--instance", instance, *args,
         ]  # fmt: skip
         if keeper_switch_interval_ms is not None:
             command += ["--keeper-switch-interval-ms", str(keeper_switch_interval_ms)]
@@ -467,6 +469,13 @@ class Node:
         self.stop()
         self.log.close()
         shutil.rmtree(self.dir, ignore_errors=True)
+        # A node stopped by SIGKILL (or one that failed its SIGTERM) left its segments.
+        from shm.segment import remove
+        from workers.segments import SegmentNames
+
+        for instance in self.instances:
+            for name in msgspec.structs.astuple(SegmentNames.for_instance(instance)):
+                remove(name)
 
 
 # --- single-row writes and the worker probe ---------------------------------------------
