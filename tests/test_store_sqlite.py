@@ -16,6 +16,7 @@ import pytest
 from store.base import RowsRead
 from store.rows import Completion, Outcome, RowWrite
 from store.sqlite import SqliteStore
+from store.sqlite.conn import PAGE_CACHE_KIB
 from store.sqlite.feed import parse_cursor
 
 
@@ -181,7 +182,7 @@ def test_the_page_cache_is_the_one_asked_for_and_a_bad_one_is_refused(tmp_path: 
     from store import open_store
 
     path = tmp_path / "cache.sqlite"
-    for asked, expected in ((None, -32_000), (2_000, -2_000)):
+    for asked, expected in ((None, -PAGE_CACHE_KIB), (2_000, -2_000)):
         store = open_store(str(path), page_cache_kib=asked)
         try:
             assert isinstance(store, SqliteStore)

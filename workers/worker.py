@@ -87,7 +87,7 @@ def die_with_parent(supervisor_pid: int) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-# The keeper's walks read each page of the table once a pass, so a large page cache
+# The keeper's walks read each page of the table once a pass, so a page cache
 # gains them nothing; filled by the load, it would stay in worker 0 as long as it runs.
 KEEPER_PAGE_CACHE_KIB = 2_000
 

@@ -34,7 +34,10 @@ _PRAGMAS = (
 )
 
 
-PAGE_CACHE_KIB = 32_000  # per connection, unless the store is opened with another
+# Per connection, unless the store is opened with another. It holds the table's interior
+# pages at millions of rows; a batch's leaves are random pages anyway, and another
+# process's commit empties the cache, so more only sits in the process's memory.
+PAGE_CACHE_KIB = 8_000
 
 # SQLITE_IOERR and SQLITE_FULL: the disk refused a write (it is full, or failing).
 _FULL_CODES = (10, 13)
