@@ -445,14 +445,21 @@ class NodeProcess:
         return self.process.wait(timeout_s)
 
     def stop(self) -> None:
-        if self.process is None or self.process.poll() is not None:
+        if self.process is None:
             return
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(45)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait(10)
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(45)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+        # A supervisor SIGKILLed (by its test, or just above) unlinked nothing.
+        from shm.segment import remove
+        from workers.segments import SegmentNames
+
+        for name in msgspec.structs.astuple(SegmentNames.for_instance(self.instance)):
+            remove(name)
 
 
 @contextlib.contextmanager
