@@ -197,8 +197,10 @@ def test_a_chunked_body_past_the_limit_is_refused_and_the_rest_not_read_past_a_b
     with connect(node) as sock:
         sock.sendall(b"POST /v1/schedule HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
         # Past what the server reads to answer (workers.body_limit), and no last chunk: a
-        # server reading on would wait forever.
-        for _ in range((DISCARD_FACTOR + 2) * LIMIT // 4096):
+        # server reading on would wait forever. The app's first read alone may take one
+        # whole socket read (256 KiB) before the discard's bound starts counting, so send
+        # that much beyond it: short of the bound, the discard would wait out its timeout.
+        for _ in range((DISCARD_FACTOR * LIMIT + 2 * 256 * 1024) // 4096):
             try:
                 sock.sendall(b"%x\r\n%s\r\n" % (len(chunk), chunk))
             except (BrokenPipeError, ConnectionResetError):
