@@ -402,7 +402,8 @@ class Node:
     ) -> None:
         """`instance`: keep one across restarts (the lease snapshot is the instance's);
         `args`: more `serve` flags."""
-        self.instances.add(instance := instance or f"rqbn{unique_suffix()}")
+        instance = instance or f"rqbn{unique_suffix()}"
+        self.instances.add(instance)
         env = {k: v for k, v in os.environ.items() if not k.startswith("RENDERQUEUE_")}
         env.update(RENDERQUEUE_ADMIN_TOKEN=ADMIN_TOKEN, RENDERQUEUE_FLEET_TOKEN=FLEET_TOKEN)
         command = [
@@ -470,12 +471,10 @@ class Node:
         self.log.close()
         shutil.rmtree(self.dir, ignore_errors=True)
         # A node stopped by SIGKILL (or one that failed its SIGTERM) left its segments.
-        from shm.segment import remove
         from workers.segments import SegmentNames
 
         for instance in self.instances:
-            for name in msgspec.structs.astuple(SegmentNames.for_instance(instance)):
-                remove(name)
+            SegmentNames.for_instance(instance).remove()
 
 
 # --- single-row writes and the worker probe ---------------------------------------------

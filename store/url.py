@@ -43,7 +43,7 @@ def open_store(
             "is read by other connections and processes)"
         )
     from store.sqlite import SqliteStore
+    from store.sqlite.conn import PAGE_CACHE_KIB
 
-    if page_cache_kib is None:
-        return SqliteStore(path, wake_name=wake_name)
-    return SqliteStore(path, wake_name=wake_name, page_cache_kib=page_cache_kib)
+    cache = PAGE_CACHE_KIB if page_cache_kib is None else page_cache_kib
+    return SqliteStore(path, wake_name=wake_name, page_cache_kib=cache)

@@ -455,11 +455,9 @@ class NodeProcess:
                 self.process.kill()
                 self.process.wait(10)
         # A supervisor SIGKILLed (by its test, or just above) unlinked nothing.
-        from shm.segment import remove
         from workers.segments import SegmentNames
 
-        for name in msgspec.structs.astuple(SegmentNames.for_instance(self.instance)):
-            remove(name)
+        SegmentNames.for_instance(self.instance).remove()
 
 
 @contextlib.contextmanager

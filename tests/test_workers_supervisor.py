@@ -301,3 +301,14 @@ def test_a_malformed_hash_secret_stops_the_start(tmp_path: Path) -> None:
     assert done.returncode == 1
     failed = [json.loads(line) for line in done.stderr.splitlines() if "start_failed" in line]
     assert failed and "hash secret" in failed[0]["error"] and "9 bytes" in failed[0]["error"]
+
+
+def test_a_sigkilled_nodes_segments_are_removed_by_name(tmp_path: Path) -> None:
+    with node_process(tmp_path, workers=1) as node:
+        files = segment_files(node.instance)
+        node.signal(signal.SIGKILL)
+        node.wait(30)
+        assert all(path.exists() for path in files)  # nothing unlinked them
+        SegmentNames.for_instance(node.instance).remove()
+        assert not any(path.exists() for path in files)
+        SegmentNames.for_instance(node.instance).remove()  # already gone is fine

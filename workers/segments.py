@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import msgspec
 
 from shm import LeaseTable, ReadyRing, StateBuffer, segment_name
+from shm.segment import remove as remove_segment
 
 # The supervisor's statistics: a few hundred bytes per worker.
 SUPERVISOR_STATE_BYTES = 64 * 1024
@@ -37,6 +38,12 @@ class SegmentNames(msgspec.Struct, frozen=True, kw_only=True):
             supervisor=segment_name(instance, "supervisor"),
             keeper=segment_name(instance, "keeper"),
         )
+
+    def remove(self) -> None:
+        """Unlink whichever of these segments exist: a node whose supervisor was SIGKILLed
+        left them, and a harness done with its instance cleans up after it."""
+        for name in msgspec.structs.astuple(self):
+            remove_segment(name)
 
 
 @dataclass(eq=False)
