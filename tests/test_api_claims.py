@@ -251,6 +251,7 @@ def claimant(url: str, rounds_without_work: int, out: Any) -> None:
     """Claim in batches until the node has nothing left; report every (key, token)."""
     granted: list[tuple[str, str]] = []
     idle = 0
+    refusals = 0
     with httpx.Client(
         base_url=url, headers={"Authorization": f"Bearer {FLEET_TOKEN}"}, timeout=60
     ) as client:
@@ -258,7 +259,14 @@ def claimant(url: str, rounds_without_work: int, out: Any) -> None:
             response = client.post(
                 "/v1/claims", json={"max": 100, "worker": "racer", "lease_s": 300, "wait_s": 2}
             )
-            response.raise_for_status()
+            # A loaded machine can leave the keeper's set briefly stale: the node says so
+            # with 503 + Retry-After, and a fleet client waits and asks again.
+            if response.status_code == 503 and "retry-after" in response.headers and refusals < 30:
+                refusals += 1
+                time.sleep(float(response.headers["retry-after"]))
+                continue
+            if response.is_error:
+                raise AssertionError(f"HTTP {response.status_code}: {response.text[:300]}")
             leases = response.json()["leases"]
             idle = 0 if leases else idle + 1
             granted.extend((lease["key"], lease["token"]) for lease in leases)
