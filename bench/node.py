@@ -10,6 +10,10 @@ Workload (bench/peer_base.py): 1M rows (quick 20k), 20% due. Arms:
   driven by bench/peers.py's arm runner). The target: at least 3x the better peer at
   batch 100. Our claimants speak HTTP with a lean keep-alive client (http.client and
   msgspec), so the figure is the server's, not a client library's.
+- CPU per completed key by process in those arms (psutil, user + system, over each arm):
+  the supervisor and each worker (worker 0 hosts the keeper and its thread), their sum
+  against the 40 µs target at batch 100, and the node plus our claimants beside the
+  SQLite peer's claimant processes, which do all of that peer's work.
 - single-row schedule writes (`POST /v1/schedule`, one row): p50/p99.
 - claim latency on worker 0 (which hosts the keeper thread) against worker 1, measured
   on connections pinned to each worker while a writer keeps the keeper busy.
@@ -108,6 +112,11 @@ class ArmResult(msgspec.Struct, kw_only=True):
     others_claim_p50_us: float | None = None
     others_claim_p99_us: float | None = None
     claimant_cpu_s: float | None = None  # the claimant processes' CPU, summed
+    # Our arms: each node process's CPU over the arm (psutil), by label ("worker 0", ...).
+    node_cpu_s: dict[str, float] = {}
+
+    def cpu_us_per_key(self, seconds: float | None) -> float | None:
+        return None if seconds is None or not self.keys else round(seconds / self.keys * 1e6, 1)
 
 
 # --- a lean HTTP client ---------------------------------------------------------------
@@ -291,9 +300,13 @@ def run_our_arm(
     *,
     complete: bool = True,
     keys_out: list[str] | None = None,
+    node_processes: dict[str, Any] | None = None,
 ) -> ArmResult:
-    """One arm of `claimants` racing processes; `keys_out` gets every key granted."""
+    """One arm of `claimants` racing processes; `keys_out` gets every key granted;
+    `node_processes` (label -> psutil.Process): the node's, whose CPU over the arm the
+    result carries."""
     workers = len(set((worker_of or {}).values()))
+    node_cpu_before = process_cpu_s(node_processes or {})
     raw = race(
         claimant,
         [
@@ -302,6 +315,7 @@ def run_our_arm(
         ],
         max_s + 120,
     )
+    node_cpu_after = process_cpu_s(node_processes or {})
     reports = [msgspec.msgpack.decode(report) for report in raw]
     errors = [r["error"] for r in reports if r["error"]]
     if errors:
@@ -337,7 +351,26 @@ def run_our_arm(
         granted_twice=len(keys) - len(set(keys)),
         not_ok=sum(r["not_ok"] for r in reports),
         claimant_cpu_s=round(sum(r.get("cpu_s", 0.0) for r in reports), 4),
+        node_cpu_s={
+            label: round(node_cpu_after[label] - before, 4)
+            for label, before in node_cpu_before.items()
+            if label in node_cpu_after
+        },
     )
+
+
+def process_cpu_s(processes: dict[str, Any]) -> dict[str, float]:
+    """Each process's user + system CPU seconds so far; one that has exited is left out."""
+    import psutil
+
+    out: dict[str, float] = {}
+    for label, process in processes.items():
+        try:
+            times = process.cpu_times()
+        except psutil.Error:
+            continue
+        out[label] = times.user + times.system
+    return out
 
 
 def us(ns: float | None) -> float | None:
@@ -426,6 +459,16 @@ class Node:
 
     def admin(self) -> NodeClient:
         return NodeClient(self.port, ADMIN_TOKEN)
+
+    def processes(self) -> dict[str, Any]:
+        """The node's processes by label (the supervisor, each worker), as psutil sees them."""
+        import psutil
+
+        assert self.process is not None
+        out = {"supervisor": psutil.Process(self.process.pid)}
+        for pid, index in sorted(self.worker_of().items(), key=lambda item: item[1]):
+            out[f"worker {index}"] = psutil.Process(pid)
+        return out
 
     def worker_of(self) -> dict[int, int]:
         """pid -> worker index, from the supervisor's statistics."""
@@ -629,6 +672,7 @@ def run_peer_arms(name: str, rows: Rows, config: Config) -> list[ArmResult]:
                     complete_p50_us=arm.complete_p50_us,
                     complete_p99_us=arm.complete_p99_us,
                     granted_twice=arm.granted_twice,
+                    claimant_cpu_s=arm.claimant_cpu_s,
                 )
             )
     finally:
@@ -702,6 +746,7 @@ def figures(
             target="0",
         )
     )
+    out += cpu_figures(arms, config)
     split_table = SPLIT_TABLE
     for batch in BATCHES:
         for claimants in config.claimants:
@@ -747,6 +792,52 @@ def figures(
                     other.get(label),
                 )
             )
+    return out
+
+
+CPU_TARGET_US = 40  # node CPU per completed key, every node process, batch 100
+
+
+def cpu_figures(arms: list[ArmResult], config: Config) -> list[report.Figure]:
+    """CPU per completed key by process (psutil, over each arm). The SQL peers' work is all
+    in their claimant processes (PostgreSQL's backends are not counted here: see the
+    postgres section), so theirs is the figure beside our node's plus our claimants'."""
+    table = (
+        f"CPU per completed key by process, claim then complete through HTTP: "
+        f"{config.rows:,} rows, two workers (psutil, over each arm)"
+    )
+    out: list[report.Figure] = []
+    for arm in arms:
+        if arm.peer != OURS:
+            continue
+        sqlite = next((a for a in arms if a.peer == SQLITE and a.batch == arm.batch), None)
+        label = f"batch {arm.batch}, {arm.claimants} claimants"
+        node_s = sum(arm.node_cpu_s.values()) if arm.node_cpu_s else None
+        out.append(
+            report.Figure(
+                table=table,
+                what=f"{label}: node, every process",
+                unit="µs/key",
+                ours=arm.cpu_us_per_key(node_s),
+                target=f"<= {CPU_TARGET_US}" if arm.batch == 100 else "",
+                note=", ".join(
+                    f"{name} {arm.cpu_us_per_key(seconds)}"
+                    for name, seconds in sorted(arm.node_cpu_s.items())
+                ),
+            )
+        )
+        total_s = None if node_s is None else node_s + (arm.claimant_cpu_s or 0.0)
+        out.append(
+            report.Figure(
+                table=table,
+                what=f"{label}: node and claimants",
+                unit="µs/key",
+                ours=arm.cpu_us_per_key(total_s),
+                peers={SQLITE: sqlite.cpu_us_per_key(sqlite.claimant_cpu_s) if sqlite else None},
+                note=f"our claimants {arm.cpu_us_per_key(arm.claimant_cpu_s)}; "
+                "the SQLite peer's claimants do all of its work",
+            )
+        )
     return out
 
 
@@ -826,7 +917,13 @@ def main(argv: list[str] | None = None) -> int:
         for batch in BATCHES:
             for claimants in config.claimants:
                 arm = run_our_arm(
-                    node.port, batch, claimants, per_arm, config.arm_max_s, node.worker_of()
+                    node.port,
+                    batch,
+                    claimants,
+                    per_arm,
+                    config.arm_max_s,
+                    node.worker_of(),
+                    node_processes=node.processes(),
                 )
                 report.progress(
                     f"node: batch {batch}, {claimants} claimants: {arm.keys_per_s:,.0f} keys/s, "
