@@ -134,7 +134,14 @@ class NodeClient:
     def call(self, method: str, path: str, body: Any = None, answer: Any = Any) -> tuple[int, Any]:
         """`answer`: the type to decode a 200 body as (msgspec skips the fields it lacks)."""
         payload = None if body is None else msgspec.json.encode(body)
-        self.connection.request(method, path, body=payload, headers=self.headers)
+        try:
+            self.connection.request(method, path, body=payload, headers=self.headers)
+        except (BrokenPipeError, ConnectionResetError):
+            # The server closed this keep-alive connection while it sat idle (a loaded
+            # machine can take longer than its keep-alive timeout to start every
+            # claimant): the request never reached it, so sending it again is safe.
+            self.connection.close()
+            self.connection.request(method, path, body=payload, headers=self.headers)
         response = self.connection.getresponse()
         data = response.read()
         if not data:

@@ -651,6 +651,9 @@ def node_arm(
     server = used[0]
     if not complete:
         granted += keys_out
+    # A worker's pool may open connections during the arm: learn their ports now, while
+    # the pool still holds them, so their backends count as that worker's, not "other".
+    ports = {**ports, **client_ports({p.pid: label for label, p in processes.items()})}
     cpu = {label: _cpu(p) - before[label] for label, p in processes.items()}
     cpu["claimants"] = arm.claimant_cpu_s or 0.0
     cpu["PostgreSQL backends"] = server.backends_s
