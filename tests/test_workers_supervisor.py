@@ -312,3 +312,49 @@ def test_a_sigkilled_nodes_segments_are_removed_by_name(tmp_path: Path) -> None:
         SegmentNames.for_instance(node.instance).remove()
         assert not any(path.exists() for path in files)
         SegmentNames.for_instance(node.instance).remove()  # already gone is fine
+
+
+@pytest.mark.usefixtures("node_backend")
+def test_a_completion_answered_ok_survives_a_sigkill_of_the_whole_node(tmp_path: Path) -> None:
+    """`ok: true` is said only after the commit: every process of the node SIGKILLed the
+    moment the answer arrives loses none of it, and a restarted node does not hand the
+    keys out again."""
+    from store import open_store
+
+    seed_rows(node_db(tmp_path), 2000, due_share=0.5)
+    node = NodeProcess(tmp_path, workers=2).start()
+    try:
+        wait_for(lambda: exact_queue_state(node), 60, "an exact queue-state")
+        leases = claim(node, 200)
+        assert len(leases) == 200
+        items = [
+            {"key": lease["key"], "token": lease["token"], "outcome": "rendered"}
+            for lease in leases
+        ]
+        with node.client() as client:
+            answer = client.post("/v1/completions", json={"items": items})
+        workers = [node.worker_pid(i) for i in range(2)]
+        node.signal(signal.SIGKILL)
+        for pid in workers:
+            os.kill(pid, signal.SIGKILL)
+        node.wait(30)
+        assert answer.status_code == 200, answer.text
+        assert all(result["ok"] for result in answer.json()["results"])
+    finally:
+        node.stop()
+    completed = {lease["key"] for lease in leases}
+    store = open_store(str(node_db(tmp_path)))
+    try:
+        rows = store.get_many(sorted(completed))
+    finally:
+        store.close()
+    now = now_ms()
+    assert set(rows) == completed
+    assert all(row.last_outcome == "rendered" for row in rows.values())
+    assert all(row.next_render_at > now for row in rows.values())
+    # The same instance: on PostgreSQL the killed node is still a live member by name.
+    with node_process(tmp_path, workers=2, instance=node.instance) as again:
+        wait_for(lambda: exact_queue_state(again), 60, "an exact queue-state after the restart")
+        regranted = claim(again, 1000)
+        assert len(regranted) == 800  # every other due row, none of the completed
+        assert not completed & {lease["key"] for lease in regranted}
