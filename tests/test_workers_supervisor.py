@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import socket
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -23,6 +24,7 @@ from node_harness import (
     due_in_table,
     node_db,
     node_process,
+    nodes_on,
     now_ms,
     seed_rows,
     unique,
@@ -40,9 +42,10 @@ def segment_files(instance: str) -> list[Path]:
     ]
 
 
-def claim(node: NodeProcess, n: int) -> list[dict[str, Any]]:
+def claim(node: NodeProcess, n: int, wait_s: float = 0) -> list[dict[str, Any]]:
+    """`wait_s`: long-poll for the keeper's next publish when nothing is claimable yet."""
     with node.client() as client:
-        response = client.post("/v1/claims", json={"max": n, "worker": "t"})
+        response = client.post("/v1/claims", json={"max": n, "worker": "t", "wait_s": wait_s})
     assert response.status_code == 200, response.text
     leases: list[dict[str, Any]] = response.json()["leases"]
     return leases
@@ -325,7 +328,7 @@ def test_a_completion_answered_ok_survives_a_sigkill_of_the_whole_node(tmp_path:
     node = NodeProcess(tmp_path, workers=2).start()
     try:
         wait_for(lambda: exact_queue_state(node), 60, "an exact queue-state")
-        leases = claim(node, 200)
+        leases = claim(node, 200, wait_s=10)
         assert len(leases) == 200
         items = [
             {"key": lease["key"], "token": lease["token"], "outcome": "rendered"}
@@ -358,3 +361,92 @@ def test_a_completion_answered_ok_survives_a_sigkill_of_the_whole_node(tmp_path:
         regranted = claim(again, 1000)
         assert len(regranted) == 800  # every other due row, none of the completed
         assert not completed & {lease["key"] for lease in regranted}
+
+
+def test_completions_gathered_when_their_writer_is_sigkilled_fail_and_change_nothing(
+    tmp_path: Path,
+) -> None:
+    """A worker's completions wait together for the write lock (here held by another
+    connection); SIGKILLed with them gathered and uncommitted, every waiting request ends
+    in an error, never `ok: true`, none of them reached the table, and the leases stay
+    held by their tokens for a retry."""
+    db = tmp_path / "node.sqlite"
+    seed_rows(db, 400, due_share=1.0)
+    # SQLite whichever backend the module's other tests are on: the lock is SQLite's.
+    with (
+        nodes_on(lambda directory: str(directory / "node.sqlite")),
+        node_process(tmp_path, workers=2) as node,
+    ):
+        wait_for(lambda: exact_queue_state(node), 60, "an exact queue-state")
+        leases = claim(node, 60, wait_s=10)
+        assert len(leases) == 60
+        before = table_rows(db, [x["key"] for x in leases])
+        victim = node.worker_pid(1)
+        *clients, watcher = clients_of(node, victim, 4)
+        holder = sqlite3.connect(db, isolation_level=None, timeout=0)
+        holder.execute("BEGIN IMMEDIATE")  # as another writer's transaction would
+        outcomes: list[Any] = []
+
+        def complete(client: httpx.Client, part: list[dict[str, Any]]) -> None:
+            items = [{"key": x["key"], "token": x["token"], "outcome": "rendered"} for x in part]
+            try:
+                outcomes.append(client.post("/v1/completions", json={"items": items}))
+            except httpx.HTTPError as exc:
+                outcomes.append(exc)
+
+        # Each on its own connection to the victim, where it waits behind the held lock.
+        senders = [
+            threading.Thread(target=complete, args=(client, leases[20 * i : 20 * i + 20]))
+            for i, client in enumerate(clients)
+        ]
+        for sender in senders:
+            sender.start()
+
+        def gathered() -> bool:
+            overview = watcher.get("/prerender_admin/overview").json()
+            queue = overview["completions"]
+            return bool(queue["waited"] == 3 and queue["requests"] == 0)
+
+        wait_for(gathered, 30, "the three requests waiting in the victim's queue", 0.1)
+        os.kill(victim, signal.SIGKILL)
+        for sender in senders:
+            sender.join(30)
+        for client in [*clients, watcher]:
+            client.close()
+        holder.execute("ROLLBACK")
+        holder.close()
+        assert len(outcomes) == 3
+        for outcome in outcomes:
+            ok = isinstance(outcome, httpx.Response) and outcome.status_code == 200
+            assert not ok or not any(r["ok"] for r in outcome.json()["results"]), outcome
+        assert table_rows(db, list(before)) == before
+        node.wait_event("worker_ready", worker=1, after=1, timeout_s=60)
+        wait_for(lambda: exact_queue_state(node), 60, "an exact queue-state again")
+        with node.client() as client:
+            items = [{"key": x["key"], "token": x["token"], "outcome": "rendered"} for x in leases]
+            results = client.post("/v1/completions", json={"items": items}).json()["results"]
+        assert all(result["ok"] for result in results)
+
+
+def table_rows(db: Path, keys: list[str]) -> dict[str, tuple[Any, ...]]:
+    with sqlite3.connect(db) as conn:
+        found = conn.execute(
+            "SELECT key, next_render_at, last_rendered_at, last_outcome, version"
+            " FROM render_schedule WHERE key IN (SELECT value FROM json_each(?))",
+            (json.dumps(keys),),
+        ).fetchall()
+    return {row[0]: tuple(row) for row in found}
+
+
+def clients_of(node: NodeProcess, pid: int, count: int) -> list[httpx.Client]:
+    """`count` keep-alive clients whose connection the worker `pid` serves."""
+    found: list[httpx.Client] = []
+    for _ in range(100):
+        client = node.client()
+        if int(client.get("/healthz").json()["pid"]) == pid:
+            found.append(client)
+            if len(found) == count:
+                return found
+        else:
+            client.close()
+    raise AssertionError(f"no {count} connections reached worker {pid}")
