@@ -30,6 +30,7 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
+from keeper._native import BucketOps
 from keeper.slots import FIELDS, PLACE, SlotTable
 
 TARGET = 128
@@ -60,6 +61,13 @@ class Buckets:
         self.merges = 0
         self.rebuilds = 0
         self._widen = 1  # LOAD_WIDEN while a load walks
+        # Rebuilds and merges come every few dozen events under a claiming fleet (the
+        # claims thin the head buckets, the completions fill the tail ones): their
+        # rewrites are one C call each, where numpy would pay its per-call cost some
+        # twenty times on a hundred rows.
+        self._ops = BucketOps(
+            index=slots.index, members=self.members, b_live=self.b_live, b_stale=self.b_stale
+        )
 
     def _split_at(self) -> int:
         return SPLIT_AT * self._widen
@@ -188,12 +196,7 @@ class Buckets:
 
     def _refill(self, bucket: int, slots: npt.NDArray[np.int32]) -> None:
         """Make `slots` the bucket's entries, in this order, all live."""
-        members = self.members[bucket]
-        del members[:]
-        members.frombytes(slots.astype(np.int32).tobytes())
-        self._slots.set_places(slots, bucket, np.arange(len(slots)))
-        self.b_live[bucket] = len(slots)
-        self.b_stale[bucket] = 0
+        self._ops.refill(bucket, np.ascontiguousarray(slots, dtype=np.int32))
 
     def _drop(self, bucket: int, index: int) -> None:
         class_id = self.b_class[bucket]
@@ -220,18 +223,17 @@ class Buckets:
         kept, moved = ids[into], ids[gone]
         if self.b_live[kept] + self.b_live[moved] > MERGE_MAX:
             return
-        joined = np.concatenate((self.live_slots(kept), self.live_slots(moved)))
+        self._ops.compact(kept, moved)  # the kept bucket's live entries, then the moved's
         self._drop(moved, gone)
-        self._refill(kept, joined)
         self.merges += 1
 
     def rebuild(self, bucket: int, *, split: bool) -> None:
         """Drop stale entries; cut the bucket in pieces of about TARGET rows if it is big."""
-        slots = self.live_slots(bucket)
         self.rebuilds += 1
-        if not split or len(slots) < SPLIT_AT:
-            self._refill(bucket, slots)
+        if self._ops.compact(bucket, -1) < SPLIT_AT or not split:
             return
+        # A copy: the pieces are refilled from it.
+        slots = np.frombuffer(self.members[bucket], dtype=np.int32).copy()
         split_at = self._split_at()
         dues = self._slots.dues()[slots]
         order = np.argsort(dues, kind="stable")

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from keeper import buckets as buckets_module
-from keeper._native import FeedShape, Picked, QueueView, SlotIndex
+from keeper._native import BucketOps, FeedShape, Picked, QueueView, SlotIndex
 from keeper.classes import ClassTable, RenderClass
 from keeper.config import KeeperConfig
 from keeper.core import MAX_DUE_MS, KeeperCore
@@ -142,6 +142,92 @@ def test_the_comparison_exercises_the_c_path(small_buckets: None) -> None:
     assert queue_state(c_queue) == queue_state(py_queue)
     assert taken > 2000
     assert c_queue.buckets.splits > 10 and c_queue.buckets.rebuilds > 100
+
+
+# -- BucketOps: a bucket's rewrites ------------------------------------------------------
+
+
+def churned_queue(seed: int) -> HeldQueue:
+    """A queue whose buckets carry stale entries: rows added, moved about, removed, with
+    buckets too large to be tidied, so the stale entries stay where they went stale."""
+    queue = new_queue()
+    rng = random.Random(seed)
+    for version in range(1, 600):
+        i = rng.randrange(80)
+        if rng.random() < 0.15:
+            queue.remove(key_hash(key(i)))
+        else:
+            due = NOW + rng.randrange(-86_400_000, 86_400_000)
+            upsert_reference(queue, key(i), i % 3, due, version)
+    return queue
+
+
+def places(queue: HeldQueue, bucket: int) -> list[int]:
+    return [queue.rec[4 * slot + 3] for slot in queue.buckets.members[bucket]]
+
+
+def in_use(queue: HeldQueue) -> list[int]:
+    b = queue.buckets
+    return [bucket for bucket in range(len(b.members)) if b.b_class[bucket] >= 0]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_compact_keeps_each_live_entry_in_order_and_nothing_else(seed: int) -> None:
+    queue = churned_queue(seed)
+    b = queue.buckets
+    stale = 0
+    for bucket in in_use(queue):
+        live = b.live_slots(bucket).tolist()
+        stale += len(b.members[bucket]) - len(live)
+        assert b._ops.compact(bucket, -1) == len(live)
+        assert b.members[bucket].tolist() == live
+        assert places(queue, bucket) == [(bucket << 32) | i for i in range(len(live))]
+        assert (b.b_live[bucket], b.b_stale[bucket]) == (len(live), 0)
+    assert stale > 20  # the churn left stale entries to drop
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_compact_with_a_source_appends_its_live_entries(seed: int) -> None:
+    queue = churned_queue(seed)
+    b = queue.buckets
+    buckets = in_use(queue)
+    rng = random.Random(seed)
+    for _ in range(len(buckets) // 2):
+        kept, moved = rng.sample(buckets, 2)
+        buckets.remove(moved)
+        want = b.live_slots(kept).tolist() + b.live_slots(moved).tolist()
+        assert b._ops.compact(kept, moved) == len(want)
+        assert b.members[kept].tolist() == want
+        assert places(queue, kept) == [(kept << 32) | i for i in range(len(want))]
+        assert (b.b_live[kept], b.b_stale[kept]) == (len(want), 0)
+        assert b.live_slots(moved).size == 0  # the moved rows' places are the kept bucket's
+
+
+def test_refill_makes_the_slots_the_bucket_s_entries() -> None:
+    queue = churned_queue(1)
+    b = queue.buckets
+    first, second = in_use(queue)[:2]
+    slots = np.concatenate((b.live_slots(second), b.live_slots(first)))[::-1].copy()
+    b._ops.refill(first, slots)
+    assert b.members[first].tolist() == slots.tolist()
+    assert places(queue, first) == [(first << 32) | i for i in range(len(slots))]
+    assert (b.b_live[first], b.b_stale[first]) == (len(slots), 0)
+
+
+def test_bucket_ops_refuse_what_is_not_theirs() -> None:
+    queue = churned_queue(2)
+    b = queue.buckets
+    ops = b._ops
+    with pytest.raises(IndexError):
+        ops.compact(len(b.members), -1)
+    with pytest.raises(ValueError, match="itself"):
+        ops.compact(0, 0)
+    with pytest.raises(IndexError):
+        ops.refill(0, np.array([len(queue.slots.offsets)], dtype=np.int32))
+    with pytest.raises(TypeError):
+        ops.refill(0, np.zeros(2, dtype=np.int64))
+    with pytest.raises(TypeError, match="b_live"):
+        BucketOps(index=queue.slots.index, members=b.members, b_live=b.b_start, b_stale=b.b_stale)
 
 
 # -- apply_moves: the feed's batches --------------------------------------------------
