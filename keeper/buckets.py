@@ -230,34 +230,27 @@ class Buckets:
     def rebuild(self, bucket: int, *, split: bool) -> None:
         """Drop stale entries; cut the bucket in pieces of about TARGET rows if it is big."""
         self.rebuilds += 1
-        if self._ops.compact(bucket, -1) < SPLIT_AT or not split:
+        count = self._ops.compact(bucket, -1)
+        if count < SPLIT_AT or not split:
             return
-        # A copy: the pieces are refilled from it.
-        slots = np.frombuffer(self.members[bucket], dtype=np.int32).copy()
         split_at = self._split_at()
-        dues = self._slots.dues()[slots]
-        order = np.argsort(dues, kind="stable")
-        slots = slots[order]
-        dues = dues[order]
-        cuts = _cuts(dues, max(2, round(len(slots) / (TARGET * self._widen))))
+        # The entries in due order, and where to cut them (each at a change of due time).
+        cuts = self._ops.sort_cut(bucket, max(2, round(count / (TARGET * self._widen))))
         if not cuts:
-            self._refill(bucket, slots)
-            self.b_split_at[bucket] = 2 * len(slots)  # one due time: retry once doubled
+            self.b_split_at[bucket] = 2 * count  # one due time: retry once doubled
             return
         class_id = self.b_class[bucket]
         i = self._index(bucket)
-        edges = [0, *cuts, len(slots)]
+        members = self.members[bucket]
+        ends = [a for a, _ in cuts[1:]] + [count]
         new_ids: list[int] = []
         new_starts: list[int] = []
-        for piece in range(len(edges) - 1):
-            a, b = edges[piece], edges[piece + 1]
-            if piece == 0:
-                target = bucket
-            else:
-                target = self._new(class_id, int(dues[a]))
-                new_ids.append(target)
-                new_starts.append(int(dues[a]))
-            self._refill(target, slots[a:b])
+        for (a, start), b in zip(cuts, ends, strict=True):
+            target = self._new(class_id, start)
+            self._ops.refill(target, members[a:b])
+            new_ids.append(target)
+            new_starts.append(start)
+        self._ops.compact(bucket, -1)  # the first piece stays: the rest went stale here
         self.b_split_at[bucket] = split_at
         self.starts[class_id][i + 1 : i + 1] = new_starts
         self.ids[class_id][i + 1 : i + 1] = new_ids
@@ -321,17 +314,3 @@ class Buckets:
         return len(self.members) * (4 + 8 + 4 + 4 + 4) + 4 * sum(
             m.buffer_info()[1] for m in self.members
         )
-
-
-def _cuts(dues: npt.NDArray[np.int64], pieces: int) -> list[int]:
-    """Cut points near equal shares of sorted `dues`, each where the due time changes."""
-    n = len(dues)
-    cuts: list[int] = []
-    for piece in range(1, pieces):
-        at = piece * n // pieces
-        cut = int(np.searchsorted(dues, dues[at], side="left"))
-        if cut == 0:
-            cut = int(np.searchsorted(dues, dues[at], side="right"))
-        if 0 < cut < n and (not cuts or cut > cuts[-1]):
-            cuts.append(cut)
-    return cuts

@@ -214,6 +214,46 @@ def test_refill_makes_the_slots_the_bucket_s_entries() -> None:
     assert (b.b_live[first], b.b_stale[first]) == (len(slots), 0)
 
 
+def cuts_reference(dues: npt.NDArray[np.int64], pieces: int) -> list[int]:
+    """Cut points near equal shares of sorted `dues`, each where the due time changes
+    (the numpy path BucketOps.sort_cut replaced)."""
+    n = len(dues)
+    cuts: list[int] = []
+    for piece in range(1, pieces):
+        at = piece * n // pieces
+        cut = int(np.searchsorted(dues, dues[at], side="left"))
+        if cut == 0:
+            cut = int(np.searchsorted(dues, dues[at], side="right"))
+        if 0 < cut < n and (not cuts or cut > cuts[-1]):
+            cuts.append(cut)
+    return cuts
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    dues=st.lists(st.sampled_from([0, 1, 2, 5, 60_000, 86_400_000]), min_size=1, max_size=60),
+    pieces=st.integers(2, 9),
+)
+def test_sort_cut_orders_stably_and_cuts_where_the_due_time_changes(
+    dues: list[int], pieces: int
+) -> None:
+    queue = new_queue()
+    b = queue.buckets
+    for i, offset in enumerate(dues):  # one class, one wide bucket: nothing splits on the way
+        queue.upsert(key(i), key_hash(key(i)), 0, NOW + offset, 1, NOW)
+    (bucket,) = b.ids[0]
+    b._ops.compact(bucket, -1)
+    slots = np.frombuffer(b.members[bucket], dtype=np.int32).copy()
+    held = queue.slots.dues()[slots]
+    order = np.argsort(held, kind="stable")
+    want_cuts = cuts_reference(held[order], pieces)
+    got = b._ops.sort_cut(bucket, pieces)
+    assert b.members[bucket].tolist() == slots[order].tolist()
+    assert places(queue, bucket) == [(bucket << 32) | i for i in range(len(slots))]
+    assert [a for a, _ in got] == want_cuts
+    assert [due for _, due in got] == [int(held[order][a]) for a in want_cuts]
+
+
 def test_bucket_ops_refuse_what_is_not_theirs() -> None:
     queue = churned_queue(2)
     b = queue.buckets
@@ -226,6 +266,9 @@ def test_bucket_ops_refuse_what_is_not_theirs() -> None:
         ops.refill(0, np.array([len(queue.slots.offsets)], dtype=np.int32))
     with pytest.raises(TypeError):
         ops.refill(0, np.zeros(2, dtype=np.int64))
+    stale = next(bucket for bucket in in_use(queue) if b.b_stale[bucket])
+    with pytest.raises(ValueError, match="stale"):
+        ops.sort_cut(stale, 2)
     with pytest.raises(TypeError, match="b_live"):
         BucketOps(index=queue.slots.index, members=b.members, b_live=b.b_start, b_stale=b.b_stale)
 

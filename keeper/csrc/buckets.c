@@ -1,6 +1,7 @@
 /* BucketOps: a bucket's entries rewritten (keeper/buckets.py): stale entries dropped,
- * a neighbour's live ones taken in, or a given list of slots made the bucket's. An
- * entry is live while its slot's place (bucket << 32 | index) points back at it. */
+ * a neighbour's live ones taken in, a given list of slots made the bucket's, or the
+ * entries sorted by due time and cut. An entry is live while its slot's place
+ * (bucket << 32 | index) points back at it. */
 #include "native.h"
 
 typedef struct {
@@ -235,6 +236,95 @@ BucketOps_refill(BucketOpsObject *self, PyObject *const *args, Py_ssize_t nargs)
     Py_RETURN_NONE;
 }
 
+typedef struct {
+    int64_t due;
+    Py_ssize_t position;
+    int32_t slot;
+} due_entry;
+
+static int
+by_due(const void *a, const void *b)
+{
+    const due_entry *x = a, *y = b;
+    if (x->due != y->due) return x->due < y->due ? -1 : 1;
+    return x->position < y->position ? -1 : (x->position > y->position);
+}
+
+/* The first index in sorted `e[0:n)` whose due is at least (or, `after`, past) `due`. */
+static Py_ssize_t
+search(const due_entry *e, Py_ssize_t n, int64_t due, int after)
+{
+    Py_ssize_t lo = 0, hi = n;
+    while (lo < hi) {
+        Py_ssize_t mid = lo + (hi - lo) / 2;
+        if (e[mid].due < due || (after && e[mid].due == due))
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo;
+}
+
+/* sort_cut(bucket, pieces) -> [(index, due), ...]
+ *
+ * Sorts the bucket's entries by due time, stably (every entry live, as compact leaves
+ * them), with their places; then the cut points near `pieces` equal shares, each where
+ * the due time changes, with the due time at each: what Buckets.rebuild's numpy path
+ * computed (an argsort and _cuts). Empty when the rows share one due time. */
+static PyObject *
+BucketOps_sort_cut(BucketOpsObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (keeper_check_nargs("sort_cut", nargs, 2) < 0) return NULL;
+    Py_ssize_t bucket = PyLong_AsSsize_t(args[0]);
+    Py_ssize_t pieces = PyLong_AsSsize_t(args[1]);
+    if (PyErr_Occurred()) return NULL;
+    PyObject *members = bucket_members(self, bucket);
+    if (members == NULL) return NULL;
+    Py_buffer rv, mv;
+    if (hold_items(self->index->records, &rv, 1, 8, "the records") < 0) return NULL;
+    if (hold_items(members, &mv, 1, 4, "a bucket's members") < 0) {
+        PyBuffer_Release(&rv);
+        return NULL;
+    }
+    uint64_t *rec = rv.buf;
+    Py_ssize_t n_slots = rv.len / 32;
+    int32_t *m = mv.buf;
+    Py_ssize_t n = mv.len / 4;
+    due_entry *e = PyMem_Malloc((size_t)(n > 0 ? n : 1) * sizeof(due_entry));
+    PyObject *cuts = e == NULL ? PyErr_NoMemory() : PyList_New(0);
+    for (Py_ssize_t j = 0; cuts != NULL && j < n; j++) {
+        if (m[j] < 0 || m[j] >= n_slots ||
+            rec[(size_t)m[j] * REC_WORDS + REC_PLACE] != place_of(bucket, j)) {
+            PyErr_SetString(PyExc_ValueError, "sort_cut: the bucket holds stale entries");
+            Py_CLEAR(cuts);
+            break;
+        }
+        e[j] = (due_entry){(int64_t)rec[(size_t)m[j] * REC_WORDS + REC_DUE], j, m[j]};
+    }
+    if (cuts != NULL) {
+        qsort(e, (size_t)n, sizeof(due_entry), by_due);
+        for (Py_ssize_t j = 0; j < n; j++) {
+            m[j] = e[j].slot;
+            rec[(size_t)e[j].slot * REC_WORDS + REC_PLACE] = place_of(bucket, j);
+        }
+    }
+    Py_ssize_t last = 0;
+    for (Py_ssize_t piece = 1; cuts != NULL && piece < pieces && n > 0; piece++) {
+        int64_t due = e[piece * n / pieces].due;
+        Py_ssize_t cut = search(e, n, due, 0);
+        if (cut == 0) cut = search(e, n, due, 1);
+        if (!(0 < cut && cut < n && cut > last)) continue;
+        last = cut;
+        PyObject *pair = Py_BuildValue("(nL)", cut, (long long)e[cut].due);
+        if (pair == NULL || PyList_Append(cuts, pair) < 0) Py_CLEAR(cuts);
+        Py_XDECREF(pair);
+    }
+    PyMem_Free(e);
+    PyBuffer_Release(&mv);
+    PyBuffer_Release(&rv);
+    return cuts;
+}
+
 static int
 BucketOps_init(BucketOpsObject *self, PyObject *args, PyObject *kwds)
 {
@@ -277,6 +367,12 @@ BucketOps_refill_checked(BucketOpsObject *self, PyObject *const *args, Py_ssize_
     return BucketOps_bound(self) < 0 ? NULL : BucketOps_refill(self, args, nargs);
 }
 
+static PyObject *
+BucketOps_sort_cut_checked(BucketOpsObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    return BucketOps_bound(self) < 0 ? NULL : BucketOps_sort_cut(self, args, nargs);
+}
+
 static void
 BucketOps_dealloc(BucketOpsObject *self)
 {
@@ -295,6 +391,10 @@ static PyMethodDef BucketOps_methods[] = {
     {"refill", (PyCFunction)(void (*)(void))BucketOps_refill_checked, METH_FASTCALL,
      "refill($self, bucket, slots, /)\n--\n\n"
      "Make the int32 slots the bucket's entries, in this order, all live."},
+    {"sort_cut", (PyCFunction)(void (*)(void))BucketOps_sort_cut_checked, METH_FASTCALL,
+     "sort_cut($self, bucket, pieces, /)\n--\n\n"
+     "Sort the bucket's (live) entries by due time, stably; the cut points near `pieces` "
+     "equal shares where the due time changes, as (index, due) pairs."},
     {NULL, NULL, 0, NULL},
 };
 
