@@ -194,10 +194,6 @@ class Buckets:
         which = np.repeat(np.arange(len(parts)), sizes)
         return slots[live], which[live]
 
-    def _refill(self, bucket: int, slots: npt.NDArray[np.int32]) -> None:
-        """Make `slots` the bucket's entries, in this order, all live."""
-        self._ops.refill(bucket, np.ascontiguousarray(slots, dtype=np.int32))
-
     def _drop(self, bucket: int, index: int) -> None:
         class_id = self.b_class[bucket]
         del self.starts[class_id][index]

@@ -111,8 +111,8 @@ set_places(BucketOpsObject *self, Py_ssize_t bucket, const int32_t *slots, Py_ss
  * Drops the bucket's stale entries, keeping the live ones in their order; then, if
  * source >= 0, appends source's live entries in their order (source's own entries and
  * counts are left for the caller to drop). The bucket's places, live and stale counts
- * follow. What Buckets._refill(bucket, live_of([bucket, source])) leaves, without a
- * numpy call. */
+ * follow: the bucket then holds what Buckets.live_of([bucket, source]) read, in that
+ * order, all live. */
 static PyObject *
 BucketOps_compact(BucketOpsObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -204,7 +204,7 @@ fail:
 }
 
 /* refill(bucket, slots): make `slots` (int32) the bucket's entries, in this order,
- * all live. Buckets._refill in one call. */
+ * all live (a split's pieces). */
 static PyObject *
 BucketOps_refill(BucketOpsObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
