@@ -13,7 +13,7 @@ CFLAGS += shlex.split(os.environ.get("RENDERQUEUE_CFLAGS", ""))
 LDFLAGS = shlex.split(os.environ.get("RENDERQUEUE_LDFLAGS", ""))
 
 SHM = ["module", "words", "ring", "leases", "hash"]
-KEEPER = ["module", "index", "select", "moves"]
+KEEPER = ["module", "index", "select", "moves", "buckets"]
 
 setup(
     ext_modules=[

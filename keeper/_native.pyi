@@ -81,3 +81,19 @@ class QueueView:
         tally: list[int],
         /,
     ) -> int: ...
+
+@final
+class BucketOps:
+    """A bucket's entries rewritten in one call (keeper/buckets.py)."""
+
+    def __init__(
+        self,
+        *,
+        index: SlotIndex,
+        members: list[array[int]],
+        b_live: array[int],
+        b_stale: array[int],
+    ) -> None: ...
+    def compact(self, bucket: int, source: int, /) -> int: ...
+    def refill(self, bucket: int, slots: npt.NDArray[np.int32] | array[int], /) -> None: ...
+    def sort_cut(self, bucket: int, pieces: int, /) -> list[tuple[int, int]]: ...

@@ -30,6 +30,7 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
+from keeper._native import BucketOps
 from keeper.slots import FIELDS, PLACE, SlotTable
 
 TARGET = 128
@@ -60,6 +61,13 @@ class Buckets:
         self.merges = 0
         self.rebuilds = 0
         self._widen = 1  # LOAD_WIDEN while a load walks
+        # Rebuilds and merges come every few dozen events under a claiming fleet (the
+        # claims thin the head buckets, the completions fill the tail ones): their
+        # rewrites are one C call each, where numpy would pay its per-call cost some
+        # twenty times on a hundred rows.
+        self._ops = BucketOps(
+            index=slots.index, members=self.members, b_live=self.b_live, b_stale=self.b_stale
+        )
 
     def _split_at(self) -> int:
         return SPLIT_AT * self._widen
@@ -186,15 +194,6 @@ class Buckets:
         which = np.repeat(np.arange(len(parts)), sizes)
         return slots[live], which[live]
 
-    def _refill(self, bucket: int, slots: npt.NDArray[np.int32]) -> None:
-        """Make `slots` the bucket's entries, in this order, all live."""
-        members = self.members[bucket]
-        del members[:]
-        members.frombytes(slots.astype(np.int32).tobytes())
-        self._slots.set_places(slots, bucket, np.arange(len(slots)))
-        self.b_live[bucket] = len(slots)
-        self.b_stale[bucket] = 0
-
     def _drop(self, bucket: int, index: int) -> None:
         class_id = self.b_class[bucket]
         del self.starts[class_id][index]
@@ -220,42 +219,34 @@ class Buckets:
         kept, moved = ids[into], ids[gone]
         if self.b_live[kept] + self.b_live[moved] > MERGE_MAX:
             return
-        joined = np.concatenate((self.live_slots(kept), self.live_slots(moved)))
+        self._ops.compact(kept, moved)  # the kept bucket's live entries, then the moved's
         self._drop(moved, gone)
-        self._refill(kept, joined)
         self.merges += 1
 
     def rebuild(self, bucket: int, *, split: bool) -> None:
         """Drop stale entries; cut the bucket in pieces of about TARGET rows if it is big."""
-        slots = self.live_slots(bucket)
         self.rebuilds += 1
-        if not split or len(slots) < SPLIT_AT:
-            self._refill(bucket, slots)
+        count = self._ops.compact(bucket, -1)
+        if count < SPLIT_AT or not split:
             return
         split_at = self._split_at()
-        dues = self._slots.dues()[slots]
-        order = np.argsort(dues, kind="stable")
-        slots = slots[order]
-        dues = dues[order]
-        cuts = _cuts(dues, max(2, round(len(slots) / (TARGET * self._widen))))
+        # The entries in due order, and where to cut them (each at a change of due time).
+        cuts = self._ops.sort_cut(bucket, max(2, round(count / (TARGET * self._widen))))
         if not cuts:
-            self._refill(bucket, slots)
-            self.b_split_at[bucket] = 2 * len(slots)  # one due time: retry once doubled
+            self.b_split_at[bucket] = 2 * count  # one due time: retry once doubled
             return
         class_id = self.b_class[bucket]
         i = self._index(bucket)
-        edges = [0, *cuts, len(slots)]
+        members = self.members[bucket]
+        ends = [a for a, _ in cuts[1:]] + [count]
         new_ids: list[int] = []
         new_starts: list[int] = []
-        for piece in range(len(edges) - 1):
-            a, b = edges[piece], edges[piece + 1]
-            if piece == 0:
-                target = bucket
-            else:
-                target = self._new(class_id, int(dues[a]))
-                new_ids.append(target)
-                new_starts.append(int(dues[a]))
-            self._refill(target, slots[a:b])
+        for (a, start), b in zip(cuts, ends, strict=True):
+            target = self._new(class_id, start)
+            self._ops.refill(target, members[a:b])
+            new_ids.append(target)
+            new_starts.append(start)
+        self._ops.compact(bucket, -1)  # the first piece stays: the rest went stale here
         self.b_split_at[bucket] = split_at
         self.starts[class_id][i + 1 : i + 1] = new_starts
         self.ids[class_id][i + 1 : i + 1] = new_ids
@@ -319,17 +310,3 @@ class Buckets:
         return len(self.members) * (4 + 8 + 4 + 4 + 4) + 4 * sum(
             m.buffer_info()[1] for m in self.members
         )
-
-
-def _cuts(dues: npt.NDArray[np.int64], pieces: int) -> list[int]:
-    """Cut points near equal shares of sorted `dues`, each where the due time changes."""
-    n = len(dues)
-    cuts: list[int] = []
-    for piece in range(1, pieces):
-        at = piece * n // pieces
-        cut = int(np.searchsorted(dues, dues[at], side="left"))
-        if cut == 0:
-            cut = int(np.searchsorted(dues, dues[at], side="right"))
-        if 0 < cut < n and (not cuts or cut > cuts[-1]):
-            cuts.append(cut)
-    return cuts

@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from keeper import buckets as buckets_module
-from keeper._native import FeedShape, Picked, QueueView, SlotIndex
+from keeper._native import BucketOps, FeedShape, Picked, QueueView, SlotIndex
 from keeper.classes import ClassTable, RenderClass
 from keeper.config import KeeperConfig
 from keeper.core import MAX_DUE_MS, KeeperCore
@@ -142,6 +142,135 @@ def test_the_comparison_exercises_the_c_path(small_buckets: None) -> None:
     assert queue_state(c_queue) == queue_state(py_queue)
     assert taken > 2000
     assert c_queue.buckets.splits > 10 and c_queue.buckets.rebuilds > 100
+
+
+# -- BucketOps: a bucket's rewrites ------------------------------------------------------
+
+
+def churned_queue(seed: int) -> HeldQueue:
+    """A queue whose buckets carry stale entries: rows added, moved about, removed, with
+    buckets too large to be tidied, so the stale entries stay where they went stale."""
+    queue = new_queue()
+    rng = random.Random(seed)
+    for version in range(1, 600):
+        i = rng.randrange(80)
+        if rng.random() < 0.15:
+            queue.remove(key_hash(key(i)))
+        else:
+            due = NOW + rng.randrange(-86_400_000, 86_400_000)
+            upsert_reference(queue, key(i), i % 3, due, version)
+    return queue
+
+
+def places(queue: HeldQueue, bucket: int) -> list[int]:
+    return [queue.rec[4 * slot + 3] for slot in queue.buckets.members[bucket]]
+
+
+def in_use(queue: HeldQueue) -> list[int]:
+    b = queue.buckets
+    return [bucket for bucket in range(len(b.members)) if b.b_class[bucket] >= 0]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_compact_keeps_each_live_entry_in_order_and_nothing_else(seed: int) -> None:
+    queue = churned_queue(seed)
+    b = queue.buckets
+    stale = 0
+    for bucket in in_use(queue):
+        live = b.live_slots(bucket).tolist()
+        stale += len(b.members[bucket]) - len(live)
+        assert b._ops.compact(bucket, -1) == len(live)
+        assert b.members[bucket].tolist() == live
+        assert places(queue, bucket) == [(bucket << 32) | i for i in range(len(live))]
+        assert (b.b_live[bucket], b.b_stale[bucket]) == (len(live), 0)
+    assert stale > 20  # the churn left stale entries to drop
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_compact_with_a_source_appends_its_live_entries(seed: int) -> None:
+    queue = churned_queue(seed)
+    b = queue.buckets
+    buckets = in_use(queue)
+    rng = random.Random(seed)
+    for _ in range(len(buckets) // 2):
+        kept, moved = rng.sample(buckets, 2)
+        buckets.remove(moved)
+        want = b.live_slots(kept).tolist() + b.live_slots(moved).tolist()
+        assert b._ops.compact(kept, moved) == len(want)
+        assert b.members[kept].tolist() == want
+        assert places(queue, kept) == [(kept << 32) | i for i in range(len(want))]
+        assert (b.b_live[kept], b.b_stale[kept]) == (len(want), 0)
+        assert b.live_slots(moved).size == 0  # the moved rows' places are the kept bucket's
+
+
+def test_refill_makes_the_slots_the_bucket_s_entries() -> None:
+    queue = churned_queue(1)
+    b = queue.buckets
+    first, second = in_use(queue)[:2]
+    slots = np.concatenate((b.live_slots(second), b.live_slots(first)))[::-1].copy()
+    b._ops.refill(first, slots)
+    assert b.members[first].tolist() == slots.tolist()
+    assert places(queue, first) == [(first << 32) | i for i in range(len(slots))]
+    assert (b.b_live[first], b.b_stale[first]) == (len(slots), 0)
+
+
+def cuts_reference(dues: npt.NDArray[np.int64], pieces: int) -> list[int]:
+    """Cut points near equal shares of sorted `dues`, each where the due time changes
+    (the numpy path BucketOps.sort_cut replaced)."""
+    n = len(dues)
+    cuts: list[int] = []
+    for piece in range(1, pieces):
+        at = piece * n // pieces
+        cut = int(np.searchsorted(dues, dues[at], side="left"))
+        if cut == 0:
+            cut = int(np.searchsorted(dues, dues[at], side="right"))
+        if 0 < cut < n and (not cuts or cut > cuts[-1]):
+            cuts.append(cut)
+    return cuts
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    dues=st.lists(st.sampled_from([0, 1, 2, 5, 60_000, 86_400_000]), min_size=1, max_size=60),
+    pieces=st.integers(2, 9),
+)
+def test_sort_cut_orders_stably_and_cuts_where_the_due_time_changes(
+    dues: list[int], pieces: int
+) -> None:
+    queue = new_queue()
+    b = queue.buckets
+    for i, offset in enumerate(dues):  # one class, one wide bucket: nothing splits on the way
+        queue.upsert(key(i), key_hash(key(i)), 0, NOW + offset, 1, NOW)
+    (bucket,) = b.ids[0]
+    b._ops.compact(bucket, -1)
+    slots = np.frombuffer(b.members[bucket], dtype=np.int32).copy()
+    held = queue.slots.dues()[slots]
+    order = np.argsort(held, kind="stable")
+    want_cuts = cuts_reference(held[order], pieces)
+    got = b._ops.sort_cut(bucket, pieces)
+    assert b.members[bucket].tolist() == slots[order].tolist()
+    assert places(queue, bucket) == [(bucket << 32) | i for i in range(len(slots))]
+    assert [a for a, _ in got] == want_cuts
+    assert [due for _, due in got] == [int(held[order][a]) for a in want_cuts]
+
+
+def test_bucket_ops_refuse_what_is_not_theirs() -> None:
+    queue = churned_queue(2)
+    b = queue.buckets
+    ops = b._ops
+    with pytest.raises(IndexError):
+        ops.compact(len(b.members), -1)
+    with pytest.raises(ValueError, match="itself"):
+        ops.compact(0, 0)
+    with pytest.raises(IndexError):
+        ops.refill(0, np.array([len(queue.slots.offsets)], dtype=np.int32))
+    with pytest.raises(TypeError):
+        ops.refill(0, np.zeros(2, dtype=np.int64))
+    stale = next(bucket for bucket in in_use(queue) if b.b_stale[bucket])
+    with pytest.raises(ValueError, match="stale"):
+        ops.sort_cut(stale, 2)
+    with pytest.raises(TypeError, match="b_live"):
+        BucketOps(index=queue.slots.index, members=b.members, b_live=b.b_start, b_stale=b.b_stale)
 
 
 # -- apply_moves: the feed's batches --------------------------------------------------

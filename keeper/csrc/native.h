@@ -1,4 +1,4 @@
-/* keeper._native: the keeper's C paths, behind four small types.
+/* keeper._native: the keeper's C paths, behind five small types.
  *
  *   index.c   SlotIndex: the slot table's index (keeper/slots.py), bound to its
  *             records and index arrays: bulk find and insert by key hash.
@@ -9,6 +9,8 @@
  *             tallies.py) bound once, by name; upsert_moved and apply_moves, the
  *             event path's common case. FeedShape: what a feed row event looks like
  *             to apply_moves (its type, the classifier's cache, the due bound).
+ *   buckets.c BucketOps: a bucket's entries rewritten (keeper/buckets.py): stale
+ *             entries dropped, a neighbour's taken in, or given slots made its own.
  *   module.c  the module.
  *
  * The objects hold references to the Python structures, never their buffers: the
@@ -75,6 +77,7 @@ KEEPER_INTERNAL extern PyTypeObject SlotIndexType;
 KEEPER_INTERNAL extern PyTypeObject PickedType;
 KEEPER_INTERNAL extern PyTypeObject QueueViewType;
 KEEPER_INTERNAL extern PyTypeObject FeedShapeType;
+KEEPER_INTERNAL extern PyTypeObject BucketOpsType;
 
 /* QueueView's methods that live in select.c (the rest are moves.c's). */
 KEEPER_INTERNAL PyObject *keeper_best_read(QueueViewObject *self, PyObject *const *args,
