@@ -246,6 +246,20 @@ def test_complete_rendered_uses_the_effective_cadence(any_store: ContractStore) 
     assert store.complete([]) == []
 
 
+def test_a_batch_given_one_next_render_at_sets_it_on_every_row(
+    any_store: ContractStore,
+) -> None:
+    any_store.write([put("/x", 1, cadence_s=60), put("/y", 1)])
+    got = any_store.complete(
+        [Completion(key=k, outcome="rendered", now=7_000, next_render_at=99) for k in ("/y", "/x")]
+    )
+    assert [(r.key, r.next_render_at, r.last_rendered_at) if r else None for r in got] == [
+        ("/y", 99, 7_000),
+        ("/x", 99, 7_000),
+    ]
+    assert got == [any_store.get("/y"), any_store.get("/x")]
+
+
 def test_the_largest_cadence_at_the_latest_time_stays_an_integer(any_store: ContractStore) -> None:
     any_store.write([put("/far", cadence_s=2**31 - 1)])
     (row,) = any_store.complete([Completion(key="/far", outcome="rendered", now=2**62)])

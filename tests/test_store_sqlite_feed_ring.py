@@ -20,6 +20,7 @@ from shm.state import StateBuffer
 from store.rows import Completion, Row, RowEvent, RowWrite
 from store.sqlite import SqliteStore
 from store.sqlite import feed as sqlite_feed
+from store.sqlite import sql as sqlite_sql
 from store.sqlite.feed import SqliteSubscription
 from store.sqlite.feed_ring import (
     PAYLOAD_BYTES,
@@ -243,6 +244,76 @@ def test_ring_and_sqlite_deliver_the_same_state(store: SqliteStore) -> None:
     assert plain.statistics().ring_entries == 0
     ringed.close()
     plain.close()
+
+
+def test_completes_ring_records_are_the_records_the_log_reads(store: SqliteStore) -> None:
+    """complete hands over records built from the rows its statements returned and the
+    log's own entries rather than reading them back with POLL: each is the record POLL
+    reads after the commit, for every outcome, a key named twice (every record of it
+    carries the row as the transaction left it), a key gone before its next completion,
+    a missing key, and both the shared-`now` and the per-key statement."""
+    sub = store.subscribe("keeper")
+    ring = sub._ring
+    assert ring is not None
+    store.write([put(f"/k{i}") for i in range(7)])
+    sub.poll()
+    conn = store._state().conn
+    before, prev_stamp = sqlite_feed.head(conn)
+    out = store.complete(
+        [
+            Completion(key="/k0", outcome="rendered", now=10),
+            Completion(key="/k1", outcome="failed", now=10),
+            Completion(key="/k2", outcome="gone", now=10),
+            Completion(key="/k3", outcome="rendered", now=10),
+            Completion(key="/k3", outcome="gone", now=11),
+            Completion(key="/k4", outcome="gone", now=10),
+            Completion(key="/k4", outcome="rendered", now=12),
+            Completion(key="/k5", outcome="rendered", now=10, next_render_at=99),
+            Completion(key="/k6", outcome="failed", now=10),
+            Completion(key="/k6", outcome="rendered", now=12),
+            Completion(key="/missing", outcome="rendered", now=10),
+        ]
+    )
+    assert [None if row is None else (row.key, row.last_outcome) for row in out] == [
+        ("/k0", "rendered"),
+        ("/k1", "failed"),
+        None,
+        ("/k3", "rendered"),
+        None,
+        None,
+        None,
+        ("/k5", "rendered"),
+        ("/k6", "failed"),
+        ("/k6", "rendered"),
+        None,
+    ]
+    assert out[7] is not None and out[7].next_render_at == 99
+    assert out[9] == store.get("/k6") and out[0] == store.get("/k0")
+    polled = conn.execute(sqlite_sql.POLL, (before, 100)).fetchall()
+    assert [(r[2], r[4] is None) for r in polled] == [
+        ("/k0", False),  # round 1: rendered (key order), failed, gone
+        ("/k3", True),
+        ("/k5", False),
+        ("/k1", False),
+        ("/k6", False),
+        ("/k2", True),
+        ("/k4", True),
+        ("/k6", False),  # round 2
+        ("/k3", True),
+    ]
+    ringed = []
+    for seq, _kind, _key, stamp, *_ in polled:
+        payload = ring.get(seq, prev_stamp)
+        assert payload is not None
+        ringed.append(decode_record(payload))
+        prev_stamp = stamp
+    assert ringed == polled
+    events = [e for e in sub.poll().events if isinstance(e, RowEvent)]
+    assert {e.key: e.row for e in events} == {r[2]: store.get(r[2]) for r in polled}
+    stats = sub.statistics()  # every entry, the write's 7 too, taken from the ring
+    assert stats.ring_entries == 7 + len(polled)
+    assert stats.ring is not None and stats.ring.missed == 0
+    sub.close()
 
 
 def test_a_commit_the_ring_lacks_part_of_is_read_from_sqlite_whole(store: SqliteStore) -> None:

@@ -4,8 +4,10 @@ A poll through SQLite is a read transaction, and under a writer running flat out
 one read can take milliseconds: SQLite's reader backs off with growing sleeps
 while a checkpoint or a commit moves the WAL's read marks (see store.sqlite.upkeep).
 So each writer, having committed, also copies the transaction's log entries,
-read back inside the transaction with the feed's own `POLL` statement, into the
-ring of every subscribed consumer, and only then posts its semaphore. The
+read back inside the transaction with the feed's own `POLL` statement (complete, which
+has each changed row from its statements' RETURNING, reads only the entries and pairs
+each with its key's row as the transaction left it: the record POLL would read), into
+the ring of every subscribed consumer, and only then posts its semaphore. The
 consumer takes entries from the ring while they continue its cursor exactly and
 polls SQLite otherwise. The log stays the truth; the ring only saves a read.
 

@@ -37,19 +37,11 @@ GLOBAL_CADENCE = (
     f"{DEFAULT_CADENCE_S})"
 )
 
-# complete() stages each round of a batch (no key twice) in this per-connection table, so
-# one statement per outcome applies the round. Created outside any transaction: a table
-# created inside one would vanish with a BUSY rollback.
-CREATE_COMPLETING = """
-CREATE TEMP TABLE IF NOT EXISTS completing (
-    key TEXT PRIMARY KEY NOT NULL,
-    outcome TEXT NOT NULL,
-    now INTEGER NOT NULL,
-    next_render_at INTEGER
-) WITHOUT ROWID
-"""
-STAGE_COMPLETING = "INSERT INTO temp.completing VALUES (?, ?, ?, ?)"
-CLEAR_COMPLETING = "DELETE FROM temp.completing"
+# complete() applies each round of a batch (no key twice) with one statement per outcome,
+# the round's keys given as a JSON array. `key IN (SELECT value FROM json_each(:keys))`
+# sorts the keys into an ephemeral index and updates the rows in key order: on a large
+# table that is cheaper per key than a join driven by the list (UPDATE ... FROM), which
+# meets the rows in the list's order.
 
 # NEXT_SEQ is read once per statement; this one names the updated row, so SQLite reads it
 # again for each row, after the previous row's trigger logged its entry: each row's
@@ -58,31 +50,47 @@ _NEXT_SEQ_PER_ROW = (
     "(SELECT coalesce(max(seq), 0) + 1 + 0 * render_schedule.version FROM change_log)"
 )
 
-COMPLETE_GONE = """
-DELETE FROM render_schedule
-WHERE key IN (SELECT key FROM temp.completing WHERE outcome = 'gone')
-"""
+_CADENCE_MS = f"""1000 * coalesce(
+    render_schedule.cadence_s,
+    (SELECT default_cadence_s FROM routes WHERE routes.route = render_schedule.route),
+    {GLOBAL_CADENCE})"""
 
+# The usual round: every rendered key completed at one `now`, with one `next_render_at`
+# (mostly None: now + the row's effective cadence).
 COMPLETE_RENDERED = f"""
 UPDATE render_schedule SET
-    (last_rendered_at, next_render_at) = (
-        SELECT c.now, coalesce(c.next_render_at, c.now + 1000 * coalesce(
-            render_schedule.cadence_s,
-            (SELECT default_cadence_s FROM routes WHERE routes.route = render_schedule.route),
-            {GLOBAL_CADENCE}))
-        FROM temp.completing AS c WHERE c.key = render_schedule.key),
+    last_rendered_at = :now,
+    next_render_at = coalesce(:next_render_at, :now + {_CADENCE_MS}),
     last_outcome = 'rendered',
     version = {_NEXT_SEQ_PER_ROW}
-WHERE key IN (SELECT key FROM temp.completing WHERE outcome = 'rendered')
+WHERE key IN (SELECT value FROM json_each(:keys))
 RETURNING {ROW_COLUMNS}
+"""
+
+# Any other round: each key's [key, now, next_render_at], joined to its row.
+COMPLETE_RENDERED_EACH = f"""
+UPDATE render_schedule SET
+    last_rendered_at = c.now,
+    next_render_at = coalesce(c.next_render_at, c.now + {_CADENCE_MS}),
+    last_outcome = 'rendered',
+    version = {_NEXT_SEQ_PER_ROW}
+FROM (
+    SELECT json_extract(value, '$[0]') AS key, json_extract(value, '$[1]') AS now,
+           json_extract(value, '$[2]') AS next_render_at
+    FROM json_each(:items)
+) AS c
+WHERE render_schedule.key = c.key
+RETURNING {", ".join(f"render_schedule.{c}" for c in ROW_COLUMNS.split(", "))}
 """
 
 # A failure keeps the row due: next_render_at and last_rendered_at stay as they were.
 COMPLETE_FAILED = f"""
 UPDATE render_schedule SET last_outcome = 'failed', version = {_NEXT_SEQ_PER_ROW}
-WHERE key IN (SELECT key FROM temp.completing WHERE outcome = 'failed')
+WHERE key IN (SELECT value FROM json_each(:keys))
 RETURNING {ROW_COLUMNS}
 """
+
+COMPLETE_GONE = "DELETE FROM render_schedule WHERE key IN (SELECT value FROM json_each(:keys))"
 
 ROUTES = "SELECT route, default_cadence_s, paused FROM routes ORDER BY route"
 ROUTES_NAMED = (
@@ -109,6 +117,9 @@ ON CONFLICT (name) DO UPDATE SET value = excluded.value
 
 HEAD = "SELECT coalesce(max(seq), 0) FROM change_log"
 LAST_ENTRY = "SELECT seq, stamp FROM change_log ORDER BY seq DESC LIMIT 1"
+# The log's entries after a seq, without their rows: a writer that knows the rows its
+# transaction left (complete) pairs them itself rather than joining again (POLL).
+ENTRIES_AFTER = "SELECT seq, kind, key, stamp FROM change_log WHERE seq > ? ORDER BY seq LIMIT ?"
 FLOOR = "SELECT floor FROM feed_state WHERE id = 1"
 STAMP_AT = "SELECT stamp FROM change_log WHERE seq = ?"
 

@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -64,6 +64,8 @@ from store.validate import (
 )
 
 T = TypeVar("T")
+# Reads a write transaction's log records before it commits, given the seq before them.
+RecordsReader = Callable[[sqlite3.Connection, int], list[LogRecord]]
 
 PRUNE_CHUNK = 20_000
 
@@ -157,7 +159,6 @@ class SqliteStore:
         try:
             retry.call("open", lambda: configure(conn, self.page_cache_kib))
             retry.call("open", lambda: migrate(conn, str(self.path)))
-            retry.call("open", lambda: conn.execute(sql.CREATE_COMPLETING))
             if self._upkeep is not None:
                 conn.execute(f"PRAGMA wal_autocheckpoint = {WRITER_CHECKPOINT_PAGES}")
         except BaseException:
@@ -182,9 +183,12 @@ class SqliteStore:
         rows: int,
         logged: bool,
         wait: bool = True,
+        records: RecordsReader | None = None,
     ) -> T:
         try:
-            result = self._write_once(what, body, rows=rows, logged=logged, wait=wait)
+            result = self._write_once(
+                what, body, rows=rows, logged=logged, wait=wait, records=records
+            )
         except StoreFull as exc:
             self._health.refused(str(exc))
             raise
@@ -202,7 +206,10 @@ class SqliteStore:
         rows: int,
         logged: bool,
         wait: bool,
+        records: RecordsReader | None,
     ) -> T:
+        """`records`: reads the transaction's log records after `body` (the entry before
+        them given), where the body knows the rows; None: the feed's POLL reads them."""
         state = self._state()
         if logged:
             self._refresh_consumers(state)
@@ -212,14 +219,17 @@ class SqliteStore:
             def logged_body(conn: sqlite3.Connection) -> tuple[T, list[LogRecord], int]:
                 before, prev_stamp = head(conn)
                 result = body(conn)
-                records = conn.execute(sql.POLL, (before, HANDOFF_LIMIT + 1)).fetchall()
-                return result, records, prev_stamp
+                if records is None:
+                    read = conn.execute(sql.POLL, (before, HANDOFF_LIMIT + 1)).fetchall()
+                else:
+                    read = records(conn, before)
+                return result, read, prev_stamp
 
-            result, records, prev_stamp = state.retry.transaction(
+            result, read, prev_stamp = state.retry.transaction(
                 state.conn, what, logged_body, write=True, wait=wait
             )
             self._committed(state, rows)
-            self._handoff.hand_over(records, prev_stamp, whole=len(records) <= HANDOFF_LIMIT)
+            self._handoff.hand_over(read, prev_stamp, whole=len(read) <= HANDOFF_LIMIT)
         else:
             result = state.retry.transaction(state.conn, what, body, write=True, wait=wait)
             self._committed(state, rows)
@@ -286,30 +296,39 @@ class SqliteStore:
         # the rendered rows, then the failed, then the gone (input order is lost there);
         # a key named twice is in two rounds, so its own completions apply in order.
         rounds = completion_rounds(items)
+        # Each changed key's row as the transaction leaves it (ROW_COLUMNS after the key;
+        # None: deleted), for the log records the consumers' rings take.
+        left: dict[str, tuple[object, ...] | None] = {}
 
         def body(conn: sqlite3.Connection) -> list[Row | None]:
+            left.clear()  # a retried transaction starts again
             out: list[Row | None] = [None] * len(items)
             for indices in rounds:
-                staged = [items[i] for i in indices]
-                conn.executemany(
-                    sql.STAGE_COMPLETING,
-                    [(c.key, c.outcome, c.now, c.next_render_at) for c in staged],
-                )
-                outcomes = {c.outcome for c in staged}
                 found: dict[str, Row] = {}
-                for outcome, statement in _COMPLETE_STATEMENTS:
-                    if outcome in outcomes:
-                        for values in conn.execute(statement):
-                            row = row_from(values)
-                            found[row.key] = row
-                if "gone" in outcomes:
-                    conn.execute(sql.COMPLETE_GONE)
-                conn.execute(sql.CLEAR_COMPLETING)
-                for index, item in zip(indices, staged, strict=True):
+                for values in _apply_round(conn, [items[i] for i in indices]):
+                    row = row_from(values)
+                    found[row.key] = row
+                    left[row.key] = values[1:]
+                for index in indices:
+                    item = items[index]
+                    if item.outcome == "gone":
+                        left[item.key] = None
                     out[index] = found.get(item.key)  # gone or missing: None
             return out
 
-        return self._write("complete", body, rows=len(items), logged=True, wait=wait)
+        def logged(conn: sqlite3.Connection, before: int) -> list[LogRecord]:
+            entries = conn.execute(sql.ENTRIES_AFTER, (before, HANDOFF_LIMIT + 1)).fetchall()
+            records: list[LogRecord] = []
+            for entry in entries:
+                key = entry[2]
+                if key not in left:  # not a change this body made: read the rows back
+                    return list(conn.execute(sql.POLL, (before, HANDOFF_LIMIT + 1)))
+                records.append((*entry, *(left[key] or _NO_ROW)))
+            return records
+
+        return self._write(
+            "complete", body, rows=len(items), logged=True, wait=wait, records=logged
+        )
 
     def get(self, key: str) -> Row | None:
         check_key(key)
@@ -621,7 +640,38 @@ class SqliteStore:
         self.close()
 
 
-_COMPLETE_STATEMENTS = (("rendered", sql.COMPLETE_RENDERED), ("failed", sql.COMPLETE_FAILED))
+# A log record's row columns for a key whose row is gone, as POLL's LEFT JOIN reads them.
+_NO_ROW = (None,) * 7
+
+
+def _apply_round(conn: sqlite3.Connection, round_items: list[Completion]) -> list[Any]:
+    """Apply one round (no key twice): the rendered, then the failed, then the gone, one
+    statement each; the rows updated, as ROW_COLUMNS' values."""
+    rendered = [c for c in round_items if c.outcome == "rendered"]
+    failed = [c.key for c in round_items if c.outcome == "failed"]
+    gone = [c.key for c in round_items if c.outcome == "gone"]
+    out: list[Any] = []
+    if rendered:
+        first = rendered[0]
+        if all(c.now == first.now and c.next_render_at == first.next_render_at for c in rendered):
+            params: dict[str, object] = {
+                "now": first.now,
+                "next_render_at": first.next_render_at,
+                "keys": _json([c.key for c in rendered]),
+            }
+            out += conn.execute(sql.COMPLETE_RENDERED, params).fetchall()
+        else:
+            each = _json([[c.key, c.now, c.next_render_at] for c in rendered])
+            out += conn.execute(sql.COMPLETE_RENDERED_EACH, {"items": each}).fetchall()
+    if failed:
+        out += conn.execute(sql.COMPLETE_FAILED, {"keys": _json(failed)}).fetchall()
+    if gone:
+        conn.execute(sql.COMPLETE_GONE, {"keys": _json(gone)})
+    return out
+
+
+def _json(value: object) -> str:
+    return msgspec.json.encode(value).decode()
 
 
 assert KIND_ROW == 0  # the triggers in store.sqlite.schema write row entries as kind 0
