@@ -204,7 +204,7 @@ def test_data_version_polling_alone_still_wakes(store: SqliteStore) -> None:
 
 def test_a_commit_that_posts_nothing_is_noticed_beside_a_semaphore(store: SqliteStore) -> None:
     """A writer outside the store (the sqlite3 shell, say) posts no wake-up: the wait's
-    data_version fallback notices its commit within a few milliseconds all the same."""
+    data_version fallback notices its commit within its 25 ms all the same."""
     sub = store.subscribe("keeper")
     assert isinstance(sub, SqliteSubscription) and sub._waiter is not None
     sub.poll()
@@ -231,7 +231,7 @@ def test_a_commit_that_posts_nothing_is_noticed_beside_a_semaphore(store: Sqlite
 
 def test_a_new_subscription_is_polled_often_only_until_writers_can_know_it() -> None:
     assert fallback_poll_s(0.0) == NEW_FALLBACK_POLL_S == 0.0005
-    assert fallback_poll_s(NEW_FOR_S) == FALLBACK_POLL_S == 0.004
+    assert fallback_poll_s(NEW_FOR_S) == FALLBACK_POLL_S == 0.025
     assert NEW_FOR_S > REFRESH_S
 
 
@@ -242,7 +242,7 @@ def test_a_new_subscription_reads_data_version_often_until_writers_know_it(
     store: SqliteStore, age_s: float, expected: float
 ) -> None:
     """Writers post a subscription and fill its ring only once they have re-read the
-    consumers (REFRESH_S): until then its waits look at data_version every 0.5 ms, not 4."""
+    consumers (REFRESH_S): until then its waits look at data_version every 0.5 ms, not 25."""
     sub = store.subscribe("keeper")
     assert isinstance(sub, SqliteSubscription) and sub._waiter is not None
     sub._opened_at -= age_s
