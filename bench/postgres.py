@@ -535,8 +535,6 @@ def run_claims(
     """SKIP LOCKED and the node side by side on one database, their arms interleaved (the
     peer's, then ours, for each mode and batch), so a change in the machine's load during
     the run falls on both alike. The node idles through the peer's arms."""
-    import psutil
-
     from bench import peers
     from bench.node import Node
     from bench.peer_sql import PostgresPeer
@@ -557,11 +555,8 @@ def run_claims(
         raw["node_start_to_live_s"] = round(time.perf_counter() - started, 2)
         report.progress(f"postgres: node live and exact in {raw['node_start_to_live_s']} s")
         worker_of = node.worker_of()
-        assert node.process is not None
-        labels = {pid: f"node worker {index}" for pid, index in worker_of.items()}
-        labels[node.process.pid] = "node supervisor"
-        ports = client_ports(labels)
-        processes = {label: psutil.Process(pid) for pid, label in labels.items()}
+        processes = {f"node {label}": process for label, process in node.processes().items()}
+        ports = client_ports({p.pid: label for label, p in processes.items()})
         per_arm = per_arm_keys(config, rows)
         granted: list[str] = []  # claims alone: leases outlive the run, so no key twice
         for complete, batch, claimants in SHAPES:
@@ -635,7 +630,6 @@ def node_arm(
 ) -> ClaimArm:
     from bench.node import run_our_arm
 
-    before = {label: _cpu(p) for label, p in processes.items()}
     keys_out: list[str] = []
     with meter.measure(datname) as used:
         arm = run_our_arm(
@@ -647,6 +641,7 @@ def node_arm(
             worker_of,
             complete=complete,
             keys_out=keys_out,
+            node_processes=processes,
         )
     server = used[0]
     if not complete:
@@ -654,7 +649,7 @@ def node_arm(
     # A worker's pool may open connections during the arm: learn their ports now, while
     # the pool still holds them, so their backends count as that worker's, not "other".
     ports = {**ports, **client_ports({p.pid: label for label, p in processes.items()})}
-    cpu = {label: _cpu(p) - before[label] for label, p in processes.items()}
+    cpu = dict(arm.node_cpu_s)
     cpu["claimants"] = arm.claimant_cpu_s or 0.0
     cpu["PostgreSQL backends"] = server.backends_s
     for backend in server.backends:

@@ -215,8 +215,8 @@ def test_refill_makes_the_slots_the_bucket_s_entries() -> None:
 
 
 def cuts_reference(dues: npt.NDArray[np.int64], pieces: int) -> list[int]:
-    """Cut points near equal shares of sorted `dues`, each where the due time changes
-    (the numpy path BucketOps.sort_cut replaced)."""
+    """Cut points near equal shares of sorted `dues`, each where the due time changes:
+    the rule BucketOps.sort_cut follows, written plainly in numpy."""
     n = len(dues)
     cuts: list[int] = []
     for piece in range(1, pieces):

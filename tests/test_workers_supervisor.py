@@ -322,8 +322,6 @@ def test_a_completion_answered_ok_survives_a_sigkill_of_the_whole_node(tmp_path:
     """`ok: true` is said only after the commit: every process of the node SIGKILLed the
     moment the answer arrives loses none of it, and a restarted node does not hand the
     keys out again."""
-    from store import open_store
-
     seed_rows(node_db(tmp_path), 2000, due_share=0.5)
     node = NodeProcess(tmp_path, workers=2).start()
     try:
@@ -346,11 +344,7 @@ def test_a_completion_answered_ok_survives_a_sigkill_of_the_whole_node(tmp_path:
     finally:
         node.stop()
     completed = {lease["key"] for lease in leases}
-    store = open_store(str(node_db(tmp_path)))
-    try:
-        rows = store.get_many(sorted(completed))
-    finally:
-        store.close()
+    rows = stored_rows(node_db(tmp_path), sorted(completed))
     now = now_ms()
     assert set(rows) == completed
     assert all(row.last_outcome == "rendered" for row in rows.values())
@@ -380,7 +374,7 @@ def test_completions_gathered_when_their_writer_is_sigkilled_fail_and_change_not
         wait_for(lambda: exact_queue_state(node), 60, "an exact queue-state")
         leases = claim(node, 60, wait_s=10)
         assert len(leases) == 60
-        before = table_rows(db, [x["key"] for x in leases])
+        before = stored_rows(db, [x["key"] for x in leases])
         victim = node.worker_pid(1)
         *clients, watcher = clients_of(node, victim, 4)
         holder = sqlite3.connect(db, isolation_level=None, timeout=0)
@@ -419,7 +413,7 @@ def test_completions_gathered_when_their_writer_is_sigkilled_fail_and_change_not
         for outcome in outcomes:
             ok = isinstance(outcome, httpx.Response) and outcome.status_code == 200
             assert not ok or not any(r["ok"] for r in outcome.json()["results"]), outcome
-        assert table_rows(db, list(before)) == before
+        assert stored_rows(db, list(before)) == before
         node.wait_event("worker_ready", worker=1, after=1, timeout_s=60)
         wait_for(lambda: exact_queue_state(node), 60, "an exact queue-state again")
         with node.client() as client:
@@ -428,14 +422,15 @@ def test_completions_gathered_when_their_writer_is_sigkilled_fail_and_change_not
         assert all(result["ok"] for result in results)
 
 
-def table_rows(db: Path, keys: list[str]) -> dict[str, tuple[Any, ...]]:
-    with sqlite3.connect(db) as conn:
-        found = conn.execute(
-            "SELECT key, next_render_at, last_rendered_at, last_outcome, version"
-            " FROM render_schedule WHERE key IN (SELECT value FROM json_each(?))",
-            (json.dumps(keys),),
-        ).fetchall()
-    return {row[0]: tuple(row) for row in found}
+def stored_rows(db: Path | str, keys: list[str]) -> dict[str, Any]:
+    """The rows of `keys` as the store holds them, read through a store of its own."""
+    from store import open_store
+
+    store = open_store(str(db))
+    try:
+        return store.get_many(keys)
+    finally:
+        store.close()
 
 
 def clients_of(node: NodeProcess, pid: int, count: int) -> list[httpx.Client]:

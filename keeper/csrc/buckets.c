@@ -269,8 +269,8 @@ search(const due_entry *e, Py_ssize_t n, int64_t due, int after)
  *
  * Sorts the bucket's entries by due time, stably (every entry live, as compact leaves
  * them), with their places; then the cut points near `pieces` equal shares, each where
- * the due time changes, with the due time at each: what Buckets.rebuild's numpy path
- * computed (an argsort and _cuts). Empty when the rows share one due time. */
+ * the due time changes, with the due time at each, so no two pieces share a due time.
+ * Empty when the rows share one due time. */
 static PyObject *
 BucketOps_sort_cut(BucketOpsObject *self, PyObject *const *args, Py_ssize_t nargs)
 {

@@ -40,9 +40,8 @@ from store.sqlite.wake import REFRESH_S, WakeWaiter, unlink
 
 _TOKEN_PREFIX = "sqlite"
 # data_version is checked this often while no post arrives. Only a writer outside
-# renderqueue (the sqlite3 shell) goes unposted once writers know a consumer, and every
-# timed wake-up costs a virtual machine tens of microseconds of CPU: at 4 ms an idle
-# node's keeper spent about 7% of a core waking up.
+# renderqueue (the sqlite3 shell) goes unposted once writers know a consumer, while every
+# timed wake-up costs CPU, most on a virtual machine: an idle keeper waits in these slices.
 FALLBACK_POLL_S = 0.025
 # A writer learns of a new subscription's semaphore and ring when it next re-reads the
 # consumers (store.sqlite.wake.REFRESH_S); until every writer can have, nobody posts it, and it
