@@ -127,7 +127,9 @@ def run_section(
         record, stdout = _check(record, path, stdout)
     if done.returncode != 0 and record.status == "ok":
         record.status = "failed"
-        record.detail = f"exit status {done.returncode}"
+        record.detail = f"exit status {done.returncode}" + (
+            f": {record.detail}" if record.detail else ""
+        )
     report.progress(f"{section}: {record.status} in {elapsed} s {record.detail}".rstrip())
     return record, stdout
 
@@ -160,6 +162,11 @@ def _check(record: SectionRun, path: Path, stdout: str) -> tuple[SectionRun, str
             record.gaps = ["printed no markdown table"]
         return record, stdout
     record.pending = dict(result.pending)
+    # A section that judged its own run (the soak) names what broke in its raw record; the
+    # runner repeats it last, where a log's tail shows it after the section's long tables.
+    failures = result.raw.get("failures")
+    if isinstance(failures, list) and failures:
+        record.detail = "; ".join(str(f) for f in failures)[:2000]
     record.gaps = report.missing(result)
     if not result.figures:
         record.gaps.append("produced no rows")

@@ -27,6 +27,7 @@ SECTION = textwrap.dedent(
         ]
         result.promised = ["t/made"] + EXTRA
         result.pending = PENDING
+        result.raw = RAW
         status = report.emit(result)
         return EXIT or status
 
@@ -58,6 +59,7 @@ def write_section(root: Path, **values: object) -> str:
         "EXTRA": [],
         "PENDING": {},
         "EXIT": 0,
+        "RAW": {},
     }
     defaults.update(values)
     header = "".join(f"{key} = {value!r}\n" for key, value in defaults.items())
@@ -96,6 +98,12 @@ def test_a_crashing_section_fails(sandbox: Path) -> None:
     record = run(sandbox, "broken")
     assert record.status == "failed"
     assert "wrote no" in record.detail
+
+
+def test_a_failed_judgement_is_named_in_the_runners_last_word(sandbox: Path) -> None:
+    record = run(sandbox, write_section(sandbox, EXIT=1, RAW={"failures": ["2 HTTP 5xx answer(s)"]}))
+    assert record.status == "failed"
+    assert record.detail == "exit status 1: 2 HTTP 5xx answer(s)"
 
 
 def test_a_stale_result_file_never_passes_for_a_new_run(sandbox: Path) -> None:
