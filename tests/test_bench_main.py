@@ -101,7 +101,8 @@ def test_a_crashing_section_fails(sandbox: Path) -> None:
 
 
 def test_a_failed_judgement_is_named_in_the_runners_last_word(sandbox: Path) -> None:
-    record = run(sandbox, write_section(sandbox, EXIT=1, RAW={"failures": ["2 HTTP 5xx answer(s)"]}))
+    judged = {"failures": ["2 HTTP 5xx answer(s)"]}
+    record = run(sandbox, write_section(sandbox, EXIT=1, RAW=judged))
     assert record.status == "failed"
     assert record.detail == "exit status 1: 2 HTTP 5xx answer(s)"
 
