@@ -286,9 +286,9 @@ class ClusterLink:
         self, request: RenewRequest, authorization: str | None, forwarded_by: str | None
     ) -> RenewResults:
         from api.claims import renew
-        from api.schedule import check_item_keys
+        from api.schedule import check_items
 
-        check_item_keys(request.items)  # 422 for the whole request before any item goes anywhere
+        check_items(request.items)  # 422 for the whole request before any item goes anywhere
         if not any(self._granted_elsewhere(item.token) for item in request.items):
             return renew(self.node, request)
         results = await self._routed(

@@ -26,7 +26,7 @@ import msgspec
 
 from api.claims import LEASE_NOT_HELD, NOT_FOUND, parse_token
 from api.problems import ApiError
-from api.schedule import check_item_keys
+from api.schedule import check_items
 from api.schemas import CompletionsRequest, ItemResult, ItemResults
 from shm import key_hash
 from shm.segment import now_ms
@@ -92,10 +92,10 @@ def apply(node: Node, requests: Sequence[CompletionsRequest], *, wait: bool) -> 
 
 
 def check(request: CompletionsRequest) -> None:
-    """What the store would refuse that the body's schema lets through (a key within 2,048
-    characters but past 2,048 UTF-8 bytes): 422 before anything waits, so a request that
-    joins a shared transaction never makes it fail."""
-    check_item_keys(request.items)
+    """What decoding leaves to the node (a key within 2,048 characters but past 2,048 UTF-8
+    bytes, a token against its pattern): 422 before anything waits, so a request that joins
+    a shared transaction never makes it fail."""
+    check_items(request.items)
 
 
 class CompletionQueueStatistics(msgspec.Struct, frozen=True, kw_only=True):

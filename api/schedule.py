@@ -4,6 +4,7 @@ and a ValueError from the store (it validates too) becomes a 422 as well."""
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -12,6 +13,7 @@ import msgspec
 
 from api.problems import ApiError, invalid_field, not_found
 from api.schemas import (
+    LEASE_TOKEN_PATTERN,
     CompletionItem,
     NodeSettings,
     RenewItem,
@@ -22,10 +24,12 @@ from api.schemas import (
     SettingsUpdate,
 )
 from store import validate
-from store.rows import Route, Row, RowWrite
+from store.rows import MAX_KEY_BYTES, Route, Row, RowWrite
 
 if TYPE_CHECKING:
     from api.node import Node
+
+_LEASE_TOKEN = re.compile(LEASE_TOKEN_PATTERN)
 
 
 def check_key(key: str, field: str) -> None:
@@ -38,11 +42,23 @@ def check_key(key: str, field: str) -> None:
         raise invalid_field(field, reason) from None
 
 
-def check_item_keys(items: Sequence[CompletionItem | RenewItem]) -> None:
-    """A completion's or renewal's keys, each by the store's rules: the whole request is
-    refused (422 naming the item) before any item is applied or sent to another node."""
+def check_items(items: Sequence[CompletionItem | RenewItem]) -> None:
+    """A completion's or renewal's items: each key by the store's rules and each token by
+    the document's pattern (api.schemas.ItemToken). The whole request is refused (422
+    naming the item) before any item is applied or sent to another node."""
     for index, item in enumerate(items):
-        check_key(item.key, f"$.items[{index}].key")
+        key = item.key
+        # The common case inline (store.validate.check_key's), the full check otherwise.
+        if not (key and key.isascii() and len(key) <= MAX_KEY_BYTES and "\x00" not in key):
+            check_key(key, f"$.items[{index}].key")
+        token = item.token
+        # A single node's tokens are plain decimals, which need no regex.
+        if not (token.isascii() and token.isdigit() and len(token) <= 20) and (
+            _LEASE_TOKEN.search(token) is None
+        ):
+            raise invalid_field(
+                f"$.items[{index}].token", f"Expected `str` matching regex {LEASE_TOKEN_PATTERN!r}"
+            )
 
 
 def store_error(exc: ValueError) -> ApiError:

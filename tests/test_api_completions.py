@@ -195,3 +195,33 @@ def test_a_key_the_store_would_refuse_is_422_before_anything_waits(
 
     asyncio.run(scenario())
     assert queue.statistics().waited == 1
+
+
+@pytest.mark.parametrize(
+    "token",
+    ["", "12a", "-1", "１２", "1" * 21, "node a:1", "n" * 65 + ":1", "node-a:", ":1"],
+)
+def test_a_token_off_its_pattern_is_422_naming_the_item_and_changes_nothing(
+    node_with_leases: Any, token: str
+) -> None:
+    node, store, _, leases, _ = node_with_leases
+    queue = CompletionQueue(node)
+    good = [CompletionItem(key=x.key, token=x.token, outcome="rendered") for x in leases[:2]]
+    bad = CompletionItem(key=leases[2].key, token=token, outcome="rendered")
+    with pytest.raises(ApiError) as refused:
+        asyncio.run(queue.complete(CompletionsRequest(items=[*good, bad])))
+    assert refused.value.status == 422
+    assert refused.value.field == "$.items[2].token"
+    assert all(is_due(store, x.key) for x in leases[:3])
+    assert all(node.leases.holds(key_hash(x.key.encode()), int(x.token), now_ms()) for x in leases)
+
+
+def test_a_token_on_its_pattern_passes_the_check(node_with_leases: Any) -> None:
+    node, _, _, leases, _ = node_with_leases
+    # Well formed but never granted (another node's, a bare number): not held, not a 422.
+    items = [
+        CompletionItem(key=leases[0].key, token="18446744073709551615", outcome="rendered"),
+        CompletionItem(key=leases[1].key, token="node-b.x_1:42", outcome="rendered"),
+    ]
+    answer = asyncio.run(CompletionQueue(node).complete(CompletionsRequest(items=items)))
+    assert [(r.ok, r.error) for r in answer.results] == [(False, "lease_not_held")] * 2
