@@ -26,6 +26,7 @@ SECTIONS = (
     "shm",
     "keeper",
     "node",
+    "stages",
     "sitemap",
     "single",
     "peers",

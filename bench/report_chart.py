@@ -225,3 +225,49 @@ def soak_chart(result: report.SectionResult, series: dict[str, Any]) -> Path:
     figure.savefig(path, dpi=80)
     plt.close(figure)
     return path
+
+
+def stages_chart(result: report.SectionResult, stages: dict[int, dict[str, float]]) -> Path:
+    """bench/stages: a key's CPU by stage, one stacked bar per batch size."""
+    # (stage, legend, the stages inside it, drawn apart)
+    parts: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+        ("post-grant read", "claim: post-grant read", ()),
+        ("claim", "claim: the rest", ("post-grant read",)),
+        ("UPDATE statements", "completion: UPDATE statements", ()),
+        ("feed handoff", "completion: feed handoff", ()),
+        (
+            "store.complete",
+            "completion: rest of store.complete",
+            ("UPDATE statements", "feed handoff"),
+        ),
+        ("completion", "completion: the API's part", ("store.complete",)),
+        ("keeper", "keeper thread", ()),
+    )
+    batches = sorted(stages)
+    figure, axis = plt.subplots(figsize=(11, 2.4 + 1.1 * len(batches)))
+    left = [0.0] * len(batches)
+    for label, name, inside in parts:
+        values = []
+        for batch in batches:
+            spent = stages[batch]
+            value = spent.get(label, 0.0)
+            values.append(max(0.0, value - sum(spent.get(m, 0.0) for m in inside)))
+        axis.barh([f"batch {b}" for b in batches], values, left=left, label=name)
+        left = [a + b for a, b in zip(left, values, strict=True)]
+    axis.set_xlabel("CPU µs per claimed and completed key (lower is better)")
+    axis.grid(axis="x", alpha=0.3)
+    axis.legend(fontsize=8, ncol=4, loc="upper center", bbox_to_anchor=(0.5, -0.3))
+    config: Any = result.raw.get("config") or {}
+    figure.suptitle(
+        f"Where a key's CPU goes, in process: {config.get('rows', 0):,} rows, 20% due "
+        f"({'quick' if result.quick else 'full scale'}; {result.machine.get('cpus', '?')} CPUs, "
+        f"load {result.machine.get('load_avg_1m', '?')})",
+        fontsize=10,
+    )
+    figure.tight_layout()
+    stem = result.section + ("-quick" if result.quick else "")
+    path = report.RESULTS_DIR / f"{stem}.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=80)
+    plt.close(figure)
+    return path

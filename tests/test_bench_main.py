@@ -208,3 +208,24 @@ def test_restart_figures_compare_the_restart_with_the_fresh_start_per_row_of_mem
     result.figures = restart.figures({}, 1_000_000)  # a run that failed before measuring
     result.promised = [figure.key for figure in result.figures]
     assert len(report.missing(result)) == len(result.figures)
+
+
+def test_the_stages_stopwatch_counts_cpu_inside_a_function_and_puts_it_back() -> None:
+    from bench.stages import Stopwatch
+
+    class Owner:
+        @staticmethod
+        def busy(n: int) -> int:
+            return sum(i * i for i in range(n))
+
+    original = Owner.busy
+    watch = Stopwatch()
+    watch.wrap(Owner, "busy", "busy")
+    with watch.timing():
+        assert Owner.busy(200_000) == original(200_000)
+        assert Owner.busy is not original
+    assert Owner.busy is original
+    assert watch.spent["busy"] > 0
+    spent = watch.spent["busy"]
+    Owner.busy(200_000)  # unwrapped again: no longer counted
+    assert watch.spent["busy"] == spent
