@@ -16,6 +16,17 @@ if TYPE_CHECKING:
     from bench.peers import Config, PeerRun
 
 
+def save(figure: Any, result: report.SectionResult, *, dpi: int) -> Path:
+    """The section's chart beside its results (`<section>.png`, `-quick` when scaled down)."""
+    figure.tight_layout()
+    stem = result.section + ("-quick" if result.quick else "")
+    path = report.RESULTS_DIR / f"{stem}.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=dpi)
+    plt.close(figure)
+    return path
+
+
 def peer_chart(result: report.SectionResult, runs: dict[str, PeerRun], config: Config) -> Path:
     from bench.peers import BATCHES, PEER_ORDER
 
@@ -60,12 +71,7 @@ def peer_chart(result: report.SectionResult, runs: dict[str, PeerRun], config: C
         f"renderqueue vs peers: {config.rows:,} rows, 20% due, churned ({scale}); "
         f"{result.machine.get('cpus', '?')} CPUs, one run"
     )
-    figure.tight_layout()
-    path = report.RESULTS_DIR / ("peers-quick.png" if result.quick else "peers.png")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=90)
-    plt.close(figure)
-    return path
+    return save(figure, result, dpi=90)
 
 
 def _two_at_100(arm: Any, peer: str, complete: bool) -> bool:
@@ -172,12 +178,7 @@ def postgres_chart(result: report.SectionResult, puts: dict[str, Any], claims: l
         f"renderqueue on PostgreSQL ({scale}); {result.machine.get('cpus', '?')} CPUs, "
         f"load {result.machine.get('load_avg_1m', '?')} at the start, one run"
     )
-    figure.tight_layout()
-    path = report.RESULTS_DIR / ("postgres-quick.png" if result.quick else "postgres.png")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=90)
-    plt.close(figure)
-    return path
+    return save(figure, result, dpi=90)
 
 
 def soak_chart(result: report.SectionResult, series: dict[str, Any]) -> Path:
@@ -218,13 +219,7 @@ def soak_chart(result: report.SectionResult, series: dict[str, Any]) -> Path:
         f"{result.machine.get('cpus', '?')} CPUs, load {result.machine.get('load_avg_1m', '?')}",
         fontsize=10,
     )
-    figure.tight_layout()
-    stem = result.section + ("-quick" if result.quick else "")
-    path = report.RESULTS_DIR / f"{stem}.png"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=80)
-    plt.close(figure)
-    return path
+    return save(figure, result, dpi=80)
 
 
 def stages_chart(result: report.SectionResult, stages: dict[int, dict[str, float]]) -> Path:
@@ -264,10 +259,4 @@ def stages_chart(result: report.SectionResult, stages: dict[int, dict[str, float
         f"load {result.machine.get('load_avg_1m', '?')})",
         fontsize=10,
     )
-    figure.tight_layout()
-    stem = result.section + ("-quick" if result.quick else "")
-    path = report.RESULTS_DIR / f"{stem}.png"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=80)
-    plt.close(figure)
-    return path
+    return save(figure, result, dpi=80)
