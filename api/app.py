@@ -115,7 +115,7 @@ class DirectPaths:
             method = scope["method"]
             handler = self.handlers.get(("GET" if method == "HEAD" else method, scope["path"]))
             if handler is not None:
-                response: Response = await handler(Request(scope, receive))
+                response: Response = await handler(Request(scope, receive, send))
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
