@@ -1,5 +1,7 @@
-"""The starlette application a worker serves: routes from the endpoint table, one error
-shape (problem+json) for everything that goes wrong, including what starlette raises."""
+"""The application a worker serves: routes from the endpoint table, one error shape
+(problem+json) for everything that goes wrong, including what starlette raises. Paths
+without parameters are dispatched straight to their handlers (DirectPaths); starlette's
+router serves the rest."""
 
 from __future__ import annotations
 
