@@ -84,6 +84,11 @@ def make_handler(endpoint: Endpoint, node: Node, auth: Authenticator) -> Any:
     return handle
 
 
+def served_as(method: str) -> str:
+    """The method whose handler answers a request: HEAD is served by GET's."""
+    return "GET" if method == "HEAD" else method
+
+
 def path_routes(handlers: dict[str, dict[str, Any]]) -> list[Route]:
     """One route a path, serving each of its methods: a method it does not serve is a 405
     whose `Allow` lists every one it does (a route a method would list only its own)."""
@@ -91,7 +96,7 @@ def path_routes(handlers: dict[str, dict[str, Any]]) -> list[Route]:
     for path, by_method in handlers.items():
 
         async def dispatch(request: Request, by_method: dict[str, Any] = by_method) -> Response:
-            method = "GET" if request.method == "HEAD" else request.method
+            method = served_as(request.method)
             response: Response = await by_method[method](request)
             return response
 
@@ -115,7 +120,7 @@ class DirectPaths:
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "http":
             method = scope["method"]
-            handler = self.handlers.get(("GET" if method == "HEAD" else method, scope["path"]))
+            handler = self.handlers.get((served_as(method), scope["path"]))
             if handler is not None:
                 response: Response = await handler(Request(scope, receive, send))
                 await response(scope, receive, send)

@@ -24,7 +24,7 @@ from api.schemas import (
     SettingsUpdate,
 )
 from store import validate
-from store.rows import MAX_KEY_BYTES, Route, Row, RowWrite
+from store.rows import Route, Row, RowWrite
 
 if TYPE_CHECKING:
     from api.node import Node
@@ -47,10 +47,7 @@ def check_items(items: Sequence[CompletionItem | RenewItem]) -> None:
     the document's pattern (api.schemas.ItemToken). The whole request is refused (422
     naming the item) before any item is applied or sent to another node."""
     for index, item in enumerate(items):
-        key = item.key
-        # The common case inline (store.validate.check_key's), the full check otherwise.
-        if not (key and key.isascii() and len(key) <= MAX_KEY_BYTES and "\x00" not in key):
-            check_key(key, f"$.items[{index}].key")
+        check_key(item.key, f"$.items[{index}].key")
         token = item.token
         # A single node's tokens are plain decimals, which need no regex.
         if not (token.isascii() and token.isdigit() and len(token) <= 20) and (

@@ -13,6 +13,8 @@ import math
 import os
 import platform
 import sys
+import threading
+import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Literal
@@ -246,6 +248,13 @@ def exit_on_sigterm() -> None:
     import signal
 
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
+def thread_cpu_s(thread: threading.Thread) -> float:
+    """A thread's CPU seconds so far (its own clock); 0.0 for one that is not running."""
+    if thread.ident is None or not thread.is_alive():
+        return 0.0
+    return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
 
 
 def progress(message: str) -> None:

@@ -127,9 +127,7 @@ def worker0_process(conn: Connection, store_url: str, instance: str) -> None:
     subscribed = threading.Event()  # the arm's writes must start after the feed is open
 
     def thread_cpu() -> float:
-        if thread is None or thread.ident is None or not thread.is_alive():
-            return 0.0
-        return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+        return 0.0 if thread is None else report.thread_cpu_s(thread)
 
     def snapshot() -> Snapshot:
         times = process.cpu_times()

@@ -81,16 +81,6 @@ class Stopwatch:
             self._wrapped.clear()
 
 
-def thread_cpu_s(thread: threading.Thread) -> float:
-    """A thread's CPU seconds so far, as the kernel counts them."""
-    import psutil
-
-    for seen in psutil.Process().threads():
-        if seen.id == thread.native_id:
-            return float(seen.user_time + seen.system_time)
-    raise RuntimeError(f"thread {thread.name} is not running")
-
-
 def in_process(config: Config, rows: Any) -> dict[int, dict[str, float]]:
     """Per batch size: stage label -> CPU µs per key."""
     import store.sqlite.feed_ring
@@ -114,7 +104,7 @@ def in_process(config: Config, rows: Any) -> dict[int, dict[str, float]]:
                 watch.wrap(store.sqlite.feed_ring.FeedHandoff, "hand_over", "feed handoff")
                 claim_s = complete_s = 0.0
                 keys = 0
-                keeper_before = thread_cpu_s(keeper)
+                keeper_before = report.thread_cpu_s(keeper)
                 with watch.timing():
                     empty = 0
                     while keys < config.keys_per_batch and empty < 300:
@@ -132,7 +122,9 @@ def in_process(config: Config, rows: Any) -> dict[int, dict[str, float]]:
                         keys += len(got)
                     # The keeper's last events: it takes a few ms to apply what was written.
                     time.sleep(0.5)
-                keeper_s = thread_cpu_s(keeper) - keeper_before
+                if not keeper.is_alive():
+                    raise RuntimeError(f"batch {batch}: the keeper thread ended during the arm")
+                keeper_s = report.thread_cpu_s(keeper) - keeper_before
                 if not keys:
                     raise RuntimeError(f"batch {batch}: nothing was claimable")
                 per_key = {label: spent / keys * 1e6 for label, spent in watch.spent.items()}
@@ -157,18 +149,17 @@ def in_process(config: Config, rows: Any) -> dict[int, dict[str, float]]:
 
 def request_costs(config: Config) -> dict[str, float]:
     """A request's fixed cost: one worker's CPU per request, less its idle rate."""
-    from bench.node import Node, NodeClient
+    from bench.node import Node, NodeClient, process_cpu_s
 
     rows = generate(Workload(rows=config.http_rows, now_ms=time.time_ns() // 1_000_000))
     node = Node(rows)
     out: dict[str, float] = {}
     try:
         node.start(args=["--workers", "1"])
-        worker = node.processes()["worker 0"]
+        worker = {"worker 0": node.processes()["worker 0"]}
 
         def cpu() -> float:
-            times = worker.cpu_times()
-            return float(times.user + times.system)
+            return process_cpu_s(worker)["worker 0"]
 
         before, started = cpu(), time.perf_counter()
         time.sleep(2.0)
@@ -201,7 +192,7 @@ def request_costs(config: Config) -> dict[str, float]:
 
 
 def body_costs(config: Config) -> dict[str, float]:
-    from api.body import _encoder, decode_json
+    from api.body import decode_json
     from api.completions import check
     from api.schemas import ClaimResponse, CompletionsRequest, Lease
 
@@ -216,6 +207,7 @@ def body_costs(config: Config) -> dict[str, float]:
         for i, k in enumerate(keys)
     ]  # fmt: skip
     answer = ClaimResponse(leases=leases, status="ready")
+    encode = msgspec.json.Encoder().encode  # as api.body encodes every answer
 
     def decoded() -> None:
         check(decode_json(body, CompletionsRequest))
@@ -223,7 +215,7 @@ def body_costs(config: Config) -> dict[str, float]:
     out: dict[str, float] = {}
     for what, work in (
         ("decode and check a 100-item completion body", decoded),
-        ("encode a 100-lease claim answer", lambda: _encoder.encode(answer)),
+        ("encode a 100-lease claim answer", lambda: encode(answer)),
     ):
         started = time.process_time()
         for _ in range(config.codec_rounds):
