@@ -235,6 +235,7 @@ def render_now(node: Node, request: RenderNow) -> Explain:
             )
         ]
     )
+    node.stamp_keys_written([row.key])
     node.leases.forgive(key_hash(row.key.encode()), now)
     return explain(node, row.key)
 

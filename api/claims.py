@@ -105,11 +105,16 @@ def grant_from_ring(node: Node, want: int, lease_ms: int) -> list[Lease]:
     so a result that landed before our grant is in the row we read, and a key that is
     gone, no longer due or on a paused route is handed back instead of granted twice.
     Entries published without a cadence (0) are read once before their grant too, to
-    learn it.
+    learn it. A granted entry that nothing has written through this node since the
+    keeper's view of its generation (shm.marks) is answered from the entry, unread.
     """
-    ring, store, leases, routes = node.ring, node.store, node.leases, node.routes
+    ring, store, leases, routes, marks = node.ring, node.store, node.leases, node.routes, node.marks
     granted: list[Lease] = []
+    clustered = node.settings.clustered
     while len(granted) < want:
+        # Read before the claim: the entries come from this generation or a later one,
+        # whose view is no older (so the check below can only be too careful).
+        view_us = 0 if marks is None else marks.view_of(ring.generation)
         entries = ring.claim(want - len(granted))
         if not entries:
             break
@@ -117,6 +122,7 @@ def grant_from_ring(node: Node, want: int, lease_ms: int) -> list[Lease]:
         unknown = [entry.key.decode() for entry in entries if not entry.cadence_s]
         before = store.get_many(unknown) if unknown else {}
         held: list[tuple[str, int, int, int]] = []  # key, key hash, token, lease expiry
+        answered = 0
         for entry in entries:
             key = entry.key.decode()
             cadence_s: int | None = entry.cadence_s
@@ -129,8 +135,33 @@ def grant_from_ring(node: Node, want: int, lease_ms: int) -> list[Lease]:
                 if cadence_s is None:
                     continue
             outcome = leases.grant(entry.key_hash, now, lease_ms, cadence_s * 1000)
-            if type(outcome) is Grant:
-                held.append((key, entry.key_hash, outcome.token, outcome.expires_at))
+            if type(outcome) is not Grant:
+                continue
+            named = (
+                marks.class_of(entry.class_id)
+                if marks is not None
+                and entry.cadence_s
+                and marks.unwritten_since(entry.key_hash, view_us)
+                else None
+            )
+            if named is not None and not routes.paused(named[0]):
+                answered += 1
+                granted.append(
+                    Lease(
+                        key=key,
+                        token=format_token(node, outcome.token),
+                        route=named[0],
+                        due_at=entry.due_at,
+                        lease_expires_at=outcome.expires_at,
+                        sitemap=named[1],
+                        cadence_s=entry.cadence_s,
+                        node=node.settings.node if clustered else None,
+                    )
+                )
+                continue
+            held.append((key, entry.key_hash, outcome.token, outcome.expires_at))
+        if marks is not None:
+            marks.count_claimed(answered, len(held))
         if not held:
             continue
         rows = store.get_many([key for key, _, _, _ in held])
@@ -150,7 +181,7 @@ def grant_from_ring(node: Node, want: int, lease_ms: int) -> list[Lease]:
                     lease_expires_at=expires_at,
                     sitemap=row.sitemap,
                     cadence_s=cadence_s,
-                    node=node.settings.node if node.settings.clustered else None,
+                    node=node.settings.node if clustered else None,
                 )
             )
     return granted

@@ -73,6 +73,8 @@ def apply(node: Node, requests: Sequence[CompletionsRequest], *, wait: bool) -> 
             after = node.store.complete(completions, wait=wait)
         except ValueError as exc:
             raise ApiError(422, "Invalid completion", str(exc)) from None
+        # Before any lease is released: a claim that wins one sees the write (shm.marks).
+        node.stamp_written([hashed for _, _, hashed, _ in held])
         for (number, index, hashed, token), completion, row in zip(
             held, completions, after, strict=True
         ):

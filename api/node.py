@@ -8,6 +8,7 @@ store (api.completions).
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,7 +18,8 @@ from api.cluster import ClusterLink
 from api.completions import CompletionQueue
 from api.routebook import RouteBook
 from keeper.state import KeeperStatistics, decode_keeper_statistics
-from shm import LeaseTable, ReadyRing, StateBuffer
+from shm import LeaseTable, ReadyRing, StateBuffer, key_hash
+from shm.marks import WriteMarks
 from store.base import ScheduleStore
 
 
@@ -62,6 +64,8 @@ class Node:
     state: StateBuffer
     supervisor_state: StateBuffer | None = None
     keeper_statistics: StateBuffer | None = None  # written by the keeper (worker 0's thread)
+    # Without them every granted row is read back (tests that build a bare node).
+    marks: WriteMarks | None = None
     routes: RouteBook = field(init=False)
     completions: CompletionQueue = field(init=False)
     cluster: ClusterLink = field(init=False)  # the member list and the peers' client
@@ -85,6 +89,15 @@ class Node:
             return decode_keeper_statistics(snapshot.payload)
         except msgspec.DecodeError:
             return None
+
+    def stamp_written(self, hashes: Sequence[int]) -> None:
+        """Mark keys as written by this worker's last commit (shm.marks): after the commit,
+        before the write is answered or its lease released."""
+        if self.marks is not None and hashes:
+            self.marks.stamp(hashes, self.store.write_position)
+
+    def stamp_keys_written(self, keys: Iterable[str]) -> None:
+        self.stamp_written([key_hash(key.encode()) for key in keys])
 
     def ready(self) -> bool:
         """Claims are granted only after the keeper's first publish into this node's ring."""

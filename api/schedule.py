@@ -90,6 +90,7 @@ def write(node: Node, request: ScheduleRequest) -> ScheduleResult:
         node.store.write(upsert=list(upserts.values()), delete=deletes)
     except ValueError as exc:
         raise store_error(exc) from None
+    node.stamp_keys_written([*upserts, *deletes])
     return ScheduleResult(upserted=len(upserts), deleted=len(deletes))
 
 

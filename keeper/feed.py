@@ -118,6 +118,10 @@ class Feed:
         """True when the open feed has handed every event up to `head` to `apply`."""
         return self.sub is not None and self.sub.has_delivered(head)
 
+    def delivered_below(self) -> int:
+        """The open feed's position (Subscription.delivered_below); 0 while closed."""
+        return 0 if self.sub is None else self.sub.delivered_below()
+
     def wait(self, seconds: float) -> None:
         if self.sub is not None:
             self.sub.wait(seconds)

@@ -7,6 +7,7 @@ in-memory stand-ins the tests use.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 import numpy as np
@@ -14,6 +15,11 @@ import numpy.typing as npt
 
 
 class ReadyRingLike(Protocol):
+    @property
+    def generation(self) -> int:
+        """The live generation; the next publish makes it one more (one writer)."""
+        ...
+
     def publish_slices(
         self,
         source: bytearray,
@@ -66,3 +72,11 @@ class LeaseTableLike(Protocol):
 
 class StateBufferLike(Protocol):
     def write(self, payload: bytes, now_ms: int) -> int: ...
+
+
+class WriteMarksLike(Protocol):
+    """shm.marks.WriteMarks, the keeper's side."""
+
+    def set_view(self, generation: int, delivered_below: int) -> None: ...
+
+    def write_classes(self, classes: Sequence[tuple[str, bool]], now_ms: int) -> bool: ...

@@ -27,7 +27,7 @@ import numpy.typing as npt
 
 from keeper.config import KeeperConfig
 from keeper.core import KeeperCore
-from keeper.protocols import LeaseTableLike, ReadyRingLike
+from keeper.protocols import LeaseTableLike, ReadyRingLike, WriteMarksLike
 from keeper.select import BlockedMask
 from keeper.state import PublishStats
 from keeper.topcheck import TopChecked
@@ -49,11 +49,14 @@ class Publisher:
         ring: ReadyRingLike,
         leases: LeaseTableLike,
         config: KeeperConfig,
+        marks: WriteMarksLike | None = None,
     ) -> None:
         self.core = core
         self.ring = ring
         self.leases = leases
         self.config = config
+        self.marks = marks
+        self._classes_named = 0  # class ids the marks segment names (ids only grow)
         self.stats = PublishStats()
         self._expect_blocked = 0  # blocked rows the last selection found ahead of its k-th
         # In a cluster: keys this node owns but may not grant yet (keeper.cluster fences).
@@ -78,10 +81,13 @@ class Publisher:
 
         return blocked
 
-    def publish(self, now: int, refill: bool = False) -> list[bytes] | PublishFailed:
+    def publish(
+        self, now: int, refill: bool = False, delivered_below: int = 0
+    ) -> list[bytes] | PublishFailed:
         """Publish the best rows; the first `top_check` of their keys (what the top check
         reads), best first. Never raises: a failure is counted, logged and returned.
-        `refill`: early, because claims drained the ring."""
+        `refill`: early, because claims drained the ring. `delivered_below`: the feed
+        position the view holds every write below (shm.marks; 0 vouches for nothing)."""
         started = time.perf_counter_ns()
         try:
             selection = self.core.select(
@@ -94,6 +100,9 @@ class Publisher:
             # gathered, rather than once per entry.
             per_class = (self.core.classes.cadence_ms() // 1000).astype(np.uint32)
             cadence_s = per_class.take(selection.class_id)
+            if self.marks is not None:
+                self._name_classes(now)
+                self.marks.set_view(self.ring.generation + 1, delivered_below)
             generation = self.ring.publish_slices(
                 slots.arena,
                 starts,
@@ -122,6 +131,15 @@ class Publisher:
         )
         self._expect_blocked = selection.blocked_ahead
         return keys
+
+    def _name_classes(self, now: int) -> None:
+        """Name new class ids for claimants (route, sitemap), which never change per id."""
+        classes = self.core.classes
+        if self.marks is None or len(classes) == self._classes_named:
+            return
+        named = [(c.route, c.sitemap) for c in (classes.get(i) for i in range(len(classes)))]
+        if self.marks.write_classes(named, now):
+            self._classes_named = len(named)
 
     def count_top_check(self, checked: TopChecked) -> None:
         self.stats = msgspec.structs.replace(

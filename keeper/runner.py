@@ -71,7 +71,7 @@ from keeper.lifecycle import (
     WriteState,
 )
 from keeper.ownership import Ownership
-from keeper.protocols import LeaseTableLike, ReadyRingLike, StateBufferLike
+from keeper.protocols import LeaseTableLike, ReadyRingLike, StateBufferLike, WriteMarksLike
 from keeper.publish import Publisher, PublishFailed
 from keeper.report import build_queue_state
 from keeper.state import (
@@ -132,9 +132,12 @@ class Keeper:
         statistics_buffer: StateBufferLike | None = None,
         cluster: ClusterSettings | None = None,
         members: Members | None = None,
+        marks: WriteMarksLike | None = None,
     ) -> None:
         """`cluster` and `members` (a read of the member list) make this keeper one of a
-        cluster's: it holds and publishes only the rows it owns, and fences what it gains."""
+        cluster's: it holds and publishes only the rows it owns, and fences what it gains.
+        `marks`: where each publish says how far its view had read (shm.marks), so claims
+        can skip reading rows nothing wrote since."""
         self.store = store
         self.ring = ring
         self.leases = leases
@@ -174,7 +177,7 @@ class Keeper:
         )
         self._walk: Walk | None = None
         self._walk_read: RowsRead | None = None  # a chunk read, waiting for the feed
-        self._publisher = Publisher(self.core, ring, leases, config)
+        self._publisher = Publisher(self.core, ring, leases, config, marks)
         if self.cluster is not None:
             self._publisher.fenced = self.cluster.blocked_mask
         self._top = TopCheck(self.core, store, self.feed, config, clock)
@@ -430,7 +433,9 @@ class Keeper:
 
     def _publish(self, refill: bool) -> None:
         now = self.clock()
-        keys = self._publisher.publish(now, refill=refill)
+        # Only an exact view vouches: a walk under way may still hold rows older than it.
+        delivered_below = self.feed.delivered_below() if self.lifecycle.exact else 0
+        keys = self._publisher.publish(now, refill=refill, delivered_below=delivered_below)
         if isinstance(keys, PublishFailed):
             self._tell(PublishRefused(keys.reason), now)
             return

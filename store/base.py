@@ -129,6 +129,11 @@ class Subscription(Protocol):
         """True when every event at or before `cursor` (a head from this store) was polled."""
         ...
 
+    def delivered_below(self) -> int:
+        """A feed position: every write whose `ScheduleStore.write_position` is below it
+        has been polled (shm.marks). Positions only grow; 0 vouches for nothing."""
+        ...
+
     def save(self) -> None:
         """Persist the cursor for this consumer; pruning may remove what is below it."""
         ...
@@ -143,6 +148,12 @@ class Subscription(Protocol):
 class ScheduleStore(Protocol):
     def write(self, upsert: Sequence[RowWrite] = (), delete: Sequence[str] = ()) -> None:
         """All or nothing, in one transaction; each written row's version increases."""
+        ...
+
+    @property
+    def write_position(self) -> int:
+        """The feed position of this thread's last committed write: a subscription whose
+        `delivered_below()` is past it has delivered that write (shm.marks)."""
         ...
 
     def complete(self, items: Sequence[Completion], *, wait: bool = True) -> list[Row | None]:

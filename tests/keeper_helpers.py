@@ -124,6 +124,9 @@ class MemorySubscription:
     def has_delivered(self, cursor: Cursor) -> bool:
         return self.position >= int(cursor.token)
 
+    def delivered_below(self) -> int:
+        return self.position + 1
+
     def save(self) -> None:
         self._store.saved[self._store.consumer] = self.position
 
@@ -161,6 +164,10 @@ class MemoryStore:
         self.walks = 0
 
     # -- writing ---------------------------------------------------------------------
+
+    @property
+    def write_position(self) -> int:
+        return self.seq
 
     def write(self, upsert: Sequence[RowWrite] = (), delete: Sequence[str] = ()) -> None:
         for w in upsert:

@@ -211,6 +211,7 @@ class ThreadNode:
             state=self.segments.state,
             supervisor_state=self.segments.supervisor,
             keeper_statistics=self.segments.keeper,
+            marks=self.segments.marks,
         )
         self.sock = free_socket()
         self.port = self.sock.getsockname()[1]
@@ -251,6 +252,7 @@ class ThreadNode:
                     config,
                     node="test",
                     statistics_buffer=self.segments.keeper,
+                    marks=self.segments.marks,
                 ).run(self._keeper_stop)
             except BaseException as exc:
                 self.keeper_error = exc
@@ -470,9 +472,10 @@ def node_process(directory: Path, **kwargs: Any) -> Iterator[NodeProcess]:
 
 
 @contextlib.contextmanager
-def local_node(db: Path | str) -> Iterator[tuple[Any, Any, Any]]:
+def local_node(db: Path | str, *, marks: bool = False) -> Iterator[tuple[Any, Any, Any]]:
     """A worker's Node on fresh segments over the store at `db`, with no server:
-    (node, store, segments)."""
+    (node, store, segments). `marks`: the node stamps its writes and may answer claims
+    from the ring (shm.marks); without, every granted row is read."""
     from api.node import ApiSettings, Node
     from store import open_store
     from workers.segments import SegmentNames, Segments
@@ -489,6 +492,7 @@ def local_node(db: Path | str) -> Iterator[tuple[Any, Any, Any]]:
                 ring=segments.ring,
                 leases=segments.leases,
                 state=segments.state,
+                marks=segments.marks if marks else None,
             ),
             store,
             segments,
@@ -499,18 +503,37 @@ def local_node(db: Path | str) -> Iterator[tuple[Any, Any, Any]]:
         segments.unlink()
 
 
-def publish_with_cadence(node: Any, keys: list[str], cadence_s: int) -> None:
-    """Publish `keys` into the node's ring, all due a second ago, with `cadence_s`."""
+def publish_with_cadence(
+    node: Any, keys: list[str], cadence_s: int, *, view: int = 0, due_at: int | None = None
+) -> int:
+    """Publish `keys` into the node's ring, all due a second ago (or at `due_at`), with
+    `cadence_s`, as class 0; `view`: the feed position the publish vouches for (shm.marks),
+    with class 0 named ("product", not a sitemap row). Returns the generation."""
     import numpy as np
 
     from shm import key_hash
 
     now = now_ms()
-    node.ring.publish(
+    if node.marks is not None:
+        node.marks.write_classes([("product", False)], now)
+        node.marks.set_view(node.ring.generation + 1, view)
+    generation: int = node.ring.publish(
         [k.encode() for k in keys],
-        np.full(len(keys), now - 1000, dtype=np.int64),
+        np.full(len(keys), now - 1000 if due_at is None else due_at, dtype=np.int64),
         np.zeros(len(keys), dtype=np.int32),
         np.array([key_hash(k.encode()) for k in keys], dtype=np.uint64),
         now,
         np.full(len(keys), cadence_s, dtype=np.uint32),
     )
+    return generation
+
+
+def feed_position(store: Any) -> int:
+    """Where a feed that has read everything committed now stands (delivered_below)."""
+    sub = store.subscribe(unique("view"), store.feed_head())
+    try:
+        while sub.poll(1000).more:
+            pass
+        return int(sub.delivered_below())
+    finally:
+        sub.close()

@@ -15,6 +15,7 @@ from node_harness import (
     FLEET_TOKEN,
     ThreadNode,
     due_in_table,
+    feed_position,
     local_node,
     node_db,
     node_process,
@@ -429,3 +430,92 @@ def test_a_grant_takes_its_hold_cap_from_the_ring_entry(tmp_path: Path) -> None:
         time.sleep((lease.lease_expires_at - now_ms()) / 1000 + 0.05)
         state = segments.leases.state(key_hash(keys[0].encode()), now_ms())
         assert state.held and state.held_until - lease.lease_expires_at == 1000
+
+
+def test_entries_nothing_wrote_since_the_view_are_answered_unread(tmp_path: Path) -> None:
+    """With write marks, a granted entry whose key no write through this node touched since
+    the publish's view is answered from the entry: the row's route, due time and cadence
+    as the keeper published them, and no read."""
+    from api.claims import grant_from_ring
+
+    db = node_db(tmp_path)
+    keys = seed_rows(db, 3, cadence_s=3600)
+    with local_node(db, marks=True) as (node, store, segments):
+        due_at = now_ms() - 1000
+        publish_with_cadence(node, keys, 3600, view=feed_position(store), due_at=due_at)
+        leases = grant_from_ring(node, 10, 60_000)
+        assert sorted(lease.key for lease in leases) == keys
+        assert {(lease.route, lease.due_at, lease.cadence_s) for lease in leases} == {
+            ("product", due_at, 3600)
+        }
+        stats = segments.marks.statistics()
+        assert (stats.answered_from_ring, stats.read_after_grant) == (3, 0)
+
+
+def test_a_completion_through_the_node_after_the_view_is_read_and_handed_back(
+    tmp_path: Path,
+) -> None:
+    """The double grant the read exists for, with marks: a key completed through this node
+    after the keeper's view, published again from that view, is read and handed back;
+    with a view of 0 (a keeper that cannot vouch) every grant is read."""
+    from api.claims import grant_from_ring
+    from api.completions import apply
+    from api.schemas import CompletionItem, CompletionsRequest
+
+    db = node_db(tmp_path)
+    keys = seed_rows(db, 3, cadence_s=3600)
+    with local_node(db, marks=True) as (node, store, segments):
+        view = feed_position(store)
+        publish_with_cadence(node, keys[:1], 3600, view=view)
+        (lease,) = grant_from_ring(node, 1, 60_000)
+        item = CompletionItem(key=lease.key, token=lease.token, outcome="rendered")
+        (answer,) = apply(node, [CompletionsRequest(items=[item])], wait=True)
+        assert answer.results[0].ok
+        # The keeper has not read the completion yet: its next publish still has the key.
+        publish_with_cadence(node, keys[:1], 3600, view=view)
+        assert grant_from_ring(node, 1, 60_000) == []
+        assert segments.marks.statistics().read_after_grant == 1
+        # A view that vouches for nothing reads every grant, even of untouched keys.
+        publish_with_cadence(node, keys[1:], 3600, view=0)
+        assert len(grant_from_ring(node, 10, 60_000)) == 2
+        stats = segments.marks.statistics()
+        assert (stats.answered_from_ring, stats.read_after_grant) == (1, 3)
+
+
+def test_a_schedule_write_through_the_node_after_the_view_is_honoured(tmp_path: Path) -> None:
+    """A key rescheduled (to tomorrow) or deleted through this node's API after the view
+    is read at its grant and handed back, not granted on the stale entry."""
+    from api.claims import grant_from_ring
+    from api.schedule import write
+    from api.schemas import ScheduleRequest, ScheduleUpsert
+
+    db = node_db(tmp_path)
+    keys = seed_rows(db, 3, cadence_s=3600)
+    with local_node(db, marks=True) as (node, store, segments):
+        publish_with_cadence(node, keys, 3600, view=feed_position(store))
+        later = ScheduleUpsert(key=keys[0], route="product", next_render_at=now_ms() + 86_400_000)
+        write(node, ScheduleRequest(upsert=[later], delete=[keys[1]]))
+        leases = grant_from_ring(node, 10, 60_000)
+        assert [lease.key for lease in leases] == [keys[2]]
+        stats = segments.marks.statistics()
+        assert (stats.answered_from_ring, stats.read_after_grant) == (1, 2)
+
+
+def test_a_live_node_answers_claims_from_the_ring(live_node: ThreadNode) -> None:
+    """The keeper vouches for its publishes: claims on a live node are answered unread,
+    and a key completed through the node is not granted again from a later publish."""
+    seed_rows(live_node.db, 40, cadence_s=3600)
+    live_node.wait_exact()
+    with live_node.client() as client:
+        first = claim(client, 20).json()["leases"]
+        results = complete(
+            client, [{"key": x["key"], "token": x["token"], "outcome": "rendered"} for x in first]
+        )
+        assert all(r["ok"] for r in results)
+        rest: list[dict[str, Any]] = []
+        deadline = time.monotonic() + 20
+        while len(rest) < 20 and time.monotonic() < deadline:
+            rest += claim(client, 20, wait_s=1).json()["leases"]
+    assert {x["key"] for x in first}.isdisjoint(x["key"] for x in rest)
+    assert len(rest) == 20
+    assert live_node.segments.marks.statistics().answered_from_ring > 0

@@ -352,3 +352,26 @@ def test_a_dropped_consumer_is_forgotten_once(any_store: ContractStore) -> None:
     assert any_store.drop_consumer("keeper") is True
     assert any_store.drop_consumer("keeper") is False
     assert any_store.consumers() == {}
+
+
+def test_a_write_position_is_vouched_for_only_once_the_write_is_polled(
+    any_store: ContractStore,
+) -> None:
+    """`write_position` and `delivered_below` (shm.marks): a write's position stays at or
+    above what the feed vouches for until a poll has delivered the write, then below it;
+    positions grow with each write."""
+    store = any_store
+    sub = store.subscribe("keeper")
+    store.write([put("/a", 1)])
+    first = store.write_position
+    assert 0 < first and sub.delivered_below() <= first
+    settle(store)
+    assert keys_of(sub.poll().events) == ["/a"]
+    assert first < sub.delivered_below()
+    store.complete([Completion(key="/a", outcome="rendered", now=5)])
+    second = store.write_position
+    assert first < second and sub.delivered_below() <= second
+    settle(store)
+    assert keys_of(sub.poll().events) == ["/a"]
+    assert second < sub.delivered_below()
+    sub.close()

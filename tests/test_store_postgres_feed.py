@@ -135,6 +135,33 @@ def test_a_transaction_left_open_holds_the_feed_back_and_is_named(pg_url: str) -
         store.close()
 
 
+def test_a_transaction_left_open_keeps_later_writes_unvouched(pg_url: str) -> None:
+    """A write that committed behind an open transaction with a lower xid is not vouched
+    for (its position is not below `delivered_below`) until the open one ends and the feed
+    has read past both: a claim keeps reading that key's row meanwhile (shm.marks)."""
+    store = PostgresStore(pg_url)
+    feed = store.subscribe("vouch")
+    holder = psycopg.connect(pg_url)
+    try:
+        holder.execute(pg_sql.UPSERT, upsert_params("/open", 1))
+        store.write([RowWrite(key="/after", route="page", next_render_at=5)])
+        after = store.write_position
+        assert feed.poll().events == []
+        assert feed.delivered_below() <= after
+        holder.commit()
+        keys: set[str] = set()
+        deadline = time.monotonic() + 5
+        while len(keys) < 2 and time.monotonic() < deadline:
+            feed.wait(0.5)
+            keys |= {e.key for e in feed.poll().events if isinstance(e, RowEvent)}
+        assert keys == {"/open", "/after"}
+        assert after < feed.delivered_below()
+    finally:
+        holder.close()
+        feed.close()
+        store.close()
+
+
 WRITERS = 16
 KEYS = 400
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import msgspec
 
 from shm import LeaseTable, ReadyRing, StateBuffer, segment_name
+from shm.marks import WriteMarks
 from shm.segment import remove as remove_segment
 
 # The supervisor's statistics: a few hundred bytes per worker.
@@ -28,6 +29,7 @@ class SegmentNames(msgspec.Struct, frozen=True, kw_only=True):
     state: str
     supervisor: str
     keeper: str
+    marks: str
 
     @classmethod
     def for_instance(cls, instance: str) -> SegmentNames:
@@ -37,6 +39,7 @@ class SegmentNames(msgspec.Struct, frozen=True, kw_only=True):
             state=segment_name(instance, "state"),
             supervisor=segment_name(instance, "supervisor"),
             keeper=segment_name(instance, "keeper"),
+            marks=segment_name(instance, "marks"),
         )
 
     def remove(self) -> None:
@@ -54,10 +57,11 @@ class Segments:
     state: StateBuffer
     supervisor: StateBuffer
     keeper: StateBuffer
+    marks: WriteMarks
 
     @classmethod
     def create(cls, names: SegmentNames, *, ring_entries: int, lease_slots: int) -> Segments:
-        created: list[ReadyRing | LeaseTable | StateBuffer] = []
+        created: list[ReadyRing | LeaseTable | StateBuffer | WriteMarks] = []
         try:
             ring = ReadyRing.create(names.ring, capacity=ring_entries)
             created.append(ring)
@@ -68,12 +72,14 @@ class Segments:
             supervisor = StateBuffer.create(names.supervisor, capacity=SUPERVISOR_STATE_BYTES)
             created.append(supervisor)
             keeper = StateBuffer.create(names.keeper, capacity=KEEPER_STATE_BYTES)
+            created.append(keeper)
+            marks = WriteMarks.create(names.marks)
         except BaseException:
             for segment in created:
                 segment.close()
                 segment.unlink()
             raise
-        return cls(names, ring, leases, state, supervisor, keeper)
+        return cls(names, ring, leases, state, supervisor, keeper, marks)
 
     @classmethod
     def attach(cls, names: SegmentNames) -> Segments:
@@ -84,10 +90,11 @@ class Segments:
             StateBuffer.attach(names.state),
             StateBuffer.attach(names.supervisor),
             StateBuffer.attach(names.keeper),
+            WriteMarks.attach(names.marks),
         )
 
-    def _all(self) -> tuple[ReadyRing | LeaseTable | StateBuffer, ...]:
-        return (self.ring, self.leases, self.state, self.supervisor, self.keeper)
+    def _all(self) -> tuple[ReadyRing | LeaseTable | StateBuffer | WriteMarks, ...]:
+        return (self.ring, self.leases, self.state, self.supervisor, self.keeper, self.marks)
 
     def close(self) -> None:
         for segment in self._all():

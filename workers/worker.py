@@ -125,6 +125,7 @@ def start_keeper(spec: WorkerSpec, segments: Segments) -> KeeperHost:
                 config,
                 node=spec.node,
                 statistics_buffer=segments.keeper,
+                marks=segments.marks,
                 cluster=cluster,
                 members=members,
             )
@@ -179,6 +180,7 @@ def serve(spec: WorkerSpec) -> int:
             state=segments.state,
             supervisor_state=segments.supervisor,
             keeper_statistics=segments.keeper,
+            marks=segments.marks,
         )
         config = uvicorn.Config(
             BodyLimit(create_app(node), settings.max_body_bytes),

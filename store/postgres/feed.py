@@ -337,6 +337,11 @@ class PostgresSubscription:
         self._stale = self._stale or bool(found and found[0])
         return bool(found and found[0])
 
+    def delivered_below(self) -> int:
+        # Entries are polled in (xid, seq) order and only below the horizon, where every
+        # transaction has ended: each xid below the cursor's has had all its entries.
+        return self._xid
+
     def has_delivered(self, cursor: Cursor) -> bool:
         head = parse_cursor(cursor, self._origin)
         delivered = (self._xid, self._seq) >= (head.xid, head.seq) and self._xid >= head.xmax

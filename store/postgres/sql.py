@@ -39,9 +39,13 @@ ON CONFLICT (key) DO UPDATE SET
 """
 _DELETE = "DELETE FROM render_schedule WHERE key = ANY(%(deletes)b::text[])"
 
-UPSERT = _UPSERT
-DELETE = _DELETE
-UPSERT_AND_DELETE = f"WITH gone AS ({_DELETE} RETURNING 1) {_UPSERT}"
+# Each write answers its transaction's xid: its feed position (shm.marks).
+XID = "pg_current_xact_id()::text::bigint"
+UPSERT = f"WITH up AS ({_UPSERT} RETURNING 1) SELECT {XID}"
+DELETE = f"WITH gone AS ({_DELETE} RETURNING 1) SELECT {XID}"
+UPSERT_AND_DELETE = (
+    f"WITH gone AS ({_DELETE} RETURNING 1), up AS ({_UPSERT} RETURNING 1) SELECT {XID}"
+)
 
 GET = f"SELECT {ROW_COLUMNS} FROM render_schedule WHERE key = %s"
 GET_MANY = f"SELECT {ROW_COLUMNS} FROM render_schedule WHERE key = ANY(%b::text[])"
@@ -72,7 +76,8 @@ GLOBAL_CADENCE = (
 )
 
 # One round of completions (no key twice) in one statement: each outcome's change is a
-# data-modifying CTE over the same arrays. A failure keeps the row due.
+# data-modifying CTE over the same arrays. A failure keeps the row due. The last row,
+# keyed NULL, carries the transaction's xid in the version column.
 COMPLETE = f"""
 WITH c AS (
     SELECT * FROM unnest(%(keys)b::text[], %(outcomes)b::text[], %(nows)b::bigint[],
@@ -103,6 +108,8 @@ gone AS (
     RETURNING r.key
 )
 SELECT * FROM rendered UNION ALL SELECT * FROM failed
+UNION ALL SELECT NULL::text, NULL::text, NULL::integer, NULL::boolean, NULL::bigint,
+    NULL::bigint, NULL::text, {XID}
 """
 
 COUNT = "SELECT count(*) FROM render_schedule"

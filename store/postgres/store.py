@@ -107,6 +107,7 @@ class _ThreadState:
         self.reconnects = 0
         self.busy = 0
         self.rollbacks = 0
+        self.write_position = 0
 
 
 def redacted(url: str) -> str:
@@ -245,6 +246,15 @@ class PostgresStore:
     def writability(self) -> Writability:
         return self._health.statistics()
 
+    def _positioned(self, xid: int) -> None:
+        """Called with a committed write's xid (autocommit: the statement has committed)."""
+        self._state().write_position = int(xid)
+
+    @property
+    def write_position(self) -> int:
+        """The xid of this thread's last committed write (shm.marks)."""
+        return self._state().write_position
+
     def _adopt_log(self, conn: Conn) -> str:
         """This database's identity; a log written under another (a restored dump) is
         started anew, with every consumer's cursor: its xids mean nothing here."""
@@ -305,11 +315,12 @@ class PostgresStore:
             statement = sql.UPSERT
         else:
             statement = sql.DELETE
-        self._write(
-            "write",
-            lambda conn: conn.execute(statement, params),
-            rows=len(rows) + len(delete),
-        )
+
+        def body(conn: Conn) -> None:
+            (xid,) = conn.execute(statement, params).fetchall()[0]
+            self._positioned(xid)
+
+        self._write("write", body, rows=len(rows) + len(delete))
 
     def complete(self, items: Sequence[Completion], *, wait: bool = True) -> list[Row | None]:
         if not isinstance(items, list | tuple):
@@ -327,20 +338,27 @@ class PostgresStore:
                 "nows": [c.now for c in staged],
                 "nexts": [c.next_render_at for c in staged],
             }
-            found = {
-                row.key: row for row in map(row_from, conn.execute(sql.COMPLETE, params).fetchall())
-            }
+            found: dict[str, Row] = {}
+            for values in conn.execute(sql.COMPLETE, params).fetchall():
+                if values[0] is None:
+                    position[0] = values[-1]
+                else:
+                    row = row_from(values)
+                    found[row.key] = row
             for index, item in zip(indices, staged, strict=True):
                 out[index] = found.get(item.key)  # gone or missing: None
+
+        position = [0]
 
         def body(conn: Conn) -> list[Row | None]:
             out: list[Row | None] = [None] * len(items)
             if len(rounds) == 1:
                 apply_round(conn, rounds[0], out)
-                return out
-            with conn.transaction():
-                for indices in rounds:
-                    apply_round(conn, indices, out)
+            else:
+                with conn.transaction():
+                    for indices in rounds:
+                        apply_round(conn, indices, out)
+            self._positioned(position[0])
             return out
 
         return self._write("complete", body, rows=len(items), wait=wait)

@@ -341,6 +341,10 @@ class SqliteSubscription:
     def quiet(self) -> bool:
         return False  # a poll reads the ring or one statement on a local file: cheap
 
+    def delivered_below(self) -> int:
+        # Seqs are contiguous in commit order: every entry up to the cursor's is delivered.
+        return self._seq + 1
+
     def has_delivered(self, cursor: Cursor) -> bool:
         # Seq order is commit order (one writer at a time): every entry up to the
         # cursor's seq was committed when that head was read, and polls read in seq order.

@@ -96,6 +96,7 @@ class _ThreadState:
         self.transactions = 0
         self.rows_written = 0
         self.last_commit_ns = 0
+        self.write_position = 0
 
 
 class SqliteStore:
@@ -216,20 +217,30 @@ class SqliteStore:
         if logged and self._handoff.rings:
             # The transaction's own log records, read back before it commits, for the
             # consumers' rings (store.sqlite.feed_ring): the entry before them gives the chain.
-            def logged_body(conn: sqlite3.Connection) -> tuple[T, list[LogRecord], int]:
+            def logged_body(conn: sqlite3.Connection) -> tuple[T, list[LogRecord], int, int]:
                 before, prev_stamp = head(conn)
                 result = body(conn)
                 if records is None:
                     read = conn.execute(sql.POLL, (before, HANDOFF_LIMIT + 1)).fetchall()
                 else:
                     read = records(conn, before)
-                return result, read, prev_stamp
+                whole = 0 < len(read) <= HANDOFF_LIMIT
+                return result, read, prev_stamp, read[-1][0] if whole else head(conn)[0]
 
-            result, read, prev_stamp = state.retry.transaction(
+            result, read, prev_stamp, position = state.retry.transaction(
                 state.conn, what, logged_body, write=True, wait=wait
             )
-            self._committed(state, rows)
+            self._committed(state, rows, position)
             self._handoff.hand_over(read, prev_stamp, whole=len(read) <= HANDOFF_LIMIT)
+        elif logged:
+
+            def positioned_body(conn: sqlite3.Connection) -> tuple[T, int]:
+                return body(conn), head(conn)[0]
+
+            result, position = state.retry.transaction(
+                state.conn, what, positioned_body, write=True, wait=wait
+            )
+            self._committed(state, rows, position)
         else:
             result = state.retry.transaction(state.conn, what, body, write=True, wait=wait)
             self._committed(state, rows)
@@ -237,8 +248,10 @@ class SqliteStore:
             self._poster.post()
         return result
 
-    def _committed(self, state: _ThreadState, rows: int) -> None:
+    def _committed(self, state: _ThreadState, rows: int, position: int | None = None) -> None:
         state.last_commit_ns = time.monotonic_ns()
+        if position is not None:
+            state.write_position = position
         if self._upkeep is not None:
             self._upkeep.committed()
         state.transactions += 1
@@ -253,6 +266,11 @@ class SqliteStore:
                 return  # busy: keep the old lists; a wake-up is only a hint
             self._poster.refresh(names)
             self._handoff.refresh(names)
+
+    @property
+    def write_position(self) -> int:
+        """The last log seq of this thread's last logged commit (shm.marks)."""
+        return self._state().write_position
 
     @property
     def last_commit_ns(self) -> int:
