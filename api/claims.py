@@ -2,8 +2,9 @@
 (completions: api.completions).
 
 Claim: take ring entries in order -> grant an exclusive lease in the lease table, with
-the cadence the entry was published with as the hold cap -> read the granted rows and
-hand back any gone, no longer due or on a paused route. A stale token changes nothing.
+the cadence the entry was published with as the hold cap -> answer from the entry each
+key nothing wrote through this node since the keeper's view (shm.marks); read the rest
+and hand back any gone, no longer due or on a paused route. A stale token changes nothing.
 """
 
 from __future__ import annotations
@@ -99,14 +100,15 @@ def check_lease_s(node: Node, lease_s: int | None) -> None:
 def grant_from_ring(node: Node, want: int, lease_ms: int) -> list[Lease]:
     """Grant up to `want` leases from the published ring; fewer if the ring runs dry.
 
-    Grant first, then read the granted rows once. The grant's hold cap is the cadence
-    the entry was published with (its class's, as of that publish). The read after the
-    grant is the one trusted: a completion commits its row before it releases its lease,
-    so a result that landed before our grant is in the row we read, and a key that is
-    gone, no longer due or on a paused route is handed back instead of granted twice.
-    Entries published without a cadence (0) are read once before their grant too, to
-    learn it. A granted entry that nothing has written through this node since the
-    keeper's view of its generation (shm.marks) is answered from the entry, unread.
+    Grant first, then check. The grant's hold cap is the cadence the entry was published
+    with (its class's, as of that publish). A completion commits its row and stamps its
+    write mark before it releases its lease, so after our grant either the mark shows
+    the write (and the row is read) or the key's mark is below the view its generation
+    was selected from, and the entry is what the keeper published from a view that
+    already held every write this node made to it: answered unread. A row read after
+    the grant is the one trusted: a key that is gone, no longer due or on a paused route
+    is handed back instead of granted twice. Entries published without a cadence (0)
+    are read once before their grant too, to learn it.
     """
     ring, store, leases, routes, marks = node.ring, node.store, node.leases, node.routes, node.marks
     granted: list[Lease] = []

@@ -156,6 +156,18 @@ def render(node: Node) -> str:
         "renderqueue_leases_granted_total", "counter", "Leases granted.", [({}, leases.grants)]
     )
     out.gauge("renderqueue_lease_table_occupancy", "Share of lease slots in use.", leases.occupancy)
+    if node.marks is not None:
+        marks = node.marks.statistics()
+        out.metric(
+            "renderqueue_claim_rows_total",
+            "counter",
+            "Granted keys, by how the claim answered them: from the ring entry (nothing wrote "
+            "the key through this node since the keeper's view) or after reading the row.",
+            [
+                ({"answered": "from_ring"}, marks.answered_from_ring),
+                ({"answered": "after_read"}, marks.read_after_grant),
+            ],
+        )
     writability = node.store.writability()
     out.gauge(
         "renderqueue_store_writable",

@@ -66,6 +66,11 @@ def test_counts_and_leases(tmp_path: Path) -> None:
         assert samples["renderqueue_counts_trusted"] == 1
         assert samples["renderqueue_due"] == 50
         assert samples["renderqueue_in_flight"] == 10
+        answered = [
+            samples[f'renderqueue_claim_rows_total{{answered="{how}"}}']
+            for how in ("from_ring", "after_read")
+        ]
+        assert sum(answered) == 10
         assert samples["renderqueue_oldest_claimable_age_seconds"] > 0
         assert samples["renderqueue_publish_age_seconds"] >= 0
         assert samples["renderqueue_feed_lag_seconds"] >= 0
