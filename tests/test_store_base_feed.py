@@ -364,7 +364,7 @@ def test_a_write_position_is_vouched_for_only_once_the_write_is_polled(
     sub = store.subscribe("keeper")
     store.write([put("/a", 1)])
     first = store.write_position
-    assert 0 < first and sub.delivered_below() <= first
+    assert first > 0 and sub.delivered_below() <= first
     settle(store)
     assert keys_of(sub.poll().events) == ["/a"]
     assert first < sub.delivered_below()
