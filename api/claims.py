@@ -116,10 +116,12 @@ def grant_from_ring(node: Node, want: int, lease_ms: int) -> list[Lease]:
     while len(granted) < want:
         # Read before the claim: the entries come from this generation or a later one,
         # whose view is no older (so the check below can only be too careful).
-        view_us = 0 if marks is None else marks.view_of(ring.generation)
+        view = 0 if marks is None else marks.view_of(ring.generation)
         entries = ring.claim(want - len(granted))
         if not entries:
             break
+        if view and marks is not None:
+            marks.refresh_classes()
         now = now_ms()
         unknown = [entry.key.decode() for entry in entries if not entry.cadence_s]
         before = store.get_many(unknown) if unknown else {}
@@ -143,7 +145,7 @@ def grant_from_ring(node: Node, want: int, lease_ms: int) -> list[Lease]:
                 marks.class_of(entry.class_id)
                 if marks is not None
                 and entry.cadence_s
-                and marks.unwritten_since(entry.key_hash, view_us)
+                and marks.unwritten_since(entry.key_hash, view)
                 else None
             )
             if named is not None and not routes.paused(named[0]):

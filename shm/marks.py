@@ -18,9 +18,9 @@ claimant tell:
   generation was selected (`Subscription.delivered_below`); 0 when the keeper cannot
   vouch (loading, resyncing, feed closed).
 - **Classes**: the route and sitemap flag of each class id the ring's entries carry, so
-  a claimant can answer a lease without its row. Ids are only ever appended
-  (keeper.classes.ClassTable), so a reader's cached copy stays right; a seqlock guards
-  the rewrite.
+  a claimant can answer a lease without its row. A keeper only appends ids
+  (keeper.classes.ClassTable), so a reader's copy stays right until the list's sequence
+  word moves (a new keeper numbers afresh); a seqlock guards the rewrite.
 
 A granted entry whose bucket's mark is below its generation's view is answered from the
 entry: the keeper's view of the key already held every write this node made to it.
@@ -125,11 +125,13 @@ class WriteMarks:
         words.store(base, generation)
 
     def write_classes(self, classes: Sequence[tuple[str, bool]], now_ms: int) -> bool:
-        """Name every class id (route, sitemap), in id order; False when they do not fit,
-        and claimants then read the rows of entries whose class they cannot name."""
+        """Name every class id (route, sitemap), in id order. False when they do not fit:
+        then none are named (an older list may not match these ids), and claimants read
+        the rows of every entry."""
         payload = msgspec.msgpack.encode(list(classes))
-        if len(payload) > CLASS_BYTES:
-            return False
+        fits = len(payload) <= CLASS_BYTES
+        if not fits:
+            payload = msgspec.msgpack.encode([])
         words = self._words
         seq = words.load(_CLASS_SEQ) + 1 or 1
         words.begin_write(_CLASS_SEQ, 0)
@@ -137,7 +139,7 @@ class WriteMarks:
         words.store(_CLASS_LENGTH, len(payload))
         words.store(_CLASS_AT, now_ms)
         words.store(_CLASS_SEQ, seq)
-        return True
+        return fits
 
     # ---------------------------------------------------------------- claimants
 
@@ -156,6 +158,13 @@ class WriteMarks:
         (0 vouches for nothing)."""
         return view > 0 and self._marks.load(key_hash & self._mask) < view
 
+    def refresh_classes(self) -> None:
+        """Drop this reader's copy if the keeper has renamed classes since: a new keeper
+        (worker 0 restarted) numbers its classes afresh. Called after taking entries, so
+        a generation published after a rename is never named from the old copy."""
+        if self._words.load(_CLASS_SEQ) != self._classes_seq:
+            self._reload_classes()
+
     def class_of(self, class_id: int) -> tuple[str, bool] | None:
         """(route, sitemap) of a class id, or None when the keeper has not named it."""
         if class_id >= len(self._classes):
@@ -167,13 +176,15 @@ class WriteMarks:
         got = words.seqlock_read(
             _CLASS_SEQ, _CLASS_LENGTH, _CLASS_AT, self._classes_off, CLASS_BYTES
         )
-        if got is None:  # never written, or torn by a rewrite: read rows meanwhile
+        if got is None:  # never written, or torn by a rewrite: name nothing meanwhile
+            self._classes, self._classes_seq = [], 0
             return
         seq, _, payload = got
         if seq != self._classes_seq:
             try:
                 self._classes = _class_list.decode(payload)
             except msgspec.DecodeError:
+                self._classes, self._classes_seq = [], 0
                 return
             self._classes_seq = seq
 

@@ -53,8 +53,24 @@ def test_classes_are_named_for_readers_in_other_handles(marks: WriteMarks) -> No
         assert reader.class_of(0) == ("product", True) and reader.class_of(1) is None
         assert marks.write_classes([("product", True), ("blog", False)], 2)
         assert reader.class_of(1) == ("blog", False)
-        assert not marks.write_classes([("x" * CLASS_BYTES, False)], 3)  # refused whole
+        # A list too large names nothing rather than leave the old names to new ids.
+        assert not marks.write_classes([("x" * CLASS_BYTES, False)], 3)
+        reader.refresh_classes()
+        assert reader.class_of(0) is None
+    finally:
+        reader.close()
+
+
+def test_a_new_keepers_names_replace_a_readers_copy(marks: WriteMarks) -> None:
+    """A restarted keeper numbers its classes afresh: a reader that held the old list
+    takes the new one at its next refresh, not only when it meets an id it lacks."""
+    reader = WriteMarks.attach(marks.name)
+    try:
+        marks.write_classes([("product", True), ("blog", False)], 1)
         assert reader.class_of(1) == ("blog", False)
+        marks.write_classes([("blog", False)], 2)  # the new keeper's class 0
+        reader.refresh_classes()
+        assert reader.class_of(0) == ("blog", False) and reader.class_of(1) is None
     finally:
         reader.close()
 
