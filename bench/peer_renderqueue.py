@@ -132,6 +132,7 @@ class LocalNode:
                     self.segments.state,
                     config,
                     node="bench",
+                    marks=self.segments.marks,
                 )
                 ready.set()
                 self.keeper.run(stop)
@@ -282,6 +283,7 @@ class InProcessClaimant:
             ring=self.segments.ring,
             leases=self.segments.leases,
             state=self.segments.state,
+            marks=self.segments.marks,
         )
         self.tokens: dict[str, str] = {}
         # Imported here, not at the first claim, so no claim is timed with an import in it.

@@ -5,9 +5,9 @@
 - In process, as bench/peer_renderqueue.py runs the node (its store, its segments, a
   keeper thread, the API's own `grant_from_ring` and `apply`), claim then complete, all
   rendered, at batch 10 and 100 on 1M rows (quick 20k), 20% due: the calling thread's CPU
-  per key in each stage and its parts (the post-grant read, the store's completion, its
-  UPDATE statements, the handoff into the keeper's feed ring), and the keeper thread's CPU
-  per completed key.
+  per key in each stage and its parts (the post-grant read of the keys written since
+  the keeper's view, the store's completion, its UPDATE statements, the handoff into the
+  keeper's feed ring), and the keeper thread's CPU per completed key.
 - Through HTTP, a node with one worker: a request's fixed cost, the worker's CPU per
   `GET /healthz` and per one-key claim, less what the idle worker spends meanwhile.
 - The bodies: decoding and checking a 100-item completion, encoding a 100-lease answer.

@@ -96,7 +96,7 @@ class _ThreadState:
         self.transactions = 0
         self.rows_written = 0
         self.last_commit_ns = 0
-        self.write_position = 0
+        self.write_position: int | None = 0
 
 
 class SqliteStore:
@@ -230,28 +230,22 @@ class SqliteStore:
             result, read, prev_stamp, position = state.retry.transaction(
                 state.conn, what, logged_body, write=True, wait=wait
             )
-            self._committed(state, rows, position)
+            self._committed(state, rows)
+            state.write_position = position
             self._handoff.hand_over(read, prev_stamp, whole=len(read) <= HANDOFF_LIMIT)
-        elif logged:
-
-            def positioned_body(conn: sqlite3.Connection) -> tuple[T, int]:
-                return body(conn), head(conn)[0]
-
-            result, position = state.retry.transaction(
-                state.conn, what, positioned_body, write=True, wait=wait
-            )
-            self._committed(state, rows, position)
         else:
             result = state.retry.transaction(state.conn, what, body, write=True, wait=wait)
             self._committed(state, rows)
+            if logged:
+                # Read when asked (write_position), after the commit: the head then may be
+                # a later writer's, which only makes the position too high, never too low.
+                state.write_position = None
         if logged:
             self._poster.post()
         return result
 
-    def _committed(self, state: _ThreadState, rows: int, position: int | None = None) -> None:
+    def _committed(self, state: _ThreadState, rows: int) -> None:
         state.last_commit_ns = time.monotonic_ns()
-        if position is not None:
-            state.write_position = position
         if self._upkeep is not None:
             self._upkeep.committed()
         state.transactions += 1
@@ -269,8 +263,11 @@ class SqliteStore:
 
     @property
     def write_position(self) -> int:
-        """The last log seq of this thread's last logged commit (shm.marks)."""
-        return self._state().write_position
+        """The last log seq of this thread's last logged commit, or a later one (shm.marks)."""
+        state = self._state()
+        if state.write_position is None:
+            state.write_position = state.retry.call("write_position", lambda: head(state.conn)[0])
+        return state.write_position
 
     @property
     def last_commit_ns(self) -> int:
