@@ -42,7 +42,7 @@ from collections.abc import Sequence
 import msgspec
 
 from shm._atomics import STRIPE_WORDS, STRIPES, Words
-from shm.segment import HEADER_BYTES, Segment, align
+from shm.segment import HEADER_BYTES, Segment, align, stripe_sums
 
 KIND = "write_marks"
 DEFAULT_CAPACITY = 1 << 20  # 8 MiB: a bucket stays marked only until the keeper reads past it
@@ -196,12 +196,7 @@ class WriteMarks:
             words.fetch_add(self._stripe + _S_READ, read)
 
     def statistics(self) -> WriteMarkStatistics:
-        words = self._words
-        sums = [0, 0, 0]
-        for stripe in range(STRIPES):
-            base = _STRIPES + stripe * STRIPE_WORDS
-            for i in range(3):
-                sums[i] += words.load(base + i)
+        sums = stripe_sums(self._words, _STRIPES, 3)
         return WriteMarkStatistics(
             capacity=self.capacity,
             classes=len(self._classes),

@@ -41,8 +41,8 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from shm._atomics import RING_LAYOUT, STRIPE_WORDS, STRIPES, Ring, Words
-from shm.segment import HEADER_BYTES, Segment, align
+from shm._atomics import RING_LAYOUT, STRIPE_WORDS, Ring, Words
+from shm.segment import HEADER_BYTES, Segment, align, stripe_sums
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -293,11 +293,7 @@ class ReadyRing:
 
     def statistics(self) -> RingStatistics:
         words = self._words
-        sums = [0] * STRIPE_WORDS
-        for stripe in range(STRIPES):
-            base = _STRIPES + stripe * STRIPE_WORDS
-            for i in range(STRIPE_WORDS):
-                sums[i] += words.load(base + i)
+        sums = stripe_sums(words, _STRIPES, STRIPE_WORDS)
         active = words.load(_ACTIVE) & 1
         return RingStatistics(
             capacity=self.capacity,

@@ -41,7 +41,7 @@ import numpy as np
 import posix_ipc
 import psutil
 
-from shm._atomics import Words
+from shm._atomics import STRIPE_WORDS, STRIPES, Words
 
 log = logging.getLogger(__name__)
 
@@ -409,3 +409,14 @@ def _unlink_owned() -> None:
             with contextlib.suppress(posix_ipc.ExistentialError):
                 posix_ipc.unlink_shared_memory(name)
     _owned.clear()
+
+
+def stripe_sums(words: Words, first: int, counters: int) -> list[int]:
+    """The first `counters` words of the per-process counter stripes (STRIPES stripes of
+    STRIPE_WORDS words from word `first`), each summed across the stripes."""
+    sums = [0] * counters
+    for stripe in range(STRIPES):
+        base = first + stripe * STRIPE_WORDS
+        for i in range(counters):
+            sums[i] += words.load(base + i)
+    return sums

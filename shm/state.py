@@ -25,7 +25,7 @@ import os
 import msgspec
 
 from shm._atomics import STRIPE_WORDS, STRIPES, Words
-from shm.segment import HEADER_BYTES, Segment, align
+from shm.segment import HEADER_BYTES, Segment, align, stripe_sums
 
 KIND = "state_buffer"
 
@@ -143,11 +143,7 @@ class StateBuffer:
 
     def statistics(self) -> StateBufferStatistics:
         words = self._words
-        sums = [0, 0, 0]
-        for stripe in range(STRIPES):
-            base = _STRIPES + stripe * STRIPE_WORDS
-            for i in range(3):
-                sums[i] += words.load(base + i)
+        sums = stripe_sums(words, _STRIPES, 3)
         half = _HALF[words.load(_ACTIVE) & 1]
         return StateBufferStatistics(
             capacity=self.capacity,

@@ -104,6 +104,16 @@ def test_out_of_order_commits_lose_rows_to_seq_cursors_and_none_to_the_keyset(
     store.close()
 
 
+def keys_delivered(feed: Any, count: int, timeout_s: float = 5.0) -> set[str]:
+    """The row keys the feed delivers, polling until `count` of them came or the timeout."""
+    keys: set[str] = set()
+    deadline = time.monotonic() + timeout_s
+    while len(keys) < count and time.monotonic() < deadline:
+        feed.wait(0.5)
+        keys |= {e.key for e in feed.poll().events if isinstance(e, RowEvent)}
+    return keys
+
+
 def test_a_transaction_left_open_holds_the_feed_back_and_is_named(pg_url: str) -> None:
     store = PostgresStore(pg_url)
     feed = store.subscribe("held")
@@ -122,12 +132,7 @@ def test_a_transaction_left_open_holds_the_feed_back_and_is_named(pg_url: str) -
         assert stats.held_by_pid == holder_pid
         assert stats.held_back_ms >= 1000
         holder.commit()
-        keys: set[str] = set()
-        deadline = time.monotonic() + 5
-        while len(keys) < 2 and time.monotonic() < deadline:
-            feed.wait(0.5)
-            keys |= {e.key for e in feed.poll().events if isinstance(e, RowEvent)}
-        assert keys == {"/open", "/after"}
+        assert keys_delivered(feed, 2) == {"/open", "/after"}
         assert feed.statistics().held_back_ms == 0
     finally:
         holder.close()
@@ -149,12 +154,7 @@ def test_a_transaction_left_open_keeps_later_writes_unvouched(pg_url: str) -> No
         assert feed.poll().events == []
         assert feed.delivered_below() <= after
         holder.commit()
-        keys: set[str] = set()
-        deadline = time.monotonic() + 5
-        while len(keys) < 2 and time.monotonic() < deadline:
-            feed.wait(0.5)
-            keys |= {e.key for e in feed.poll().events if isinstance(e, RowEvent)}
-        assert keys == {"/open", "/after"}
+        assert keys_delivered(feed, 2) == {"/open", "/after"}
         assert after < feed.delivered_below()
     finally:
         holder.close()
