@@ -18,7 +18,7 @@ from api.cluster import ClusterLink
 from api.completions import CompletionQueue
 from api.routebook import RouteBook
 from keeper.state import KeeperStatistics, decode_keeper_statistics
-from shm import LeaseTable, ReadyRing, StateBuffer, key_hash
+from shm import LeaseTable, ReadyRing, StateBuffer, key_hashes
 from shm.marks import WriteMarks
 from store.base import ScheduleStore
 
@@ -97,7 +97,8 @@ class Node:
             self.marks.stamp(hashes, self.store.write_position)
 
     def stamp_keys_written(self, keys: Iterable[str]) -> None:
-        self.stamp_written([key_hash(key.encode()) for key in keys])
+        if self.marks is not None:
+            self.stamp_written(key_hashes([key.encode() for key in keys]).tolist())
 
     def ready(self) -> bool:
         """Claims are granted only after the keeper's first publish into this node's ring."""

@@ -101,7 +101,7 @@ class Publisher:
             per_class = (self.core.classes.cadence_ms() // 1000).astype(np.uint32)
             cadence_s = per_class.take(selection.class_id)
             if self.marks is not None:
-                self._name_classes(now)
+                self._name_classes(self.marks, now)
                 self.marks.set_view(self.ring.generation + 1, delivered_below)
             generation = self.ring.publish_slices(
                 slots.arena,
@@ -132,13 +132,13 @@ class Publisher:
         self._expect_blocked = selection.blocked_ahead
         return keys
 
-    def _name_classes(self, now: int) -> None:
+    def _name_classes(self, marks: WriteMarksLike, now: int) -> None:
         """Name new class ids for claimants (route, sitemap), which never change per id."""
         classes = self.core.classes
-        if self.marks is None or len(classes) == self._classes_named:
+        if len(classes) == self._classes_named:
             return
         named = [(c.route, c.sitemap) for c in (classes.get(i) for i in range(len(classes)))]
-        if self.marks.write_classes(named, now):
+        if marks.write_classes(named, now):
             self._classes_named = len(named)
 
     def count_top_check(self, checked: TopChecked) -> None:

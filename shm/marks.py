@@ -71,7 +71,7 @@ def marks_size(capacity: int, _extra: int = 0) -> int:
 
 class WriteMarkStatistics(msgspec.Struct, frozen=True, kw_only=True):
     capacity: int
-    classes: int  # class ids the keeper has named
+    classes: int  # class names this handle holds (read from the keeper's list)
     stamped: int  # keys stamped by writers
     answered_from_ring: int  # granted keys answered without reading their rows
     read_after_grant: int  # granted keys whose rows were read

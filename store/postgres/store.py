@@ -330,7 +330,8 @@ class PostgresStore:
             return []
         rounds = completion_rounds(items)
 
-        def apply_round(conn: Conn, indices: list[int], out: list[Row | None]) -> None:
+        def apply_round(conn: Conn, indices: list[int], out: list[Row | None]) -> int:
+            """The round's rows into `out`; returns the transaction's xid."""
             staged = [items[i] for i in indices]
             params = {
                 "keys": [c.key for c in staged],
@@ -339,26 +340,26 @@ class PostgresStore:
                 "nexts": [c.next_render_at for c in staged],
             }
             found: dict[str, Row] = {}
+            xid = 0
             for values in conn.execute(sql.COMPLETE, params).fetchall():
                 if values[0] is None:
-                    position[0] = values[-1]
+                    xid = values[-1]
                 else:
                     row = row_from(values)
                     found[row.key] = row
             for index, item in zip(indices, staged, strict=True):
                 out[index] = found.get(item.key)  # gone or missing: None
-
-        position = [0]
+            return int(xid)
 
         def body(conn: Conn) -> list[Row | None]:
             out: list[Row | None] = [None] * len(items)
             if len(rounds) == 1:
-                apply_round(conn, rounds[0], out)
+                xid = apply_round(conn, rounds[0], out)
             else:
                 with conn.transaction():
                     for indices in rounds:
-                        apply_round(conn, indices, out)
-            self._positioned(position[0])
+                        xid = apply_round(conn, indices, out)
+            self._positioned(xid)  # committed: after the transaction, or autocommit
             return out
 
         return self._write("complete", body, rows=len(items), wait=wait)
