@@ -30,7 +30,8 @@ fault that leaves the node unready and `UNREADY_GRACE_S` after it; connection re
 a killed worker are counted apart). After the load: queue-state exact and equal to the
 table, the lease table's census with no parked slot (after a sweep), and each node
 role's RSS flat (its peak over the run's second half within 5% of its peak over the first
-half after the warm-up, whichever process held the role). Charts over time in
+half after the warm-up, whichever process held the role, unless the process that reached
+it was born at that level and did not climb: see `soak_check.rss_by_role`). Charts over time in
 `bench/results/soak*.png`.
 """
 
@@ -1256,13 +1257,17 @@ def judge(
         report.Figure(table=table_name, what="parked lease slots after a sweep", unit="slots",
                       ours=float(parked), target="0"),
         report.Figure(table=table_name,
-                      what="RSS growth: peak in the run's second half over the first's, worst role",
+                      what="RSS growth: peak in the run's second half over the first's, worst "
+                      "role (unless the process that reached it was born there and stayed flat)",
                       unit="%", ours=round(100 * worst_role.growth, 2) if worst_role else None,
                       target=f"<= {100 * config.rss_growth_max:g}",
                       note=f"{worst_role.role}: {worst_role.first_peak_mb} -> "
                       f"{worst_role.second_peak_mb} MB; "
-                      + ", ".join(f"{r.role} {100 * r.growth:+.1f}% ({r.pids} pids)"
-                                  for r in roles)
+                      + ", ".join(f"{r.role} {100 * r.across_halves:+.1f}% across the halves, "
+                                  "its peak's process "
+                                  + ("too young to say" if r.peak_pid_growth is None
+                                     else f"{100 * r.peak_pid_growth:+.1f}% over its own life")
+                                  + f" ({r.pids} pids)" for r in roles)
                       if worst_role else ""),
         report.Figure(table=load_name,
                       what="RSS growth over its own second half, worst process (not judged)",

@@ -433,7 +433,10 @@ class RoleGrowth(msgspec.Struct, frozen=True, kw_only=True):
     role: str
     first_peak_mb: float  # the first half of the run, after its warm-up
     second_peak_mb: float
-    growth: float  # second / first - 1
+    across_halves: float  # second / first - 1
+    peak_pid: int  # the process that reached the second half's peak
+    peak_pid_growth: float | None  # its own growth over its life (rss_growth), if sampled enough
+    growth: float  # the judged figure: across_halves, unless the peak's process did not climb
     pids: int  # processes that held the role (a kill or a restart makes a new one)
 
 
@@ -441,29 +444,49 @@ def rss_by_role(
     samples: Iterable[tuple[int, int, str, int]], start: int, end: int, warmup_ms: int
 ) -> list[RoleGrowth]:
     """Per role (supervisor, worker 0, ...), whichever process held it: the peak RSS over
-    the second half of the run against the peak over the first half after `warmup_ms`. A
-    process respawned after a kill starts low and climbs back to its role's level, which
-    is warm-up, not growth; a leak raises the later peaks above the earlier ones."""
+    the second half of the run against the peak over the first half after `warmup_ms`.
+
+    Two things look like growth and are not. A process respawned after a kill starts low
+    and climbs back to its role's level: its own climb is warm-up, and the role's peaks
+    stay level. And a respawned process can be born above the first half's peak (its heap
+    laid out by a load under traffic) and stay flat: the role's peaks differ, but nothing
+    grows. A leak does both: the later peak is higher, and the process that reached it was
+    still climbing over its own life. So the judged growth is the smaller of the role's
+    rise across the halves and that process's own growth (`rss_growth`'s measure), and the
+    rise alone where that process has too few samples to say."""
     mid = (start + end) // 2
     first: dict[str, int] = {}
-    second: dict[str, int] = {}
+    second: dict[str, tuple[int, int]] = {}  # role -> (peak, pid)
     pids: dict[str, set[int]] = collections.defaultdict(set)
+    series: dict[int, list[tuple[int, int, str, int]]] = collections.defaultdict(list)
     for at, pid, role, rss in samples:
+        series[pid].append((at, pid, role, rss))
         if role.startswith("?") or not start + warmup_ms <= at <= end:
             continue
         pids[role].add(pid)
-        half = first if at < mid else second
-        half[role] = max(half.get(role, 0), rss)
-    return [
-        RoleGrowth(
-            role=role,
-            first_peak_mb=round(first[role] / 2**20, 2),
-            second_peak_mb=round(second[role] / 2**20, 2),
-            growth=round(second[role] / first[role] - 1, 4),
-            pids=len(pids[role]),
+        if at < mid:
+            first[role] = max(first.get(role, 0), rss)
+        elif rss > second.get(role, (0, 0))[0]:
+            second[role] = (rss, pid)
+    out = []
+    for role in sorted(set(first) & set(second)):
+        peak, pid = second[role]
+        across = round(peak / first[role] - 1, 4)
+        (own,) = rss_growth(series[pid], 0)
+        own_growth = own.growth if own.samples >= 6 else None
+        out.append(
+            RoleGrowth(
+                role=role,
+                first_peak_mb=round(first[role] / 2**20, 2),
+                second_peak_mb=round(peak / 2**20, 2),
+                across_halves=across,
+                peak_pid=pid,
+                peak_pid_growth=own_growth,
+                growth=across if own_growth is None else min(across, own_growth),
+                pids=len(pids[role]),
+            )
         )
-        for role in sorted(set(first) & set(second))
-    ]
+    return out
 
 
 def _median(values: Sequence[int]) -> float:

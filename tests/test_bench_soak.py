@@ -287,3 +287,24 @@ def test_rss_by_role_tells_a_respawn_climbing_back_from_a_leak() -> None:
     # The per-process view calls the respawn's climb growth: why it is not the judged one.
     by_pid = {g.pid: g for g in soak_check.rss_growth(respawn, 30_000)}
     assert by_pid[2].growth > 0.05
+
+
+def test_rss_by_role_tells_a_respawn_born_big_from_one_that_grows() -> None:
+    mb = 2**20
+    # worker 0 at 115 MB, killed at 65 s; its successor is born at 138 MB and stays there.
+    born_big = [(t * 1000, 1, "worker 0", 115 * mb) for t in range(0, 65)]
+    born_big += [(t * 1000, 2, "worker 0", 138 * mb) for t in range(65, 120)]
+    # worker 1, killed at 65 s too; its successor is born at the same level and leaks.
+    leaking = [(t * 1000, 3, "worker 1", 115 * mb) for t in range(0, 65)]
+    leaking += [(t * 1000, 4, "worker 1", (115 + (t - 65)) * mb) for t in range(65, 120)]
+    roles = {r.role: r for r in soak_check.rss_by_role(born_big + leaking, 0, 119_000, 10_000)}
+    w0, w1 = roles["worker 0"], roles["worker 1"]
+    assert w0.across_halves > 0.15 and w0.peak_pid == 2 and w0.peak_pid_growth == 0
+    assert w0.growth == 0
+    assert w1.across_halves > 0.25 and w1.peak_pid == 4
+    assert w1.peak_pid_growth is not None and w1.peak_pid_growth > 0.1 and w1.growth > 0.1
+    # A process with too few samples to tell is judged by the rise across the halves alone.
+    young = [(t * 1000, 5, "worker 0", 100 * mb) for t in range(0, 110)]
+    young += [(t * 1000, 6, "worker 0", 130 * mb) for t in range(115, 120)]
+    (only,) = soak_check.rss_by_role(young, 0, 119_000, 10_000)
+    assert only.peak_pid == 6 and only.peak_pid_growth is None and only.growth == 0.3
