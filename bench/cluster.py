@@ -142,6 +142,8 @@ class ClusterNode(Node):
             RENDERQUEUE_ADMIN_TOKEN=ADMIN_TOKEN,
             RENDERQUEUE_FLEET_TOKEN=FLEET_TOKEN,
             RQ_BENCH_PROBE=str(self.probe),
+            # Not var/<instance>.leases under the repository (a store URL's default).
+            RENDERQUEUE_LEASE_SNAPSHOT=str(self.dir / f"{instance}.leases"),
             PYTHONPATH=os.pathsep.join([str(HOOK_DIR), str(REPO)]),
         )
         command = [

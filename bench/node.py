@@ -446,6 +446,8 @@ class Node:
         self.instances.add(instance)
         env = {k: v for k, v in os.environ.items() if not k.startswith("RENDERQUEUE_")}
         env.update(RENDERQUEUE_ADMIN_TOKEN=ADMIN_TOKEN, RENDERQUEUE_FLEET_TOKEN=FLEET_TOKEN)
+        if "://" in self.db:  # not var/<instance>.leases under the repository
+            env["RENDERQUEUE_LEASE_SNAPSHOT"] = str(self.dir / f"{instance}.leases")
         command = [
             sys.executable, "-m", "workers.cli", "serve", "--db", self.db,
             "--port", str(self.port), "--workers", "2",

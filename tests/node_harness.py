@@ -339,6 +339,10 @@ class NodeProcess:
         for name in list(self.env):
             if name.startswith("RENDERQUEUE_"):
                 del self.env[name]
+        if "://" in self.db:
+            # A store URL's default snapshot is var/<instance>.leases under the repository:
+            # keep it with the node's other files, so a test run leaves nothing behind.
+            self.env["RENDERQUEUE_LEASE_SNAPSHOT"] = str(directory / f"{self.instance}.leases")
         if tokens:
             self.env["RENDERQUEUE_ADMIN_TOKEN"] = ADMIN_TOKEN
             self.env["RENDERQUEUE_FLEET_TOKEN"] = FLEET_TOKEN
