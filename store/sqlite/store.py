@@ -310,26 +310,27 @@ class SqliteStore:
         # One statement per outcome per round, not per item: within a round the log holds
         # the rendered rows, then the failed, then the gone (input order is lost there);
         # a key named twice is in two rounds, so its own completions apply in order.
+        # The statements and their parameters are made before the write lock is taken,
+        # and the Rows after it is released: other writers wait only for SQLite's work.
         rounds = completion_rounds(items)
+        statements = [_round_statements([items[i] for i in indices]) for indices in rounds]
         # Each changed key's row as the transaction leaves it (ROW_COLUMNS after the key;
         # None: deleted), for the log records the consumers' rings take.
         left: dict[str, tuple[object, ...] | None] = {}
+        found: list[dict[str, tuple[Any, ...]]] = []  # per round: key -> ROW_COLUMNS' values
 
-        def body(conn: sqlite3.Connection) -> list[Row | None]:
+        def body(conn: sqlite3.Connection) -> None:
             left.clear()  # a retried transaction starts again
-            out: list[Row | None] = [None] * len(items)
-            for indices in rounds:
-                found: dict[str, Row] = {}
-                for values in _apply_round(conn, [items[i] for i in indices]):
-                    row = row_from(values)
-                    found[row.key] = row
-                    left[row.key] = values[1:]
+            found.clear()
+            for indices, round_statements in zip(rounds, statements, strict=True):
+                changed: dict[str, tuple[Any, ...]] = {}
+                for values in _apply_round(conn, round_statements):
+                    changed[values[0]] = values
+                    left[values[0]] = values[1:]
                 for index in indices:
-                    item = items[index]
-                    if item.outcome == "gone":
-                        left[item.key] = None
-                    out[index] = found.get(item.key)  # gone or missing: None
-            return out
+                    if items[index].outcome == "gone":
+                        left[items[index].key] = None
+                found.append(changed)
 
         def logged(conn: sqlite3.Connection, before: int) -> list[LogRecord]:
             entries = conn.execute(sql.ENTRIES_AFTER, (before, HANDOFF_LIMIT + 1)).fetchall()
@@ -341,9 +342,13 @@ class SqliteStore:
                 records.append((*entry, *(left[key] or _NO_ROW)))
             return records
 
-        return self._write(
-            "complete", body, rows=len(items), logged=True, wait=wait, records=logged
-        )
+        self._write("complete", body, rows=len(items), logged=True, wait=wait, records=logged)
+        out: list[Row | None] = [None] * len(items)
+        for indices, changed in zip(rounds, found, strict=True):
+            for index in indices:
+                values = changed.get(items[index].key)  # gone or missing: None
+                out[index] = None if values is None else row_from(values)
+        return out
 
     def get(self, key: str) -> Row | None:
         check_key(key)
@@ -659,13 +664,14 @@ class SqliteStore:
 _NO_ROW = (None,) * 7
 
 
-def _apply_round(conn: sqlite3.Connection, round_items: list[Completion]) -> list[Any]:
-    """Apply one round (no key twice): the rendered, then the failed, then the gone, one
-    statement each; the rows updated, as ROW_COLUMNS' values."""
+def _round_statements(round_items: list[Completion]) -> list[tuple[str, dict[str, object]]]:
+    """One round's statements (no key twice): the rendered, then the failed, then the gone,
+    one statement each, with their parameters; the first two return the rows they updated
+    (ROW_COLUMNS), the last nothing."""
     rendered = [c for c in round_items if c.outcome == "rendered"]
     failed = [c.key for c in round_items if c.outcome == "failed"]
     gone = [c.key for c in round_items if c.outcome == "gone"]
-    out: list[Any] = []
+    out: list[tuple[str, dict[str, object]]] = []
     if rendered:
         first = rendered[0]
         if all(c.now == first.now and c.next_render_at == first.next_render_at for c in rendered):
@@ -674,14 +680,24 @@ def _apply_round(conn: sqlite3.Connection, round_items: list[Completion]) -> lis
                 "next_render_at": first.next_render_at,
                 "keys": _json([c.key for c in rendered]),
             }
-            out += conn.execute(sql.COMPLETE_RENDERED, params).fetchall()
+            out.append((sql.COMPLETE_RENDERED, params))
         else:
             each = _json([[c.key, c.now, c.next_render_at] for c in rendered])
-            out += conn.execute(sql.COMPLETE_RENDERED_EACH, {"items": each}).fetchall()
+            out.append((sql.COMPLETE_RENDERED_EACH, {"items": each}))
     if failed:
-        out += conn.execute(sql.COMPLETE_FAILED, {"keys": _json(failed)}).fetchall()
+        out.append((sql.COMPLETE_FAILED, {"keys": _json(failed)}))
     if gone:
-        conn.execute(sql.COMPLETE_GONE, {"keys": _json(gone)})
+        out.append((sql.COMPLETE_GONE, {"keys": _json(gone)}))
+    return out
+
+
+def _apply_round(
+    conn: sqlite3.Connection, statements: list[tuple[str, dict[str, object]]]
+) -> list[tuple[Any, ...]]:
+    """Run one round's statements (`_round_statements`); the rows they updated."""
+    out: list[tuple[Any, ...]] = []
+    for statement, params in statements:
+        out += conn.execute(statement, params).fetchall()
     return out
 
 
