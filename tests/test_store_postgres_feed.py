@@ -337,23 +337,3 @@ def test_a_saving_consumer_prunes_the_log_on_a_thread_of_its_own(pg_url: str) ->
     finally:
         sub.close()
         store.close()
-
-
-def test_the_poll_is_planned_once_not_at_every_poll(pg_url: str) -> None:
-    store = PostgresStore(pg_url, prune_interval_s=None)
-    sub = store.subscribe("planned")
-    try:
-        for i in range(12):
-            store.write([RowWrite(key=f"/p/{i}", route="page", next_render_at=1)])
-            sub.poll()
-        # pg_prepared_statements is the session's own: read it on the feed's connection.
-        plans = sub._conn.execute(
-            "SELECT generic_plans, custom_plans FROM pg_prepared_statements"
-            " WHERE statement LIKE '%%FROM change_log%%' AND statement LIKE '%%LATERAL%%'"
-        ).fetchall()
-        assert len(plans) == 1, plans
-        generic, custom = plans[0]
-        assert custom == 0 and generic >= 6, plans
-    finally:
-        sub.close()
-        store.close()

@@ -150,12 +150,6 @@ class PostgresSubscription:
         try:
             with translated("subscribe"):
                 self._conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
-                # On a large table and log the generic plan of the poll's LATERAL lookups
-                # is estimated dearer than a custom one (it is the same plan), so the
-                # server's default (`auto`) plans every poll anew, and that planning was
-                # most of a small poll's cost. The poll is prepared after a few runs
-                # (psycopg); from then on it is planned once.
-                self._conn.execute("SET plan_cache_mode = force_generic_plan")
         except BaseException:
             self._conn.close()
             raise
