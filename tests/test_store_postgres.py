@@ -190,6 +190,48 @@ def test_a_cursor_past_the_next_transaction_is_refused_as_ahead(pg_url: str) -> 
     store.close()
 
 
+def test_pruning_vacuums_the_log_so_it_stays_as_long_as_the_writes_not_yet_read(
+    pg_url: str,
+) -> None:
+    store = PostgresStore(pg_url, prune_interval_s=None)
+    consumer = store.subscribe("reader")
+
+    def pages() -> int:
+        (found,) = run_sql(pg_url, "SELECT pg_relation_size('change_log') / 8192")
+        return int(found[0])
+
+    def vacuums() -> int:
+        (found,) = run_sql(
+            pg_url,
+            "SELECT vacuum_count FROM pg_stat_user_tables WHERE relid = 'change_log'::regclass",
+        )
+        return int(found[0])
+
+    # One round of writes and their entries, as pages: what each further round would add
+    # to the log's table if the entries it prunes were never vacuumed.
+    store.write([put(f"/{i}") for i in range(2000)])
+    settle(store)
+    round_pages = pages()
+    before = vacuums()
+    for round_ in range(12):
+        store.write([put(f"/{i}", at=round_) for i in range(2000)])
+        settle(store)
+        while consumer.poll(1000).events:
+            pass
+        consumer.save()
+        assert store.prune() >= 2000
+    # Unvacuumed, 24,000 pruned entries would fill about thirteen rounds' pages.
+    assert pages() <= 3 * round_pages, (pages(), round_pages)
+    # And the pruner's VACUUMs did it (autovacuum counts apart); the statistics reach the
+    # view a moment after the backend's.
+    deadline = time.monotonic() + 10
+    while vacuums() < before + 12 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert vacuums() >= before + 12
+    consumer.close()
+    store.close()
+
+
 def test_pruning_drops_consumers_that_saved_nothing_for_their_ttl(pg_url: str) -> None:
     store = PostgresStore(pg_url, consumer_ttl_s=60, prune_interval_s=None)
     dead = store.subscribe("dead")

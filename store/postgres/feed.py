@@ -447,7 +447,8 @@ def prune(
     pause_s: float = 0.0,
 ) -> int:
     """Raise the floor to the lowest live consumer's saved cursor (the head when there is
-    none), then remove the entries below it; returns how many went.
+    none), then remove the entries below it, and vacuum the log if any went; returns how
+    many went.
 
     Consumers that saved nothing for `consumer_ttl_s` are dropped first: a node that
     died must not hold the log forever (its next poll, if it comes back, finds the floor
@@ -487,4 +488,16 @@ def prune(
             break
         if pause_s:
             time.sleep(pause_s)
+    if removed:
+        vacuum_log(conn)
     return removed
+
+
+def vacuum_log(conn: Conn) -> None:
+    """Make the pruned entries' space reusable. The log takes an entry a write, and a
+    removed entry stays a dead row until vacuumed: left to autovacuum (off on some servers,
+    behind on a busy one), the log's table and index would grow by every write ever made.
+    SKIP_LOCKED: another node's pruner is at it. No TRUNCATE: giving pages back to the
+    file system takes a lock that the writers' logging triggers would queue behind."""
+    with translated("vacuum the change log"):
+        conn.execute("VACUUM (SKIP_LOCKED, TRUNCATE false) change_log")
