@@ -204,7 +204,7 @@ class ClusterNode(Node):
         return dict(msgspec.msgpack.decode(self.ask("status", 30)))
 
     def delivered(self) -> list[tuple[str, int]]:
-        return [tuple(x) for x in msgspec.msgpack.decode(self.ask("lag"))]  # type: ignore[misc]
+        return [(str(key), int(at)) for key, at in msgspec.msgpack.decode(self.ask("lag"))]
 
 
 class Cpu(msgspec.Struct, kw_only=True):
