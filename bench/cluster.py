@@ -57,7 +57,7 @@ import msgspec
 import numpy as np
 
 from bench import report
-from bench.node import ADMIN_TOKEN, FLEET_TOKEN, REPO, Node, NodeClient
+from bench.node import REPO, Node, NodeClient
 from bench.peer_base import Rows, Workload, generate, reachable
 from bench.postgres import Meter, Scratch, ServerUse, client_ports, db_url, host_port, server_url
 
@@ -137,13 +137,9 @@ class ClusterNode(Node):
         self.probe.mkdir(exist_ok=True)
         for stale in self.probe.iterdir():
             stale.unlink()
-        env = {k: v for k, v in os.environ.items() if not k.startswith("RENDERQUEUE_")}
+        env = self.environment(instance)
         env.update(
-            RENDERQUEUE_ADMIN_TOKEN=ADMIN_TOKEN,
-            RENDERQUEUE_FLEET_TOKEN=FLEET_TOKEN,
             RQ_BENCH_PROBE=str(self.probe),
-            # Not var/<instance>.leases under the repository (a store URL's default).
-            RENDERQUEUE_LEASE_SNAPSHOT=str(self.dir / f"{instance}.leases"),
             PYTHONPATH=os.pathsep.join([str(HOOK_DIR), str(REPO)]),
         )
         command = [

@@ -444,10 +444,7 @@ class Node:
         `args`: more `serve` flags."""
         instance = instance or f"rqbn{unique_suffix()}"
         self.instances.add(instance)
-        env = {k: v for k, v in os.environ.items() if not k.startswith("RENDERQUEUE_")}
-        env.update(RENDERQUEUE_ADMIN_TOKEN=ADMIN_TOKEN, RENDERQUEUE_FLEET_TOKEN=FLEET_TOKEN)
-        if "://" in self.db:  # not var/<instance>.leases under the repository
-            env["RENDERQUEUE_LEASE_SNAPSHOT"] = str(self.dir / f"{instance}.leases")
+        env = self.environment(instance)
         command = [
             sys.executable, "-m", "workers.cli", "serve", "--db", self.db,
             "--port", str(self.port), "--workers", "2",
@@ -465,6 +462,16 @@ class Node:
             command, cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT
         )
         self.wait_live(wait_s)
+
+    def environment(self, instance: str) -> dict[str, str]:
+        """The node's environment: none of ours but the bench's tokens, and a store URL's
+        lease snapshot in this node's directory, not var/<instance>.leases under the
+        repository (a SQLite node keeps its own beside its file)."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RENDERQUEUE_")}
+        env.update(RENDERQUEUE_ADMIN_TOKEN=ADMIN_TOKEN, RENDERQUEUE_FLEET_TOKEN=FLEET_TOKEN)
+        if "://" in self.db:
+            env["RENDERQUEUE_LEASE_SNAPSHOT"] = str(self.dir / f"{instance}.leases")
+        return env
 
     def admin(self) -> NodeClient:
         return NodeClient(self.port, ADMIN_TOKEN)
