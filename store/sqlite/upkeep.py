@@ -15,6 +15,19 @@ have the core first. At normal priority, on two cores, it is a third runnable th
 beside a writer flat out and the feed's consumer, and a consumer woken by a commit
 waits for a core behind it (`python -m bench.store --part feed` measures the lag).
 
+Restarts. A PASSIVE checkpoint copies the frames there were when it began, and under a
+steady stream of commits more arrive while it syncs, so the log is never wholly copied
+when the next writer starts and the WAL never starts over; it grew until a writer's own
+checkpoint at WRITER_CHECKPOINT_PAGES, which holds the write lock, got there, inside a
+completion's commit on a worker's event loop, and the claims queued on that loop waited
+out its fsync. So once a PASSIVE checkpoint leaves the WAL at RESTART_FRAMES or more, a
+second thread, at normal priority since it holds the write lock, runs a RESTART
+checkpoint: it waits up to RESTART_WAIT_MS for the writer and the readers of older
+snapshots, copies the few frames the PASSIVE one left, and the next writer starts the
+log over. Writers wait for it as for any writer (a completion on its event loop, where
+claims go on); a RESTART that cannot get its turn in time does a PASSIVE one's work and
+is tried again after the next.
+
 Pruning. Every `prune_interval_s` the log's floor is raised to the lowest cursor a
 registered consumer saved; each write then trims a few entries below it inside its
 own transaction (see store.sqlite.schema), since one bulk delete would hold the write
@@ -40,6 +53,11 @@ from store.sqlite.conn import connect, is_busy
 
 INTERVAL_S = 0.05
 WRITER_CHECKPOINT_PAGES = 10_000
+# Well under the writers' own threshold, so the restart comes first; much lower, the
+# restarts' syncs, each holding the write lock, come often enough to cost throughput
+# (docs/decisions/0007-the-wal-restarted-off-the-event-loop.md).
+RESTART_FRAMES = 6_000
+RESTART_WAIT_MS = 20
 PRUNE_INTERVAL_S = 10.0
 
 
@@ -50,6 +68,8 @@ class UpkeepStatistics(msgspec.Struct, frozen=True, kw_only=True):
     busy: int  # skipped because another connection held the checkpoint lock
     errors: int
     wal_frames: int  # frames in the WAL at the last checkpoint
+    restarts: int  # RESTART checkpoints that started the WAL over
+    restarts_busy: int  # RESTART checkpoints that could not get their turn in time
     longest_checkpoint_ms: float
     floor_raises: int
     backlog: int  # log entries below the floor at the last raise, left for writes to trim
@@ -72,10 +92,13 @@ class Upkeep:
         self._seen = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._restarter: threading.Thread | None = None
+        self._restart_due = threading.Event()
         self._lock = threading.Lock()
         self._checkpoints = self._busy = self._errors = self._frames = 0
         self._floor_raises = self._backlog = 0
         self._longest_s = 0.0
+        self._restarts = self._restarts_busy = 0
         self._last_error = ""
 
     def committed(self) -> None:
@@ -102,9 +125,58 @@ class Upkeep:
                 if self._commits != self._seen:
                     self._seen = self._commits
                     self._checkpoint(conn)
+                    if self._frames >= RESTART_FRAMES:
+                        self._call_restart()
         finally:
             if conn is not None:
                 conn.close()
+
+    def _call_restart(self) -> None:
+        with self._lock:
+            if self._stop.is_set():
+                return
+            if self._restarter is None:
+                self._restarter = threading.Thread(
+                    target=self._restart_forever, name="rq-store-restart", daemon=True
+                )
+                self._restarter.start()
+        self._restart_due.set()
+
+    def _restart_forever(self) -> None:
+        """The restarts' thread, at the process's normal priority (module note)."""
+        conn: sqlite3.Connection | None = None
+        try:
+            conn = connect(self._path)
+            conn.execute(f"PRAGMA busy_timeout = {RESTART_WAIT_MS}")
+            while True:
+                self._restart_due.wait()
+                self._restart_due.clear()
+                if self._stop.is_set():
+                    return
+                self._restart(conn)
+        except sqlite3.Error as exc:
+            self._errors += 1
+            self._last_error = f"restart: {exc}"
+        finally:
+            if conn is not None:
+                conn.close()
+
+    def _restart(self, conn: sqlite3.Connection) -> None:
+        started = time.monotonic()
+        try:
+            busy, frames, _ = conn.execute("PRAGMA wal_checkpoint(RESTART)").fetchone()
+        except sqlite3.OperationalError as exc:
+            if not is_busy(exc):
+                self._errors += 1
+                self._last_error = f"restart: {exc}"
+            self._restarts_busy += 1
+            return
+        if busy:
+            self._restarts_busy += 1
+        else:
+            self._restarts += 1
+        self._frames = int(frames)
+        self._longest_s = max(self._longest_s, time.monotonic() - started)
 
     def _checkpoint(self, conn: sqlite3.Connection) -> None:
         started = time.monotonic()
@@ -139,6 +211,8 @@ class Upkeep:
             busy=self._busy,
             errors=self._errors,
             wal_frames=self._frames,
+            restarts=self._restarts,
+            restarts_busy=self._restarts_busy,
             longest_checkpoint_ms=round(self._longest_s * 1000, 3),
             floor_raises=self._floor_raises,
             backlog=self._backlog,
@@ -148,6 +222,7 @@ class Upkeep:
     def close(self) -> None:
         with self._lock:
             self._stop.set()
-            thread = self._thread
-        if thread is not None:
+            threads = [t for t in (self._thread, self._restarter) if t is not None]
+        self._restart_due.set()
+        for thread in threads:
             thread.join(30)
