@@ -17,16 +17,16 @@ waits for a core behind it (`python -m bench.store --part feed` measures the lag
 
 Restarts. A PASSIVE checkpoint copies the frames there were when it began, and under a
 steady stream of commits more arrive while it syncs, so the log is never wholly copied
-when the next writer starts and the WAL never starts over; it grew until a writer's own
-checkpoint at WRITER_CHECKPOINT_PAGES, which holds the write lock, got there, inside a
-completion's commit on a worker's event loop, and the claims queued on that loop waited
-out its fsync. So once a PASSIVE checkpoint leaves the WAL at RESTART_FRAMES or more, a
-second thread, at normal priority since it holds the write lock, runs a RESTART
-checkpoint: it waits up to RESTART_WAIT_MS for the writer and the readers of older
-snapshots, copies the few frames the PASSIVE one left, and the next writer starts the
-log over. Writers wait for it as for any writer (a completion on its event loop, where
-claims go on); a RESTART that cannot get its turn in time does a PASSIVE one's work and
-is tried again after the next.
+when the next writer starts and the WAL does not start over. Left at that, it grows
+until a writer's own checkpoint at WRITER_CHECKPOINT_PAGES, which holds the write lock,
+copies the rest: inside a completion's commit on a worker's event loop, where the claims
+queued on that loop wait out its fsync. So once a PASSIVE checkpoint leaves the WAL
+at RESTART_FRAMES or more, a second thread, at normal priority since it holds the write
+lock, runs a RESTART checkpoint: it waits up to RESTART_WAIT_MS for the writer and the
+readers of older snapshots, copies the few frames the PASSIVE one left, and the next
+writer starts the log over. Writers wait for it as for any writer (a completion on its
+event loop, where claims go on); a RESTART that cannot get its turn in time does a
+PASSIVE one's work and is tried again after the next.
 
 Pruning. Every `prune_interval_s` the log's floor is raised to the lowest cursor a
 registered consumer saved; each write then trims a few entries below it inside its
@@ -166,10 +166,11 @@ class Upkeep:
         try:
             busy, frames, _ = conn.execute("PRAGMA wal_checkpoint(RESTART)").fetchone()
         except sqlite3.OperationalError as exc:
-            if not is_busy(exc):
+            if is_busy(exc):
+                self._restarts_busy += 1
+            else:
                 self._errors += 1
                 self._last_error = f"restart: {exc}"
-            self._restarts_busy += 1
             return
         if busy:
             self._restarts_busy += 1
