@@ -111,9 +111,16 @@ def test_worker_0_gets_a_smaller_share_of_connections(tmp_path: Path) -> None:
 
 
 def test_one_shared_listener_serves_every_worker(tmp_path: Path) -> None:
+    """Which worker wins a shared listener's accept is up to the scheduler, so each worker in
+    turn is stopped: with one socket between them, the other takes every connection."""
     with node_process(tmp_path, workers=2, extra_args=("--reuse-port", "false")) as node:
-        counts = connection_counts(node, 200)
-    assert set(counts) == {node.worker_pid(0), node.worker_pid(1)}
+        for stopped, serving in ((0, 1), (1, 0)):
+            os.kill(node.worker_pid(stopped), signal.SIGSTOP)
+            try:
+                counts = connection_counts(node, 20)
+            finally:
+                os.kill(node.worker_pid(stopped), signal.SIGCONT)
+            assert counts == {node.worker_pid(serving): 20}
 
 
 def test_every_worker_serves_the_keepers_statistics(tmp_path: Path) -> None:
