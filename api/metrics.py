@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
 import msgspec
 
@@ -235,12 +234,9 @@ def render(node: Node) -> str:
 
 
 def _supervisor_metrics(out: Exposition, node: Node) -> None:
-    if node.supervisor_state is None:
+    stats = supervisor_statistics(node)
+    if stats is None:
         return
-    snapshot = node.supervisor_state.read()
-    if snapshot is None:
-        return
-    stats: dict[str, Any] = msgspec.msgpack.decode(snapshot.payload)
     workers = stats.get("workers") or []
     out.gauge(
         "renderqueue_workers_ready",
@@ -252,6 +248,30 @@ def _supervisor_metrics(out: Exposition, node: Node) -> None:
         "counter",
         "Worker processes respawned by the supervisor, by worker index.",
         [({"worker": str(worker["index"])}, worker.get("restarts", 0)) for worker in workers],
+    )
+    _wal_metrics(out, stats.get("wal"))
+
+
+def _wal_metrics(out: Exposition, wal: object) -> None:
+    """A SQLite store's WAL as the supervisor last read it (none on PostgreSQL)."""
+    fields = ("frames", "checkpointed", "file_bytes")
+    if not isinstance(wal, dict) or not all(type(wal.get(name)) is int for name in fields):
+        return
+    out.gauge(
+        "renderqueue_sqlite_wal_frames",
+        "Pages in the SQLite store's write-ahead log since it last started over.",
+        wal["frames"],
+    )
+    out.gauge(
+        "renderqueue_sqlite_wal_uncheckpointed_frames",
+        "Of those, pages no checkpoint has copied into the database yet. Growing without "
+        "end, checkpoints cannot finish: a reader holds an old snapshot.",
+        wal["frames"] - wal["checkpointed"],
+    )
+    out.gauge(
+        "renderqueue_sqlite_wal_file_bytes",
+        "Length of the write-ahead log's file (it keeps its length when the log starts over).",
+        wal["file_bytes"],
     )
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -85,6 +86,13 @@ def nodes_on(db_of: Callable[[Path], str]) -> Iterator[None]:
 
 def unique(prefix: str = "t") -> str:
     return f"{prefix}{os.getpid()}x{uuid.uuid4().hex[:8]}"
+
+
+def readme_series() -> tuple[set[str], set[str]]:
+    """The `/metrics` series the README names: exact names, and prefixes it gives as
+    `name_*`."""
+    named = set(re.findall(r"`(renderqueue_[a-z_]+\*?)`", (REPO / "README.md").read_text()))
+    return {n for n in named if not n.endswith("*")}, {n[:-1] for n in named if n.endswith("*")}
 
 
 def seed_rows(

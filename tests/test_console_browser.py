@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import time
@@ -193,6 +194,12 @@ def test_numbers_equal_queue_state(browser: Any, node: NodeProcess, shots: Path)
         workers = page.locator("#workers tr")
         assert workers.count() == 3  # a header and two workers
         assert "ready" in workers.nth(1).inner_text()
+        # The SQLite store's WAL, as the supervisor read it.
+        wal = admin_get(node, "/prerender_admin/overview").json()["supervisor"]["wal"]
+        assert wal["file_bytes"] > 0 and 0 <= wal["checkpointed"] <= wal["frames"]
+        assert re.search(
+            r"WAL [\d,]+ pages, [\d,]+ not checkpointed", page.inner_text("#workers-note")
+        )
         # In flight comes from the supervisor's census of the lease table.
         view = admin_get(node, "/prerender_admin/overview").json()["lease_view"]
         assert view["source"] == "supervisor"

@@ -26,6 +26,7 @@ from node_harness import (
     node_process,
     nodes_on,
     now_ms,
+    readme_series,
     seed_rows,
     unique,
     wait_for,
@@ -121,6 +122,53 @@ def test_one_shared_listener_serves_every_worker(tmp_path: Path) -> None:
             finally:
                 os.kill(node.worker_pid(stopped), signal.SIGCONT)
             assert counts == {node.worker_pid(serving): 20}
+
+
+def metric(node: NodeProcess, name: str) -> float | None:
+    """One unlabelled series from the node's `/metrics`; None when it is not served."""
+    with node.client() as client:
+        text = client.get("/metrics").text
+    for line in text.splitlines():
+        if line.startswith(f"{name} "):
+            return float(line.split()[1])
+    return None
+
+
+def test_the_wal_series_show_a_reader_holding_checkpoints_back(tmp_path: Path) -> None:
+    """The supervisor reads the WAL's length every second. While a reader keeps an old
+    snapshot, no checkpoint can copy the pages written after it; once it lets go, the
+    node's own checkpoints catch up after its next write."""
+    uncheckpointed = "renderqueue_sqlite_wal_uncheckpointed_frames"
+    seed_rows(node_db(tmp_path), 10)
+    with node_process(tmp_path, workers=1) as node:
+        wait_for(lambda: metric(node, "renderqueue_sqlite_wal_file_bytes"), 30, "the WAL series")
+        reader = sqlite3.connect(node.db, isolation_level=None)
+        try:
+            reader.execute("BEGIN")
+            reader.execute("SELECT count(*) FROM render_schedule").fetchone()
+            with node.client() as client:
+                for batch in range(5):
+                    upsert = [{"key": f"held-{batch}-{i}", "route": "r"} for i in range(200)]
+                    response = client.post("/v1/schedule", json={"upsert": upsert})
+                    assert response.status_code == 200, response.text
+            held = wait_for(lambda: metric(node, uncheckpointed), 30, "uncheckpointed frames")
+            frames = metric(node, "renderqueue_sqlite_wal_frames")
+            assert frames is not None and 0 < held <= frames
+            time.sleep(1.5)  # more than a census and many checkpoint rounds: still held
+            assert (metric(node, uncheckpointed) or 0) >= held
+        finally:
+            reader.execute("COMMIT")
+            reader.close()
+
+        def caught_up() -> bool:
+            with node.client() as client:
+                client.post("/v1/schedule", json={"upsert": [{"key": "after", "route": "r"}]})
+            time.sleep(0.2)
+            return metric(node, uncheckpointed) == 0
+
+        wait_for(caught_up, 30, "the checkpoints to catch up once the reader let go", 0.5)
+        named = {n for n in readme_series()[0] if n.startswith("renderqueue_sqlite_wal_")}
+        assert named == {n for n in named if metric(node, n) is not None} != set()
 
 
 def test_every_worker_serves_the_keepers_statistics(tmp_path: Path) -> None:

@@ -37,6 +37,8 @@ import msgspec
 from shm import lease_snapshot
 from shm.leases import LeaseCensus
 from shm.segment import now_ms
+from store.sqlite import SqliteStore
+from store.sqlite.wal import WalState, read_wal_state
 from workers import logs
 from workers.config import Settings
 from workers.listeners import Listeners, ListenFailed
@@ -86,6 +88,9 @@ class SupervisorStatistics(msgspec.Struct, frozen=True, kw_only=True):
     # expired-unanswered counts (api.status), which the ops' counters cannot give.
     lease_census: LeaseCensus | None = None
     membership: MembershipStatistics | None = None  # in a cluster (a PostgreSQL store)
+    # A SQLite store's WAL, read from its wal-index with the census: None on PostgreSQL,
+    # and while no connection has the database open.
+    wal: WalState | None = None
 
 
 @dataclass(eq=False)
@@ -166,6 +171,8 @@ class Supervisor:
     _membership: MembershipHeartbeat | None = None
     _loop_ended: bool = False
     _hash_secret: bytes = b""  # the store's, read by _prepare_store
+    _sqlite_path: str | None = None  # a SQLite store's file, whose WAL the census reads
+    _wal: WalState | None = None
 
     # --- lifecycle ---------------------------------------------------------------------
 
@@ -240,6 +247,8 @@ class Supervisor:
         if url.startswith("sqlite:///"):
             os.makedirs(os.path.dirname(url[len("sqlite:///") :]) or ".", exist_ok=True)
         store = open_store(url)
+        if isinstance(store, SqliteStore):
+            self._sqlite_path = str(store.path)
         try:
             self._hash_secret = store.hash_secret()
         finally:
@@ -365,6 +374,12 @@ class Supervisor:
         if self._segments is None or time.monotonic() < self._next_census:
             return
         self._next_census = time.monotonic() + CENSUS_INTERVAL_S
+        if self._sqlite_path is not None:
+            try:
+                self._wal = read_wal_state(self._sqlite_path)
+            except OSError as exc:  # unreadable now (permissions, I/O): say so, keep serving
+                self._wal = None
+                logs.event(log, "wal_read_failed", logging.WARNING, error=str(exc))
         try:
             self._census = self._segments.leases.census(now_ms())
         except Exception as exc:
@@ -691,6 +706,7 @@ class Supervisor:
             lease_slots_reclaimed=self.lease_slots_reclaimed,
             lease_census=self._census,
             membership=None if self._membership is None else self._membership.statistics(),
+            wal=self._wal,
             workers=[
                 WorkerStatistics(
                     index=slot.index,

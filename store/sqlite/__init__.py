@@ -8,7 +8,8 @@ What a SQLite backend is made of, module by module:
 - `feed`: a consumer's cursor over the trigger-filled log (`SqliteSubscription`);
 - `feed_ring` and `wake`: writers hand each commit's log records to the consumers in
   shared memory and post their semaphores, so a consumer need not poll the file;
-- `upkeep`: WAL checkpoints and the log's floor, on a thread off the writers' path.
+- `upkeep`: WAL checkpoints and the log's floor, on a thread off the writers' path;
+- `wal`: the WAL's length read from its wal-index, without a connection (the supervisor's).
 """
 
 from store.sqlite.store import SqliteStore, StoreStatistics
