@@ -330,6 +330,20 @@ def _keeper_metrics(out: Exposition, node: Node) -> None:
                 ({"ended_by": "timeout"}, feed.timeouts),
             ],
         )
+        if feed.log_retained is not None:  # the feed prunes the log itself (PostgreSQL)
+            out.gauge(
+                "renderqueue_feed_log_entries",
+                "Entries the change log held after the feed's last pruning round (counted "
+                "up to a million). Growing round after round, a consumer's saved cursor "
+                "holds it: a node gone without leaving, until its cursor expires.",
+                feed.log_retained,
+            )
+            out.metric(
+                "renderqueue_feed_prune_failures_total",
+                "counter",
+                "Pruning rounds of the change log that failed (since the feed last opened).",
+                [({}, feed.prune_failures)],
+            )
 
 
 def _count_metrics(out: Exposition, state: QueueState) -> None:

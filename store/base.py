@@ -96,6 +96,11 @@ class FeedStatistics(msgspec.Struct, frozen=True, kw_only=True):
     # it holds the snapshot's xmin), and that transaction's backend pid (0: unknown).
     held_back_ms: int = 0
     held_by_pid: int = 0
+    # The log's pruning, where the subscription does it (PostgreSQL: a thread of its own):
+    # entries the log held after the last round (a backend may stop counting at a cap;
+    # None: not counted here), and rounds that failed.
+    log_retained: int | None = None
+    prune_failures: int = 0
 
     def common(self) -> FeedStatistics:
         if type(self) is FeedStatistics:

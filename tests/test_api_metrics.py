@@ -12,13 +12,14 @@ import pytest
 from node_harness import node_db, now_ms, readme_series, seed_rows, thread_node, wait_for
 from prometheus_client.parser import text_string_to_metric_families
 
-from keeper.state import KeeperStatistics, decode_keeper_statistics
+from keeper.state import KeeperStatistics, decode_keeper_statistics, encode_keeper_statistics
 from store.rows import RowWrite
 
 # Every node here runs on SQLite, then on PostgreSQL (conftest.node_backend).
 pytestmark = pytest.mark.usefixtures("node_backend")
 
 SUPERVISOR_WAL_SERIES = "renderqueue_sqlite_wal_"
+PRUNING_SERIES = ("renderqueue_feed_log_entries", "renderqueue_feed_prune_failures_total")
 SAMPLE = re.compile(r'^([a-z_:][a-z0-9_:]*)(\{([a-z_]+="[^"]*",?)*\})? (-?[0-9.e+-]+|NaN)$')
 
 
@@ -153,6 +154,30 @@ def test_the_keepers_statistics_record_is_served_as_keeper_series(tmp_path: Path
     assert samples[f'{waits}{{ended_by="timeout"}}'] == feed.timeouts
 
 
+def test_the_feeds_pruning_is_served_where_the_feed_prunes(tmp_path: Path) -> None:
+    """A PostgreSQL feed prunes the log itself and counts it; a SQLite one does not, and its
+    record leaves the count out (the store's writers prune there)."""
+    assert set(PRUNING_SERIES) <= readme_series()[0]  # the README names what is tested here
+    seed_rows(node_db(tmp_path), 10)
+    with thread_node(tmp_path) as node, node.client() as client:
+
+        def with_feed() -> KeeperStatistics | None:
+            record = keeper_record(node)
+            return record if record is not None and record.feed is not None else None
+
+        record = wait_for(with_feed, 30, "the keeper's record with its feed", 0.05)
+        node.stop_keeper()  # nothing overwrites the records written below
+        assert record.feed is not None
+        retained, failures = PRUNING_SERIES
+        for counted, failed in ((1234, 2), (None, 0)):
+            feed = msgspec.structs.replace(record.feed, log_retained=counted, prune_failures=failed)
+            payload = encode_keeper_statistics(msgspec.structs.replace(record, feed=feed))
+            node.segments.keeper.write(payload, now_ms())
+            samples = parse(client.get("/metrics").text)
+            assert samples.get(retained) == counted
+            assert samples.get(failures) == (failed if counted is not None else None)
+
+
 def test_an_unreadable_keeper_record_leaves_its_series_out_and_is_no_error(
     tmp_path: Path,
 ) -> None:
@@ -215,6 +240,9 @@ def test_prometheus_clients_own_parser_reads_every_series_the_readme_names(
     # A SQLite store's WAL is read by the supervisor, which a node in this process lacks:
     # test_workers_supervisor checks those series on a node process.
     exact = {name for name in exact if not name.startswith(SUPERVISOR_WAL_SERIES)}
+    # Served only by a feed that prunes (PostgreSQL), after its first round: the test of
+    # the feed's pruning series checks them.
+    exact -= set(PRUNING_SERIES)
     assert exact - samples == set()
     for prefix in prefixes:
         assert any(name.startswith(prefix) for name in samples), prefix

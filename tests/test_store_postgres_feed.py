@@ -19,6 +19,7 @@ import pytest
 from replica import Replica
 
 from store.postgres import PostgresStore
+from store.postgres import feed as pg_feed
 from store.postgres import sql as pg_sql
 from store.rows import FeedEvent, RowEvent, RowWrite
 
@@ -247,7 +248,6 @@ def test_sixteen_writers_out_of_order_with_rollbacks_feed_an_exact_consumer(
 def test_a_feed_is_quiet_only_while_nothing_was_announced_since_its_last_read(
     pg_url: str,
 ) -> None:
-    from store.postgres import feed as pg_feed
 
     store = PostgresStore(pg_url)
     sub = store.subscribe("quiet")
@@ -280,7 +280,6 @@ def test_commits_announced_moments_after_a_read_gather_for_the_next_one(
 ) -> None:
     """A read within GATHER_S of the last is put off, so a stream of single-row commits
     is read a few at a time, not one statement per commit; nothing waits much longer."""
-    from store.postgres import feed as pg_feed
 
     monkeypatch.setattr(pg_feed, "GATHER_S", 0.5)  # long enough for a loaded machine
     store = PostgresStore(pg_url)
@@ -324,16 +323,47 @@ def test_a_saving_consumer_prunes_the_log_on_a_thread_of_its_own(pg_url: str) ->
         while not sub.has_delivered(store.feed_head()) and time.monotonic() < deadline:
             sub.wait(0.05)
             sub.poll()
+        assert sub.statistics().log_retained is None  # no pruner before the first save
         sub.save()  # starts the pruner; returns at once
         while sub.statistics().pruned < 300 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert sub.statistics().pruned >= 300
         assert store.statistics().log_rows == 0
+        # Unsaved entries stay, and the pruner's count after its next round says how many.
+        store.write([RowWrite(key=f"/kept/{i}", route="page", next_render_at=1) for i in range(40)])
+        while sub.statistics().log_retained != 40 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sub.statistics().log_retained == store.statistics().log_rows == 40
         store.write([RowWrite(key="/after", route="page", next_render_at=1)])
         while not sub.has_delivered(store.feed_head()) and time.monotonic() < deadline:
             sub.wait(0.05)
             sub.poll()
         assert sub.has_delivered(store.feed_head())
+        assert sub.statistics().prune_failures == 0
+        common = sub.statistics().common()  # what the keeper's record carries
+        assert common.log_retained is not None and common.prune_failures == 0
     finally:
         sub.close()
         store.close()
+
+
+def test_the_log_is_counted_up_to_a_cap(pg_url: str) -> None:
+    store = PostgresStore(pg_url, prune_interval_s=None)
+    try:
+        store.write([RowWrite(key=f"/c/{i}", route="page", next_render_at=1) for i in range(25)])
+        with psycopg.connect(pg_url, autocommit=True) as conn:
+            assert pg_feed.count_retained(conn) == 25
+            assert pg_feed.count_retained(conn, cap=10) == 10
+    finally:
+        store.close()
+
+
+def test_a_pruner_that_cannot_reach_the_server_counts_its_failures() -> None:
+    pruner = pg_feed.Pruner("postgresql://127.0.0.1:1/none?connect_timeout=1", 0.05, 60.0)
+    try:
+        deadline = time.monotonic() + 20
+        while pruner.failures < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert pruner.failures >= 2 and pruner.removed == 0 and pruner.retained is None
+    finally:
+        pruner.close()

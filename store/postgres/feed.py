@@ -64,6 +64,9 @@ PRUNE_CHUNK = 1_000
 PRUNE_PAUSE_S = 0.005
 CONSUMER_TTL_S = 600.0  # a consumer that saved nothing for this long no longer holds the log
 PRUNE_LOCK = 0x7271_7072_756E_6500  # "rqprune"
+# The log is counted after each pruning round, up to this many: enough to show a log that
+# no longer shrinks, and a count that stays cheap however far it grew.
+RETAINED_COUNT_CAP = 1_000_000
 
 DELIVERABLE = """
 SELECT EXISTS (
@@ -378,6 +381,8 @@ class PostgresSubscription:
             held_polls=self._held_polls,
             skipped=self._skipped,
             pruned=0 if self._pruner is None else self._pruner.removed,
+            log_retained=None if self._pruner is None else self._pruner.retained,
+            prune_failures=0 if self._pruner is None else self._pruner.failures,
         )
 
     def close(self) -> None:
@@ -412,6 +417,7 @@ class Pruner:
         self.consumer_ttl_s = consumer_ttl_s
         self.removed = 0
         self.failures = 0
+        self.retained: int | None = None  # the log's entries after the last round
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="prune", daemon=True)
         self._thread.start()
@@ -425,6 +431,7 @@ class Pruner:
                 self.removed += prune(
                     conn, consumer_ttl_s=self.consumer_ttl_s, pause_s=PRUNE_PAUSE_S
                 )
+                self.retained = count_retained(conn)
             except Exception as exc:
                 self.failures += 1
                 log.warning("store: pruning the change log failed (%s); retrying", exc)
@@ -491,6 +498,16 @@ def prune(
     if removed:
         vacuum_log(conn)
     return removed
+
+
+def count_retained(conn: Conn, cap: int = RETAINED_COUNT_CAP) -> int:
+    """The log's entries, counted up to `cap`."""
+    with translated("count the change log"):
+        found = conn.execute(
+            "SELECT count(*) FROM (SELECT 1 FROM change_log LIMIT %s) AS held", (cap,)
+        ).fetchone()
+    assert found is not None
+    return int(found[0])
 
 
 def vacuum_log(conn: Conn) -> None:
