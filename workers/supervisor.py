@@ -173,6 +173,7 @@ class Supervisor:
     _hash_secret: bytes = b""  # the store's, read by _prepare_store
     _sqlite_path: str | None = None  # a SQLite store's file, whose WAL the census reads
     _wal: WalState | None = None
+    _wal_unreadable: bool = False  # the last read failed (logged when it began)
 
     # --- lifecycle ---------------------------------------------------------------------
 
@@ -348,7 +349,7 @@ class Supervisor:
             else:
                 self._start_due()
                 self._sweep_leases()
-                self._count_leases()
+                self._take_census()
             for key, _ in self._selector.select(self._select_timeout()):
                 if key.data is None:
                     with contextlib.suppress(BlockingIOError):
@@ -370,16 +371,20 @@ class Supervisor:
         self.lease_slots_reclaimed += reclaimed
         self._publish()
 
-    def _count_leases(self) -> None:
+    def _take_census(self) -> None:
+        """Every CENSUS_INTERVAL_S: the lease table's census and a SQLite store's WAL."""
         if self._segments is None or time.monotonic() < self._next_census:
             return
         self._next_census = time.monotonic() + CENSUS_INTERVAL_S
         if self._sqlite_path is not None:
             try:
                 self._wal = read_wal_state(self._sqlite_path)
-            except OSError as exc:  # unreadable now (permissions, I/O): say so, keep serving
+                self._wal_unreadable = False
+            except OSError as exc:  # unreadable (permissions, I/O): said once, serving goes on
                 self._wal = None
-                logs.event(log, "wal_read_failed", logging.WARNING, error=str(exc))
+                if not self._wal_unreadable:
+                    logs.event(log, "wal_read_failed", logging.WARNING, error=str(exc))
+                self._wal_unreadable = True
         try:
             self._census = self._segments.leases.census(now_ms())
         except Exception as exc:
