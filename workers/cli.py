@@ -98,6 +98,14 @@ def build_parser() -> argparse.ArgumentParser:
         "database, created if missing) on ports P, P+1, ..., with a simulated fleet across "
         "them",
     )
+    backup = commands.add_parser(
+        "backup", help="copy a SQLite store to a new file while its node runs"
+    )
+    backup.add_argument(
+        "--db", metavar="PATH", help="the store (default: RENDERQUEUE_DB, or the config's db)"
+    )
+    backup.add_argument("--config", metavar="FILE", help="a TOML settings file")
+    backup.add_argument("--to", required=True, metavar="FILE", help="the new file to write")
     for command, (_, what) in DELEGATED.items():
         commands.add_parser(command, help=f"{what} (see `renderqueue {command} --help`)")
     return parser
@@ -112,6 +120,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "serve":
             return serve(settings_from(args))
+        if args.command == "backup":
+            return run_backup(args)
         if args.command == "demo":
             from workers.demo import run_demo
 
@@ -121,6 +131,36 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     parser.error(f"unknown command {args.command!r}")
     return EXIT_USAGE
+
+
+def run_backup(args: argparse.Namespace) -> int:
+    from store.errors import StoreError
+    from store.sqlite.backup import backup
+
+    url = settings_from(args).store_url()
+    if not url.startswith("sqlite:///"):
+        print(
+            "renderqueue backup: copies a SQLite store; back up PostgreSQL with pg_dump "
+            "(a node recognises a restored dump and starts its change log anew)",
+            file=sys.stderr,
+        )
+        return EXIT_USAGE
+    path = url[len("sqlite:///") :]
+
+    def progress(written: int, expected: int) -> None:
+        share = f" ({written / expected:.0%})" if expected else ""
+        print(f"  {written / 1e6:,.1f} MB written{share}", file=sys.stderr, flush=True)
+
+    try:
+        done = backup(path, args.to, progress)
+    except StoreError as exc:
+        print(f"renderqueue {exc}", file=sys.stderr)
+        return 1
+    print(
+        f"backed up {done.rows:,} rows ({done.bytes / 1e6:,.1f} MB) from {path} to {done.path} "
+        f"in {done.seconds:.1f} s"
+    )
+    return 0
 
 
 def serve(settings: Settings) -> int:

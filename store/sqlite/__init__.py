@@ -9,7 +9,8 @@ What a SQLite backend is made of, module by module:
 - `feed_ring` and `wake`: writers hand each commit's log records to the consumers in
   shared memory and post their semaphores, so a consumer need not poll the file;
 - `upkeep`: WAL checkpoints and the log's floor, on a thread off the writers' path;
-- `wal`: the WAL's length read from its wal-index, without a connection (the supervisor's).
+- `wal`: the WAL's length read from its wal-index, without a connection (the supervisor's);
+- `backup`: a consistent copy while the node runs (`renderqueue backup`).
 """
 
 from store.sqlite.store import SqliteStore, StoreStatistics
