@@ -120,6 +120,8 @@ def test_the_command(tmp_path: Path) -> None:
     done = renderqueue("backup", "--db", str(db), "--to", str(tmp_path / "b.sqlite"))
     assert done.returncode == 0, done.stderr
     assert "backed up 50 rows" in done.stdout and count(tmp_path / "b.sqlite") == 50
+    # The node is stopped: the backup leaves its file as it found it, no -wal or -shm.
+    assert not list(tmp_path.glob("*-wal")) and not list(tmp_path.glob("*-shm"))
     again = renderqueue("backup", "--db", str(db), "--to", str(tmp_path / "b.sqlite"))
     assert again.returncode == 1 and "never overwrites" in again.stderr
     postgres = renderqueue("backup", "--db", "postgresql://x@h/d", "--to", str(tmp_path / "p"))

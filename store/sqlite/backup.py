@@ -53,7 +53,7 @@ def backup(
         raise StoreError(f"backup: the directory {dest.parent} does not exist")
     partial = dest.with_name(f".{dest.name}.partial")
     partial.unlink(missing_ok=True)  # a crashed backup's leftover: never a backup itself
-    conn = _open_read_only(src)
+    conn = _open_source(src)
     try:
         expected = _check_source(conn, src)
         with _Progress(partial, expected, progress):
@@ -83,9 +83,11 @@ def backup(
     )
 
 
-def _open_read_only(path: Path) -> sqlite3.Connection:
-    # Read-only but not immutable: the node's WAL is read, so the copy has every commit.
-    conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, isolation_level=None)
+def _open_source(path: Path) -> sqlite3.Connection:
+    """A connection that only reads. Not `mode=ro`: a read-only connection to a stopped
+    node's file creates the `-wal` and `-shm` it needs and cannot remove them after; this
+    one, the last to close, removes them as any connection does."""
+    conn = sqlite3.connect(path, isolation_level=None)
     conn.execute("PRAGMA busy_timeout = 5000")
     return conn
 
