@@ -140,6 +140,8 @@ def test_overview_carries_the_keepers_statistics(tmp_path: Path) -> None:
         "timeouts",
         "held_back_ms",
         "held_by_pid",
+        "log_retained",
+        "prune_failures",
     }, "the backend-neutral part only"
     assert feed["polls"] >= 1
 
