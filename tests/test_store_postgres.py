@@ -34,6 +34,29 @@ def run_sql(url: str, statement: str, params: Any = None) -> list[tuple[Any, ...
         return cur.fetchall() if cur.description else []
 
 
+def test_every_connection_runs_without_jit_and_keeps_the_urls_options(pg_url: str) -> None:
+    """The planner's JIT would compile a feed poll for tens of milliseconds wherever it
+    misjudged a table's size; the URL's own `options` still apply."""
+    from urllib.parse import quote
+
+    from store.postgres.conn import connect
+
+    sep = "&" if "?" in pg_url else "?"
+    url = f"{pg_url}{sep}options={quote('-c work_mem=7MB', safe='')}"
+    with connect(url) as conn:
+        assert conn.execute("SHOW jit").fetchone() == ("off",)
+        assert conn.execute("SHOW work_mem").fetchone() == ("7MB",)
+    store = PostgresStore(pg_url, prune_interval_s=None)
+    try:
+        sub = store.subscribe("jit")
+        conn = store._conn(store._state(), wait=None)
+        assert conn.execute("SHOW jit").fetchone() == ("off",)
+        assert sub._conn.execute("SHOW jit").fetchone() == ("off",)  # the feed's own
+        sub.close()
+    finally:
+        store.close()
+
+
 def test_stores_opening_a_new_database_at_once_create_the_schema_once(pg_url: str) -> None:
     barrier = threading.Barrier(4)
     opened: list[PostgresStore] = []

@@ -26,16 +26,28 @@ APPLICATION_NAME = "renderqueue"
 
 
 def connect(url: str, *, application_name: str = APPLICATION_NAME) -> Conn:
-    """An autocommit connection; StoreUnavailable when the server cannot be reached."""
+    """An autocommit connection; StoreUnavailable when the server cannot be reached.
+
+    JIT compilation is off for the session. Every statement here is a short one, and the
+    planner turns JIT on from its cost estimate alone: on a table it misjudges (a log or
+    schedule just loaded in bulk and not yet analyzed) each feed poll paid tens of
+    milliseconds of compiling for a sub-millisecond statement. Set after connecting, not
+    through libpq's `options`, which would replace any the URL carries."""
     try:
-        return psycopg.connect(
+        conn = psycopg.connect(
             url,
             autocommit=True,
             connect_timeout=CONNECT_TIMEOUT_S,
             application_name=application_name,
         )
+        try:
+            conn.execute("SET jit = off")
+        except BaseException:
+            conn.close()
+            raise
     except psycopg.OperationalError as exc:
         raise StoreUnavailable(f"cannot connect to PostgreSQL ({_first_line(exc)})") from None
+    return conn
 
 
 @contextlib.contextmanager
