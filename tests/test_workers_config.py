@@ -153,3 +153,11 @@ def test_a_bad_keeper_setting_is_named(tmp_path: Path) -> None:
     config = write_toml(tmp_path, "ring_entries = 1024\n[keeper]\nbest_k = 2048\n")
     with pytest.raises(ConfigError, match="do not fit the ring"):
         load_settings(config_file=config, environ={})
+
+
+def test_sqlite_path_is_the_stores_file_and_none_for_postgresql(tmp_path: Path) -> None:
+    bare = load_settings(flags={"db": str(tmp_path / "a.sqlite")})
+    assert bare.sqlite_path() == (tmp_path / "a.sqlite").resolve()
+    url = load_settings(flags={"db": f"sqlite:///{tmp_path}/b.sqlite"})
+    assert url.sqlite_path() == tmp_path / "b.sqlite"
+    assert load_settings(flags={"db": "postgresql://u@h/d"}).sqlite_path() is None

@@ -137,15 +137,14 @@ def run_backup(args: argparse.Namespace) -> int:
     from store.errors import StoreError
     from store.sqlite.backup import backup
 
-    url = settings_from(args).store_url()
-    if not url.startswith("sqlite:///"):
+    path = settings_from(args).sqlite_path()
+    if path is None:
         print(
             "renderqueue backup: copies a SQLite store; back up PostgreSQL with pg_dump "
             "(a node recognises a restored dump and starts its change log anew)",
             file=sys.stderr,
         )
         return EXIT_USAGE
-    path = url[len("sqlite:///") :]
 
     def progress(written: int, expected: int) -> None:
         share = f" ({written / expected:.0%})" if expected else ""

@@ -117,6 +117,11 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             return self.db
         return "sqlite:///" + str(Path(self.db).expanduser().resolve())
 
+    def sqlite_path(self) -> Path | None:
+        """The SQLite store's file; None when the store URL names another backend."""
+        url = self.store_url()
+        return Path(url[len("sqlite:///") :]) if url.startswith("sqlite:///") else None
+
     @property
     def clustered(self) -> bool:
         """On PostgreSQL a node joins the cluster that shares the database."""

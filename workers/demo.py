@@ -150,8 +150,9 @@ def run_demo(
     logs.configure("supervisor", settings.log_level)
     directory = Path(args.schedule).parent if args.schedule else EXAMPLES
     db_path = settings.store_url()
-    if db_path.startswith("sqlite:///"):
-        Path(db_path[len("sqlite:///") :]).parent.mkdir(parents=True, exist_ok=True)
+    sqlite_path = settings.sqlite_path()
+    if sqlite_path is not None:
+        sqlite_path.parent.mkdir(parents=True, exist_ok=True)
     store = open_store(db_path)
     try:
         fresh = args.reset or store.count() == 0

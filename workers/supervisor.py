@@ -37,7 +37,6 @@ import msgspec
 from shm import lease_snapshot
 from shm.leases import LeaseCensus
 from shm.segment import now_ms
-from store.sqlite import SqliteStore
 from store.sqlite.wal import WalState, read_wal_state
 from workers import logs
 from workers.config import Settings
@@ -136,9 +135,9 @@ def describe_exit(returncode: int) -> str:
 def lease_snapshot_path(settings: Settings, instance: str) -> Path:
     if settings.lease_snapshot:
         return Path(settings.lease_snapshot).expanduser()
-    url = settings.store_url()
-    if url.startswith("sqlite:///"):
-        return Path(url[len("sqlite:///") :] + ".leases")
+    sqlite_path = settings.sqlite_path()
+    if sqlite_path is not None:
+        return Path(f"{sqlite_path}.leases")
     return Path("var") / f"{instance}.leases"
 
 
@@ -244,12 +243,11 @@ class Supervisor:
         and read the key-hash secret the workers and the lease snapshot use."""
         from store import open_store
 
-        url = self.settings.store_url()
-        if url.startswith("sqlite:///"):
-            os.makedirs(os.path.dirname(url[len("sqlite:///") :]) or ".", exist_ok=True)
-        store = open_store(url)
-        if isinstance(store, SqliteStore):
-            self._sqlite_path = str(store.path)
+        sqlite_path = self.settings.sqlite_path()
+        if sqlite_path is not None:
+            os.makedirs(sqlite_path.parent, exist_ok=True)
+            self._sqlite_path = str(sqlite_path)
+        store = open_store(self.settings.store_url())
         try:
             self._hash_secret = store.hash_secret()
         finally:

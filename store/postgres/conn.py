@@ -30,9 +30,9 @@ def connect(url: str, *, application_name: str = APPLICATION_NAME) -> Conn:
 
     JIT compilation is off for the session. Every statement here is a short one, and the
     planner turns JIT on from its cost estimate alone: on a table it misjudges (a log or
-    schedule just loaded in bulk and not yet analyzed) each feed poll paid tens of
-    milliseconds of compiling for a sub-millisecond statement. Set after connecting, not
-    through libpq's `options`, which would replace any the URL carries."""
+    schedule just loaded in bulk and not yet analyzed) a feed poll that runs in under a
+    millisecond would first compile for tens. Set after connecting, not through libpq's
+    `options`, which would replace any the URL carries."""
     try:
         conn = psycopg.connect(
             url,

@@ -55,18 +55,14 @@ def backup(
     partial.unlink(missing_ok=True)  # a crashed backup's leftover: never a backup itself
     conn = _open_source(src)
     try:
-        expected = _check_source(conn, src)
-        with _Progress(partial, expected, progress):
-            conn.execute("VACUUM INTO ?", (str(partial),))
-    except sqlite3.Error as exc:
-        partial.unlink(missing_ok=True)
-        raise StoreError(f"backup: copying {src} failed: {exc}") from exc
-    except BaseException:
-        partial.unlink(missing_ok=True)
-        raise
-    finally:
-        conn.close()
-    try:
+        try:
+            expected = _check_source(conn, src)
+            with _Progress(partial, expected, progress):
+                conn.execute("VACUUM INTO ?", (str(partial),))
+        except sqlite3.Error as exc:
+            raise StoreError(f"backup: copying {src} failed: {exc}") from exc
+        finally:
+            conn.close()
         rows = _check_copy(partial)
         with open(partial, "rb") as written:
             os.fsync(written.fileno())
