@@ -207,40 +207,70 @@ def test_numbers_equal_queue_state(browser: Any, node: NodeProcess, shots: Path)
         shot(page, shots, "01-ready")
 
 
+def route_action(page: Any, route: str, action: str) -> str:
+    """Clicks a route's button and waits for the console's own word on how the request ended,
+    so a refusal or a node that did not answer fails here with what the page said."""
+    # The message of an earlier action must not be read as this one's.
+    page.evaluate('document.getElementById("routes-msg").textContent = ""')
+    page.click(f'button[data-route="{route}"][data-action="{action}"]')
+    message = wait_for(
+        lambda: (
+            (text := page.inner_text("#routes-msg"))
+            and ("done" in text or "Failed" in text or "Refused" in text)
+            and text
+        ),
+        60,
+        f"the console to report {action} {route}",
+    )
+    assert "done" in message, message
+    return str(message)
+
+
+def route_cell(page: Any, route: str, column: int) -> str:
+    """A cell of a route's row, or "" while the table is being redrawn."""
+    cells = page.locator(f'#routes tr[data-route="{route}"] td').all_inner_texts()
+    return str(cells[column]) if len(cells) > column else ""
+
+
 def test_pause_and_resume_a_route(browser: Any, node: NodeProcess, shots: Path) -> None:
     with console(browser, node, ADMIN_TOKEN) as page:
         wait_ticks(page)
-        page.click('button[data-route="blog"][data-action="pause"]')
+        assert "blog" in route_action(page, "blog", "pause")
         wait_for(
-            lambda: (
-                page.locator('#routes tr[data-route="blog"] td').nth(2).inner_text() == "paused"
-            ),
-            45,
-            "the page to show blog paused",
+            lambda: route_cell(page, "blog", 2) == "paused", 30, "the page to show blog paused"
         )
         routes = admin_get(node, "/v1/routes").json()["routes"]
         assert {r["route"]: r["paused"] for r in routes}["blog"] is True
-        assert "blog" in page.inner_text("#routes-msg")
         shot(page, shots, "02-route-paused")
-        page.click('button[data-route="blog"][data-action="resume"]')
-        wait_for(
-            lambda: page.locator('#routes tr[data-route="blog"] td').nth(2).inner_text() == "no",
-            45,
-            "the page to show blog resumed",
-        )
+        route_action(page, "blog", "resume")
+        wait_for(lambda: route_cell(page, "blog", 2) == "no", 30, "the page to show blog resumed")
         routes = admin_get(node, "/v1/routes").json()["routes"]
         assert {r["route"]: r["paused"] for r in routes}["blog"] is False
         # Clear the route's default: it follows the global default again.
-        page.click('button[data-route="blog"][data-action="clear-default"]')
+        route_action(page, "blog", "clear-default")
         wait_for(
-            lambda: (
-                "global" in page.locator('#routes tr[data-route="blog"] td').nth(1).inner_text()
-            ),
-            45,
+            lambda: "global" in route_cell(page, "blog", 1),
+            30,
             "the page to show blog on the global default",
         )
         routes = admin_get(node, "/v1/routes").json()["routes"]
         assert {r["route"]: r["default_cadence_s"] for r in routes}.get("blog") is None
+
+
+def test_an_unanswered_action_says_so(browser: Any, node: NodeProcess) -> None:
+    with console(browser, node, ADMIN_TOKEN) as page:
+        wait_ticks(page)
+        # The browser drops the request as a lost connection would; the node never sees it.
+        page.route("**/v1/routes/blog", lambda route: route.abort("connectionreset"))
+        page.click('button[data-route="blog"][data-action="pause"]')
+        message = wait_for(
+            lambda: "Failed" in (text := page.inner_text("#routes-msg")) and text,
+            30,
+            "the console to report the lost request",
+        )
+        assert "no answer" in message and "may still land" in message, message
+        routes = admin_get(node, "/v1/routes").json()["routes"]
+        assert {r["route"]: r["paused"] for r in routes}["blog"] is False
 
 
 def test_a_stopped_keeper_withholds_the_counts(
