@@ -94,6 +94,41 @@ def test_what_is_not_fit_is_refused_and_nothing_is_left(tmp_path: Path) -> None:
     assert not list(tmp_path.glob(".*partial"))
 
 
+def test_a_file_that_appears_during_the_copy_is_never_replaced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    db = tmp_path / "node.sqlite"
+    seed_rows(db, 10)
+    destination = tmp_path / "b.sqlite"
+    check_copy = backup_module._check_copy
+
+    def another_writer_gets_there_first(path: Path) -> int:
+        destination.write_bytes(b"someone else's file")
+        return check_copy(path)
+
+    monkeypatch.setattr(backup_module, "_check_copy", another_writer_gets_there_first)
+    with pytest.raises(StoreError, match="appeared during the copy"):
+        backup(db, destination)
+    assert destination.read_bytes() == b"someone else's file"
+    assert not list(tmp_path.glob(".*partial"))
+
+
+def test_a_failure_after_the_copy_is_a_store_error_and_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    db = tmp_path / "node.sqlite"
+    seed_rows(db, 10)
+
+    def disk_full(fd: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(backup_module.os, "fsync", disk_full)
+    with pytest.raises(StoreError, match="No space left on device"):
+        backup(db, tmp_path / "b.sqlite")
+    assert not (tmp_path / "b.sqlite").exists()
+    assert not list(tmp_path.glob(".*partial"))
+
+
 def exact_due(node: NodeProcess) -> int | None:
     with node.client() as client:
         response = client.get("/prerender_admin/queue-state")

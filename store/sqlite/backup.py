@@ -6,7 +6,7 @@ on meanwhile (WAL mode: a reader never blocks them). The WAL cannot start over w
 the copy reads, so it grows by what is written during it (`/metrics` shows it).
 
 The copy is written beside the destination under a temporary name, synced, checked
-(`PRAGMA quick_check` and the schema version) and only then renamed into place: a
+(`PRAGMA quick_check` and the schema version) and only then linked into place: a
 destination path holds a whole, checked backup or nothing.
 """
 
@@ -63,11 +63,21 @@ def backup(
             raise StoreError(f"backup: copying {src} failed: {exc}") from exc
         finally:
             conn.close()
-        rows = _check_copy(partial)
-        with open(partial, "rb") as written:
-            os.fsync(written.fileno())
-        os.rename(partial, dest)
-        _sync_directory(dest.parent)
+        try:
+            rows = _check_copy(partial)
+            with open(partial, "rb") as written:
+                os.fsync(written.fileno())
+            # A link, not a rename: it fails where a file appeared at `dest` during the copy,
+            # and a rename would replace that file.
+            os.link(partial, dest)
+            partial.unlink()
+            _sync_directory(dest.parent)
+        except FileExistsError as exc:
+            raise StoreError(
+                f"backup: {dest} appeared during the copy; it is left as it is"
+            ) from exc
+        except (sqlite3.Error, OSError) as exc:
+            raise StoreError(f"backup: finishing the copy at {dest} failed: {exc}") from exc
     except BaseException:
         partial.unlink(missing_ok=True)
         raise
