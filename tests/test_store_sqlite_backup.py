@@ -4,6 +4,7 @@ place whole; a source or destination that is not fit is refused and nothing is l
 from __future__ import annotations
 
 import multiprocessing
+import os
 import sqlite3
 import subprocess
 import sys
@@ -122,7 +123,7 @@ def test_a_failure_after_the_copy_is_a_store_error_and_leaves_nothing(
     def disk_full(fd: int) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(backup_module.os, "fsync", disk_full)
+    monkeypatch.setattr(os, "fsync", disk_full)
     with pytest.raises(StoreError, match="No space left on device"):
         backup(db, tmp_path / "b.sqlite")
     assert not (tmp_path / "b.sqlite").exists()
