@@ -549,3 +549,28 @@ def feed_position(store: Any) -> int:
         return int(sub.delivered_below())
     finally:
         sub.close()
+
+
+METRIC_SAMPLE = re.compile(r'^([a-z_:][a-z0-9_:]*)(\{([a-z_]+="[^"]*",?)*\})? (-?[0-9.e+-]+|NaN)$')
+
+
+def metric_samples(text: str) -> dict[str, float]:
+    """`/metrics` text checked as Prometheus text (every line a HELP, a TYPE or a sample),
+    its samples keyed by name and labels."""
+    samples: dict[str, float] = {}
+    typed: set[str] = set()
+    for line in text.splitlines():
+        if line.startswith("# HELP "):
+            continue
+        if line.startswith("# TYPE "):
+            name, kind = line.split()[2:4]
+            assert kind in ("gauge", "counter") and name not in typed
+            typed.add(name)
+            continue
+        match = METRIC_SAMPLE.match(line)
+        assert match, f"not a sample line: {line!r}"
+        assert match.group(1) in typed, f"sample before its TYPE: {line!r}"
+        key = line.rsplit(" ", 1)[0]
+        assert key not in samples, f"duplicate sample {key}"
+        samples[key] = float(line.rsplit(" ", 1)[1])
+    return samples

@@ -3,13 +3,20 @@ lease table, with the counts left out whenever the keeper cannot vouch for them.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
-from node_harness import node_db, now_ms, readme_series, seed_rows, thread_node, wait_for
+from node_harness import (
+    metric_samples,
+    node_db,
+    now_ms,
+    readme_series,
+    seed_rows,
+    thread_node,
+    wait_for,
+)
 from prometheus_client.parser import text_string_to_metric_families
 
 from keeper.state import KeeperStatistics, decode_keeper_statistics, encode_keeper_statistics
@@ -20,28 +27,6 @@ pytestmark = pytest.mark.usefixtures("node_backend")
 
 SUPERVISOR_WAL_SERIES = "renderqueue_sqlite_wal_"
 PRUNING_SERIES = ("renderqueue_feed_log_entries", "renderqueue_feed_prune_failures_total")
-SAMPLE = re.compile(r'^([a-z_:][a-z0-9_:]*)(\{([a-z_]+="[^"]*",?)*\})? (-?[0-9.e+-]+|NaN)$')
-
-
-def parse(text: str) -> dict[str, float]:
-    """Every line is a HELP, a TYPE or a sample; samples keyed by name and labels."""
-    samples: dict[str, float] = {}
-    typed: set[str] = set()
-    for line in text.splitlines():
-        if line.startswith("# HELP "):
-            continue
-        if line.startswith("# TYPE "):
-            name, kind = line.split()[2:4]
-            assert kind in ("gauge", "counter") and name not in typed
-            typed.add(name)
-            continue
-        match = SAMPLE.match(line)
-        assert match, f"not a sample line: {line!r}"
-        assert match.group(1) in typed, f"sample before its TYPE: {line!r}"
-        key = line.rsplit(" ", 1)[0]
-        assert key not in samples, f"duplicate sample {key}"
-        samples[key] = float(line.rsplit(" ", 1)[1])
-    return samples
 
 
 def test_before_the_keeper_no_counts(tmp_path: Path) -> None:
@@ -49,7 +34,7 @@ def test_before_the_keeper_no_counts(tmp_path: Path) -> None:
     with thread_node(tmp_path, keeper=False) as node, node.client() as client:
         response = client.get("/metrics")
         assert response.headers["content-type"].startswith("text/plain; version=0.0.4")
-        samples = parse(response.text)
+        samples = metric_samples(response.text)
     assert samples["renderqueue_ready"] == 0
     assert samples["renderqueue_keeper_live"] == 0
     assert "renderqueue_due" not in samples
@@ -62,7 +47,7 @@ def test_counts_and_leases(tmp_path: Path) -> None:
         node.wait_exact()
         leases = client.post("/v1/claims", json={"max": 10, "worker": "t"}).json()["leases"]
         assert len(leases) == 10
-        samples = parse(client.get("/metrics").text)
+        samples = metric_samples(client.get("/metrics").text)
         assert samples["renderqueue_ready"] == 1
         assert samples["renderqueue_keeper_live"] == 1
         assert samples["renderqueue_counts_trusted"] == 1
@@ -92,7 +77,7 @@ def test_counts_and_leases(tmp_path: Path) -> None:
         client.post("/v1/completions", json={"items": items})
 
         def due_after() -> float | None:
-            found = parse(client.get("/metrics").text).get("renderqueue_due")
+            found = metric_samples(client.get("/metrics").text).get("renderqueue_due")
             return found if found == 40 else None
 
         wait_for(due_after, 30, "renderqueue_due to fall to 40", 0.2)
@@ -133,7 +118,7 @@ def test_the_keepers_statistics_record_is_served_as_keeper_series(tmp_path: Path
         record = keeper_record(node)
         response = client.get("/metrics")
     assert response.status_code == 200 and record is not None
-    samples = parse(response.text)
+    samples = metric_samples(response.text)
     assert samples["renderqueue_keeper_feed_events_total"] == record.events >= 1
     assert samples["renderqueue_keeper_feed_failures_total"] == record.feed_failures == 0
     assert samples["renderqueue_keeper_feed_reopens_total"] == record.feed_reopens
@@ -173,7 +158,7 @@ def test_the_feeds_pruning_is_served_where_the_feed_prunes(tmp_path: Path) -> No
             feed = msgspec.structs.replace(record.feed, log_retained=counted, prune_failures=failed)
             payload = encode_keeper_statistics(msgspec.structs.replace(record, feed=feed))
             node.segments.keeper.write(payload, now_ms())
-            samples = parse(client.get("/metrics").text)
+            samples = metric_samples(client.get("/metrics").text)
             assert samples.get(retained) == counted
             assert samples.get(failures) == (failed if counted is not None else None)
 
@@ -187,7 +172,7 @@ def test_an_unreadable_keeper_record_leaves_its_series_out_and_is_no_error(
             node.segments.keeper.write(payload, now_ms())
             response = client.get("/metrics")
             assert response.status_code == 200
-            samples = parse(response.text)
+            samples = metric_samples(response.text)
             assert samples["renderqueue_ready"] == 0
             assert not [key for key in samples if key.startswith(KEEPER_SERIES)]
             overview = client.get("/prerender_admin/overview")
@@ -200,7 +185,7 @@ def test_the_wal_series_come_from_the_supervisors_record_and_only_when_well_form
     with thread_node(tmp_path, keeper=False) as node, node.client() as client:
         wal = {"page_size": 4096, "frames": 70, "checkpointed": 50, "file_bytes": 300_000}
         node.segments.supervisor.write(msgspec.msgpack.encode({"wal": wal}), now_ms())
-        samples = parse(client.get("/metrics").text)
+        samples = metric_samples(client.get("/metrics").text)
         assert samples[f"{SUPERVISOR_WAL_SERIES}frames"] == 70
         assert samples[f"{SUPERVISOR_WAL_SERIES}uncheckpointed_frames"] == 20
         assert samples[f"{SUPERVISOR_WAL_SERIES}file_bytes"] == 300_000
@@ -214,7 +199,9 @@ def test_the_wal_series_come_from_the_supervisors_record_and_only_when_well_form
             node.segments.supervisor.write(msgspec.msgpack.encode({"wal": bad}), now_ms())
             response = client.get("/metrics")
             assert response.status_code == 200
-            assert not [k for k in parse(response.text) if k.startswith(SUPERVISOR_WAL_SERIES)], bad
+            assert not [
+                k for k in metric_samples(response.text) if k.startswith(SUPERVISOR_WAL_SERIES)
+            ], bad
 
 
 def test_prometheus_clients_own_parser_reads_every_series_the_readme_names(
@@ -234,7 +221,9 @@ def test_prometheus_clients_own_parser_reads_every_series_the_readme_names(
         text = wait_for(with_keeper_series, 30, "the keeper's statistics series", 0.1)
     families = list(text_string_to_metric_families(text))
     samples = {sample.name for family in families for sample in family.samples}
-    assert samples == {key.split("{")[0] for key in parse(text)}  # both parsers read it alike
+    assert samples == {
+        key.split("{")[0] for key in metric_samples(text)
+    }  # both parsers read it alike
     exact, prefixes = readme_series()
     assert exact  # the README still names some
     # A SQLite store's WAL is read by the supervisor, which a node in this process lacks:

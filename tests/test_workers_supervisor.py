@@ -22,6 +22,7 @@ from node_harness import (
     REPO,
     NodeProcess,
     due_in_table,
+    metric_samples,
     node_db,
     node_process,
     nodes_on,
@@ -128,10 +129,7 @@ def metric(node: NodeProcess, name: str) -> float | None:
     """One unlabelled series from the node's `/metrics`; None when it is not served."""
     with node.client() as client:
         text = client.get("/metrics").text
-    for line in text.splitlines():
-        if line.startswith(f"{name} "):
-            return float(line.split()[1])
-    return None
+    return metric_samples(text).get(name)
 
 
 def test_the_wal_series_show_a_reader_holding_checkpoints_back(tmp_path: Path) -> None:
