@@ -7,12 +7,14 @@ Gauges an autoscaler reads: `renderqueue_due` (claimable work) and `renderqueue_
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 
 from api.node import Node
+from api.report import WorkerReport, report_from, worker_report
 from api.status import claim_status, lease_view, supervisor_statistics
 from keeper.state import (
     ClassRow,
@@ -23,6 +25,7 @@ from keeper.state import (
     vouches,
 )
 from shm.segment import now_ms
+from store.base import PostgresCounters, SqliteCounters
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 CLAIM_STATUSES = ("ready", "draining", "stalled", "unready")
@@ -167,20 +170,9 @@ def render(node: Node) -> str:
                 ({"answered": "after_read"}, marks.read_after_grant),
             ],
         )
-    writability = node.store.writability()
-    out.gauge(
-        "renderqueue_store_writable",
-        "0 from a write the store's disk refused (full or failing) until a write succeeds, "
-        "as the worker answering found it; 1 otherwise.",
-        writability.writable,
-    )
-    out.metric(
-        "renderqueue_store_writes_refused_total",
-        "counter",
-        "Writes the store's disk refused (answered 507), by the worker answering.",
-        [({}, writability.refused)],
-    )
-    _supervisor_metrics(out, node)
+    supervisor = supervisor_statistics(node)
+    _supervisor_metrics(out, supervisor)
+    _worker_metrics(out, worker_reports(node, supervisor), now)
     _keeper_metrics(out, node)
     snapshot = node.state.read()
     if snapshot is None:
@@ -233,8 +225,7 @@ def render(node: Node) -> str:
     return out.text()
 
 
-def _supervisor_metrics(out: Exposition, node: Node) -> None:
-    stats = supervisor_statistics(node)
+def _supervisor_metrics(out: Exposition, stats: dict[str, Any] | None) -> None:
     if stats is None:
         return
     workers = stats.get("workers") or []
@@ -250,6 +241,149 @@ def _supervisor_metrics(out: Exposition, node: Node) -> None:
         [({"worker": str(worker["index"])}, worker.get("restarts", 0)) for worker in workers],
     )
     _wal_metrics(out, stats.get("wal"))
+
+
+def worker_reports(node: Node, supervisor: dict[str, Any] | None) -> dict[int, WorkerReport]:
+    """Every worker's latest report from the supervisor's record, by index, and this
+    worker's own counts as they are now. A report that does not check is left out."""
+    reports: dict[int, WorkerReport] = {}
+    for worker in (supervisor or {}).get("workers") or []:
+        if isinstance(worker, dict) and type(worker.get("index")) is int:
+            report = report_from(worker.get("report"))
+            if report is not None:
+                reports[worker["index"]] = report
+    reports[node.settings.worker] = worker_report(node)
+    return dict(sorted(reports.items()))
+
+
+Reader = Callable[[WorkerReport], float | int | None]
+
+
+def _by_worker(
+    reports: dict[int, WorkerReport], read: Reader, **labels: str
+) -> list[tuple[dict[str, str], float | int | None]]:
+    return [({"worker": str(index), **labels}, read(report)) for index, report in reports.items()]
+
+
+def _sqlite(read: Callable[[SqliteCounters], float | int]) -> Reader:
+    return lambda r: None if r.store.sqlite is None else read(r.store.sqlite)
+
+
+def _postgres(read: Callable[[PostgresCounters], float | int]) -> Reader:
+    return lambda r: None if r.store.postgres is None else read(r.store.postgres)
+
+
+def _worker_metrics(out: Exposition, reports: dict[int, WorkerReport], now: int) -> None:
+    """Counts each worker process keeps of itself, labelled by worker: whichever worker
+    answers the scrape, every series is the same process's count, so rates hold. A series
+    of one backend's counts is left out on the other (a None sample is not written)."""
+    series: list[tuple[str, str, str, Reader]] = [
+        (
+            "renderqueue_worker_report_age_seconds",
+            "gauge",
+            "Age of the worker's last report of its own counts (they come about once a second).",
+            lambda r: max(0, now - r.written_at) / 1000,
+        ),
+        (
+            "renderqueue_store_writable",
+            "gauge",
+            "0 from a write the store's disk refused (full or failing) until a write "
+            "succeeds; 1 otherwise.",
+            lambda r: r.store.writability.writable,
+        ),
+        (
+            "renderqueue_store_writes_refused_total",
+            "counter",
+            "Writes the store's disk refused (answered 507).",
+            lambda r: r.store.writability.refused,
+        ),
+        (
+            "renderqueue_store_transactions_total",
+            "counter",
+            "Write transactions the worker committed.",
+            lambda r: r.store.transactions,
+        ),
+        (
+            "renderqueue_store_rows_written_total",
+            "counter",
+            "Rows the worker's transactions wrote.",
+            lambda r: r.store.rows_written,
+        ),
+        (
+            "renderqueue_store_busy_refused_total",
+            "counter",
+            "Store calls given up after waiting out the lock other writers held (503).",
+            lambda r: r.store.busy_refused,
+        ),
+        (
+            "renderqueue_completion_requests_total",
+            "counter",
+            "Completion requests the worker answered.",
+            lambda r: r.completions.requests,
+        ),
+        (
+            "renderqueue_completion_transactions_total",
+            "counter",
+            "Transactions that committed completions: fewer than the requests when requests "
+            "that arrived while one waited for the lock committed with it.",
+            lambda r: r.completions.transactions,
+        ),
+        (
+            "renderqueue_completion_timeouts_total",
+            "counter",
+            "Completion requests answered 503 after the store's lock wait.",
+            lambda r: r.completions.timed_out,
+        ),
+        (
+            "renderqueue_sqlite_busy_retries_total",
+            "counter",
+            "Write transactions tried again because another process held SQLite's write lock.",
+            _sqlite(lambda c: c.busy_retries),
+        ),
+        (
+            "renderqueue_sqlite_checkpoint_errors_total",
+            "counter",
+            "Upkeep rounds (a checkpoint or raising the log's floor) that failed; the "
+            "upkeep thread goes on.",
+            _sqlite(lambda c: c.checkpoint_errors),
+        ),
+        (
+            "renderqueue_sqlite_checkpoint_longest_seconds",
+            "gauge",
+            "The longest checkpoint the worker's upkeep thread has run.",
+            _sqlite(lambda c: c.longest_checkpoint_ms / 1000),
+        ),
+        (
+            "renderqueue_postgres_reconnects_total",
+            "counter",
+            "PostgreSQL connections the worker replaced after one was lost.",
+            _postgres(lambda c: c.reconnects),
+        ),
+        (
+            "renderqueue_postgres_write_rollbacks_total",
+            "counter",
+            "Writes the server rolled back (deadlocks) and the worker retried.",
+            _postgres(lambda c: c.rollbacks),
+        ),
+    ]
+    for name, kind, help_text, read in series:
+        out.metric(name, kind, help_text, _by_worker(reports, read))
+    out.metric(
+        "renderqueue_sqlite_checkpoints_total",
+        "counter",
+        "Checkpoints the worker's upkeep thread ran, by kind: passive (copies what it can, "
+        "blocks nobody), restart (let the WAL start over) and restart_busy (a restart that "
+        "could not get its turn in time).",
+        [
+            sample
+            for kind, read in (
+                ("passive", _sqlite(lambda c: c.checkpoints)),
+                ("restart", _sqlite(lambda c: c.restarts)),
+                ("restart_busy", _sqlite(lambda c: c.restarts_busy)),
+            )
+            for sample in _by_worker(reports, read, kind=kind)
+        ],
+    )
 
 
 def _wal_metrics(out: Exposition, wal: object) -> None:

@@ -49,6 +49,32 @@ class Writability(msgspec.Struct, frozen=True, kw_only=True):
     reason: str = ""  # the last refusal, while not writable
 
 
+class SqliteCounters(msgspec.Struct, frozen=True, kw_only=True):
+    busy_retries: int  # write transactions tried again because another writer held the lock
+    checkpoints: int  # PASSIVE checkpoints run by this process's upkeep thread
+    restarts: int  # RESTART checkpoints that started the WAL over
+    restarts_busy: int  # RESTART checkpoints that could not get their turn in time
+    checkpoint_errors: int  # upkeep rounds that failed (its thread goes on)
+    longest_checkpoint_ms: float
+
+
+class PostgresCounters(msgspec.Struct, frozen=True, kw_only=True):
+    reconnects: int  # connections replaced after one was lost
+    rollbacks: int  # writes the server rolled back (deadlocks) and the store retried
+
+
+class StoreCounters(msgspec.Struct, frozen=True, kw_only=True):
+    """What one process's store object has met, counted as it went: no query, so cheap
+    enough to read every second. One of `sqlite` and `postgres` is set, by backend."""
+
+    writability: Writability
+    transactions: int  # write transactions committed
+    rows_written: int
+    busy_refused: int  # writes given up after the lock wait: StoreBusy, answered 503
+    sqlite: SqliteCounters | None = None
+    postgres: PostgresCounters | None = None
+
+
 class WriteHealth:
     """A store's Writability, kept as its writes succeed or are refused for want of
     disk (one tracker for all of a store's threads: a refusal on one is the disk's)."""
@@ -223,6 +249,10 @@ class ScheduleStore(Protocol):
     def writability(self) -> Writability:
         """Whether writes reach the disk, as this process's last write found (a full
         disk makes them raise StoreFull until space returns)."""
+        ...
+
+    def counters(self) -> StoreCounters:
+        """This process's counts of its writes; no query (see StoreCounters)."""
         ...
 
     def close(self) -> None: ...

@@ -28,6 +28,7 @@ from store.base import (
     FeedBatch,
     FeedStatistics,
     RowsRead,
+    StoreCounters,
     Writability,
 )
 from store.rows import (
@@ -286,6 +287,11 @@ class MemoryStore:
 
     def writability(self) -> Writability:
         return Writability(writable=True, refused=0)
+
+    def counters(self) -> StoreCounters:
+        return StoreCounters(
+            writability=self.writability(), transactions=0, rows_written=0, busy_refused=0
+        )
 
     def close(self) -> None:
         pass

@@ -92,9 +92,9 @@ def test_a_full_disk_is_507_with_its_cause_and_writes_resume_when_space_returns(
             assert done.status_code == 507, done.text
             assert client.get("/v1/schedule", params={"key": "/before/0"}).status_code == 200
             metrics = client.get("/metrics").text
-            assert "renderqueue_store_writable 0" in metrics
+            assert 'renderqueue_store_writable{worker="0"} 0' in metrics
             assert (
-                "renderqueue_store_writes_refused_total 2" in metrics
+                'renderqueue_store_writes_refused_total{worker="0"} 2' in metrics
             )  # the batch, the completion
             store = client.get("/prerender_admin/overview").json()["store"]
             assert store["writable"] is False and "full" in store["reason"]
@@ -105,7 +105,7 @@ def test_a_full_disk_is_507_with_its_cause_and_writes_resume_when_space_returns(
             retried = client.post("/v1/completions", json={"items": items})
             assert retried.status_code == 200
             assert all(result["ok"] for result in retried.json()["results"])
-            assert "renderqueue_store_writable 1" in client.get("/metrics").text
+            assert 'renderqueue_store_writable{worker="0"} 1' in client.get("/metrics").text
             # Nothing of the refused batch landed, all of the later one did.
             for key in (f"/refused{batch}/0", f"/refused{batch}/499"):
                 assert client.get("/v1/schedule", params={"key": key}).status_code == 404

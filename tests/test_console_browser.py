@@ -194,6 +194,17 @@ def test_numbers_equal_queue_state(browser: Any, node: NodeProcess, shots: Path)
         workers = page.locator("#workers tr")
         assert workers.count() == 3  # a header and two workers
         assert "ready" in workers.nth(1).inner_text()
+        # Each worker's own counts, from its report to the supervisor.
+        headers = page.locator("#workers th").all_inner_texts()
+        column = headers.index("refused 503 / 507")
+        wait_for(
+            lambda: (
+                [workers.nth(i).locator("td").all_inner_texts()[column] for i in (1, 2)]
+                == ["0 / 0", "0 / 0"]
+            ),
+            30,
+            "both workers' reports",
+        )
         # The SQLite store's WAL, as the supervisor read it.
         wal = admin_get(node, "/prerender_admin/overview").json()["supervisor"]["wal"]
         assert wal["file_bytes"] > 0 and 0 <= wal["checkpointed"] <= wal["frames"]

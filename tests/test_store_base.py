@@ -11,12 +11,13 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import msgspec
 import pytest
 from store_helpers import ContractStore, close_all, is_postgres, keys_of, open_url, put, settle
 
-from store.errors import StoreError
+from store.errors import StoreBusy, StoreError
 from store.rows import Completion, Outcome, Route, Row, RowEvent
 
 SPAWN = multiprocessing.get_context("spawn")
@@ -542,3 +543,41 @@ def test_a_feed_that_delivered_a_reads_head_delivered_every_write_it_saw(
         writer.join(5)
         sub.close()
     assert moved > 10, "the writer never moved the feed between reads: nothing tested"
+
+
+def test_counters_count_this_objects_writes_and_the_writes_it_gave_up(store_url: str) -> None:
+    """`counters()` reads no table: what this object committed, and a write that waited
+    out the lock another connection held, refused with StoreBusy and nothing written."""
+    store = open_url(store_url, busy_timeout_s=0.3)
+    try:
+        start = store.counters()
+        store.write([put("/a"), put("/b")])
+        store.write([put("/c")])
+        after = store.counters()
+        assert after.transactions - start.transactions == 2
+        assert after.rows_written - start.rows_written == 3
+        assert after.busy_refused == start.busy_refused == 0
+        assert after.writability.writable
+        if is_postgres(store_url):
+            import psycopg
+
+            holder: Any = psycopg.connect(store_url)
+            holder.execute("LOCK TABLE render_schedule IN EXCLUSIVE MODE")
+        else:
+            holder = sqlite3.connect(store_url.removeprefix("sqlite:///"), isolation_level=None)
+            holder.execute("BEGIN IMMEDIATE")
+        try:
+            with pytest.raises(StoreBusy):
+                store.write([put("/d")])
+        finally:
+            holder.close()  # its transaction rolls back with it
+        refused = store.counters()
+        assert refused.busy_refused == 1
+        assert refused.transactions == after.transactions and store.get("/d") is None
+        if is_postgres(store_url):
+            assert refused.sqlite is None and refused.postgres is not None
+        else:
+            assert refused.postgres is None and refused.sqlite is not None
+            assert refused.sqlite.busy_retries > 0  # it tried again until the wait ran out
+    finally:
+        store.close()

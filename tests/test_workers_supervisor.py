@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import sqlite3
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import msgspec
 import pytest
 from node_harness import (
     REPO,
@@ -32,8 +34,12 @@ from node_harness import (
     unique,
     wait_for,
 )
+from test_api_report import a_report
 
-from workers.segments import SegmentNames
+from api.report import MAX_REPORT_BYTES, encode_report_line
+from workers.config import MAX_WORKERS
+from workers.segments import SUPERVISOR_STATE_BYTES, SegmentNames
+from workers.supervisor import SupervisorStatistics, WorkerStatistics
 
 
 def segment_files(instance: str) -> list[Path]:
@@ -167,6 +173,112 @@ def test_the_wal_series_show_a_reader_holding_checkpoints_back(tmp_path: Path) -
         wait_for(caught_up, 30, "the checkpoints to catch up once the reader let go", 0.5)
         named = {n for n in readme_series()[0] if n.startswith("renderqueue_sqlite_wal_")}
         assert named == {n for n in named if metric(node, n) is not None} != set()
+
+
+def test_the_largest_supervisor_record_fits_its_segment() -> None:
+    """The most workers, each with a report as long as one pipe write carries."""
+    padding = MAX_REPORT_BYTES
+    while (line := encode_report_line(a_report(reason="x" * padding))) is None:
+        padding -= 16
+    assert len(line) > MAX_REPORT_BYTES - 16
+    report = a_report(reason="x" * padding)
+    record = SupervisorStatistics(
+        pid=1,
+        node="n" * 64,
+        instance="i" * 64,
+        host="h" * 255,
+        port=8080,
+        state="running",
+        started_at=1,
+        written_at=2,
+        restarts=0,
+        boot_failures=0,
+        lease_sweeps=0,
+        lease_slots_reclaimed=0,
+        workers=[
+            WorkerStatistics(
+                index=index,
+                state="ready",
+                pid=index,
+                started_at=1,
+                restarts=10**6,
+                boot_failures=10**6,
+                last_exit="killed by signal SIGKILL " * 4,
+                report=report,
+                bad_reports=10**6,
+            )
+            for index in range(MAX_WORKERS)
+        ],
+    )
+    assert len(msgspec.msgpack.encode(record)) < SUPERVISOR_STATE_BYTES - 32 * 1024
+
+
+def per_worker(node: NodeProcess, name: str) -> dict[int, float]:
+    """A series labelled by worker, from whichever worker answers."""
+    with node.client() as client:
+        samples = metric_samples(client.get("/metrics").text)
+    found = (re.fullmatch(name + r'\{worker="(\d+)"\}', key) for key in samples)
+    return {int(m.group(1)): samples[m.group(0)] for m in found if m}
+
+
+def test_each_workers_counts_are_served_whichever_worker_answers(tmp_path: Path) -> None:
+    """Every worker reports its own counts to the supervisor about once a second: a
+    scrape answered by either worker serves both, and a restarted worker counts anew.
+    One listener between the workers, so a stopped worker's share goes to the other."""
+    transactions = "renderqueue_store_transactions_total"
+    seed_rows(node_db(tmp_path), 10)
+    with node_process(tmp_path, workers=2, extra_args=("--reuse-port", "false")) as node:
+
+        def both(name: str) -> dict[int, float] | None:
+            served = per_worker(node, name)
+            return served if len(served) == 2 else None
+
+        # Until each worker's first report reaches the supervisor's record, a worker serves
+        # only its own counts.
+        before: dict[int, float] = wait_for(lambda: both(transactions), 30, "both reports")
+        writes = 20
+        for stopped in (0, 1):  # each worker in turn takes every write
+            os.kill(node.worker_pid(stopped), signal.SIGSTOP)
+            try:
+                for i in range(writes):
+                    with node.client() as client:
+                        upsert = [{"key": f"https://w.example/{stopped}/{i}", "route": "r"}]
+                        response = client.post("/v1/schedule", json={"upsert": upsert})
+                        assert response.status_code == 200, response.text
+            finally:
+                os.kill(node.worker_pid(stopped), signal.SIGCONT)
+        expected = {index: before[index] + writes for index in (0, 1)}
+        wait_for(
+            lambda: per_worker(node, transactions) == expected,
+            30,
+            f"each worker's {writes} writes in its report",
+            0.2,
+        )
+        # The same counts from either worker: with one stopped, the other serves the
+        # stopped one's last report, which ages meanwhile.
+        for stopped in (0, 1):
+            os.kill(node.worker_pid(stopped), signal.SIGSTOP)
+            try:
+                time.sleep(1.5)
+                assert per_worker(node, transactions) == expected
+                age = per_worker(node, "renderqueue_worker_report_age_seconds")
+                assert age[stopped] >= 1.0 > age[1 - stopped], age
+            finally:
+                os.kill(node.worker_pid(stopped), signal.SIGCONT)
+        for name in ("renderqueue_store_writable", "renderqueue_sqlite_busy_retries_total"):
+            assert set(per_worker(node, name)) == {0, 1}, name
+        # A restarted worker is a new process: its report starts from zero.
+        os.kill(node.worker_pid(1), signal.SIGKILL)
+        wait_for(
+            lambda: (
+                per_worker(node, "renderqueue_worker_restarts_total").get(1) == 1
+                and per_worker(node, transactions).get(1) == 0
+            ),
+            60,
+            "worker 1 restarted and reporting anew",
+            0.2,
+        )
+        assert per_worker(node, transactions)[0] == expected[0]
 
 
 def test_every_worker_serves_the_keepers_statistics(tmp_path: Path) -> None:

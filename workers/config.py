@@ -38,6 +38,9 @@ class ConfigError(ValueError):
         self.source = source
 
 
+MAX_WORKERS = 64
+
+
 class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Everything `renderqueue serve` needs. Field names are the TOML keys; the environment
     variable is `RENDERQUEUE_` + the name in upper case, the flag `--` + it with dashes."""
@@ -45,7 +48,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     db: str = "var/renderqueue.sqlite"  # a SQLite path, or a store URL (postgresql://...)
     host: str = "127.0.0.1"
     port: Port = 8080
-    workers: Annotated[int, msgspec.Meta(ge=1, le=64)] = 2
+    workers: Annotated[int, msgspec.Meta(ge=1, le=MAX_WORKERS)] = 2
     # A listener per worker on the one port (SO_REUSEPORT): the kernel spreads connections
     # evenly; with one shared listener a busy worker can end up with most of them.
     reuse_port: bool = True

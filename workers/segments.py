@@ -11,12 +11,15 @@ from dataclasses import dataclass
 
 import msgspec
 
+from api.report import MAX_REPORT_BYTES
 from shm import LeaseTable, ReadyRing, StateBuffer, segment_name
 from shm.marks import WriteMarks
 from shm.segment import remove as remove_segment
+from workers.config import MAX_WORKERS
 
-# The supervisor's statistics: a few hundred bytes per worker.
-SUPERVISOR_STATE_BYTES = 64 * 1024
+# The supervisor's statistics: a worker's report (api.report) is one pipe write at most,
+# so the record of the most workers with the longest reports fits, with room for the rest.
+SUPERVISOR_STATE_BYTES = 64 * 1024 + MAX_WORKERS * MAX_REPORT_BYTES
 # The keeper's statistics (keeper.state.KeeperStatistics): about 1 KB of msgpack, fixed
 # in shape; only its reason strings vary, and 16 KiB leaves them ample room. A record that
 # does not fit is refused whole and counted (statistics_write_failures), never truncated.

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import msgspec
 
+from api.report import MAX_REPORT_BYTES, REPORT_PREFIX, WorkerReport, decode_report_line
 from shm import lease_snapshot
 from shm.leases import LeaseCensus
 from shm.segment import now_ms
@@ -57,6 +58,8 @@ QUICK_STOP_S = 5.0
 # How often the supervisor counts the lease table (a read-only scan of every slot)
 # for the workers' in-flight and expired-unanswered counts.
 CENSUS_INTERVAL_S = 1.0
+# A worker's status lines are "ready" and its reports; anything longer is not one of them.
+MAX_STATUS_LINE_BYTES = MAX_REPORT_BYTES
 
 
 class WorkerStatistics(msgspec.Struct, frozen=True, kw_only=True):
@@ -67,6 +70,10 @@ class WorkerStatistics(msgspec.Struct, frozen=True, kw_only=True):
     restarts: int
     boot_failures: int
     last_exit: str | None
+    # The worker's latest report of its own counts (api.report); None until its first,
+    # and from each restart, since a new process counts from zero.
+    report: WorkerReport | None = None
+    bad_reports: int = 0  # status lines from the worker that were not a valid report
 
 
 class SupervisorStatistics(msgspec.Struct, frozen=True, kw_only=True):
@@ -106,6 +113,8 @@ class WorkerSlot:
     total_boot_failures: int = 0
     next_start_at: float | None = 0.0  # monotonic; None: do not start
     last_exit: str | None = None
+    report: WorkerReport | None = None
+    bad_reports: int = 0  # across restarts
 
     @property
     def pid(self) -> int | None:
@@ -570,6 +579,7 @@ class Supervisor:
         slot.status_fd = status_r
         slot.status_buffer = b""
         slot.ready = False
+        slot.report = None
         slot.started_at = time.monotonic()
         slot.started_at_ms = now_ms()
         slot.next_start_at = None
@@ -589,7 +599,17 @@ class Supervisor:
             return
         slot.status_buffer += data
         *lines, slot.status_buffer = slot.status_buffer.split(b"\n")
+        if len(slot.status_buffer) > MAX_STATUS_LINE_BYTES:
+            slot.status_buffer = b""  # not a line this protocol writes: dropped, not kept
+            slot.bad_reports += 1
         for line in lines:
+            if line.startswith(REPORT_PREFIX):
+                report = decode_report_line(line)
+                if report is None:
+                    slot.bad_reports += 1
+                else:
+                    slot.report = report
+                continue
             if line.strip() == b"ready" and not slot.ready:
                 slot.ready = True
                 self._any_ready = True
@@ -719,6 +739,8 @@ class Supervisor:
                     restarts=slot.restarts,
                     boot_failures=slot.total_boot_failures,
                     last_exit=slot.last_exit,
+                    report=slot.report,
+                    bad_reports=slot.bad_reports,
                 )
                 for slot in self.slots
             ],

@@ -17,7 +17,7 @@ import signal
 import socket
 import sys
 import threading
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from types import FrameType
 
 import msgspec
@@ -25,6 +25,7 @@ import uvicorn
 
 from api.app import create_app
 from api.node import ApiSettings, Node
+from api.report import encode_report_line, worker_report
 from keeper import heap
 from shm.keys import use_secret
 from workers import logs
@@ -39,16 +40,27 @@ log = logs.get_logger("worker")
 PR_SET_PDEATHSIG = 1
 
 
+# uvicorn's main loop ticks every 0.1 s: a report about once a second.
+REPORT_EVERY_TICKS = 10
+
+
 class WorkerServer(uvicorn.Server):
-    """uvicorn's Server with this node's signal semantics and a ready report.
+    """uvicorn's Server with this node's signal semantics, a ready line, and a report
+    (api.report) to the supervisor about once a second.
 
     uvicorn re-raises a captured signal after shutdown, which would kill the process before
     the keeper stops and the store closes; this server handles the signal and returns.
     """
 
-    def __init__(self, config: uvicorn.Config, status_fd: int) -> None:
+    def __init__(
+        self, config: uvicorn.Config, status_fd: int, report: Callable[[], bytes | None]
+    ) -> None:
         super().__init__(config)
         self._status_fd = status_fd
+        self._report = report
+        self.reports_dropped = 0  # the pipe was full: the supervisor is not reading
+        # A stopped or busy supervisor must never block the event loop on this pipe.
+        os.set_blocking(status_fd, False)
 
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
@@ -74,6 +86,23 @@ class WorkerServer(uvicorn.Server):
         if self.started:
             with contextlib.suppress(OSError):
                 os.write(self._status_fd, b"ready\n")
+                self._send_report()
+
+    async def on_tick(self, counter: int) -> bool:
+        if counter % REPORT_EVERY_TICKS == 0 and self.started:
+            self._send_report()
+        return await super().on_tick(counter)
+
+    def _send_report(self) -> None:
+        line = self._report()
+        if line is None:
+            return
+        try:
+            os.write(self._status_fd, line)
+        except BlockingIOError:
+            self.reports_dropped += 1
+        except OSError:  # the supervisor is gone; this worker is about to be told to stop
+            pass
 
 
 def die_with_parent(supervisor_pid: int) -> None:
@@ -194,7 +223,9 @@ def serve(spec: WorkerSpec) -> int:
             timeout_graceful_shutdown=math.ceil(settings.graceful_timeout_s),
             backlog=2048,
         )
-        server = WorkerServer(config, spec.status_fd)
+        server = WorkerServer(
+            config, spec.status_fd, lambda: encode_report_line(worker_report(node))
+        )
         # Everything allocated so far lives as long as the worker: out of the collector's
         # sight, a full collection walks only what came after (walking the imports and the
         # app too would stall every request and feed event in flight).

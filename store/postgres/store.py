@@ -31,7 +31,9 @@ from store.base import (
     Cursor,
     CursorAhead,
     CursorBelowFloor,
+    PostgresCounters,
     RowsRead,
+    StoreCounters,
     Writability,
     WriteHealth,
 )
@@ -106,6 +108,7 @@ class _ThreadState:
         self.rows_written = 0
         self.reconnects = 0
         self.busy = 0
+        self.gave_up = 0  # of `busy`, writes that waited out the lock timeout
         self.rollbacks = 0
         self.write_position = 0
 
@@ -233,6 +236,7 @@ class PostgresStore:
                 raise
             except StoreBusy:
                 state.busy += 1
+                state.gave_up += wait
                 raise
             except StoreFull as exc:
                 self._health.refused(str(exc))
@@ -577,6 +581,20 @@ class PostgresStore:
             reconnects=sum(s.reconnects for s in states),
             busy=sum(s.busy for s in states),
             rollbacks=sum(s.rollbacks for s in states),
+        )
+
+    def counters(self) -> StoreCounters:
+        with self._lock:
+            states = list(self._states)
+        return StoreCounters(
+            writability=self.writability(),
+            transactions=sum(s.transactions for s in states),
+            rows_written=sum(s.rows_written for s in states),
+            busy_refused=sum(s.gave_up for s in states),
+            postgres=PostgresCounters(
+                reconnects=sum(s.reconnects for s in states),
+                rollbacks=sum(s.rollbacks for s in states),
+            ),
         )
 
     @property

@@ -83,6 +83,7 @@ class Retry:
     def __init__(self, busy_timeout_s: float) -> None:
         self.busy_timeout_s = busy_timeout_s
         self.retries = 0
+        self.gave_up = 0  # calls that waited out busy_timeout_s and raised StoreBusy
 
     def call(self, what: str, fn: Callable[[], T], *, wait: bool = True) -> T:
         """`wait=False`: BUSY raises StoreBusy at once, for a caller that waits elsewhere."""
@@ -105,6 +106,7 @@ class Retry:
                 if deadline is None:
                     deadline = now + self.busy_timeout_s
                 elif now >= deadline:
+                    self.gave_up += 1
                     raise StoreBusy(
                         f"{what}: the database stayed locked by other writers for "
                         f"{self.busy_timeout_s:g} s ({exc}); nothing was written"

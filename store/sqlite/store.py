@@ -25,7 +25,15 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from store.base import DEFAULT_BUSY_TIMEOUT_S, Cursor, RowsRead, Writability, WriteHealth
+from store.base import (
+    DEFAULT_BUSY_TIMEOUT_S,
+    Cursor,
+    RowsRead,
+    SqliteCounters,
+    StoreCounters,
+    Writability,
+    WriteHealth,
+)
 from store.errors import StoreError, StoreFull
 from store.rows import Completion, Route, Row, RowWrite, completion_rounds, route_from, row_from
 from store.secret import checked
@@ -638,6 +646,25 @@ class SqliteStore:
             pruned=self._pruned,
             wake=self._poster.statistics(),
             upkeep=(self._upkeep or Upkeep(self.path)).statistics(),
+        )
+
+    def counters(self) -> StoreCounters:
+        with self._lock:
+            states = list(self._states)
+        upkeep = (self._upkeep or Upkeep(self.path)).statistics()
+        return StoreCounters(
+            writability=self.writability(),
+            transactions=sum(s.transactions for s in states),
+            rows_written=sum(s.rows_written for s in states),
+            busy_refused=sum(s.retry.gave_up for s in states),
+            sqlite=SqliteCounters(
+                busy_retries=sum(s.retry.retries for s in states),
+                checkpoints=upkeep.checkpoints,
+                restarts=upkeep.restarts,
+                restarts_busy=upkeep.restarts_busy,
+                checkpoint_errors=upkeep.errors,
+                longest_checkpoint_ms=upkeep.longest_checkpoint_ms,
+            ),
         )
 
     def close(self) -> None:
