@@ -243,6 +243,21 @@ def route_cell(page: Any, route: str, column: int) -> str:
     return str(cells[column]) if len(cells) > column else ""
 
 
+def test_a_poll_keeps_the_route_buttons_it_shows(browser: Any, node: NodeProcess) -> None:
+    """A button replaced between a click's press and release loses the click: the poll
+    rewrites the due counts in place and redraws the buttons only when a route changes."""
+    pause = 'button[data-route="blog"][data-action="pause"]'
+    with console(browser, node, ADMIN_TOKEN) as page:
+        wait_ticks(page)
+        page.evaluate(f"document.querySelector('{pause}').dataset.mark = 'kept'")
+        due_cell = '#routes tr[data-route="blog"] td:nth-child(4)'
+        page.evaluate(f"document.querySelector('{due_cell}').textContent = 'stale'")
+        wait_ticks(page, 3)
+        assert page.get_attribute(pause, "data-mark") == "kept"
+        state = admin_get(node, "/prerender_admin/queue-state").json()
+        assert page.inner_text(due_cell) == f"{sum(state['lateness']['by_route']['blog']):,}"
+
+
 def test_pause_and_resume_a_route(browser: Any, node: NodeProcess, shots: Path) -> None:
     with console(browser, node, ADMIN_TOKEN) as page:
         wait_ticks(page)
