@@ -299,6 +299,20 @@ def test_an_unanswered_action_says_so(browser: Any, node: NodeProcess) -> None:
         assert {r["route"]: r["paused"] for r in routes}["blog"] is False
 
 
+def test_a_cluster_view_that_does_not_answer_leaves_the_node_shown(
+    browser: Any, node: NodeProcess
+) -> None:
+    """The cluster view asks every peer and may be slow; its failure is its section's
+    alone, never the node's "did not answer" banner over counts that did answer."""
+    with console(browser, node, ADMIN_TOKEN) as page:
+        page.route("**/prerender_admin/cluster/queue-state", lambda route: route.abort("timedout"))
+        wait_ticks(page, 2)
+        assert "did not answer" in page.inner_text("#cluster-note")
+        assert not page.is_visible("#banner")
+        state = admin_get(node, "/prerender_admin/queue-state").json()
+        assert page.get_attribute("#now-due", "data-value") == str(state["now"]["due"])
+
+
 def test_a_stopped_keeper_withholds_the_counts(
     browser: Any, node: NodeProcess, shots: Path
 ) -> None:
