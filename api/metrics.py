@@ -1,6 +1,7 @@
 """`GET /metrics`: Prometheus text format, built from the keeper's queue-state record, its
-statistics record, the supervisor's, and the shared-memory primitives' `statistics()`,
-never re-derived from the table.
+statistics record, the supervisor's (with each worker's report of its own counts,
+api.report), and the shared-memory primitives' `statistics()`, never re-derived from the
+table.
 
 Gauges an autoscaler reads: `renderqueue_due` (claimable work) and `renderqueue_in_flight`.
 """

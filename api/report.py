@@ -25,6 +25,9 @@ if TYPE_CHECKING:  # the supervisor reads reports without the API's node
 REPORT_PREFIX = b"report "
 # A pipe write of at most PIPE_BUF bytes is never split or interleaved with another.
 MAX_REPORT_BYTES = select.PIPE_BUF
+# A disk error's message, as the report carries it; in UTF-8 at most 4 bytes a character,
+# with the counts, well under MAX_REPORT_BYTES.
+MAX_REASON_CHARS = 500
 
 
 class WorkerReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -34,9 +37,16 @@ class WorkerReport(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def worker_report(node: Node) -> WorkerReport:
+    store = node.store.counters()
+    reason = store.writability.reason
+    if len(reason) > MAX_REASON_CHARS:  # the one free-form string: it must not cost the report
+        writability = msgspec.structs.replace(
+            store.writability, reason=reason[: MAX_REASON_CHARS - 1] + "…"
+        )
+        store = msgspec.structs.replace(store, writability=writability)
     return WorkerReport(
         written_at=now_ms(),
-        store=node.store.counters(),
+        store=store,
         completions=node.completions.statistics(),
     )
 

@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import select
 from pathlib import Path
+from types import SimpleNamespace
+from typing import cast
 
 import msgspec
 import pytest
 from node_harness import node_db, seed_rows, thread_node
 
 from api.completions import CompletionQueueStatistics
+from api.node import Node
 from api.report import (
+    MAX_REASON_CHARS,
     MAX_REPORT_BYTES,
     REPORT_PREFIX,
     WorkerReport,
@@ -111,3 +115,21 @@ def test_a_workers_report_counts_its_writes(tmp_path: Path) -> None:
     assert after.store.writability.writable
     assert (after.store.sqlite is None) != (after.store.postgres is None)
     assert after.written_at >= before.written_at
+
+
+def test_a_long_disk_error_is_cut_so_the_report_still_goes() -> None:
+    class Store:
+        def counters(self) -> StoreCounters:
+            return a_report(reason="\u00e9" * 10_000).store
+
+    class Completions:
+        def statistics(self) -> CompletionQueueStatistics:
+            return a_report().completions
+
+    node = cast(Node, SimpleNamespace(store=Store(), completions=Completions()))
+    report = worker_report(node)
+    reason = report.store.writability.reason
+    assert len(reason) == MAX_REASON_CHARS and reason.endswith("…")
+    assert not report.store.writability.writable
+    line = encode_report_line(report)
+    assert line is not None and decode_report_line(line.rstrip(b"\n")) == report
