@@ -155,29 +155,36 @@ def test_a_long_wal_is_restarted_by_the_restart_thread(
     assert not upkeep._restarter.is_alive()
 
 
-def test_the_wal_stays_short_under_a_writer_that_never_pauses(
+def test_the_wal_starts_over_under_a_writer_that_never_pauses(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # A PASSIVE checkpoint alone never sees the whole log copied while commits keep coming,
     # so without the restart the WAL grows to the writers' own threshold (disabled here).
     monkeypatch.setattr(upkeep_module, "RESTART_FRAMES", 300)
     monkeypatch.setattr(sqlite_store_module, "WRITER_CHECKPOINT_PAGES", 1_000_000)
+    # A restart follows a PASSIVE checkpoint, whose thread runs at idle priority: on a
+    # machine kept busy by others it may not run for seconds, as intended (the writers'
+    # own checkpoint is the bound then). This test is of the restart, so that thread
+    # stays at normal priority here.
+    monkeypatch.setattr(upkeep_module, "lower_to_idle", lambda: False)
     db = tmp_path / "s.db"
     store = SqliteStore(db)
     reader = SqliteStore(db, background_checkpoints=False)
     store.write([put(i) for i in range(5_000)])
-    longest = 0
-    deadline = time.monotonic() + 3.0
-    i = 0
-    while time.monotonic() < deadline:
+    # Three start-overs, however long they take within a minute, rather than a bound on
+    # the WAL's length in a fixed time, which a busy machine can miss.
+    start_overs = last = i = 0
+    deadline = time.monotonic() + 60.0
+    while start_overs < 3 and time.monotonic() < deadline:
         store.write([put(i % 5_000), put((i * 7919) % 5_000)])
         reader.get(f"/k{i % 5_000}")
-        longest = max(longest, wal_frames(db) or 0)
+        frames = wal_frames(db) or 0
+        start_overs += last >= upkeep_module.RESTART_FRAMES and frames < last
+        last = frames
         i += 1
     restarts = store.statistics().upkeep.restarts
     reader.close()
     store.close()
+    # Without the restart the log never starts over while the writer never pauses.
+    assert start_overs == 3, f"the WAL started over {start_overs} times in {i} writes"
     assert restarts > 0
-    # Without the restart the writer alone takes the WAL far past this bound within the
-    # three seconds; with it the log starts over every few hundred frames past RESTART_FRAMES.
-    assert longest < 10_000, f"the WAL reached {longest} frames in {i} writes"
