@@ -564,8 +564,10 @@ class PostgresStore:
             return tuple(found)
 
         rows, routes, log_rows, floor_xid, consumers, resyncs = self._read("statistics", body)
+        counted = self.counters()
+        assert counted.postgres is not None
         with self._lock:
-            states = list(self._states)
+            busy = sum(s.busy for s in self._states)
         return PostgresStoreStatistics(
             url=redacted(self.url),
             schema_version=self._schema_version,
@@ -576,11 +578,11 @@ class PostgresStore:
             floor_xid=int(floor_xid),
             consumers=int(consumers),
             resyncs=int(resyncs),
-            transactions=sum(s.transactions for s in states),
-            rows_written=sum(s.rows_written for s in states),
-            reconnects=sum(s.reconnects for s in states),
-            busy=sum(s.busy for s in states),
-            rollbacks=sum(s.rollbacks for s in states),
+            transactions=counted.transactions,
+            rows_written=counted.rows_written,
+            reconnects=counted.postgres.reconnects,
+            busy=busy,
+            rollbacks=counted.postgres.rollbacks,
         )
 
     def counters(self) -> StoreCounters:

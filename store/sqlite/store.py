@@ -627,8 +627,8 @@ class SqliteStore:
         rows, routes, log_rows, floor, last, consumers, lowest, resyncs = state.retry.transaction(
             state.conn, "statistics", body, write=False
         )
-        with self._lock:
-            states = list(self._states)
+        counted = self.counters()
+        assert counted.sqlite is not None
         return StoreStatistics(
             path=str(self.path),
             schema_version=self._schema_version,
@@ -640,18 +640,22 @@ class SqliteStore:
             consumers=consumers,
             lowest_consumer_seq=None if lowest < 0 else lowest,
             resyncs=resyncs,
-            transactions=sum(s.transactions for s in states),
-            rows_written=sum(s.rows_written for s in states),
-            busy_retries=sum(s.retry.retries for s in states),
+            transactions=counted.transactions,
+            rows_written=counted.rows_written,
+            busy_retries=counted.sqlite.busy_retries,
             pruned=self._pruned,
             wake=self._poster.statistics(),
-            upkeep=(self._upkeep or Upkeep(self.path)).statistics(),
+            upkeep=self._upkeep_statistics(),
         )
+
+    def _upkeep_statistics(self) -> UpkeepStatistics:
+        """The upkeep thread's counts; all zero for a store that runs none."""
+        return (self._upkeep or Upkeep(self.path)).statistics()
 
     def counters(self) -> StoreCounters:
         with self._lock:
             states = list(self._states)
-        upkeep = (self._upkeep or Upkeep(self.path)).statistics()
+        upkeep = self._upkeep_statistics()
         return StoreCounters(
             writability=self.writability(),
             transactions=sum(s.transactions for s in states),
