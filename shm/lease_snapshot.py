@@ -9,9 +9,12 @@ from before the restart still completes its key; the key is not granted to anyon
 while its lease lives. An expired lease comes back as what it is (the table turns an
 expired unanswered lease into a hold lazily), and so do holds.
 
-Only a graceful stop (SIGTERM) writes a snapshot. A quick stop (SIGINT) and a crash
-(SIGKILL, a fault) write none, and the next start begins with an empty table: a fleet
-worker's completion then comes back `lease_not_held`, and its key may be granted again.
+Only a graceful stop (SIGTERM) writes a snapshot. A quick stop (SIGINT) writes none and
+unlinks the table: the next start begins with an empty table, a fleet worker's
+completion then comes back `lease_not_held`, and its key may be granted again. A crash
+(SIGKILL, a fault) writes none either, but leaves the table in shared memory, which the
+next start adopts instead (shm/lease_survivor.py, which also says why a surviving table
+wins over a snapshot file).
 
 The file is a fixed header and the raw slots (`shm.leases.SLOT`, little-endian):
 
@@ -58,6 +61,8 @@ INSTANCE_BYTES = 64
 # Clocks of one machine across a restart: a snapshot from further ahead is not ours.
 MAX_FUTURE_MS = 5 * 60 * 1000
 REJECTED_SUFFIX = ".rejected"
+# A snapshot a surviving lease table made obsolete (shm/lease_survivor.py).
+SUPERSEDED_SUFFIX = ".superseded"
 
 
 class SnapshotRejected(Exception):
@@ -252,8 +257,15 @@ def restore(
     )
 
 
-def _move_aside(target: Path) -> str | None:
-    aside = target.with_name(target.name + REJECTED_SUFFIX)
+def set_aside(path: str | os.PathLike[str], suffix: str) -> str | None:
+    """Rename the snapshot at `path` to `<path><suffix>` so no start loads it; the new
+    name, or None if there was no file or it could not be renamed."""
+    target = Path(path)
+    return _move_aside(target, suffix) if target.exists() else None
+
+
+def _move_aside(target: Path, suffix: str = REJECTED_SUFFIX) -> str | None:
+    aside = target.with_name(target.name + suffix)
     try:
         os.replace(target, aside)
     except OSError:

@@ -70,6 +70,11 @@ stays leased and an ended hold stays held until a grant of the key or a sweep
 settles it; after a sweep at `now` they equal `census(now)`, the full scan. A
 process killed between a CAS and its count can leave a counter one off;
 `recount()` rebuilds counters and lanes from the slots (after an import).
+
+**The secret's fingerprint**: the creator records which hash secret the keys are hashed
+under (`shm.keys.fingerprint`, in a control word), so the next start of a node killed
+whole can tell whether the table it left is keyed as its own before adopting its slots
+(shm/lease_survivor.py).
 """
 
 from __future__ import annotations
@@ -80,6 +85,7 @@ import msgspec
 import numpy as np
 
 from shm._atomics import LEASE_LAYOUT, Leases, Words
+from shm.keys import fingerprint
 from shm.segment import HEADER_BYTES, Segment, align
 from shm.segment import now_ms as wall_clock_ms
 
@@ -101,6 +107,7 @@ _REASONS: dict[int, Literal["taken", "held", "probe_full"]] = {
     LEASE_LAYOUT["refused_probe_full"]: "probe_full",
 }
 _GRANTED = LEASE_LAYOUT["granted"]
+_SECRET_PRINT_WORD = _CTRL // 8 + LEASE_LAYOUT["secret_print"]
 
 
 def _tags_offset(capacity: int) -> int:
@@ -183,14 +190,35 @@ class LeaseTable:
         )
 
     @classmethod
-    def create(cls, name: str, capacity: int = 1 << 16) -> LeaseTable:
+    def create(
+        cls, name: str, capacity: int = 1 << 16, *, secret: bytes | None = None
+    ) -> LeaseTable:
+        """A fresh table. `secret`: the hash secret its keys are hashed under, recorded by
+        its fingerprint so the next start can tell whether a killed run's table is keyed
+        as its own (shm/lease_survivor.py); a table made without one is never adopted."""
         if not PROBE_WINDOW <= capacity <= 2**32:
             raise ValueError(f"lease table capacity must be in {PROBE_WINDOW}..2**32")
-        return cls(Segment.create(name, KIND, table_size(capacity), capacity, 0, SLOT.itemsize))
+        table = cls(Segment.create(name, KIND, table_size(capacity), capacity, 0, SLOT.itemsize))
+        if secret is not None:
+            table._words.store(_SECRET_PRINT_WORD, fingerprint(secret))
+        return table
 
     @classmethod
     def attach(cls, name: str) -> LeaseTable:
         return cls(Segment.attach(name, KIND, SLOT.itemsize, table_size))
+
+    @property
+    def secret_print(self) -> int:
+        """The fingerprint of the hash secret the creator recorded (shm.keys); 0 if none."""
+        return int(self._words.load(_SECRET_PRINT_WORD))
+
+    @property
+    def owner_pid(self) -> int:
+        return self._segment.owner_pid
+
+    @property
+    def created_at(self) -> int:
+        return self._segment.created_at
 
     # -------------------------------------------------------------- claim path
 

@@ -1,7 +1,8 @@
 """The node's shared-memory segments: the supervisor creates them, every worker attaches.
 
 Names carry the instance id, so two nodes on one machine (or two test runs) never meet,
-and a crashed run's segments are found by the next run of the same node and replaced.
+and a crashed run's segments are found by the next run of the same node and replaced:
+its lease table's slots first adopted (shm/lease_survivor.py, workers/supervisor.py).
 """
 
 from __future__ import annotations
@@ -63,12 +64,21 @@ class Segments:
     marks: WriteMarks
 
     @classmethod
-    def create(cls, names: SegmentNames, *, ring_entries: int, lease_slots: int) -> Segments:
+    def create(
+        cls,
+        names: SegmentNames,
+        *,
+        ring_entries: int,
+        lease_slots: int,
+        hash_secret: bytes | None = None,
+    ) -> Segments:
+        """`hash_secret`: the store's, which the lease table records by its fingerprint so
+        that a start after a crash can adopt it (shm/lease_survivor.py)."""
         created: list[ReadyRing | LeaseTable | StateBuffer | WriteMarks] = []
         try:
             ring = ReadyRing.create(names.ring, capacity=ring_entries)
             created.append(ring)
-            leases = LeaseTable.create(names.leases, capacity=lease_slots)
+            leases = LeaseTable.create(names.leases, capacity=lease_slots, secret=hash_secret)
             created.append(leases)
             state = StateBuffer.create(names.state)
             created.append(state)

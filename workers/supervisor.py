@@ -8,8 +8,11 @@ N workers by index (worker 0 also hosts the keeper) and keeps them running.
   the lease table outlives them: once they have exited, the supervisor writes it to the
   lease snapshot file, and the next start loads it before any worker spawns, so live
   leases stay valid for their term across the restart (shm/lease_snapshot.py). SIGINT
-  stops quickly and writes no snapshot, nor does a crash. A second signal while
-  stopping kills what is left (a second SIGINT also drops the snapshot).
+  stops quickly and writes no snapshot. A crash (the node SIGKILLed whole) writes none
+  but leaves the lease table in shared memory, and the next start adopts its slots
+  before any worker spawns (shm/lease_survivor.py says what it checks first, and why
+  such a table wins over a snapshot file). A second signal while stopping kills what
+  is left (a second SIGINT also drops the snapshot).
 - The segments are unlinked on every exit path the process survives.
 
 Each event is one JSON log line, and `statistics()` is also published into a small
@@ -35,7 +38,7 @@ from pathlib import Path
 import msgspec
 
 from api.report import MAX_REPORT_BYTES, REPORT_PREFIX, WorkerReport, decode_report_line
-from shm import lease_snapshot
+from shm import lease_snapshot, lease_survivor
 from shm.leases import LeaseCensus
 from shm.segment import now_ms
 from store.sqlite.wal import WalState, read_wal_state
@@ -76,6 +79,19 @@ class WorkerStatistics(msgspec.Struct, frozen=True, kw_only=True):
     bad_reports: int = 0  # status lines from the worker that were not a valid report
 
 
+class LeaseRecovery(msgspec.Struct, frozen=True, kw_only=True):
+    """What this run's lease table started from, counted when it was taken."""
+
+    # "segment": the table a killed run left in shared memory, adopted;
+    # "snapshot": the file a graceful stop wrote; "none": an empty table.
+    source: str
+    occupied: int = 0
+    live_leases: int = 0
+    held_keys: int = 0
+    segment_rejected: str | None = None  # why a surviving table was not adopted
+    snapshot_rejected: str | None = None  # why a snapshot file was set aside
+
+
 class SupervisorStatistics(msgspec.Struct, frozen=True, kw_only=True):
     pid: int
     node: str
@@ -97,6 +113,7 @@ class SupervisorStatistics(msgspec.Struct, frozen=True, kw_only=True):
     # A SQLite store's WAL, read from its wal-index with the census: None on PostgreSQL,
     # and while no connection has the database open.
     wal: WalState | None = None
+    lease_recovery: LeaseRecovery | None = None  # None until the segments are set up
 
 
 @dataclass(eq=False)
@@ -176,6 +193,7 @@ class Supervisor:
     _next_census: float = 0.0
     _census: LeaseCensus | None = None
     _snapshot_on_exit: bool = False  # the stop was graceful (SIGTERM) and not overridden
+    _lease_recovery: LeaseRecovery | None = None
     _membership: MembershipHeartbeat | None = None
     _loop_ended: bool = False
     _hash_secret: bytes = b""  # the store's, read by _prepare_store
@@ -211,12 +229,21 @@ class Supervisor:
         self.port = self._bind()
         self.instance = settings.instance or default_instance(settings, self.port)
         names = SegmentNames.for_instance(self.instance)
+        # Read before the create, which replaces a killed run's segments with empty ones.
+        survivor = self._find_surviving_leases(names.leases)
         self._segments = Segments.create(
-            names, ring_entries=settings.ring_entries, lease_slots=settings.lease_slots
+            names,
+            ring_entries=settings.ring_entries,
+            lease_slots=settings.lease_slots,
+            hash_secret=self._hash_secret,
         )
-        self._restore_leases()
-        if settings.clustered:
-            self._join_cluster()
+        self._restore_leases(survivor)
+        try:
+            if settings.clustered:
+                self._join_cluster()
+        except BaseException:
+            self._keep_recovered_leases()
+            raise
         logs.event(
             log,
             "listening",
@@ -447,13 +474,61 @@ class Supervisor:
                 with contextlib.suppress(ProcessLookupError):
                     slot.process.kill()
 
-    # --- the lease snapshot --------------------------------------------------------------
+    # --- the lease snapshot, and the table a crash left --------------------------------
 
-    def _restore_leases(self) -> None:
-        """Before any worker spawns: the leases a graceful stop left, if any. A bad file
-        is logged and set aside; the node starts with an empty table either way."""
+    def _find_surviving_leases(self, name: str) -> lease_survivor.Survivor | None:
+        """The lease table a run killed whole left under this instance's name, if this node
+        can take it (shm/lease_survivor.py); a table it cannot take is logged with why,
+        and the create that follows replaces it."""
+        settings = self.settings
+
+        def waiting(pids: list[int]) -> None:
+            logs.event(
+                log,
+                "lease_table_adoption_waiting",
+                segment=name,
+                pids=pids,
+                detail="a previous run's processes still map the lease table; waiting for "
+                "them to exit before taking it over",
+            )
+
+        try:
+            found = lease_survivor.find(
+                name,
+                capacity=settings.lease_slots,
+                secret=self._hash_secret,
+                # The longest a killed supervisor's workers take to stop, as told by their
+                # parent's death (workers/worker.py): then the slots are their last.
+                wait_s=settings.graceful_timeout_s + QUICK_STOP_S,
+                on_wait=waiting,
+            )
+        except Exception as exc:  # find reports a table it refuses; this is the unforeseen
+            found = lease_survivor.Refused(name=name, reason=f"{type(exc).__name__}: {exc}")
+        if isinstance(found, lease_survivor.Refused):
+            self._lease_recovery = LeaseRecovery(source="none", segment_rejected=found.reason)
+            logs.event(
+                log,
+                "lease_table_not_adopted",
+                logging.WARNING,
+                segment=found.name,
+                reason=found.reason,
+                detail="replacing it with an empty lease table",
+            )
+            return None
+        return found
+
+    def _restore_leases(self, survivor: lease_survivor.Survivor | None = None) -> None:
+        """Before any worker spawns: the slots of the table a killed run left (`survivor`),
+        or else the leases a graceful stop's snapshot holds. The surviving table wins when
+        both exist (shm/lease_survivor.py says why), and the snapshot is set aside. A bad
+        file is logged and set aside; the node starts with an empty table then."""
         assert self._segments is not None
         path = lease_snapshot_path(self.settings, self.instance)
+        if survivor is not None and self._adopt_leases(survivor, path):
+            return
+        # What _find_surviving_leases or _adopt_leases said of a table it could not take.
+        recovery = self._lease_recovery or LeaseRecovery(source="none")
+        self._lease_recovery = recovery
         try:
             outcome = lease_snapshot.restore(
                 path,
@@ -463,11 +538,15 @@ class Supervisor:
                 now_ms=now_ms(),
             )
         except Exception as exc:  # restore reports a bad file itself; this is the unforeseen
+            self._lease_recovery = msgspec.structs.replace(recovery, snapshot_rejected=repr(exc))
             logs.event(
                 log, "lease_snapshot_rejected", logging.ERROR, path=str(path), reason=repr(exc)
             )
             return
         if isinstance(outcome, lease_snapshot.Rejected):
+            self._lease_recovery = msgspec.structs.replace(
+                recovery, snapshot_rejected=outcome.reason
+            )
             logs.event(
                 log,
                 "lease_snapshot_rejected",
@@ -478,6 +557,13 @@ class Supervisor:
                 detail="starting with an empty lease table",
             )
         elif isinstance(outcome, lease_snapshot.Restored):
+            self._lease_recovery = msgspec.structs.replace(
+                recovery,
+                source="snapshot",
+                occupied=outcome.occupied,
+                live_leases=outcome.live_leases,
+                held_keys=outcome.held_keys,
+            )
             logs.event(
                 log,
                 "lease_snapshot_restored",
@@ -493,8 +579,68 @@ class Supervisor:
                     "lease_snapshot_not_removed",
                     logging.WARNING,
                     path=outcome.path,
-                    detail="remove it by hand: a start after a crash would load it again",
+                    detail="remove it by hand: a start that finds no lease table left by a "
+                    "crash would load it again",
                 )
+
+    def _adopt_leases(self, survivor: lease_survivor.Survivor, path: Path) -> bool:
+        """Take the surviving table's slots into the fresh one and set the snapshot file
+        aside; False (logged, the table left empty) if the import fails."""
+        assert self._segments is not None
+        try:
+            adopted = lease_survivor.adopt(survivor, self._segments.leases, now_ms())
+        except Exception as exc:
+            reason = f"{type(exc).__name__}: {exc}"
+            self._lease_recovery = LeaseRecovery(source="none", segment_rejected=reason)
+            logs.event(
+                log,
+                "lease_table_not_adopted",
+                logging.WARNING,
+                segment=survivor.name,
+                reason=reason,
+                detail="its slots could not be imported; starting with an empty lease table",
+            )
+            return False
+        # A snapshot beside it is the same table or an older one: loaded by a later start
+        # (after a reboot), it would bring back leases that have since ended.
+        had_snapshot = path.exists()
+        superseded = lease_snapshot.set_aside(path, lease_snapshot.SUPERSEDED_SUFFIX)
+        logs.event(
+            log,
+            "lease_table_adopted",
+            segment=adopted.name,
+            previous_pid=adopted.owner_pid,
+            previous_created_at=adopted.created_at,
+            occupied=adopted.occupied,
+            live_leases=adopted.live_leases,
+            held_keys=adopted.held_keys,
+            waited_ms=adopted.waited_ms,
+            snapshot_superseded=superseded,
+        )
+        if had_snapshot and superseded is None:
+            logs.event(
+                log,
+                "lease_snapshot_not_removed",
+                logging.WARNING,
+                path=str(path),
+                detail="the adopted lease table supersedes it, but it could not be set aside: "
+                "remove it by hand, or a later start could load it again",
+            )
+        self._lease_recovery = LeaseRecovery(
+            source="segment",
+            occupied=adopted.occupied,
+            live_leases=adopted.live_leases,
+            held_keys=adopted.held_keys,
+        )
+        return True
+
+    def _keep_recovered_leases(self) -> None:
+        """The start failed after the lease table took a previous run's leases, and no
+        worker ever ran: on the way out the table is unlinked, so its slots go to the
+        snapshot file, which the next start restores, rather than being lost."""
+        recovery = self._lease_recovery
+        if self._segments is not None and recovery is not None and recovery.source != "none":
+            self._save_leases()
 
     def _save_leases(self) -> None:
         assert self._segments is not None
@@ -728,6 +874,7 @@ class Supervisor:
             lease_sweeps=self.lease_sweeps,
             lease_slots_reclaimed=self.lease_slots_reclaimed,
             lease_census=self._census,
+            lease_recovery=self._lease_recovery,
             membership=None if self._membership is None else self._membership.statistics(),
             wal=self._wal,
             workers=[

@@ -41,9 +41,15 @@ enum {
     LEASE_INCARNATION = 1, /* stamps each emptied slot's state word, see remove_slot */
     LEASE_FAILURES = 2, /* failed results that started a hold (rare: not striped) */
     LEASE_FORGIVEN = 3, /* slots an operator's forgive() released */
+    /* The fingerprint of the hash secret the keys were hashed under (shm.keys), set by
+     * the creator; 0 if none was given. No op reads it: it is what lets the next start
+     * tell whether a killed run's slots are keyed as its own (shm/lease_survivor.py). */
+    LEASE_SECRET_PRINT = 4,
     LEASE_STRIPES = 8,  /* STRIPES x STRIPE_WORDS counters */
     LEASE_CTRL_WORDS = LEASE_STRIPES + STRIPES * STRIPE_WORDS,
 };
+/* Words 4-7 were always zero, so an older build's table reads as "no secret recorded". */
+_Static_assert(LEASE_SECRET_PRINT < LEASE_STRIPES, "the secret's word is outside the stripes");
 enum {
     LS_GRANTS = 0,
     LS_RENEWALS = 1,
@@ -1035,7 +1041,7 @@ shm_leases_add(PyObject *m)
         "s_sweeps", "granted", "refused_taken", "refused_held", "refused_probe_full",
         "misses_max", "keep_misses_ms", "s_occupied", "s_leased", "s_held", "incarnation",
         "phase_mask", "phase_removing", "token_shift", "token_mask", "time_shift",
-        "failures", "forgiven",
+        "failures", "forgiven", "secret_print",
     };
     static const long lease_values[] = {
         LEASE_SWEEPER, LEASE_STRIPES, LEASE_CTRL_WORDS, SLOT_WORDS, PROBE, LS_GRANTS,
@@ -1044,7 +1050,7 @@ shm_leases_add(PyObject *m)
         LS_STALE_TOKENS, LS_SWEEPS, GRANTED, REFUSED_TAKEN, REFUSED_HELD, REFUSED_PROBE_FULL,
         MISSES_MAX, (long)KEEP_MISSES_MS, LS_OCCUPIED, LS_LEASED, LS_HELD, LEASE_INCARNATION,
         3, PH_REMOVING, 6, 0xffff, 22, /* the state word's fields: see W_MAKE */
-        LEASE_FAILURES, LEASE_FORGIVEN,
+        LEASE_FAILURES, LEASE_FORGIVEN, LEASE_SECRET_PRINT,
     };
     _Static_assert(sizeof(lease_keys) / sizeof(lease_keys[0]) ==
                        sizeof(lease_values) / sizeof(lease_values[0]),
