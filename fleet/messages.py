@@ -47,13 +47,15 @@ class CompletionsRequest(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class ItemResult(msgspec.Struct, frozen=True, kw_only=True):
-    """One item's fate in a completions or renew call; `error` is e.g. "lease_not_held"."""
+    """One item's fate in a completions or renew call; `error` is e.g. "lease_not_held",
+    or "not_owner" with `owner`."""
 
     key: str
     ok: bool
     error: str | None = None
     lease_expires_at: int | None = None  # renew only
     detail: str | None = None  # in a cluster: which node said what, when not ok
+    owner: str | None = None  # with not_owner: the node that owns the key now
 
 
 class ResultsResponse(msgspec.Struct, frozen=True, kw_only=True):

@@ -2,10 +2,15 @@
 
 Three loops share one asyncio event loop. The claimer keeps `concurrency` renders in
 flight, long-polling when nothing is due. The renewer extends every lease whose
-remaining term has fallen under half, so a render may run past its first term;
-a lease the node says is no longer held is abandoned (its render is cancelled and
-never completed: another worker may hold the key now). The completer reports
-outcomes in batches.
+remaining term has fallen under half, so a render may run past its first term. The
+completer reports outcomes in batches.
+
+A render is abandoned (cancelled, never completed: another worker may hold the key now)
+when the node refuses its renewal, and also once its lease is within a margin of its end,
+max(1 s, a tenth of its term), with no renewal landed: a renewal that failed or went
+unanswered leaves the lease to lapse at the node, and stopping that margin early rather
+than at the end absorbs the event loop's lag and a clock somewhat behind the node's, so a
+result is never reported from a lease a new holder may have been granted.
 
 A stop (request_stop, e.g. on SIGINT / SIGTERM) stops claiming at once, lets the
 renders in flight finish for up to `grace_s`, completes every result it has, and
@@ -87,6 +92,9 @@ class FleetStatistics(msgspec.Struct, frozen=True, kw_only=True):
     refused: int  # completions the node refused (lease_not_held): the lease had gone
     completions_lost: int  # completions that could not be delivered after retries
     leases_lost: int  # renewals refused: the render was abandoned
+    # Leases that came within their margin of the end with no renewal landed (one failed,
+    # timed out or was not answered yet): the render was abandoned.
+    leases_expired: int = 0
     renewed: int
     in_flight: int
     rendered_per_min: float
@@ -98,15 +106,45 @@ class FleetStatistics(msgspec.Struct, frozen=True, kw_only=True):
     nodes: dict[str, NodeCounts] = {}  # with a directory: per node, by name
 
 
-class _Job:
-    __slots__ = ("cancel_reason", "expires_at", "lease", "node", "task")
+ABANDONED = ("lease_lost", "lease_expired")  # cancel reasons that never complete
+MIN_MARGIN_MS = 1000
 
-    def __init__(self, lease: Lease, node: str) -> None:
+
+class _Job:
+    __slots__ = (
+        "cancel_reason",
+        "expires_at",
+        "lease",
+        "node",
+        "renew_failure",
+        "renewing",
+        "task",
+        "term_ms",
+        "timer",
+    )
+
+    def __init__(self, lease: Lease, node: str, lease_s: int) -> None:
         self.lease = lease
         self.node = node  # the node that granted the lease: its results go there
-        self.expires_at = lease.lease_expires_at
         self.task: asyncio.Task[None] | None = None
         self.cancel_reason = ""
+        self.renewing = False  # a renewal request for it is out
+        self.renew_failure = ""  # why its last renewal did not land, for the log
+        self.timer: asyncio.TimerHandle | None = None
+        self.expires_at = 0
+        self.term_ms = 0
+        self.extend(lease.lease_expires_at, lease_s)
+
+    def extend(self, expires_at: int, lease_s: int) -> None:
+        self.expires_at = expires_at
+        # The term the node granted, as far as this clock can tell: a node may cap it
+        # below what was asked, and the margin must shrink with it.
+        self.term_ms = max(0, min(lease_s * 1000, expires_at - _now_ms()))
+        self.renew_failure = ""
+
+    def deadline_ms(self) -> int:
+        """When the render stops unless a renewal lands first (module note)."""
+        return self.expires_at - max(MIN_MARGIN_MS, self.term_ms // 10)
 
 
 def _now_ms() -> int:
@@ -197,6 +235,7 @@ class FleetRunner:
             refused=counts["refused"],
             completions_lost=counts["completions_lost"],
             leases_lost=counts["leases_lost"],
+            leases_expired=counts["leases_expired"],
             renewed=counts["renewed"],
             in_flight=len(self._jobs),
             rendered_per_min=round(self._rendered_rate.per_minute(), 1),
@@ -289,7 +328,8 @@ class FleetRunner:
                 pending -= done
             await _cancel(abort)
         for job in list(self._jobs.values()):
-            if job.task is not None and not job.task.done():
+            # An abandoned render still winding down stays abandoned: never completed.
+            if job.task is not None and not job.task.done() and not job.cancel_reason:
                 job.cancel_reason = "aborted"
                 job.task.cancel()
         leftover = [job.task for job in self._jobs.values() if job.task is not None]
@@ -388,26 +428,65 @@ class FleetRunner:
             # lapsed. Keep the render we have; the new token is the live one.
             self._jobs[lease.key].lease = lease
             self._jobs[lease.key].node = node
-            self._jobs[lease.key].expires_at = lease.lease_expires_at
+            self._jobs[lease.key].extend(lease.lease_expires_at, self.config.lease_s)
             return
-        job = _Job(lease, node)
+        job = _Job(lease, node, self.config.lease_s)
         self._jobs[lease.key] = job
         job.task = asyncio.create_task(self._render(job), name=f"render {lease.key[:80]}")
+        self._watch_lease(job)
+
+    def _watch_lease(self, job: _Job) -> None:
+        """Abandon the render at its deadline unless a renewal has moved it on since.
+
+        A timer of its own rather than a check in the renew loop: that loop ticks every
+        sixth of a lease, coarser than the margin, and its requests can hang.
+        """
+        job.timer = None
+        if job.task is None or job.task.done() or job.cancel_reason in ABANDONED:
+            return
+        wait_ms = job.deadline_ms() - _now_ms()
+        if wait_ms > 0:
+            loop = asyncio.get_running_loop()
+            job.timer = loop.call_later(wait_ms / 1000, self._watch_lease, job)
+            return
+        self._abandon_expired(job)
+
+    def _abandon_expired(self, job: _Job) -> None:
+        self._counts["leases_expired"] += 1
+        why = job.renew_failure or ("renewal not answered yet" if job.renewing else "not renewed")
+        self._log(f"lease expiring on {job.lease.key} with no renewal ({why}); render abandoned")
+        self._cancel_render(job, "lease_expired")
+
+    def _cancel_render(self, job: _Job, reason: str) -> None:
+        cancelled = bool(job.cancel_reason)
+        job.cancel_reason = reason
+        # Cancelled once is enough: a second cancel would cut a renderer's own clean-up
+        # short (the command renderer waiting for its killed process group).
+        if not cancelled and job.task is not None and job.task is not asyncio.current_task():
+            job.task.cancel()
 
     async def _render(self, job: _Job) -> None:
         try:
+            cut_short = False
             try:
                 result = await self._renderer(job.lease)
             except asyncio.CancelledError:
-                if job.cancel_reason == "aborted":
-                    self._counts["aborted"] += 1
-                    result = RenderResult(outcome="failed", detail="cut short by a stop")
-                elif job.cancel_reason == "lease_lost":
+                if job.cancel_reason in ABANDONED:
                     return
-                else:
+                if job.cancel_reason != "aborted":
                     raise
+                cut_short = True
+                result = RenderResult(outcome="failed", detail="cut short by a stop")
             except Exception as exc:  # a renderer bug must not take the fleet down
                 result = RenderResult(outcome="failed", detail=f"renderer raised {exc!r}")
+            if job.cancel_reason not in ABANDONED and _now_ms() >= job.deadline_ms():
+                # Done past its deadline before the timer could fire (a busy loop): the
+                # lease is as good as gone, whatever the renderer made of it.
+                self._abandon_expired(job)
+            if job.cancel_reason in ABANDONED:
+                return  # also when a renderer swallowed the cancel and returned anyway
+            if cut_short:
+                self._counts["aborted"] += 1
             if result.outcome == "failed" and result.detail:
                 self._log(f"failed {job.lease.key}: {result.detail}")
             # the token of the lease as it is now: a regrant may have replaced it
@@ -424,36 +503,67 @@ class FleetRunner:
                 )
             )
         finally:
+            if job.timer is not None:
+                job.timer.cancel()
             self._jobs.pop(job.lease.key, None)
             self._slot_freed.set()
 
     async def _renew_loop(self) -> None:
         config = self.config
         interval = config.renew_every_s or max(1.0, config.lease_s / 6)
-        while True:
-            await asyncio.sleep(interval)
-            threshold = _now_ms() + config.lease_s * 500
-            due = [job for job in self._jobs.values() if job.expires_at <= threshold]
-            by_node: dict[str, list[_Job]] = collections.defaultdict(list)
-            for job in due:
-                by_node[job.node].append(job)
-            # Each node's at once: one that does not answer holds up only its own.
-            await asyncio.gather(*(self._renew_at(node, jobs) for node, jobs in by_node.items()))
+        # Requests are not awaited here: one that hangs (a node stopped, not down) must
+        # not hold up the next round, for its own node's other leases or anyone's.
+        requests: set[asyncio.Task[None]] = set()
+        try:
+            while True:
+                await asyncio.sleep(interval)
+                threshold = _now_ms() + config.lease_s * 500
+                by_node: dict[str, list[_Job]] = collections.defaultdict(list)
+                for job in self._jobs.values():
+                    if job.renewing or job.cancel_reason in ABANDONED:
+                        continue
+                    if job.expires_at <= threshold:
+                        by_node[job.node].append(job)
+                for node, jobs in by_node.items():
+                    for job in jobs:
+                        job.renewing = True
+                    task = asyncio.create_task(self._renew_at(node, jobs))
+                    requests.add(task)
+                    task.add_done_callback(requests.discard)
+        finally:
+            for task in list(requests):
+                await _cancel(task)
 
     async def _renew_at(self, node: str, jobs: list[_Job]) -> None:
-        client, _ = self._client_for(node)
-        if client is None:
-            return
-        for start in range(0, len(jobs), MAX_CLAIM):
-            chunk = jobs[start : start + MAX_CLAIM]
-            try:
-                results = await client.renew(
-                    [job.lease for job in chunk], lease_s=self.config.lease_s
-                )
-            except (FleetUnavailable, FleetRequestError) as exc:
-                self._log(f"renewal failed: {exc}")
-                continue
-            self._apply_renewals(chunk, results)
+        try:
+            client, _ = self._client_for(node)
+            if client is None:
+                for job in jobs:
+                    job.renew_failure = "no live node to renew at"
+                return
+            for start in range(0, len(jobs), MAX_CLAIM):
+                chunk = jobs[start : start + MAX_CLAIM]
+                # Retrying past the last deadline in the chunk is pointless: each of its
+                # renders has been abandoned by then, whatever the node would say.
+                wait_ms = max(job.deadline_ms() for job in chunk) - _now_ms()
+                try:
+                    async with asyncio.timeout(max(0, wait_ms) / 1000):
+                        results = await client.renew(
+                            [job.lease for job in chunk], lease_s=self.config.lease_s
+                        )
+                except TimeoutError:
+                    failure = "renewal not answered in time"
+                except (FleetUnavailable, FleetRequestError) as exc:
+                    failure = f"renewal failed: {exc}"
+                    self._log(failure)
+                else:
+                    self._apply_renewals(chunk, results)
+                    continue
+                for job in chunk:
+                    job.renew_failure = failure
+        finally:
+            for job in jobs:
+                job.renewing = False
 
     def _apply_renewals(self, jobs: list[_Job], results: list[ItemResult]) -> None:
         by_key = {job.lease.key: job for job in jobs}
@@ -463,12 +573,19 @@ class FleetRunner:
                 continue
             if result.ok:
                 self._counts["renewed"] += 1
-                job.expires_at = result.lease_expires_at or (_now_ms() + self.config.lease_s * 1000)
-            elif job.task is not None and not job.task.done():
+                expires_at = result.lease_expires_at or (_now_ms() + self.config.lease_s * 1000)
+                job.extend(expires_at, self.config.lease_s)
+            elif job.cancel_reason not in ABANDONED and job.task and not job.task.done():
+                # Whatever the reason (lease_not_held, not_owner, ...): the node does not
+                # hold this lease for us any more, so no result of ours can count.
                 self._counts["leases_lost"] += 1
-                self._log(f"lease lost on {job.lease.key} ({result.error}); render abandoned")
-                job.cancel_reason = "lease_lost"
-                job.task.cancel()
+                why = result.error or "refused"
+                if result.owner:
+                    why += f", owner {result.owner}"
+                if result.detail:
+                    why += f": {result.detail}"
+                self._log(f"lease lost on {job.lease.key} ({why}); render abandoned")
+                self._cancel_render(job, "lease_lost")
 
     async def _complete_loop(self) -> None:
         closing = False

@@ -37,6 +37,8 @@ class ScriptedNode:
         self.leases: dict[str, tuple[str, int]] = {}  # key -> (token, expires_at)
         self.completed: list[tuple[str, str]] = []
         self.refuse_renewal: set[str] = set()
+        self.refusal: dict[str, object] = {"error": "lease_not_held"}  # what a refusal says
+        self.fail_renewals = False  # every renewal answered 500, as a node in trouble does
         self.renewals: list[str] = []
         self.claims = 0
         self._token = 0
@@ -81,10 +83,12 @@ class ScriptedNode:
             results = []
             for item in body["items"]:
                 self.renewals.append(item["key"])
+                if self.fail_renewals:
+                    return httpx.Response(500)
                 held = self.leases.get(item["key"])
                 if held is None or held[0] != item["token"] or item["key"] in self.refuse_renewal:
                     self.leases.pop(item["key"], None)
-                    results.append({"key": item["key"], "ok": False, "error": "lease_not_held"})
+                    results.append({"key": item["key"], "ok": False, **self.refusal})
                     continue
                 expires = now_ms() + item["lease_s"] * 1000
                 self.leases[item["key"]] = (held[0], expires)
@@ -252,8 +256,71 @@ def test_long_renders_are_renewed_and_a_lost_lease_is_abandoned() -> None:
     assert "keep" in node.renewals and "lose" in node.renewals
     assert cancelled == ["lose"]
     assert node.completed == [("keep", "rendered")]
-    assert stats.leases_lost == 1 and stats.renewed >= 1
-    assert any("lease lost on lose" in line for line in log)
+    assert stats.leases_lost == 1 and stats.renewed >= 1 and stats.leases_expired == 0
+    assert any("lease lost on lose (lease_not_held)" in line for line in log)
+
+
+def test_a_renewal_refused_for_any_reason_abandons_the_render_and_names_the_owner() -> None:
+    """A node answers `not_owner` with the key's owner now: a field the fleet's types must
+    take, and a refusal like any other."""
+    node = ScriptedNode(["moved"])
+    node.refuse_renewal.add("moved")
+    node.refusal = {"error": "not_owner", "owner": "node-b", "detail": "owned by node-b"}
+    cancelled: list[str] = []
+
+    async def endless(lease: Lease) -> RenderResult:
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            cancelled.append(lease.key)
+            raise
+        return RenderResult(outcome="rendered")
+
+    stats, log = run_fleet(
+        node,
+        endless,
+        FleetConfig(concurrency=1, lease_s=5, wait_s=1, state_every_s=0, renew_every_s=0.1),
+        stop_when=lambda runner: (
+            runner.statistics().leases_lost == 1 and runner.statistics().in_flight == 0
+        ),
+    )
+    assert cancelled == ["moved"] and node.completed == []
+    assert stats.leases_lost == 1 and stats.leases_expired == 0
+    assert any(
+        "lease lost on moved (not_owner, owner node-b: owned by node-b)" in line for line in log
+    ), log
+
+
+def test_failing_renewals_abandon_the_render_before_its_lease_ends() -> None:
+    """Every renewal fails (500s, retried): the render is cut off before its lease ends,
+    and a renderer that shrugs the cancel off and returns a result is not completed."""
+    node = ScriptedNode(["stuck"])
+    node.fail_renewals = True
+    leases: list[Lease] = []
+    cancelled_at: list[int] = []
+
+    async def stubborn(lease: Lease) -> RenderResult:
+        leases.append(lease)
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            cancelled_at.append(now_ms())
+        return RenderResult(outcome="rendered")
+
+    stats, log = run_fleet(
+        node,
+        stubborn,
+        FleetConfig(concurrency=1, lease_s=5, wait_s=1, state_every_s=0, renew_every_s=0.1),
+        stop_when=lambda runner: (
+            runner.statistics().leases_expired == 1 and runner.statistics().in_flight == 0
+        ),
+    )
+    assert "stuck" in node.renewals, "no renewal was tried"
+    assert len(cancelled_at) == 1 and cancelled_at[0] < leases[0].lease_expires_at
+    assert node.completed == [] and "stuck" in node.leases, "a completion went out"
+    assert stats.leases_expired == 1 and stats.leases_lost == 0
+    assert stats.rendered == stats.failed == stats.refused == 0
+    assert any("lease expiring on stuck with no renewal" in line for line in log), log
 
 
 def test_a_renderer_that_raises_is_a_failed_render_not_a_dead_fleet() -> None:
@@ -288,6 +355,147 @@ def test_a_refused_claim_is_fatal() -> None:
 
     stats = asyncio.run(go())
     assert stats.fatal is not None and "wrong scope" in stats.fatal
+
+
+# -- real nodes ------------------------------------------------------------------------
+
+
+class RecordingTransport(httpx.AsyncHTTPTransport):
+    """The real transport, noting the path of every request the fleet sends."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.paths: list[str] = []
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        self.paths.append(request.url.path)
+        return await super().handle_async_request(request)
+
+
+def run_fleet_at(
+    url: str,
+    renderer: Callable[[Lease], Awaitable[RenderResult]],
+    config: FleetConfig,
+    *,
+    stop_when: Callable[[FleetRunner], bool],
+) -> tuple[FleetStatistics, list[str], list[str]]:
+    """(statistics, log, the paths of the requests the fleet sent)."""
+    log: list[str] = []
+    transport = RecordingTransport()
+
+    async def go() -> FleetStatistics:
+        client = AsyncFleetClient(url, transport=transport)
+        runner = FleetRunner(client, renderer, config, log=log.append)
+
+        async def stopper() -> None:
+            while not stop_when(runner):
+                await asyncio.sleep(0.01)
+            runner.request_stop()
+
+        stopping = asyncio.create_task(stopper())
+        try:
+            return await asyncio.wait_for(runner.run(), 120)
+        finally:
+            stopping.cancel()
+            await client.aclose()
+
+    return asyncio.run(go()), log, transport.paths
+
+
+def test_a_render_outliving_its_lease_on_a_frozen_node_is_cut_off_before_the_lease_ends(
+    tmp_path: Path,
+) -> None:
+    """The node (supervisor and worker) is SIGSTOPped as the render starts: renewals go
+    unanswered, the render must stop before the node's lease ends, and nothing is
+    completed for it."""
+    from node_harness import node_db, node_process, seed_rows
+
+    from store import open_store
+
+    (key,) = seed_rows(node_db(tmp_path), 1)
+    leases: list[Lease] = []
+    cancelled_at: list[int] = []
+    with node_process(tmp_path, workers=1) as node:
+        assert node.process is not None
+        frozen = [node.process.pid, node.worker_pid(0)]
+
+        async def outlives(lease: Lease) -> RenderResult:
+            leases.append(lease)
+            for pid in frozen:
+                os.kill(pid, signal.SIGSTOP)
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                cancelled_at.append(now_ms())
+                raise
+            return RenderResult(outcome="rendered")
+
+        try:
+            stats, log, paths = run_fleet_at(
+                node.url,
+                outlives,
+                FleetConfig(concurrency=1, lease_s=10, wait_s=1, state_every_s=0),
+                stop_when=lambda runner: (
+                    runner.statistics().leases_expired == 1 and runner.statistics().in_flight == 0
+                ),
+            )
+        finally:
+            for pid in frozen:
+                os.kill(pid, signal.SIGCONT)
+        store = open_store(str(node.db))
+        try:
+            (row,) = store.walk(None, 10)
+        finally:
+            store.close()
+    assert [lease.key for lease in leases] == [key]
+    assert len(cancelled_at) == 1 and cancelled_at[0] < leases[0].lease_expires_at
+    assert "/v1/leases/renew" in paths, "no renewal was tried"
+    assert "/v1/completions" not in paths
+    assert row.last_outcome is None and row.last_rendered_at is None
+    assert stats.leases_expired == 1 and stats.leases_lost == 0
+    assert stats.rendered == stats.failed == stats.refused == stats.completions_lost == 0
+    assert any(f"lease expiring on {key} with no renewal" in line for line in log), log
+
+
+def test_a_renewal_a_real_node_refuses_abandons_the_render_at_once(tmp_path: Path) -> None:
+    """The lease is completed behind the fleet's back (as a worker that took the key over
+    would): its next renewal is refused, and the render stops then, not at its deadline."""
+    from node_harness import node_db, seed_rows, thread_node
+
+    from fleet.messages import CompletionItem
+
+    (key,) = seed_rows(node_db(tmp_path), 1)
+    cancelled: list[str] = []
+    with thread_node(tmp_path) as node:
+        node.wait_published()
+
+        async def overtaken(lease: Lease) -> RenderResult:
+            async with AsyncFleetClient(node.url) as other:
+                (done,) = await other.complete(
+                    [CompletionItem(key=lease.key, token=lease.token, outcome="rendered")]
+                )
+            assert done.ok, done
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                cancelled.append(lease.key)
+                raise
+            return RenderResult(outcome="rendered")
+
+        stats, log, paths = run_fleet_at(
+            node.url,
+            overtaken,
+            FleetConfig(concurrency=1, lease_s=10, wait_s=1, state_every_s=0, renew_every_s=0.2),
+            stop_when=lambda runner: (
+                runner.statistics().leases_lost == 1 and runner.statistics().in_flight == 0
+            ),
+        )
+    assert cancelled == [key]
+    assert "/v1/completions" not in paths
+    # refused, not lapsed: it stopped on the answer, long before its deadline
+    assert stats.leases_lost == 1 and stats.leases_expired == 0
+    assert stats.rendered == stats.failed == stats.refused == 0
+    assert any(f"lease lost on {key} (lease_not_held)" in line for line in log), log
 
 
 # -- `renderqueue fleet --simulate` against a real node -------------------------------
