@@ -13,6 +13,7 @@ import asyncio
 import time
 from typing import TYPE_CHECKING
 
+import numpy as np
 from starlette.responses import Response
 
 from api.body import json_response
@@ -23,11 +24,13 @@ from api.schemas import (
     ClaimResponse,
     Lease,
     NodeStatus,
+    RenewItem,
     RenewRequest,
     RenewResult,
     RenewResults,
 )
-from api.status import NodeClaimStatus, claim_status
+from api.status import NodeClaimStatus, claim_status, membership_lapsed
+from keeper.ownership import winners
 from shm import Grant, key_hash
 from shm.segment import now_ms
 
@@ -35,6 +38,7 @@ if TYPE_CHECKING:
     from api.node import Node
 
 LEASE_NOT_HELD = "lease_not_held"
+NOT_OWNER = "not_owner"
 NOT_FOUND = "not_found"
 
 
@@ -97,6 +101,39 @@ def check_lease_s(node: Node, lease_s: int | None) -> None:
         )
 
 
+def owners_now(node: Node, hashes: list[int]) -> list[str | None] | None:
+    """Each key's owner in the keeper's current view, read after the lease CASes (None:
+    this node owns every key, not being clustered). An owner of None: no view, or this
+    node is not live in it, so it owns nothing. The read's fence pairs with the keeper's
+    (shm.marks): a key this reports as owned here was owned when the keeper's next
+    hand-over scan ran, which then saw its lease."""
+    if not node.settings.clustered:
+        return None
+    view = None if node.marks is None else node.marks.owners()
+    if view is None or node.settings.node not in view.nodes:
+        return [None] * len(hashes)
+    if len(view.nodes) == 1:
+        return [view.nodes[0]] * len(hashes)
+    picked = winners(np.asarray(hashes, dtype=np.uint64), view.nodes)
+    return [view.nodes[i] for i in picked.tolist()]
+
+
+def _keep_owned(node: Node, granted: list[tuple[Lease, int, int]], now: int) -> list[Lease]:
+    """Hand back any granted key this node no longer owns (its view moved on during the
+    claim): never answered, so no one holds it but the lease table, briefly."""
+    owners = owners_now(node, [hashed for _, hashed, _ in granted])
+    if owners is None:
+        return [lease for lease, _, _ in granted]
+    me = node.settings.node
+    kept: list[Lease] = []
+    for (lease, hashed, token), owner in zip(granted, owners, strict=True):
+        if owner == me:
+            kept.append(lease)
+        else:
+            node.leases.complete(hashed, token, now)
+    return kept
+
+
 def grant_from_ring(node: Node, want: int, lease_ms: int) -> list[Lease]:
     """Grant up to `want` leases from the published ring; fewer if the ring runs dry.
 
@@ -111,7 +148,8 @@ def grant_from_ring(node: Node, want: int, lease_ms: int) -> list[Lease]:
     are read once before their grant too, to learn it.
     """
     ring, store, leases, routes, marks = node.ring, node.store, node.leases, node.routes, node.marks
-    granted: list[Lease] = []
+    # (lease, key hash, token): a cluster's node checks ownership after its CASes.
+    granted: list[tuple[Lease, int, int]] = []
     clustered = node.settings.clustered
     while len(granted) < want:
         # Read before the claim: the entries come from this generation or a later one,
@@ -150,18 +188,17 @@ def grant_from_ring(node: Node, want: int, lease_ms: int) -> list[Lease]:
             )
             if named is not None and not routes.paused(named[0]):
                 answered += 1
-                granted.append(
-                    Lease(
-                        key=key,
-                        token=format_token(node, outcome.token),
-                        route=named[0],
-                        due_at=entry.due_at,
-                        lease_expires_at=outcome.expires_at,
-                        sitemap=named[1],
-                        cadence_s=entry.cadence_s,
-                        node=node.settings.node if clustered else None,
-                    )
+                lease = Lease(
+                    key=key,
+                    token=format_token(node, outcome.token),
+                    route=named[0],
+                    due_at=entry.due_at,
+                    lease_expires_at=outcome.expires_at,
+                    sitemap=named[1],
+                    cadence_s=entry.cadence_s,
+                    node=node.settings.node if clustered else None,
                 )
+                granted.append((lease, entry.key_hash, outcome.token))
                 continue
             held.append((key, entry.key_hash, outcome.token, outcome.expires_at))
         if marks is not None:
@@ -176,19 +213,18 @@ def grant_from_ring(node: Node, want: int, lease_ms: int) -> list[Lease]:
                 # Hand it back: ending the lease is not a missed render.
                 leases.complete(hashed, token, now)
                 continue
-            granted.append(
-                Lease(
-                    key=key,
-                    token=format_token(node, token),
-                    route=row.route,
-                    due_at=row.next_render_at,
-                    lease_expires_at=expires_at,
-                    sitemap=row.sitemap,
-                    cadence_s=cadence_s,
-                    node=node.settings.node if clustered else None,
-                )
+            lease = Lease(
+                key=key,
+                token=format_token(node, token),
+                route=row.route,
+                due_at=row.next_render_at,
+                lease_expires_at=expires_at,
+                sitemap=row.sitemap,
+                cadence_s=cadence_s,
+                node=node.settings.node if clustered else None,
             )
-    return granted
+            granted.append((lease, hashed, token))
+    return _keep_owned(node, granted, now_ms()) if granted else []
 
 
 async def next_publish(node: Node, deadline: float) -> bool:
@@ -226,19 +262,57 @@ async def claim(node: Node, request: ClaimRequest) -> ClaimResponse | Response:
 
 
 def renew(node: Node, request: RenewRequest) -> RenewResults:
+    """Extend leases this node granted, only while it owns their keys.
+
+    A clustered node renews nothing while its membership is unconfirmed, and no key its
+    view has moved to another node: that node fences the key only until the lease ends
+    as handed over, so an extension here would outlive the fence. Ownership is checked
+    before the CAS and again after it (the view may move in between, see owners_now)."""
     now = now_ms()
-    results: list[RenewResult] = []
     for item in request.items:
         check_lease_s(node, item.lease_s)
-        lease_ms = lease_ms_of(node, item.lease_s)
-        token = parse_token(item.token, node.settings.node)
-        expires_at = (
-            None
-            if token is None
-            else node.leases.renew(key_hash(item.key.encode()), token, now, lease_ms)
+    hashes = [key_hash(item.key.encode()) for item in request.items]
+    lapsed = membership_lapsed(node)
+    if lapsed is not None:
+        return RenewResults(
+            results=[
+                RenewResult(key=item.key, ok=False, error=NOT_OWNER, detail=lapsed)
+                for item in request.items
+            ]
         )
-        if expires_at is None:
-            results.append(RenewResult(key=item.key, ok=False, error=LEASE_NOT_HELD))
-        else:
-            results.append(RenewResult(key=item.key, ok=True, lease_expires_at=expires_at))
+    me = node.settings.node
+    before = owners_now(node, hashes)
+    results = [
+        _renewed(node, item, hashes[index], now)
+        if before is None or before[index] == me
+        else _not_owner(item.key, before[index])
+        for index, item in enumerate(request.items)
+    ]
+    after = owners_now(node, hashes)
+    if after is not None:
+        results = [
+            result if not result.ok or after[index] == me else _not_owner(result.key, after[index])
+            for index, result in enumerate(results)
+        ]
     return RenewResults(results=results)
+
+
+def _renewed(node: Node, item: RenewItem, hashed: int, now: int) -> RenewResult:
+    token = parse_token(item.token, node.settings.node)
+    lease_ms = lease_ms_of(node, item.lease_s)
+    expires_at = None if token is None else node.leases.renew(hashed, token, now, lease_ms)
+    if expires_at is None:
+        return RenewResult(key=item.key, ok=False, error=LEASE_NOT_HELD)
+    return RenewResult(key=item.key, ok=True, lease_expires_at=expires_at)
+
+
+def _not_owner(key: str, owner: str | None) -> RenewResult:
+    return RenewResult(
+        key=key,
+        ok=False,
+        error=NOT_OWNER,
+        owner=owner,
+        detail="the key belongs to another node now; stop rendering it"
+        if owner
+        else "this node is not a live member of the cluster now",
+    )

@@ -173,8 +173,11 @@ class RenewResult(Body, frozen=True):
     key: str
     ok: bool
     lease_expires_at: int | None = None
+    # lease_not_held, or not_owner: the key moved to `owner` (another node of the
+    # cluster), or this node cannot confirm it is a member; the render must stop.
     error: str | None = None
     detail: str | None = None  # as ItemResult.detail
+    owner: str | None = None
 
 
 class RenewResults(msgspec.Struct, frozen=True, kw_only=True):

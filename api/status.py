@@ -24,6 +24,7 @@ most once a second.
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
@@ -50,8 +51,30 @@ class NodeClaimStatus(msgspec.Struct, frozen=True, kw_only=True):
         return self.status in ("ready", "draining")
 
 
+def membership_lapsed(node: Node) -> str | None:
+    """Why a clustered node may not grant or renew now (None: it may): its keeper has not
+    confirmed within the grant window that this incarnation is a live member, so the
+    others may soon take its keys."""
+    marks = node.marks
+    if not node.settings.clustered or marks is None:
+        return None
+    until = marks.confirmed_until()
+    if until and time.monotonic() * 1000 < until:
+        return None
+    if not until:
+        return "this node is not (yet) confirmed as a live member of the cluster"
+    return (
+        "this node has not confirmed it is a live member of the cluster for "
+        f"{(time.monotonic() * 1000 - until) / 1000:.1f} s past its grant window (is the "
+        "database reachable?); it grants and renews nothing until it does"
+    )
+
+
 def claim_status(node: Node, now: int | None = None) -> NodeClaimStatus:
     now = now_ms() if now is None else now
+    lapsed = membership_lapsed(node)
+    if lapsed is not None and node.ring.generation:
+        return NodeClaimStatus(status="unready", reason=lapsed)
     ring = node.ring
     published_at = ring.published_at
     if ring.generation == 0 or published_at == 0:

@@ -2,48 +2,87 @@
 of those it may not grant yet. Pure: the runner reads the member list and the clock.
 
 Leases live in each node's shared memory, so when a key changes owner the new owner
-cannot see the old owner's lease on it. It fences the key instead: a key this node
-gained from node X is not granted until X's leases on it have surely ended.
+cannot see the old owner's lease on it. It fences the key instead, for as long as the
+evidence says, and for the worst case only when a node died without saying more:
 
-- X left cleanly: it granted nothing after it stopped, and said when its last lease
-  ends (`lease_horizon_ms`): fenced until then.
-- X died (its heartbeat is older than the TTL): a node grants only while its keeper
-  confirms, at least every `grant_window_ms`, that it is live in the member list, so
-  X granted nothing after its last heartbeat + TTL + the grant window, and no lease of
-  its lasts past that plus its longest lease.
-- X is live, and this node just joined (or came back): X stops granting the keys it
-  lost once its keeper reads the new list and republishes, within the grant window:
-  fenced until now + grant window + X's longest lease.
+- X is live (this node joined, or came back): X adopts the new view when its keeper
+  next reads the member list, stops granting and renewing the keys it lost, and then
+  acknowledges the view (`acked_view` holds this node's incarnation) together with its
+  live leases on the keys it lost (the hand-over). Until the acknowledgement every key
+  gained from X is fenced; after it, only the handed-over keys, each until its lease
+  ends. Should X never acknowledge, the worst case applies: X stops granting lost keys
+  within a grant window of the change (a node grants only while it confirms itself live
+  from a fresh read, which shows the change), so its leases end by then plus its longest.
+- X left cleanly: it handed over every live lease when it left: those keys are fenced
+  until each lease ends, the rest are granted at once.
+- X died (its heartbeat is older than the TTL): X granted nothing after its last
+  heartbeat + TTL + the grant window, and no lease of its lasts past that plus its
+  longest lease: its whole share is fenced until then.
+- This node's own predecessor (the incarnation it replaced, under the same name): its
+  leases are in this node's own lease table when the node took it over (a snapshot, or
+  the surviving shared memory); otherwise the node's whole share is fenced until the
+  predecessor's leases could have ended (`predecessor_until_ms`, from its row).
 
 A node that cannot confirm it is live within the grant window fences every key.
+Identity is (name, incarnation): a node restarted under its name is a change of view.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-import msgspec
 import numpy as np
 import numpy.typing as npt
 
 from keeper.ownership import Rendezvous, winners
 from keeper.state import ClusterStatistics, Fence
-from store.rows import NodeRecord
+from store.rows import Handover, MemberList, NodeRecord
+
+Member = tuple[str, int]  # (name, incarnation)
 
 
-def _unknown(name: str) -> NodeRecord:
-    """A node in the last view whose row is gone: treated as dead a TTL ago."""
-    return NodeRecord(
-        node=name,
-        url="",
-        instance="",
-        started_at_ms=0,
-        heartbeat_age_ms=0,
-        left=False,
-        live=False,
-        lease_horizon_ms=0,
-        max_lease_ms=0,
-    )
+class _ShareFence:
+    """Every key `node` owned under `view`, until `until_ms`; while `awaiting` is set it
+    ends early once that incarnation acknowledges a view holding this node."""
+
+    def __init__(
+        self, node: str, view: tuple[str, ...], until_ms: int, reason: str, awaiting: int = 0
+    ) -> None:
+        self.node, self.view, self.until_ms, self.reason = node, view, until_ms, reason
+        self.awaiting = awaiting
+
+    def blocks(self, hashes: npt.NDArray[np.uint64], now: int) -> npt.NDArray[np.bool_]:
+        owners = winners(hashes, self.view)
+        blocked: npt.NDArray[np.bool_] = owners == self.view.index(self.node)
+        return blocked
+
+    def record(self, now: int) -> Fence:
+        return Fence(node=self.node, view=self.view, until_ms=self.until_ms, reason=self.reason)
+
+
+class _KeyFence:
+    """The keys a node handed over, each until its lease ends (this node's clock)."""
+
+    def __init__(self, node: str, hashes: npt.NDArray[np.uint64], until: npt.NDArray[np.int64]):
+        order = np.argsort(hashes)
+        self.node, self.hashes, self.until = node, hashes[order], until[order]
+        self.until_ms = int(until.max(initial=0))
+        self.reason = "handed over"
+
+    def blocks(self, hashes: npt.NDArray[np.uint64], now: int) -> npt.NDArray[np.bool_]:
+        at = np.searchsorted(self.hashes, hashes)
+        at[at >= len(self.hashes)] = 0
+        found: npt.NDArray[np.bool_] = (self.hashes[at] == hashes) & (self.until[at] > now)
+        return found
+
+    def record(self, now: int) -> Fence:
+        return Fence(
+            node=self.node,
+            view=(),
+            until_ms=self.until_ms,
+            reason=self.reason,
+            keys=int((self.until > now).sum()),
+        )
 
 
 class ClusterView:
@@ -54,76 +93,180 @@ class ClusterView:
         ttl_ms: int,
         grant_window_ms: int,
         max_lease_ms: int,
+        incarnation: int = 0,
+        predecessor_until_ms: int = 0,
     ) -> None:
+        """`predecessor_until_ms`: until when the leases of the incarnation this start
+        replaced may live, when its lease table was not taken over (0: none may)."""
         self.me = me
+        self.incarnation = incarnation
         self.ttl_ms = ttl_ms
         self.grant_window_ms = grant_window_ms
         self.max_lease_ms = max_lease_ms
+        self.predecessor_until_ms = predecessor_until_ms
         self.ownership = Rendezvous(me)
-        self.view: tuple[str, ...] | None = None  # None: never read
-        self.fences: list[Fence] = []
+        self.view: tuple[str, ...] | None = None  # names; None: never read
+        self.members: tuple[Member, ...] | None = None
+        self.fences: list[_ShareFence | _KeyFence] = []
         self.confirmed_at = 0
+        self.offset_ms = 0  # the database's clock less this node's, as of the last read
         self._changes = self._reads = self._read_failures = 0
         # Whether the last change can have moved keys here: a join only takes keys away
         # from the nodes already live, so they need no walk for rows gained.
         self.gains = True
+        # Set by a change of view, cleared by `acknowledged`: the runner then tells the
+        # others this node enforces the new view.
+        self.unacknowledged = False
 
-    def observe(self, records: Sequence[NodeRecord], now: int) -> bool:
+    @property
+    def awaiting(self) -> bool:
+        """Whether a fence waits on another node's acknowledgement (read its hand-over)."""
+        return any(isinstance(f, _ShareFence) and f.awaiting for f in self.fences)
+
+    def live_incarnations(self) -> list[int]:
+        return sorted(i for _, i in self.members or ())
+
+    def observe(self, members: MemberList, now: int) -> bool:
         """Take a fresh member list; True when the live set (and so ownership) changed."""
         self._reads += 1
-        live = tuple(sorted(r.node for r in records if r.live))
-        previous = self.view
-        if self.me in live:
+        records = members.records
+        self.offset_ms = members.db_now_ms - now if members.db_now_ms else 0
+        live = tuple(sorted((r.node, r.incarnation) for r in records if r.live))
+        me_live = (self.me, self.incarnation) in live
+        if me_live:
             self.confirmed_at = now
+        seen = {r.node: r for r in records}
+        # Without the hand-overs an acknowledgement says nothing this view can use yet.
+        handovers = members.handovers if members.with_handovers else None
+        self._settle(seen, handovers, now)
+        previous = self.members
         if live == previous:
             return False
-        seen = {r.node: r for r in records}
+        names = tuple(sorted(n for n, _ in live))
+        was_live = previous is not None and (self.me, self.incarnation) in previous
         before: tuple[str, ...] = ()
-        movers: tuple[str, ...] = ()  # nodes whose keys may have moved here
-        if self.me in live and (previous is None or self.me not in previous):
+        movers: list[str] = []  # nodes whose keys may have moved here
+        if me_live and not was_live:
             # Joining, or back after dropping out: every key this node owns now was
             # another's, a live node's or one gone so recently its leases may live.
-            gone = {r.node for r in records if not r.live and self._fence_for(r, live, now)}
-            before = tuple(sorted((set(previous or ()) | set(live) | gone) - {self.me}))
-            movers = before
-        elif previous is not None and self.me in live:
+            gone = {r.node for r in records if not r.live and self._recent(r, now)}
+            before_set = {n for n, _ in previous or ()} | set(names) | gone
+            if self.predecessor_until_ms > now:
+                before = tuple(sorted(before_set))
+                self.fences.append(
+                    _ShareFence(self.me, before, self.predecessor_until_ms, "restarted")
+                )
+            else:
+                before = tuple(sorted(before_set - {self.me}))
+            movers = [n for n in before if n != self.me]
+        elif was_live and me_live:
             # A live node keeps its keys (a newcomer takes only its own share of each):
             # only the keys of the nodes that went move here.
-            before = previous
-            movers = tuple(n for n in previous if n != self.me and n not in live)
-        self.gains = bool(movers) or self.me not in live
-        new_fences: list[Fence] = []
+            before = tuple(sorted({n for n, _ in previous or ()}))
+            movers = [n for n in before if n != self.me and n not in names]
+        self.gains = bool(movers) or not me_live
         for name in movers:
-            fence = self._fence_for(seen.get(name) or _unknown(name), live, now)
+            fence = self._fence_for(seen.get(name), name, before, handovers, now)
             if fence is not None:
-                new_fences.append(msgspec.structs.replace(fence, view=before))
-        self.fences = [f for f in self.fences if f.until_ms > now] + new_fences
-        self.view = live
+                self.fences.append(fence)
+        if me_live and not was_live:
+            self.predecessor_until_ms = 0  # fenced once, by the join it preceded
+        self.fences = [f for f in self.fences if f.until_ms > now]
+        self.members = live
+        self.view = names
         self._changes += 1
-        return self.ownership.set_nodes(live) or previous is None
+        self.unacknowledged = True
+        # Another incarnation live under this name owns this name's keys, not this one.
+        owning = names if me_live else tuple(n for n in names if n != self.me)
+        return self.ownership.set_nodes(owning) or previous is None
 
-    def _fence_for(self, record: NodeRecord, live: Sequence[str], now: int) -> Fence | None:
-        """How long keys `record.node` owned stay fenced here (module note); None: not."""
+    def _recent(self, record: NodeRecord, now: int) -> bool:
+        """Whether a node no longer live may still have a lease alive."""
+        if record.left:
+            return record.lease_horizon_ms - self.offset_ms > now
         max_lease = record.max_lease_ms or self.max_lease_ms
-        if record.node in live:
-            until, reason = now + self.grant_window_ms + max_lease, "joined"
-        elif record.left:
-            until, reason = record.lease_horizon_ms, "left"
-        else:
-            # Dead: it stopped granting at most TTL + the grant window after its last
-            # heartbeat, which is as old as the record says.
-            age = record.heartbeat_age_ms
-            until = now - age + self.ttl_ms + self.grant_window_ms + max_lease
-            reason = "dead"
-        if until <= now:
-            return None
-        return Fence(node=record.node, view=(), until_ms=until, reason=reason)
+        return record.heartbeat_age_ms < self.ttl_ms + self.grant_window_ms + max_lease
+
+    def _fence_for(
+        self,
+        record: NodeRecord | None,
+        name: str,
+        before: tuple[str, ...],
+        handovers: Sequence[Handover] | None,
+        now: int,
+    ) -> _ShareFence | _KeyFence | None:
+        """How keys `name` owned under `before` are fenced here (module note); None: not.
+        `handovers` None: not read, so no acknowledgement can be taken at its word yet."""
+        if record is None:  # its row is gone: treated as dead a TTL ago
+            return _ShareFence(name, before, now + self.grant_window_ms + self.max_lease_ms, "dead")
+        max_lease = record.max_lease_ms or self.max_lease_ms
+        said = record.left or (record.live and self.incarnation in record.acked_view)
+        if said and handovers is not None:
+            return self._handed_over(record, handovers, now)
+        if record.live or record.left:
+            # Until its word is read; at worst, until its leases end (module note).
+            until = (
+                record.lease_horizon_ms - self.offset_ms
+                if record.left
+                else now + self.grant_window_ms + max_lease
+            )
+            return _ShareFence(name, before, until, "awaiting", awaiting=record.incarnation)
+        # Dead: it stopped granting at most TTL + the grant window after its last
+        # heartbeat, as old as the record says.
+        until = now - record.heartbeat_age_ms + self.ttl_ms + self.grant_window_ms + max_lease
+        return _ShareFence(name, before, until, "dead") if until > now else None
+
+    def _handed_over(
+        self, record: NodeRecord, handovers: Sequence[Handover], now: int
+    ) -> _KeyFence | None:
+        for handover in handovers:
+            if handover.node == record.node and handover.incarnation == record.incarnation:
+                until = np.asarray(handover.expires_at_ms, dtype=np.int64) - self.offset_ms
+                hashes = np.asarray(handover.key_hashes, dtype=np.uint64)
+                live = until > now
+                if live.any():
+                    return _KeyFence(record.node, hashes[live], until[live])
+        return None
+
+    def _settle(
+        self, seen: dict[str, NodeRecord], handovers: Sequence[Handover] | None, now: int
+    ) -> None:
+        """Replace fences awaiting an acknowledgement by what the evidence now says."""
+        for index, fence in enumerate(self.fences):
+            if handovers is None:
+                break
+            if not isinstance(fence, _ShareFence) or not fence.awaiting:
+                continue
+            record = seen.get(fence.node)
+            if record is None or record.incarnation != fence.awaiting:
+                continue  # replaced or forgotten: its worst case stands
+            if record.left or (record.live and self.incarnation in record.acked_view):
+                self.fences[index] = self._handed_over(record, handovers, now) or _ended(fence)
+            elif not record.live:
+                fence.awaiting = 0  # died before acknowledging: the worst case stands
+                dead_end = (
+                    now
+                    - record.heartbeat_age_ms
+                    + self.ttl_ms
+                    + self.grant_window_ms
+                    + (record.max_lease_ms or self.max_lease_ms)
+                )
+                fence.until_ms = min(fence.until_ms, dead_end)
+                fence.reason = "dead"
+        self.fences = [f for f in self.fences if f.until_ms > now]
+
+    def acknowledged(self) -> None:
+        self.unacknowledged = False
 
     def failed(self) -> None:
         self._read_failures += 1
 
     def confirmed(self, now: int) -> bool:
         return self.confirmed_at > 0 and now - self.confirmed_at <= self.grant_window_ms
+
+    def confirmed_until(self) -> int:
+        """When this node must stop granting unless it confirms itself live again."""
+        return self.confirmed_at + self.grant_window_ms if self.confirmed_at else 0
 
     def blocked_mask(
         self, key_hashes: npt.NDArray[np.uint64], now: int
@@ -138,8 +281,7 @@ class ClusterView:
             return None
         blocked = np.zeros(len(key_hashes), dtype=np.bool_)
         for fence in active:
-            owners = winners(key_hashes, fence.view)
-            blocked |= owners == fence.view.index(fence.node)
+            blocked |= fence.blocks(key_hashes, now)
         return blocked
 
     def statistics(self, now: int) -> ClusterStatistics:
@@ -153,6 +295,13 @@ class ClusterView:
             changes=self._changes,
             reads=self._reads,
             read_failures=self._read_failures,
-            fences=active,
+            fences=[f.record(now) for f in active],
             fenced_until=max((f.until_ms for f in active), default=0),
+            incarnation=self.incarnation,
+            acknowledged=not self.unacknowledged,
         )
+
+
+def _ended(fence: _ShareFence) -> _ShareFence:
+    fence.until_ms, fence.awaiting = 0, 0
+    return fence

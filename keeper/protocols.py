@@ -8,7 +8,7 @@ in-memory stand-ins the tests use.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -69,6 +69,10 @@ class LeaseTableLike(Protocol):
 
     def statistics(self, now_ms: int | None = None) -> LeaseStatisticsLike: ...
 
+    def live_leases(self, now_ms: int) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
+        """(key hashes, expiries) of the leases live at `now_ms`."""
+        ...
+
 
 class StateBufferLike(Protocol):
     def write(self, payload: bytes, now_ms: int) -> int: ...
@@ -80,3 +84,7 @@ class WriteMarksLike(Protocol):
     def set_view(self, generation: int, delivered_below: int) -> None: ...
 
     def write_classes(self, classes: Sequence[tuple[str, bool]], now_ms: int) -> bool: ...
+
+    def write_owners(self, nodes: Sequence[str], now_ms: int) -> int: ...
+
+    def confirm_until(self, monotonic_ms: int) -> None: ...

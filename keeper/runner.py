@@ -87,13 +87,17 @@ from keeper.state import (
 from keeper.topcheck import TopCheck
 from keeper.walk import Walk
 from store.base import RowsRead, ScheduleStore
-from store.rows import NodeRecord
+from store.rows import Handover, MemberList
 from store.scheduling import ask_short_slice
 
 log = logging.getLogger("renderqueue.keeper")
 
 Clock = Callable[[], int]
-Members = Callable[[], Sequence[NodeRecord]]
+# A read of the member list; True also reads the live lease hand-overs.
+Members = Callable[[bool], MemberList]
+# Tell the cluster this incarnation enforces the view of these incarnations, handing over
+# its live leases on keys it lost; False when it has been superseded.
+Acknowledge = Callable[[int, Sequence[int], Handover], bool]
 MAX_WAIT_S = 0.25  # an idle keeper still looks at the clock this often
 
 
@@ -105,6 +109,10 @@ class ClusterSettings(msgspec.Struct, frozen=True, kw_only=True):
     peers: list[str] = []
     peer_wait_s: float = 120.0
     poll_s: float = 1.0  # the member list is read this often
+    incarnation: int = 0  # this start of the node (store.postgres.membership)
+    # Until when leases of the incarnation this start replaced may live, if its lease
+    # table was not taken over (this node's clock; 0: none may).
+    predecessor_until_ms: int = 0
 
     @property
     def grant_window_ms(self) -> int:
@@ -133,6 +141,7 @@ class Keeper:
         cluster: ClusterSettings | None = None,
         members: Members | None = None,
         marks: WriteMarksLike | None = None,
+        acknowledge: Acknowledge | None = None,
     ) -> None:
         """`cluster` and `members` (a read of the member list) make this keeper one of a
         cluster's: it holds and publishes only the rows it owns, and fences what it gains.
@@ -149,6 +158,8 @@ class Keeper:
         self.clock = clock
         self.cluster_settings = cluster
         self.members = members
+        self.acknowledge = acknowledge
+        self.marks = marks
         self.cluster: ClusterView | None = None
         if cluster is not None:
             if members is None:
@@ -158,6 +169,8 @@ class Keeper:
                 ttl_ms=int(cluster.ttl_s * 1000),
                 grant_window_ms=cluster.grant_window_ms,
                 max_lease_ms=cluster.max_lease_s * 1000,
+                incarnation=cluster.incarnation,
+                predecessor_until_ms=cluster.predecessor_until_ms,
             )
             ownership = self.cluster.ownership
         self.core = KeeperCore(config, ownership)
@@ -218,12 +231,12 @@ class Keeper:
         while not stop.is_set():
             now = self.clock()
             try:
-                records = self.members()
+                read = self.members(True)
             except Exception as exc:
                 self._tell(Waiting(f"cannot read the member list ({exc})"), now)
                 stop.wait(MEMBERS_ERROR_RETRY_S)
                 continue
-            live = {r.node for r in records if r.live}
+            live = {r.node for r in read.records if r.live}
             verdict = self.lifecycle.members_wait(
                 self.node, settings.peers, live, time.monotonic() - began
             )
@@ -234,7 +247,7 @@ class Keeper:
                 continue
             if settings.peers and not live & set(settings.peers):
                 log.warning("keeper: no peer of %s seen live; loading anyway", settings.peers)
-            self.cluster.observe(records, now)
+            self._observe(read, now)
             self._ownership_generation = self.core.ownership.generation
             self.lifecycle.admitted(now)
             return True
@@ -348,18 +361,69 @@ class Keeper:
         assert self.cluster is not None and self.members is not None
         now = self.clock()
         try:
-            records = self.members()
+            read = self.members(self.cluster.awaiting)
         except Exception as exc:
             self.cluster.failed()
             log.warning("keeper: reading the member list failed (%s)", exc)
             return
-        changed = self.cluster.observe(records, now)
+        changed = self._observe(read, now)
         if changed:
             log.info("keeper: the live nodes are now %s", ", ".join(self.cluster.view or ()))
         generation = self.core.ownership.generation
         moved = generation != self._ownership_generation
         self._ownership_generation = generation
         self._tell(MembersRead(view_changed=changed, ownership_changed=moved), now)
+
+    def _observe(self, read: MemberList, now: int) -> bool:
+        """Take a member list; on a change of view, enforce it and say so (see below)."""
+        assert self.cluster is not None
+        changed = self.cluster.observe(read, now)
+        if self.marks is not None:
+            until = self.cluster.confirmed_until()
+            # The workers judge it on the monotonic clock: a step of the wall clock
+            # neither extends nor cuts this node's right to grant.
+            left_ms = until - now if until else -1
+            self.marks.confirm_until(int(time.monotonic() * 1000) + left_ms if left_ms > 0 else 0)
+        if self.cluster.unacknowledged:
+            self._enforce_view(now)
+        return changed
+
+    def _enforce_view(self, now: int) -> None:
+        """Publish the new view to the workers, then hand over the live leases on keys
+        this node lost, then acknowledge: the nodes that gained them fence exactly those.
+
+        The order is what makes the hand-over whole: `write_owners` raises the view
+        number with a full fence before the lease scan, and a claimant or renewer reads
+        it with one after its lease CAS (shm.marks), so a lease the scan misses is handed
+        back by its claimant, never answered."""
+        cluster = self.cluster
+        assert cluster is not None
+        if self.marks is not None:
+            live = cluster.view if cluster.confirmed(now) else ()
+            self.marks.write_owners(live or (), now)
+        if self.acknowledge is None:
+            cluster.acknowledged()
+            return
+        hashes, expiries = self.leases.live_leases(now)
+        lost = ~cluster.ownership.owns_many(hashes) if len(hashes) else hashes.astype(bool)
+        handover = Handover(
+            node=self.node,
+            incarnation=cluster.incarnation,
+            key_hashes=hashes[lost].tolist(),
+            expires_at_ms=(expiries[lost] + cluster.offset_ms).tolist(),
+        )
+        try:
+            if self.acknowledge(cluster.incarnation, cluster.live_incarnations(), handover):
+                cluster.acknowledged()
+                log.info(
+                    "keeper: acknowledged the view %s, handing over %d leases",
+                    ", ".join(cluster.view or ()),
+                    len(handover.key_hashes),
+                )
+            else:
+                log.warning("keeper: this incarnation was superseded; it acknowledges nothing")
+        except Exception as exc:  # the next read tries again
+            log.warning("keeper: acknowledging the view failed (%s)", exc)
 
     def _mark_unowned(self) -> None:
         self._top.drop()

@@ -221,12 +221,16 @@ def decode_queue_state(payload: bytes) -> QueueState:
 
 
 class Fence(msgspec.Struct, frozen=True, kw_only=True):
-    """Keys `node` owned under `view` are not granted here before `until_ms`."""
+    """Keys `node` owned under `view` (or, with `keys`, the keys it handed over) are not
+    granted here before `until_ms`."""
 
     node: str
     view: tuple[str, ...]
     until_ms: int
-    reason: str  # "left", "dead" or "joined"
+    # "awaiting": `node` has not yet acknowledged the view that moved its keys here;
+    # "handed over": its live leases, key by key; "dead": its worst case.
+    reason: str
+    keys: int | None = None  # the keys a hand-over fences still (None: the whole share)
 
 
 class ClusterStatistics(msgspec.Struct, frozen=True, kw_only=True):
@@ -240,6 +244,8 @@ class ClusterStatistics(msgspec.Struct, frozen=True, kw_only=True):
     read_failures: int
     fences: list[Fence]  # still in force
     fenced_until: int  # when the last fence ends (0: none)
+    incarnation: int = 0
+    acknowledged: bool = True  # the others have been told this node enforces its view
 
 
 # The keeper's statistics record, written beside queue-state into its own buffer

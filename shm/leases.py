@@ -108,6 +108,7 @@ _REASONS: dict[int, Literal["taken", "held", "probe_full"]] = {
 }
 _GRANTED = LEASE_LAYOUT["granted"]
 _SECRET_PRINT_WORD = _CTRL // 8 + LEASE_LAYOUT["secret_print"]
+_PHASE_LEASED = 1  # PH_LEASED in csrc/leases.c
 
 
 def _tags_offset(capacity: int) -> int:
@@ -324,6 +325,21 @@ class LeaseTable:
             expired_unanswered=expired,
             removing=removing,
         )
+
+    def live_leases(self, now_ms: int) -> tuple[np.ndarray, np.ndarray]:
+        """(key hashes, expiries) of every lease live at `now_ms`, from a scan of the
+        slots: what a node hands over when it loses keys or leaves. A slot changed during
+        the scan is read as either its old or its new word, each a whole 64-bit load."""
+        view = np.frombuffer(self._segment.mmap, dtype=SLOT, count=self.capacity, offset=_SLOTS)
+        try:
+            state = view["state"].copy()
+            hashes = view["key_hash"].copy()
+        finally:
+            del view
+        expiry = (state >> np.uint64(LEASE_LAYOUT["time_shift"])).astype(np.int64)
+        phase = state & np.uint64(LEASE_LAYOUT["phase_mask"])
+        live = (phase == _PHASE_LEASED) & (expiry > now_ms)
+        return hashes[live], expiry[live]
 
     def recount(self, now_ms: int | None = None) -> None:
         """Rebuild the live counters and tag lanes from the slots: after slots were

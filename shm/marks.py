@@ -17,6 +17,13 @@ claimant tell:
   position below which every write had been applied to the keeper's view when that
   generation was selected (`Subscription.delivered_below`); 0 when the keeper cannot
   vouch (loading, resyncing, feed closed).
+- **Owners** (a cluster's node): the live node names the keeper's view holds and a
+  view number, so a claimant or a renewal can tell whether this node still owns a key,
+  and until when (monotonic clock) the keeper last confirmed this node is a member.
+  The keeper bumps the view number with a full fence before it scans the lease table
+  for the leases it hands over; a claimant or renewer reads it with a full fence after
+  its lease CAS. So either the scan sees the lease, or the claimant sees the new view
+  and hands the key back: no lease on a lost key escapes the hand-over.
 - **Classes**: the route and sitemap flag of each class id the ring's entries carry, so
   a claimant can answer a lease without its row. A keeper only appends ids
   (keeper.classes.ClassTable), so a reader's copy stays right until the list's sequence
@@ -47,11 +54,14 @@ from shm.segment import HEADER_BYTES, Segment, align, stripe_sums
 KIND = "write_marks"
 DEFAULT_CAPACITY = 1 << 20  # 8 MiB: a bucket stays marked only until the keeper reads past it
 CLASS_BYTES = 256 * 1024  # about ten thousand classes' routes
+OWNERS_BYTES = 8 * 1024  # a few hundred node names
 
 _CTRL = HEADER_BYTES // 8
 _VIEWS = _CTRL  # 8 x (generation, delivered_before)
 _VIEW_SLOTS = 8
 _CLASS_SEQ, _CLASS_LENGTH, _CLASS_AT = _CTRL + 16, _CTRL + 17, _CTRL + 18
+_OWNERS_SEQ, _OWNERS_LENGTH, _OWNERS_AT = _CTRL + 19, _CTRL + 20, _CTRL + 21
+_VIEW_NUMBER, _CONFIRMED_UNTIL = _CTRL + 22, _CTRL + 23
 _STRIPES = _CTRL + 24
 _S_STAMPED, _S_ANSWERED, _S_READ = 0, 1, 2
 _CTRL_WORDS = 24 + STRIPES * STRIPE_WORDS
@@ -59,14 +69,23 @@ _CTRL_WORDS = 24 + STRIPES * STRIPE_WORDS
 _class_list = msgspec.msgpack.Decoder(list[tuple[str, bool]])
 
 
-def _offsets(capacity: int) -> tuple[int, int, int]:
+class OwnersView(msgspec.Struct, frozen=True, array_like=True):
+    number: int  # the view number it was written under
+    nodes: tuple[str, ...]  # the live node names, sorted (empty: this node is not live)
+
+
+_owners = msgspec.msgpack.Decoder(OwnersView)
+
+
+def _offsets(capacity: int) -> tuple[int, int, int, int]:
     classes = align(HEADER_BYTES + _CTRL_WORDS * 8)
-    marks = align(classes + CLASS_BYTES)
-    return classes, marks, align(marks + capacity * 8)
+    owners = align(classes + CLASS_BYTES)
+    marks = align(owners + OWNERS_BYTES)
+    return classes, owners, marks, align(marks + capacity * 8)
 
 
 def marks_size(capacity: int, _extra: int = 0) -> int:
-    return _offsets(capacity)[2]
+    return _offsets(capacity)[3]
 
 
 class WriteMarkStatistics(msgspec.Struct, frozen=True, kw_only=True):
@@ -85,12 +104,14 @@ class WriteMarks:
         self.name = segment.name
         self.capacity = segment.capacity
         self._mask = self.capacity - 1
-        self._classes_off, marks_off, _ = _offsets(self.capacity)
+        self._classes_off, self._owners_off, marks_off, _ = _offsets(self.capacity)
         self._words = segment.register(Words(segment.mmap))
         self._marks = segment.register(Words(segment.mmap, marks_off, self.capacity * 8))
         self._stripe = _STRIPES + (os.getpid() % STRIPES) * STRIPE_WORDS
         self._classes: list[tuple[str, bool]] = []
         self._classes_seq = 0
+        self._owners: OwnersView | None = None
+        self._owners_seq = 0
 
     @classmethod
     def create(cls, name: str, capacity: int = DEFAULT_CAPACITY) -> WriteMarks:
@@ -141,7 +162,58 @@ class WriteMarks:
         words.store(_CLASS_SEQ, seq)
         return fits
 
+    def write_owners(self, nodes: Sequence[str], now_ms: int) -> int:
+        """Publish the keeper's view of the live nodes; returns its number. The number is
+        raised last, by a fenced add, so a lease scan after this call sees every lease a
+        claimant made before it read the old number (module note)."""
+        words = self._words
+        number = words.load(_VIEW_NUMBER) + 1
+        payload = msgspec.msgpack.encode(OwnersView(number, tuple(sorted(nodes))))
+        if len(payload) > OWNERS_BYTES:
+            raise ValueError(f"{len(nodes)} node names do not fit {OWNERS_BYTES} bytes")
+        seq = words.load(_OWNERS_SEQ) + 1 or 1
+        words.begin_write(_OWNERS_SEQ, 0)
+        self._segment.mmap[self._owners_off : self._owners_off + len(payload)] = payload
+        words.store(_OWNERS_LENGTH, len(payload))
+        words.store(_OWNERS_AT, now_ms)
+        words.store(_OWNERS_SEQ, seq)
+        return int(words.fetch_add(_VIEW_NUMBER, 1)) + 1
+
+    def confirm_until(self, monotonic_ms: int) -> None:
+        """This node may grant and renew until then (CLOCK_MONOTONIC, shared by every
+        process of the machine), unless the keeper confirms its membership again."""
+        self._words.store(_CONFIRMED_UNTIL, monotonic_ms)
+
     # ---------------------------------------------------------------- claimants
+
+    def confirmed_until(self) -> int:
+        return int(self._words.load(_CONFIRMED_UNTIL))
+
+    def owners(self) -> OwnersView | None:
+        """The keeper's view as of a fenced read of its number (after a lease CAS); None
+        when it has published none."""
+        number = int(self._words.fetch_add(_VIEW_NUMBER, 0))
+        if number == 0:
+            return None
+        cached = self._owners
+        if cached is not None and cached.number >= number:
+            return cached
+        # A writer that died mid-rewrite leaves the sequence at 0: give up, owning nothing.
+        for _ in range(10_000):
+            got = self._words.seqlock_read(
+                _OWNERS_SEQ, _OWNERS_LENGTH, _OWNERS_AT, self._owners_off, OWNERS_BYTES
+            )
+            if got is None:
+                continue  # being rewritten: the writer is between two stores
+            try:
+                view = _owners.decode(got[2])
+            except msgspec.DecodeError:
+                return None
+            # Written before its number was raised: never older than the number read.
+            if view.number >= number:
+                self._owners = view
+                return view
+        return None
 
     def view_of(self, generation: int) -> int:
         """The keeper's view of `generation`, or 0 when it did not vouch (or the slot has

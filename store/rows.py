@@ -126,5 +126,31 @@ class NodeRecord(msgspec.Struct, frozen=True, kw_only=True):
     heartbeat_age_ms: int  # by the database's clock, as of the read
     left: bool  # stopped cleanly
     live: bool  # not left, and heartbeat younger than the TTL
-    lease_horizon_ms: int  # when its last lease ends, if it left (its clock); 0: unknown
+    lease_horizon_ms: int  # when its last lease ends, if it left (the database's clock); 0: none
     max_lease_ms: int  # the longest lease it grants
+    incarnation: int = 0  # this start of the node (a number never reused)
+    # The incarnations of the live nodes whose view it has adopted and enforces: it grants
+    # and renews no key it does not own in that view, and its live leases on those keys
+    # are in the lease hand-over.
+    acked_view: tuple[int, ...] = ()
+    host: str = ""
+    pid: int = 0
+
+
+class Handover(msgspec.Struct, frozen=True, kw_only=True):
+    """A node's live leases on keys it no longer owns (or all of them, once it left)."""
+
+    node: str
+    incarnation: int
+    key_hashes: list[int]  # as the lease table keeps them (unsigned 64-bit)
+    expires_at_ms: list[int]  # the database's clock
+
+
+class MemberList(msgspec.Struct, frozen=True, kw_only=True):
+    """One read of the member list, with the database's clock at the read."""
+
+    records: list[NodeRecord]
+    db_now_ms: int
+    handovers: list[Handover] = []
+    # Whether the hand-overs were read: a read without them cannot end a fence.
+    with_handovers: bool = False

@@ -381,6 +381,11 @@ class MemoryLeases:
     def statistics(self, now_ms: int | None = None) -> LeaseStats:
         return LeaseStats(live_leases=len(self.blocked))
 
+    def live_leases(self, now_ms: int) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.int64]]:
+        """Every blocked hash as a lease that ends in a minute (what a hand-over sends)."""
+        hashes = np.array(sorted(self.blocked), dtype=np.uint64)
+        return hashes, np.full(len(hashes), now_ms + 60_000, dtype=np.int64)
+
 
 class MemoryStateBuffer:
     def __init__(self) -> None:

@@ -1,20 +1,30 @@
 """The keeper's cluster view: ownership follows the live list, and keys gained from
-another node are fenced until that node's leases on them have surely ended."""
+another node are fenced for as long as the evidence says: until the node acknowledges the
+view, then only the leases it handed over; the worst case only for a node that died."""
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 
 from keeper.cluster import ClusterView
 from keeper.ownership import winners
-from store.rows import NodeRecord
+from store.rows import Handover, MemberList, NodeRecord
 
 TTL, WINDOW, LEASE = 12_000, 6_000, 30_000
 T0 = 1_000_000
+INCARNATIONS = {"a": 1, "b": 2, "c": 3}
 
 
 def record(
-    node: str, *, live: bool = True, age: int = 0, left: bool = False, horizon: int = 0
+    node: str,
+    *,
+    live: bool = True,
+    age: int = 0,
+    left: bool = False,
+    horizon: int = 0,
+    acked: tuple[int, ...] = (),
+    incarnation: int | None = None,
 ) -> NodeRecord:
     return NodeRecord(
         node=node,
@@ -26,18 +36,42 @@ def record(
         live=live,
         lease_horizon_ms=horizon,
         max_lease_ms=LEASE,
+        incarnation=INCARNATIONS[node] if incarnation is None else incarnation,
+        acked_view=acked,
     )
 
 
-def view(me: str) -> ClusterView:
-    return ClusterView(me, ttl_ms=TTL, grant_window_ms=WINDOW, max_lease_ms=LEASE)
+def members(
+    records: list[NodeRecord], now: int, handovers: list[Handover] | None = None, offset: int = 0
+) -> MemberList:
+    return MemberList(
+        records=records, db_now_ms=now + offset, handovers=handovers or [], with_handovers=True
+    )
+
+
+def view(me: str, predecessor_until_ms: int = 0) -> ClusterView:
+    return ClusterView(
+        me,
+        ttl_ms=TTL,
+        grant_window_ms=WINDOW,
+        max_lease_ms=LEASE,
+        incarnation=INCARNATIONS[me],
+        predecessor_until_ms=predecessor_until_ms,
+    )
+
+
+def everyone_acked(nodes: list[str]) -> tuple[int, ...]:
+    return tuple(sorted(INCARNATIONS[n] for n in nodes))
 
 
 def settled(me: str, nodes: list[str]) -> ClusterView:
     """A node that joined `nodes` long ago: its own join's fences have ended by T0."""
     cluster = view(me)
-    cluster.observe([record(n) for n in nodes], T0 - 10 * LEASE)
-    cluster.observe([record(n) for n in nodes], T0)
+    acked = everyone_acked(nodes)
+    cluster.observe(
+        members([record(n, acked=acked) for n in nodes], T0 - 10 * LEASE), T0 - 10 * LEASE
+    )
+    cluster.observe(members([record(n, acked=acked) for n in nodes], T0), T0)
     assert cluster.blocked_mask(KEYS, T0) is None
     return cluster
 
@@ -47,36 +81,92 @@ KEYS = np.random.default_rng(3).integers(0, 2**63, 20_000, dtype=np.int64).astyp
 
 def test_a_single_node_owns_everything_and_fences_nothing() -> None:
     cluster = view("a")
-    assert cluster.observe([record("a")], T0)
+    assert cluster.observe(members([record("a")], T0), T0)
     assert cluster.ownership.owns_all
     assert cluster.blocked_mask(KEYS, T0) is None
+    assert cluster.unacknowledged  # it has a view to acknowledge
 
 
-def test_a_node_joining_a_live_cluster_fences_its_keys_for_a_grant_window_and_a_lease() -> None:
+def test_a_joiner_waits_for_the_others_acknowledgement_not_for_the_worst_case() -> None:
     cluster = view("c")
-    assert cluster.observe([record("a"), record("b"), record("c")], T0)
+    assert cluster.observe(members([record("a"), record("b"), record("c")], T0), T0)
     owned = cluster.ownership.owns_many(KEYS)
     assert 0.3 < owned.mean() < 0.37
     blocked = cluster.blocked_mask(KEYS[owned], T0 + 1000)
     assert blocked is not None and blocked.all()  # every key it owns was a or b's
-    end = T0 + WINDOW + LEASE
-    assert cluster.statistics(T0).fenced_until == end
-    cluster.observe([record("a"), record("b"), record("c")], end - 10)  # stays confirmed
-    assert cluster.blocked_mask(KEYS[owned], end) is None
+    assert cluster.awaiting
+    stats = cluster.statistics(T0)
+    assert {f.reason for f in stats.fences} == {"awaiting"}
+    assert stats.fenced_until == T0 + WINDOW + LEASE  # the worst case, should none answer
+    # a acknowledges a view holding c, handing nothing over: a's keys are free at once.
+    acked = everyone_acked(["a", "b", "c"])
+    now = T0 + 1500
+    cluster.observe(members([record("a", acked=acked), record("b"), record("c")], now), now)
+    before = np.array(["a", "b"])[winners(KEYS, ["a", "b"])]
+    blocked = cluster.blocked_mask(KEYS[owned], now)
+    assert blocked is not None and (blocked == (before[owned] == "b")).all()
+    # b too: nothing is fenced, long before the worst case.
+    now += 500
+    cluster.observe(
+        members([record("a", acked=acked), record("b", acked=acked), record("c")], now), now
+    )
+    assert cluster.blocked_mask(KEYS, now) is None
+    assert not cluster.awaiting
+
+
+def test_a_hand_over_fences_exactly_its_keys_each_until_its_lease_ends() -> None:
+    cluster = view("c")
+    cluster.observe(members([record("a"), record("b"), record("c")], T0), T0)
+    owned = cluster.ownership.owns_many(KEYS)
+    mine = KEYS[owned]
+    leased = mine[:5]
+    offset = 7_000  # the database's clock runs 7 s ahead of this node's
+    ends = [T0 + 3_000 + offset, T0 + 3_000 + offset, T0 + 9_000 + offset, T0 + offset, 1]
+    handover = Handover(node="a", incarnation=1, key_hashes=leased.tolist(), expires_at_ms=ends)
+    acked = everyone_acked(["a", "b", "c"])
+    now = T0 + 100
+    read = members(
+        [record("a", acked=acked), record("b", acked=acked), record("c")],
+        now,
+        [handover],
+        offset,
+    )
+    cluster.observe(read, now)
+    blocked = cluster.blocked_mask(mine, now)
+    assert blocked is not None and blocked.sum() == 3 and blocked[:3].all()
+    stats = cluster.statistics(now)
+    assert [(f.node, f.reason, f.keys) for f in stats.fences] == [("a", "handed over", 3)]
+    later = cluster.blocked_mask(mine, T0 + 3_000)  # in this node's clock
+    assert later is not None and later.sum() == 1 and later[2]
+    cluster.observe(msgspec.structs.replace(read, db_now_ms=T0 + 8_000 + offset), T0 + 8_000)
+    assert cluster.blocked_mask(mine, T0 + 9_000) is None
 
 
 def test_the_others_fence_nothing_when_a_node_joins() -> None:
     cluster = settled("a", ["a", "b"])
-    assert cluster.observe([record("a"), record("b"), record("c")], T0 + 500)
+    assert cluster.observe(members([record("a"), record("b"), record("c")], T0 + 500), T0 + 500)
     assert cluster.blocked_mask(KEYS, T0 + 600) is None
     assert not cluster.gains  # a join only takes keys away: no walk for rows gained
+    assert cluster.unacknowledged and cluster.live_incarnations() == [1, 2, 3]
+    cluster.acknowledged()
+    assert not cluster.unacknowledged
+
+
+def test_a_restart_under_the_same_name_is_a_change_of_view() -> None:
+    cluster = settled("a", ["a", "b"])
+    cluster.acknowledged()
+    restarted = [record("a"), record("b", incarnation=9)]
+    assert not cluster.observe(members(restarted, T0 + 500), T0 + 500)  # ownership unchanged
+    assert cluster.unacknowledged  # but b's new incarnation must hear a enforces it
+    assert cluster.live_incarnations() == [1, 9]
 
 
 def test_a_dead_nodes_keys_are_fenced_from_its_last_heartbeat_and_only_those() -> None:
     cluster = settled("a", ["a", "b", "c"])
     before = np.array(["a", "b", "c"])[winners(KEYS, ["a", "b", "c"])]
     now = T0 + 15_000
-    assert cluster.observe([record("a"), record("b"), record("c", live=False, age=13_000)], now)
+    dead = [record("a"), record("b"), record("c", live=False, age=13_000)]
+    assert cluster.observe(members(dead, now), now)
     owned = cluster.ownership.owns_many(KEYS)
     assert cluster.gains
     blocked = cluster.blocked_mask(KEYS, now)
@@ -85,34 +175,89 @@ def test_a_dead_nodes_keys_are_fenced_from_its_last_heartbeat_and_only_those() -
     assert owned[before == "c"].any()  # some of them came here
     end = now - 13_000 + TTL + WINDOW + LEASE
     assert cluster.statistics(now).fenced_until == end
-    cluster.observe([record("a"), record("b"), record("c", live=False, age=30_000)], end - 1)
+    later = [record("a"), record("b"), record("c", live=False, age=30_000)]
+    cluster.observe(members(later, end - 1), end - 1)
     assert cluster.blocked_mask(KEYS, end) is None
 
 
-def test_a_node_that_left_cleanly_is_fenced_until_its_last_lease_ends() -> None:
+def test_a_node_awaited_that_dies_is_fenced_by_its_worst_case() -> None:
+    cluster = view("c")
+    cluster.observe(members([record("a"), record("b"), record("c")], T0), T0)
+    acked = everyone_acked(["a", "b", "c"])
+    now = T0 + 20_000
+    read = [record("a", live=False, age=15_000), record("b", acked=acked), record("c")]
+    cluster.observe(members(read, now), now)
+    stats = cluster.statistics(now)
+    # What c gained from a when it joined (bound since then by the join's worst case) and
+    # what a held when it died (its own worst case, from its last heartbeat).
+    dead = [f for f in stats.fences if f.node == "a"]
+    assert [f.reason for f in dead] == ["dead", "dead"]
+    assert [f.until_ms for f in dead] == [T0 + WINDOW + LEASE, now - 15_000 + TTL + WINDOW + LEASE]
+
+
+def test_a_node_that_left_cleanly_fences_only_what_it_handed_over() -> None:
     cluster = settled("a", ["a", "b"])
-    horizon = T0 + 4000
-    cluster.observe([record("a"), record("b", live=False, left=True, horizon=horizon)], T0 + 10)
+    before = np.array(["a", "b"])[winners(KEYS, ["a", "b"])]
+    bs = KEYS[before == "b"]
+    handover = Handover(
+        node="b", incarnation=2, key_hashes=bs[:10].tolist(), expires_at_ms=[T0 + 4000] * 10
+    )
+    gone = [record("a"), record("b", live=False, left=True, horizon=T0 + 4000)]
+    cluster.observe(members(gone, T0 + 10, [handover]), T0 + 10)
     blocked = cluster.blocked_mask(KEYS, T0 + 20)
-    assert blocked is not None and 0.4 < blocked.mean() < 0.6
-    assert cluster.blocked_mask(KEYS, horizon) is None
+    assert blocked is not None and blocked.sum() == 10
+    assert cluster.blocked_mask(KEYS, T0 + 4000) is None
     # One that left with no lease live fences nothing.
     again = settled("a", ["a", "b"])
-    again.observe([record("a"), record("b", live=False, left=True, horizon=T0 - 1)], T0 + 10)
+    quiet = [record("a"), record("b", live=False, left=True, horizon=T0 - 1)]
+    again.observe(members(quiet, T0 + 10), T0 + 10)
     assert again.blocked_mask(KEYS, T0 + 20) is None
+
+
+def test_a_restart_whose_lease_table_was_lost_fences_its_own_share() -> None:
+    cluster = view("a", predecessor_until_ms=T0 + 5_000)
+    acked = everyone_acked(["a", "b"])
+    cluster.observe(members([record("a"), record("b", acked=acked)], T0), T0)
+    owned = cluster.ownership.owns_many(KEYS)
+    blocked = cluster.blocked_mask(KEYS[owned], T0 + 1)
+    assert blocked is not None and blocked.mean() > 0.9  # its own share, nearly all of it
+    assert cluster.blocked_mask(KEYS[owned], T0 + 5_000) is None
 
 
 def test_a_node_that_cannot_confirm_it_is_live_grants_nothing() -> None:
     cluster = settled("a", ["a", "b"])
     assert cluster.confirmed(T0 + WINDOW)
+    assert cluster.confirmed_until() == T0 + WINDOW
     blocked = cluster.blocked_mask(KEYS, T0 + WINDOW + 1)
     assert blocked is not None and blocked.all()
     cluster.failed()
     assert cluster.statistics(T0 + WINDOW + 1).read_failures == 1
     # Dropped from the list (its heartbeat lapsed): it owns nothing, then rejoins fenced.
-    assert cluster.observe([record("a", live=False, age=TTL + 1), record("b")], T0 + 20_000)
+    lapsed = [record("a", live=False, age=TTL + 1), record("b")]
+    assert cluster.observe(members(lapsed, T0 + 20_000), T0 + 20_000)
     assert not cluster.ownership.owns_many(KEYS).any()
-    assert cluster.observe([record("a"), record("b")], T0 + 21_000)
+    assert cluster.observe(members([record("a"), record("b")], T0 + 21_000), T0 + 21_000)
     owned = cluster.ownership.owns_many(KEYS)
     blocked = cluster.blocked_mask(KEYS[owned], T0 + 21_000)
     assert blocked is not None and blocked.all()
+
+
+def test_an_acknowledgement_read_without_its_hand_over_ends_no_fence() -> None:
+    cluster = view("c")
+    acked = everyone_acked(["a", "b", "c"])
+    read = [record("a", acked=acked), record("b", acked=acked), record("c")]
+    unread = MemberList(records=read, db_now_ms=T0)  # the hand-overs were not read
+    cluster.observe(unread, T0)
+    owned = cluster.ownership.owns_many(KEYS)
+    blocked = cluster.blocked_mask(KEYS[owned], T0)
+    assert blocked is not None and blocked.all() and cluster.awaiting
+    cluster.observe(members(read, T0 + 1000), T0 + 1000)
+    assert cluster.blocked_mask(KEYS, T0 + 1000) is None
+
+
+def test_a_superseded_incarnation_is_not_live() -> None:
+    cluster = settled("a", ["a", "b"])
+    replaced = [record("a", incarnation=7), record("b")]
+    cluster.observe(members(replaced, T0 + 100), T0 + 100)
+    assert not cluster.confirmed(T0 + WINDOW + 101)
+    assert not cluster.ownership.owns_many(KEYS).any()

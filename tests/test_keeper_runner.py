@@ -773,7 +773,7 @@ def test_a_clustered_keeper_holds_its_share_and_rebalances_when_a_node_dies() ->
     from keeper.ownership import winners
     from keeper.runner import ClusterSettings
     from shm import key_hashes
-    from store.rows import NodeRecord
+    from store.rows import MemberList, NodeRecord
 
     def member(name: str, *, live: bool = True, age: int = 0) -> NodeRecord:
         return NodeRecord(
@@ -808,7 +808,7 @@ def test_a_clustered_keeper_holds_its_share_and_rebalances_when_a_node_dies() ->
         node="a",
         clock=clock,
         cluster=settings,
-        members=lambda: members,
+        members=lambda handovers: MemberList(records=members, db_now_ms=clock()),
     )
     assert keeper._await_members(threading.Event())
     keeper.start()
@@ -824,7 +824,8 @@ def test_a_clustered_keeper_holds_its_share_and_rebalances_when_a_node_dies() ->
         clock.advance(100)
         keeper.step()
     assert held() == mine and keeper.statistics().exact
-    # It joined a live b: its keys were b's, fenced until b's leases on them have ended.
+    # It joined a live b that has not acknowledged it: its keys were b's, fenced until b's
+    # leases on them have surely ended.
     joined = keeper.statistics().cluster
     assert joined is not None and joined.fences and not published()
     while clock() <= joined.fenced_until:

@@ -3,21 +3,27 @@
 The supervisor outlives its workers (a respawned worker 0 reloads; the node stays a
 member meanwhile), so it keeps the node's row: it joins before any worker spawns,
 heartbeats on a thread of its own every `heartbeat_s`, and on a clean stop leaves once
-its workers have exited, saying when its last lease ends. A heartbeat that finds the
-row gone or taken joins again. Which keys the node owns is the keeper's business: it
-reads the member list itself.
+its workers have exited, handing its live leases over. A heartbeat that finds the row
+no longer this incarnation's (taken by a newer start of the name, or gone) never joins
+again: the node is superseded and stops, since another process may own its keys. Each
+heartbeat also measures this node's clock against the database's, so instants another
+node reads (a hand-over's lease ends) are written in the database's clock. Which keys
+the node owns is the keeper's business: it reads the member list itself.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 
 import msgspec
 
+from shm.leases import LeaseTable
 from shm.segment import now_ms
 from store.errors import StoreError
-from store.postgres.membership import Membership
+from store.postgres.membership import Joined, Membership
+from store.rows import Handover
 from workers import logs
 
 log = logs.get_logger("membership")
@@ -29,41 +35,76 @@ class MembershipStatistics(msgspec.Struct, frozen=True, kw_only=True):
     joined_at: int  # epoch ms (0: not joined)
     heartbeats: int
     failures: int  # heartbeats that failed (the store was unreachable)
-    rejoins: int  # heartbeats that found the row gone and joined again
     last_heartbeat_at: int  # epoch ms of the last heartbeat that landed (0: none)
     left: bool
+    incarnation: int = 0
+    superseded: bool = False  # another start of this name holds the row: the node stops
+    clock_offset_ms: int = 0  # the database's clock less this node's, at the last heartbeat
 
 
 class MembershipHeartbeat:
-    def __init__(self, membership: Membership, interval_s: float) -> None:
+    def __init__(
+        self,
+        membership: Membership,
+        interval_s: float,
+        on_superseded: Callable[[], None] | None = None,
+    ) -> None:
         self.membership = membership
         self.interval_s = interval_s
+        self._on_superseded = on_superseded
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
         self._joined_at = 0
-        self._heartbeats = self._failures = self._rejoins = 0
+        self._heartbeats = self._failures = 0
         self._last = 0
         self._left = False
+        self.superseded = False
+        self.offset_ms = 0
 
-    def join(self) -> None:
-        """Join now (raises NameTaken or the store's error), then heartbeat on a thread."""
-        self.membership.join()
+    def join(self) -> Joined:
+        """Join now (raises NameTaken, SettingsDiffer or the store's error), measure the
+        clocks, then heartbeat on a thread."""
+        joined = self.membership.join()
         self._joined_at = self._last = now_ms()
+        self._measure(self.membership.db_now_ms(), self._joined_at)
         logs.event(
             log,
             "cluster_joined",
             node=self.membership.node,
             url=self.membership.advertised_url,
+            incarnation=joined.incarnation,
+            replaced=None if joined.predecessor is None else joined.predecessor.incarnation,
+            settings_set=joined.settings_set,
+            clock_offset_ms=self.offset_ms,
         )
         self._thread.start()
+        return joined
+
+    def _measure(self, db_ms: int, sent: int) -> None:
+        """The offset of the database's clock, read between `sent` and now, taken at the
+        round trip's midpoint."""
+        self.offset_ms = db_ms - (sent + now_ms()) // 2
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
             try:
-                if not self.membership.heartbeat():
-                    self.membership.join()
-                    self._rejoins += 1
-                    logs.event(log, "cluster_rejoined", logging.WARNING, node=self.membership.node)
+                sent = now_ms()
+                beat = self.membership.heartbeat()
+                if beat.superseded:
+                    self.superseded = True
+                    logs.event(
+                        log,
+                        "cluster_superseded",
+                        logging.ERROR,
+                        node=self.membership.node,
+                        incarnation=self.membership.incarnation,
+                        detail="this node's row is gone or belongs to a newer start of its "
+                        "name: this process grants nothing more and stops",
+                    )
+                    if self._on_superseded is not None:
+                        self._on_superseded()
+                    return
+                self._measure(beat.db_now_ms, sent)
                 self._heartbeats += 1
                 self._last = now_ms()
             except StoreError as exc:
@@ -73,21 +114,30 @@ class MembershipHeartbeat:
                 self._failures += 1
                 log.exception("heartbeat failed")
 
-    def leave(self, lease_horizon_ms: int) -> None:
-        """Stop heartbeating and leave; the others take this node's keys after the horizon."""
+    def leave(self, leases: LeaseTable) -> None:
+        """Stop heartbeating and leave, handing over the live leases: the others fence
+        exactly those keys, each until its lease ends."""
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(10)
-        if not self._joined_at:
+        if not self._joined_at or self.superseded:
             return
         try:
-            self.membership.leave(lease_horizon_ms)
+            hashes, expiries = leases.live_leases(now_ms())
+            handover = Handover(
+                node=self.membership.node,
+                incarnation=self.membership.incarnation,
+                key_hashes=hashes.tolist(),
+                expires_at_ms=(expiries + self.offset_ms).tolist(),
+            )
+            self.membership.leave(handover)
             self._left = True
             logs.event(
                 log,
                 "cluster_left",
                 node=self.membership.node,
-                lease_horizon_ms=lease_horizon_ms,
+                handed_over=len(handover.key_hashes),
+                lease_horizon_ms=max(handover.expires_at_ms, default=0),
             )
         except StoreError as exc:
             # The row ages out instead: the others wait a TTL more before taking over.
@@ -102,7 +152,9 @@ class MembershipHeartbeat:
             joined_at=self._joined_at,
             heartbeats=self._heartbeats,
             failures=self._failures,
-            rejoins=self._rejoins,
             last_heartbeat_at=self._last,
             left=self._left,
+            incarnation=self.membership.incarnation,
+            superseded=self.superseded,
+            clock_offset_ms=self.offset_ms,
         )

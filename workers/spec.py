@@ -21,3 +21,7 @@ class WorkerSpec(msgspec.Struct, frozen=True, kw_only=True):
     # The store's key-hash secret, read once by the supervisor, so every process of the
     # node hashes under the one its lease snapshot was checked against.
     hash_secret: bytes
+    # In a cluster: this start's incarnation (store.postgres.membership), and until when
+    # the previous run's leases may live when its lease table was not taken over.
+    incarnation: int = 0
+    predecessor_until_ms: int = 0

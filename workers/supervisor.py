@@ -39,8 +39,10 @@ import msgspec
 
 from api.report import MAX_REPORT_BYTES, REPORT_PREFIX, WorkerReport, decode_report_line
 from shm import lease_snapshot, lease_survivor
+from shm.keys import fingerprint
 from shm.leases import LeaseCensus
 from shm.segment import now_ms
+from store.rows import NodeRecord
 from store.sqlite.wal import WalState, read_wal_state
 from workers import logs
 from workers.config import Settings
@@ -195,6 +197,9 @@ class Supervisor:
     _snapshot_on_exit: bool = False  # the stop was graceful (SIGTERM) and not overridden
     _lease_recovery: LeaseRecovery | None = None
     _membership: MembershipHeartbeat | None = None
+    _incarnation: int = 0
+    _predecessor_until_ms: int = 0
+    _inherited_leases: bool = False  # the previous run's leases were restored or adopted
     _loop_ended: bool = False
     _hash_secret: bytes = b""  # the store's, read by _prepare_store
     _sqlite_path: str | None = None  # a SQLite store's file, whose WAL the census reads
@@ -290,7 +295,8 @@ class Supervisor:
             store.close()
 
     def _join_cluster(self) -> None:
-        """Become a member before any worker spawns: a name taken by a live node stops here."""
+        """Become a member, as a new incarnation, before any worker spawns: a name a live
+        process holds, or settings that differ from the live cluster's, stop here."""
         from store.postgres.membership import Membership
 
         settings = self.settings
@@ -301,22 +307,46 @@ class Supervisor:
             advertised_url=settings.advertised(self.port),
             ttl_s=settings.node_ttl_s,
             max_lease_ms=settings.max_lease_s * 1000,
+            heartbeat_s=settings.heartbeat_s,
+            secret_fingerprint=fingerprint(self._hash_secret),
         )
-        self._membership = MembershipHeartbeat(membership, settings.heartbeat_s)
-        self._membership.join()
+        self._membership = MembershipHeartbeat(membership, settings.heartbeat_s, self._wake)
+        joined = self._membership.join()
+        self._incarnation = joined.incarnation
+        self._predecessor_until_ms = self._predecessor_fence(joined.predecessor)
+
+    def _predecessor_fence(self, predecessor: NodeRecord | None) -> int:
+        """Until when the leases of the incarnation this start replaced may live (this
+        node's clock), when its lease table was not taken over; 0 when none may."""
+        if predecessor is None or self._inherited_leases:
+            return 0
+        now = now_ms()
+        if predecessor.left:
+            assert self._membership is not None
+            return predecessor.lease_horizon_ms - self._membership.offset_ms
+        max_lease = predecessor.max_lease_ms or self.settings.max_lease_s * 1000
+        window = int(self.settings.node_ttl_s * 500)
+        until = now - predecessor.heartbeat_age_ms + int(self.settings.node_ttl_s * 1000)
+        until += window + max_lease
+        if until > now:
+            logs.event(
+                log,
+                "predecessor_fenced",
+                logging.WARNING,
+                incarnation=predecessor.incarnation,
+                until_ms=until,
+                detail="the previous run of this node stopped without handing its leases "
+                "over and its lease table was not taken over: its keys wait until its "
+                "leases could have ended",
+            )
+        return max(0, until)
 
     def _leave_cluster(self) -> None:
-        """After the workers exited: nothing is granted any more, so the others may take this
-        node's keys once the leases it granted have ended (at most the longest lease)."""
+        """After the workers exited: nothing is granted any more, so hand the live leases
+        over; the others fence exactly those keys, each until its lease ends."""
         if self._membership is None or self._segments is None:
             return
-        now = now_ms()
-        try:
-            live = self._segments.leases.census(now).live_leases
-        except Exception:
-            live = 1  # unknown: assume a lease may live
-        horizon = now + self.settings.max_lease_s * 1000 if live else now
-        self._membership.leave(horizon)
+        self._membership.leave(self._segments.leases)
 
     def _bind(self) -> int:
         """Bind the node's port once (workers/listeners.py) and return it."""
@@ -437,7 +467,23 @@ class Supervisor:
             timeout = min(timeout, max(0.0, self._stop_deadline - now))
         return timeout
 
+    def _wake(self) -> None:
+        """From another thread: make the loop look at its state now."""
+        if self._wake_w is not None:
+            with contextlib.suppress(OSError):
+                self._wake_w.send(b"\0")
+
     def _handle_signals(self) -> None:
+        if (
+            self._membership is not None
+            and self._membership.superseded
+            and self.state != "stopping"
+        ):
+            # Another incarnation holds this node's name: every key this one would grant
+            # may be that one's. Stop at once; its leases are not this process's to leave.
+            logs.event(log, "superseded", logging.ERROR, node=self.node)
+            self.exit_code = 3
+            self._signals.append(signal.SIGINT)
         while self._signals:
             signum = self._signals.pop(0)
             if signum == signal.SIGCHLD:
@@ -557,6 +603,7 @@ class Supervisor:
                 detail="starting with an empty lease table",
             )
         elif isinstance(outcome, lease_snapshot.Restored):
+            self._inherited_leases = True
             self._lease_recovery = msgspec.structs.replace(
                 recovery,
                 source="snapshot",
@@ -601,6 +648,7 @@ class Supervisor:
                 detail="its slots could not be imported; starting with an empty lease table",
             )
             return False
+        self._inherited_leases = True
         # A snapshot beside it is the same table or an older one: loaded by a later start
         # (after a reboot), it would bring back leases that have since ended.
         had_snapshot = path.exists()
@@ -698,6 +746,8 @@ class Supervisor:
             segments=self._segments.names,
             settings=self.settings,
             hash_secret=self._hash_secret,
+            incarnation=self._incarnation,
+            predecessor_until_ms=self._predecessor_until_ms,
         )
         try:
             process = subprocess.Popen(

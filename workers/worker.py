@@ -134,6 +134,8 @@ def start_keeper(spec: WorkerSpec, segments: Segments) -> KeeperHost:
             max_lease_s=settings.max_lease_s,
             peers=list(settings.peers),
             peer_wait_s=settings.peer_wait_s,
+            incarnation=spec.incarnation,
+            predecessor_until_ms=spec.predecessor_until_ms,
         )
         if settings.clustered
         else None
@@ -141,9 +143,13 @@ def start_keeper(spec: WorkerSpec, segments: Segments) -> KeeperHost:
 
     def run_once(stop: threading.Event) -> None:
         store = open_store(settings.store_url(), page_cache_kib=KEEPER_PAGE_CACHE_KIB)
-        # A clustered node's store is a PostgresStore: it reads the member list.
+        # A clustered node's store is a PostgresStore: it reads the member list and
+        # acknowledges views.
         members = (
-            None if cluster is None else functools.partial(store.nodes, cluster.ttl_s)  # type: ignore[attr-defined]
+            None if cluster is None else functools.partial(store.members, cluster.ttl_s)  # type: ignore[attr-defined]
+        )
+        acknowledge = (
+            None if cluster is None else functools.partial(store.acknowledge, spec.node)  # type: ignore[attr-defined]
         )
         try:
             keeper = Keeper(
@@ -157,6 +163,7 @@ def start_keeper(spec: WorkerSpec, segments: Segments) -> KeeperHost:
                 marks=segments.marks,
                 cluster=cluster,
                 members=members,
+                acknowledge=acknowledge,
             )
             keeper.run(stop)
         finally:

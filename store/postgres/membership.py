@@ -1,70 +1,163 @@
 """The cluster's members, kept in the shared database's `nodes` table.
 
-A node joins (its row: name, advertised URL, instance, start time), heartbeats, and
-leaves on a clean stop (`left_at`, and when its last lease ends). Liveness is judged by
-the database's clock, never a node's: a node is live while it has not left and its
-heartbeat is younger than the TTL. Every node reads the same table, so every node
-computes the same live set once it has read it after a change.
+A node joins (its row: name, advertised URL, a new incarnation, host and pid),
+heartbeats, and leaves on a clean stop (`left_at`, and its live leases handed over).
+Liveness is judged by the database's clock, never a node's: a node is live while it has
+not left and its heartbeat is younger than the TTL. Every node reads the same table, so
+every node computes the same live set once it has read it after a change.
 
-A name belongs to one live node at a time: a second node joining under the name of a
-live one is refused (two keepers would each think they own the other's rows).
+Identity is an incarnation, not a name. Every start takes a new number from a sequence;
+a heartbeat, an acknowledgement and a leave name it, so a process that was paused while
+another took its name over changes nothing and learns it was superseded. A name belongs
+to one live incarnation at a time: a second process joining under a live name is
+refused, unless the holder is a dead process of this same host (a crash, restarted).
+
+The cluster's timing settings, the key-hash secret's fingerprint and the membership
+protocol are stored once (`cluster_settings`). A node whose values differ from the live
+cluster's is refused at join, with both values named; with no live node the joiner's
+values become the cluster's, so changing them means stopping every node first.
 """
 
 from __future__ import annotations
 
+import os
+import socket
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import msgspec
+import numpy as np
+
 from store.errors import StoreError
 from store.postgres.conn import Conn, connect, translated
-from store.rows import NodeRecord
+from store.rows import Handover, MemberList, NodeRecord
 
 DEFAULT_TTL_S = 12.0  # a node whose last heartbeat is older than this is dead
+# Bumped on any change to what nodes promise each other (fences, hand-over, tokens): a
+# node of another protocol is refused at join rather than splitting ownership.
+PROTOCOL = 2
 
 
 class NameTaken(StoreError):
     """Another live node holds this node's name."""
 
 
-_NODES = """
-SELECT node, url, instance,
+class SettingsDiffer(StoreError):
+    """This node's cluster settings differ from the live cluster's."""
+
+
+class ClusterSettingsRecord(msgspec.Struct, frozen=True, kw_only=True):
+    ttl_ms: int
+    heartbeat_ms: int
+    max_lease_ms: int
+    secret_fingerprint: int
+    protocol: int = PROTOCOL
+
+
+class Joined(msgspec.Struct, frozen=True, kw_only=True):
+    incarnation: int
+    predecessor: NodeRecord | None  # the row this start replaced (a restart of the name)
+    settings_set: bool  # no node was live: this node's settings became the cluster's
+
+
+class Beat(msgspec.Struct, frozen=True, kw_only=True):
+    """A heartbeat's answer: `superseded` when the row is no longer this incarnation's."""
+
+    superseded: bool
+    db_now_ms: int = 0
+
+
+_NODE_COLUMNS = """node, url, instance,
        (extract(epoch FROM started_at) * 1000)::bigint,
        (extract(epoch FROM now() - heartbeat_at) * 1000)::bigint,
        left_at IS NOT NULL,
-       left_at IS NULL AND heartbeat_at > now() - make_interval(secs => %s),
-       lease_horizon_ms, max_lease_ms
-FROM nodes ORDER BY node
-"""
+       left_at IS NULL AND heartbeat_at > now() - make_interval(secs => %(ttl)s),
+       lease_horizon_ms, max_lease_ms, incarnation, acked_view, host, pid"""
+
+_NODES = f"SELECT {_NODE_COLUMNS} FROM nodes ORDER BY node"
+_DB_NOW = "SELECT (extract(epoch FROM clock_timestamp()) * 1000)::bigint"
+
+_SETTINGS = """SELECT ttl_ms, heartbeat_ms, max_lease_ms, secret_fingerprint, protocol
+FROM cluster_settings WHERE id = 1 FOR UPDATE"""
+_SET_SETTINGS = """INSERT INTO cluster_settings AS c
+    (id, ttl_ms, heartbeat_ms, max_lease_ms, secret_fingerprint, protocol, set_by)
+VALUES (1, %(ttl_ms)s, %(heartbeat_ms)s, %(max_lease_ms)s, %(secret_fingerprint)s,
+        %(protocol)s, %(node)s)
+ON CONFLICT (id) DO UPDATE SET ttl_ms = excluded.ttl_ms, heartbeat_ms = excluded.heartbeat_ms,
+    max_lease_ms = excluded.max_lease_ms, secret_fingerprint = excluded.secret_fingerprint,
+    protocol = excluded.protocol, set_by = excluded.set_by, set_at = now()"""
+_LIVE_OTHERS = """SELECT count(*) FROM nodes WHERE node <> %(node)s AND left_at IS NULL
+    AND heartbeat_at > now() - make_interval(secs => %(ttl)s)"""
+_ROW = f"SELECT {_NODE_COLUMNS} FROM nodes WHERE node = %(node)s FOR UPDATE"
 
 _JOIN = """
-INSERT INTO nodes AS n (node, url, instance, max_lease_ms)
-VALUES (%(node)s, %(url)s, %(instance)s, %(max_lease_ms)s)
+INSERT INTO nodes AS n (node, url, instance, max_lease_ms, incarnation, host, pid)
+VALUES (%(node)s, %(url)s, %(instance)s, %(max_lease_ms)s, nextval('node_incarnation'),
+        %(host)s, %(pid)s)
 ON CONFLICT (node) DO UPDATE SET
     url = excluded.url, instance = excluded.instance, started_at = now(),
     heartbeat_at = now(), left_at = NULL, lease_horizon_ms = 0,
-    max_lease_ms = excluded.max_lease_ms
-WHERE n.instance = excluded.instance OR n.left_at IS NOT NULL
-   OR n.heartbeat_at <= now() - make_interval(secs => %(ttl)s)
-RETURNING node
+    max_lease_ms = excluded.max_lease_ms, incarnation = excluded.incarnation,
+    host = excluded.host, pid = excluded.pid, acked_view = '{}', acked_at = NULL
+RETURNING incarnation
 """
 
 _HEARTBEAT = """
 UPDATE nodes SET heartbeat_at = now(), url = %(url)s
-WHERE node = %(node)s AND instance = %(instance)s AND left_at IS NULL
-RETURNING node
+WHERE node = %(node)s AND incarnation = %(incarnation)s AND left_at IS NULL
+RETURNING (extract(epoch FROM clock_timestamp()) * 1000)::bigint
 """
 
 _LEAVE = """
 UPDATE nodes SET left_at = now(), lease_horizon_ms = %(horizon)s
-WHERE node = %(node)s AND instance = %(instance)s
+WHERE node = %(node)s AND incarnation = %(incarnation)s
 """
+
+_ACK = """
+UPDATE nodes SET acked_view = %(view)s, acked_at = now()
+WHERE node = %(node)s AND incarnation = %(incarnation)s AND left_at IS NULL
+RETURNING node
+"""
+# Only this incarnation's: a predecessor's hand-over stays until its leases end, since
+# the nodes that took its keys may still be reading it.
+_CLEAR_HANDOVER = (
+    "DELETE FROM lease_handover WHERE node = %(node)s AND incarnation = %(incarnation)s"
+)
+_HANDOVER = """INSERT INTO lease_handover (node, incarnation, key_hash, expires_at_ms)
+SELECT %(node)s, %(incarnation)s, h, e FROM unnest(%(hashes)s::bigint[], %(expires)s::bigint[])
+    AS t(h, e)"""
+_READ_HANDOVERS = """SELECT node, incarnation, key_hash, expires_at_ms FROM lease_handover
+WHERE expires_at_ms > (extract(epoch FROM clock_timestamp()) * 1000)::bigint"""
 
 # Rows of nodes gone this long are of no use to anyone: the keys they leased are free.
 _FORGET = """
 DELETE FROM nodes
 WHERE heartbeat_at < now() - make_interval(secs => %s) AND node <> %s
 """
+_FORGET_HANDOVERS = """DELETE FROM lease_handover
+WHERE expires_at_ms < (extract(epoch FROM clock_timestamp()) * 1000)::bigint"""
 FORGET_AFTER_S = 86_400.0
+
+
+def _signed(values: Sequence[int]) -> list[int]:
+    """Unsigned 64-bit key hashes as PostgreSQL's signed bigint (the same bits)."""
+    return np.asarray(values, dtype=np.uint64).view(np.int64).tolist()  # type: ignore[no-any-return]
+
+
+def _unsigned(values: Sequence[int]) -> list[int]:
+    return np.asarray(values, dtype=np.int64).view(np.uint64).tolist()  # type: ignore[no-any-return]
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 class Membership:
@@ -83,6 +176,8 @@ class Membership:
         advertised_url: str,
         ttl_s: float = DEFAULT_TTL_S,
         max_lease_ms: int = 0,
+        heartbeat_s: float = 2.0,
+        secret_fingerprint: int = 0,
     ) -> None:
         self.store_url = url
         self.node = node
@@ -90,6 +185,10 @@ class Membership:
         self.advertised_url = advertised_url
         self.ttl_s = ttl_s
         self.max_lease_ms = max_lease_ms
+        self.heartbeat_s = heartbeat_s
+        self.secret_fingerprint = secret_fingerprint
+        self.incarnation = 0
+        self.host = socket.gethostname()
         self._conn: Conn | None = None
 
     def _connection(self) -> Conn:
@@ -109,37 +208,101 @@ class Membership:
             conn.close()
             raise
 
-    def join(self) -> None:
-        """Register (or come back under the same name); NameTaken if a live node has it."""
-        params = {
-            "node": self.node,
-            "url": self.advertised_url,
-            "instance": self.instance,
-            "max_lease_ms": self.max_lease_ms,
-            "ttl": self.ttl_s,
-        }
-        if not self._run("join", _JOIN, params):
-            holder = next((n for n in self.nodes() if n.node == self.node), None)
-            where = f" at {holder.url} (instance {holder.instance})" if holder else ""
-            raise NameTaken(
-                f"node name {self.node!r} is taken by a live node{where}; give this node "
-                "another name (setting `node`), or stop that one first"
-            )
+    @property
+    def settings(self) -> ClusterSettingsRecord:
+        return ClusterSettingsRecord(
+            ttl_ms=round(self.ttl_s * 1000),
+            heartbeat_ms=round(self.heartbeat_s * 1000),
+            max_lease_ms=self.max_lease_ms,
+            secret_fingerprint=_signed([self.secret_fingerprint])[0],
+        )
+
+    def join(self) -> Joined:
+        """Register as a new incarnation; NameTaken if a live process has the name,
+        SettingsDiffer if the live cluster runs with other settings."""
+        conn = self._connection()
+        mine = self.settings
+        try:
+            with translated("join"), conn.transaction():
+                found = conn.execute(_SETTINGS).fetchone()
+                others = conn.execute(_LIVE_OTHERS, {"node": self.node, "ttl": self.ttl_s})
+                live_others = int(others.fetchone()[0])  # type: ignore[index]
+                if found is not None and live_others:
+                    theirs = ClusterSettingsRecord(
+                        ttl_ms=found[0],
+                        heartbeat_ms=found[1],
+                        max_lease_ms=found[2],
+                        secret_fingerprint=found[3],
+                        protocol=found[4],
+                    )
+                    if theirs != mine:
+                        raise SettingsDiffer(_differences(mine, theirs))
+                settings_set = found is None or (not live_others and found is not None)
+                if settings_set:
+                    conn.execute(_SET_SETTINGS, {**msgspec.to_builtins(mine), "node": self.node})
+                rows = conn.execute(_ROW, {"node": self.node, "ttl": self.ttl_s}).fetchall()
+                predecessor = _records(rows)[0] if rows else None
+                # A live row is another process's, unless it is a dead process of this
+                # host: the same node crashed and restarted within the TTL.
+                crashed_here = predecessor is not None and (
+                    predecessor.host == self.host and not _pid_alive(predecessor.pid)
+                )
+                if predecessor is not None and predecessor.live and not crashed_here:
+                    raise NameTaken(
+                        f"node name {self.node!r} is taken by a live node at "
+                        f"{predecessor.url} (host {predecessor.host or '?'}, pid "
+                        f"{predecessor.pid or '?'}, incarnation {predecessor.incarnation}); "
+                        "give this node another name (setting `node`), or stop that one "
+                        "first"
+                    )
+                params = {
+                    "node": self.node,
+                    "url": self.advertised_url,
+                    "instance": self.instance,
+                    "max_lease_ms": self.max_lease_ms,
+                    "host": self.host,
+                    "pid": os.getpid(),
+                }
+                incarnation = int(conn.execute(_JOIN, params).fetchone()[0])  # type: ignore[index]
+        except StoreError:
+            conn.close()
+            raise
+        self.incarnation = incarnation
         self._run("join", _FORGET, (FORGET_AFTER_S, self.node))
+        self._run("join", _FORGET_HANDOVERS, ())
+        return Joined(incarnation=incarnation, predecessor=predecessor, settings_set=settings_set)
 
-    def heartbeat(self) -> bool:
-        """Prove this node is alive; False when its row is gone or taken (join again)."""
-        params = {"node": self.node, "instance": self.instance, "url": self.advertised_url}
-        return bool(self._run("heartbeat", _HEARTBEAT, params))
+    def heartbeat(self) -> Beat:
+        """Prove this incarnation is alive; superseded when its row is gone, left or taken
+        (it must then grant nothing more: another incarnation may own its keys)."""
+        params = {"node": self.node, "incarnation": self.incarnation, "url": self.advertised_url}
+        found = self._run("heartbeat", _HEARTBEAT, params)
+        if not found:
+            return Beat(superseded=True)
+        return Beat(superseded=False, db_now_ms=int(found[0][0]))
 
-    def leave(self, lease_horizon_ms: int) -> None:
-        """Leave now: the others take this node's keys once its last lease ends."""
-        params = {"node": self.node, "instance": self.instance, "horizon": lease_horizon_ms}
-        self._run("leave", _LEAVE, params)
+    def db_now_ms(self) -> int:
+        return int(self._run("clock", _DB_NOW, ())[0][0])
+
+    def leave(self, handover: Handover) -> None:
+        """Leave now, handing over the live leases: the others fence exactly those keys
+        until each lease ends (`handover` is in the database's clock)."""
+        conn = self._connection()
+        horizon = max(handover.expires_at_ms, default=0)
+        try:
+            with translated("leave"), conn.transaction():
+                write_handover(conn, self.node, self.incarnation, handover)
+                conn.execute(
+                    _LEAVE,
+                    {"node": self.node, "incarnation": self.incarnation, "horizon": horizon},
+                )
+        except StoreError:
+            conn.close()
+            raise
 
     def nodes(self) -> list[NodeRecord]:
         """Every known node, live or not, by name."""
-        return read_nodes(self._connection(), self.ttl_s)
+        return read_members(self._connection(), self.ttl_s).records
 
     def close(self) -> None:
         if self._conn is not None:
@@ -147,9 +310,28 @@ class Membership:
             self._conn = None
 
 
-def read_nodes(conn: Conn, ttl_s: float) -> list[NodeRecord]:
-    with translated("nodes"):
-        found = conn.execute(_NODES, (ttl_s,)).fetchall()
+def _differences(mine: ClusterSettingsRecord, theirs: ClusterSettingsRecord) -> str:
+    names = {
+        "ttl_ms": ("node_ttl_s", 1000),
+        "heartbeat_ms": ("heartbeat_s", 1000),
+        "max_lease_ms": ("max_lease_s", 1000),
+        "secret_fingerprint": ("the key-hash secret's fingerprint", 0),
+        "protocol": ("the membership protocol", 0),
+    }
+    parts = []
+    for field, (name, scale) in names.items():
+        a, b = getattr(mine, field), getattr(theirs, field)
+        if a != b:
+            shown = (a / scale, b / scale) if scale else (a, b)
+            parts.append(f"{name}: this node {shown[0]:g}, the cluster {shown[1]:g}")
+    return (
+        "this node's cluster settings differ from the live cluster's ("
+        + "; ".join(parts)
+        + "); start it with the cluster's values, or stop every node to change them"
+    )
+
+
+def _records(found: Sequence[tuple[Any, ...]]) -> list[NodeRecord]:
     return [
         NodeRecord(
             node=str(node),
@@ -161,6 +343,84 @@ def read_nodes(conn: Conn, ttl_s: float) -> list[NodeRecord]:
             live=bool(live),
             lease_horizon_ms=int(horizon),
             max_lease_ms=int(max_lease),
+            incarnation=int(incarnation),
+            acked_view=tuple(int(i) for i in acked or ()),
+            host=str(host),
+            pid=int(pid),
         )
-        for node, url, instance, started, age, left, live, horizon, max_lease in found
+        for (
+            node,
+            url,
+            instance,
+            started,
+            age,
+            left,
+            live,
+            horizon,
+            max_lease,
+            incarnation,
+            acked,
+            host,
+            pid,
+        ) in found
     ]
+
+
+def read_members(conn: Conn, ttl_s: float, handovers: bool = False) -> MemberList:
+    """The member list (and, when asked, every live hand-over), with the database's clock.
+
+    The hand-overs are read after the rows: a row's acknowledgement and its hand-over
+    commit together, so an acknowledgement seen in the first statement has its hand-over
+    (or a later one, which covers no fewer of the keys it lost) visible to the second."""
+    with translated("nodes"), conn.transaction():
+        records = _records(conn.execute(_NODES, {"ttl": ttl_s}).fetchall())
+        db_now = int(conn.execute(_DB_NOW).fetchone()[0])  # type: ignore[index]
+        found = conn.execute(_READ_HANDOVERS).fetchall() if handovers else []
+    by_owner: dict[tuple[str, int], tuple[list[int], list[int]]] = {}
+    for node, incarnation, hashed, expires in found:
+        hashes, ends = by_owner.setdefault((str(node), int(incarnation)), ([], []))
+        hashes.append(int(hashed))
+        ends.append(int(expires))
+    return MemberList(
+        records=records,
+        db_now_ms=db_now,
+        with_handovers=handovers,
+        handovers=[
+            Handover(node=n, incarnation=i, key_hashes=_unsigned(h), expires_at_ms=e)
+            for (n, i), (h, e) in by_owner.items()
+        ],
+    )
+
+
+def read_nodes(conn: Conn, ttl_s: float) -> list[NodeRecord]:
+    return read_members(conn, ttl_s).records
+
+
+def write_handover(conn: Conn, node: str, incarnation: int, handover: Handover) -> None:
+    conn.execute(_CLEAR_HANDOVER, {"node": node, "incarnation": incarnation})
+    if handover.key_hashes:
+        conn.execute(
+            _HANDOVER,
+            {
+                "node": node,
+                "incarnation": incarnation,
+                "hashes": _signed(handover.key_hashes),
+                "expires": list(handover.expires_at_ms),
+            },
+        )
+
+
+def acknowledge(
+    conn: Conn, node: str, incarnation: int, view: Sequence[int], handover: Handover
+) -> bool:
+    """Say this incarnation enforces the view of `view` (incarnations), and hand over its
+    live leases on keys it does not own there, in one transaction. False when the row is
+    no longer this incarnation's (superseded: it acknowledges nothing)."""
+    with translated("acknowledge"), conn.transaction():
+        done = conn.execute(
+            _ACK, {"node": node, "incarnation": incarnation, "view": list(view)}
+        ).fetchall()
+        if not done:
+            return False
+        write_handover(conn, node, incarnation, handover)
+    return True

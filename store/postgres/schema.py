@@ -145,8 +145,42 @@ def _seed_secret(conn: psycopg.Connection[tuple[object, ...]]) -> None:
     conn.execute("INSERT INTO hash_secret (id, secret) VALUES (1, %s)", (new_secret(),))
 
 
+# Every start of a node is a new incarnation, numbered from a sequence so a number is
+# never reused: a paused process that wakes up under an old number is told apart from
+# the one that replaced it. `acked_view` holds the incarnations of the live nodes whose
+# view the node has adopted and enforced (it grants and renews no key it lost in that
+# view); `lease_handover` holds its live leases on the keys it does not own in that
+# view, in the database's clock, so the new owners fence exactly those keys. The
+# cluster's timing settings and identity live once, in `cluster_settings`.
+_V4 = [
+    "CREATE SEQUENCE node_incarnation AS bigint",
+    """ALTER TABLE nodes
+        ADD COLUMN incarnation bigint NOT NULL DEFAULT 0,
+        ADD COLUMN host text NOT NULL DEFAULT '',
+        ADD COLUMN pid integer NOT NULL DEFAULT 0,
+        ADD COLUMN acked_view bigint[] NOT NULL DEFAULT '{}',
+        ADD COLUMN acked_at timestamptz""",
+    """CREATE TABLE lease_handover (
+        node text NOT NULL,
+        incarnation bigint NOT NULL,
+        key_hash bigint NOT NULL,
+        expires_at_ms bigint NOT NULL
+    )""",
+    "CREATE INDEX lease_handover_node ON lease_handover (node, incarnation)",
+    """CREATE TABLE cluster_settings (
+        id integer PRIMARY KEY CHECK (id = 1),
+        ttl_ms bigint NOT NULL,
+        heartbeat_ms bigint NOT NULL,
+        max_lease_ms bigint NOT NULL,
+        secret_fingerprint bigint NOT NULL,
+        protocol integer NOT NULL,
+        set_by text NOT NULL,
+        set_at timestamptz NOT NULL DEFAULT now()
+    )""",
+]
+
 # Index i holds the statements that take a database from version i to i + 1.
-MIGRATIONS: list[list[str]] = [_V1, _V2, _V3]
+MIGRATIONS: list[list[str]] = [_V1, _V2, _V3, _V4]
 # What a version's tables start with that SQL cannot make (random bytes from Python's
 # `secrets`), run after that version's statements, in the same transaction.
 SEEDS: dict[int, Callable[[psycopg.Connection[tuple[object, ...]]], None]] = {3: _seed_secret}

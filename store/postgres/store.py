@@ -39,7 +39,14 @@ from store.base import (
 )
 from store.errors import StoreBusy, StoreError, StoreFull, StoreUnavailable
 from store.postgres import sql
-from store.postgres.conn import Conn, connect, translated
+from store.postgres.conn import (
+    STATEMENT_TIMEOUT_MS,
+    Conn,
+    connect,
+    limit,
+    long_statements,
+    translated,
+)
 from store.postgres.feed import (
     CONSUMER_TTL_S,
     PRUNE_CHUNK,
@@ -50,10 +57,12 @@ from store.postgres.feed import (
     parse_cursor,
     prune,
 )
-from store.postgres.membership import read_nodes
+from store.postgres.membership import acknowledge, read_members, read_nodes
 from store.postgres.schema import LATEST, migrate
 from store.rows import (
     Completion,
+    Handover,
+    MemberList,
     NodeRecord,
     Route,
     Row,
@@ -103,7 +112,6 @@ class PostgresStoreStatistics(msgspec.Struct, frozen=True, kw_only=True):
 class _ThreadState:
     def __init__(self) -> None:
         self.conn: Conn | None = None
-        self.lock_timeout_ms = -1
         self.transactions = 0
         self.rows_written = 0
         self.reconnects = 0
@@ -150,7 +158,9 @@ class PostgresStore:
         self._health = WriteHealth()
         self._closed = False
         conn = self._conn(self._state(), wait=True)
-        with translated("open"):
+        # A migration of a large table, or a restored log's removal, takes what it takes:
+        # stopped at a bound, it would only start over at the next open.
+        with translated("open"), long_statements(conn):
             migrate(conn, redacted(url))
             self._schema_version = LATEST  # migrate() brought it there, or raised
             self.origin = self._adopt_log(conn)
@@ -176,7 +186,9 @@ class PostgresStore:
 
     def _conn(self, state: _ThreadState, *, wait: bool | None) -> Conn:
         """The thread's connection, with the lock timeout a writer that waits (or not) needs;
-        `wait=None` (a read, which takes no row locks) leaves it as it is."""
+        `wait=None` (a read, which takes no row locks) leaves it as it is. A writer that
+        waits for locks has its wait added to its statement timeout: the server counts
+        the wait as the statement's time."""
         if self._closed:
             raise StoreError(f"the store at {redacted(self.url)} is closed")
         if state.conn is not None and not state.conn.closed and not _still_open(state.conn):
@@ -185,14 +197,13 @@ class PostgresStore:
             if state.conn is not None:
                 state.reconnects += 1
             state.conn = connect(self.url)
-            state.lock_timeout_ms = -1
-        if wait is None:
-            return state.conn
-        lock_timeout_ms = int(self.busy_timeout_s * 1000) if wait else NOWAIT_LOCK_MS
-        if state.lock_timeout_ms != lock_timeout_ms:
-            with translated("open"):
-                state.conn.execute(f"SET lock_timeout = {lock_timeout_ms}")
-            state.lock_timeout_ms = lock_timeout_ms
+        busy_ms = int(self.busy_timeout_s * 1000)
+        with translated("open"):
+            limit(
+                state.conn,
+                statement_timeout_ms=STATEMENT_TIMEOUT_MS + (busy_ms if wait else 0),
+                lock_timeout_ms=None if wait is None else busy_ms if wait else NOWAIT_LOCK_MS,
+            )
         return state.conn
 
     def _drop(self, state: _ThreadState) -> None:
@@ -203,7 +214,8 @@ class PostgresStore:
                 log.debug("closing a broken connection failed", exc_info=True)
 
     def _read(self, what: str, body: Callable[[Conn], T]) -> T:
-        """A read, retried once on a new connection when the first one was lost."""
+        """A read, retried once on a new connection when the first one was lost; not when
+        the server stopped answering, which a new connection would wait on as long."""
         state = self._state()
         for attempt in (1, 2):
             conn = self._conn(state, wait=None)
@@ -212,7 +224,7 @@ class PostgresStore:
                     return body(conn)
             except StoreUnavailable:
                 self._drop(state)
-                if attempt == 2:
+                if attempt == 2 or conn.unanswered:
                     raise
         raise AssertionError("unreachable")
 
@@ -412,7 +424,7 @@ class PostgresStore:
         return RowsRead(rows=rows, head=cursor_token(self.origin, xmin, 0, xmax))
 
     def count(self) -> int:
-        found = self._read("count", lambda c: c.execute(sql.COUNT).fetchone())
+        found = self._read("count", lambda c: _counted(c, sql.COUNT))
         return 0 if found is None else int(found[0])
 
     # -- routes and the global default ---------------------------------------------------
@@ -548,18 +560,31 @@ class PostgresStore:
         """Every known node, live (by the database's clock and `ttl_s`) or not."""
         return self._read("nodes", lambda conn: read_nodes(conn, ttl_s))
 
+    def members(self, ttl_s: float, handovers: bool = False) -> MemberList:
+        """The member list with the database's clock (and the live lease hand-overs)."""
+        return self._read("nodes", lambda conn: read_members(conn, ttl_s, handovers))
+
+    def acknowledge(
+        self, node: str, incarnation: int, view: Sequence[int], handover: Handover
+    ) -> bool:
+        """store.postgres.membership.acknowledge, on the store's connection."""
+        return self._read(
+            "acknowledge", lambda conn: acknowledge(conn, node, incarnation, view, handover)
+        )
+
     # -- upkeep --------------------------------------------------------------------------
 
     def statistics(self) -> PostgresStoreStatistics:
         def body(conn: Conn) -> tuple[Any, ...]:
-            found = conn.execute(
+            found = _counted(
+                conn,
                 """SELECT (SELECT count(*) FROM render_schedule),
                           (SELECT count(*) FROM routes),
                           (SELECT count(*) FROM change_log),
                           (SELECT floor_xid::text::bigint FROM feed_state WHERE id = 1),
                           (SELECT count(*) FROM feed_consumers),
-                          (SELECT resyncs FROM feed_state WHERE id = 1)"""
-            ).fetchone()
+                          (SELECT resyncs FROM feed_state WHERE id = 1)""",
+            )
             assert found is not None
             return tuple(found)
 
@@ -618,6 +643,12 @@ class PostgresStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _counted(conn: Conn, statement: str) -> tuple[Any, ...] | None:
+    """A statement that counts whole tables: seconds on a large one, so a long one."""
+    with long_statements(conn):
+        return conn.execute(statement).fetchone()
 
 
 def _still_open(conn: Conn) -> bool:

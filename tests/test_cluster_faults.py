@@ -1,0 +1,237 @@
+"""A cluster keeps its promises when things go wrong: real node processes on one real
+PostgreSQL, on default settings unless a test says otherwise.
+
+- A fresh cluster grants at once: a node fences a key it gained only while the node it
+  came from may hold a lease on it, and a node that holds none says so.
+- A join moves keys without double grants: the old owner hands over its live leases,
+  the newcomer fences exactly those, and renewals of moved keys are refused, naming the
+  new owner.
+- Identity is an incarnation: a paused process that wakes up after another took its
+  name over grants nothing and stops; cluster settings are one set, checked at join.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import pytest
+from node_harness import NodeProcess, nodes_on, now_ms, seed_rows, wait_for
+
+from keeper.ownership import winners
+from shm.keys import keyed_hash
+from store.postgres import PostgresStore
+
+# Fast membership, for the tests that wait a dead incarnation out: dead after 4 s, leases
+# of at most 5 s.
+FAST = ("--heartbeat-s", "0.5", "--node-ttl-s", "4", "--max-lease-s", "5")
+
+
+@pytest.fixture
+def on_pg(pg_url: str) -> Iterator[str]:
+    with nodes_on(lambda directory: pg_url):
+        yield pg_url
+
+
+def node(tmp_path: Path, name: str, *args: str) -> NodeProcess:
+    directory = tmp_path / name
+    directory.mkdir(exist_ok=True)
+    return NodeProcess(directory, workers=1, extra_args=("--node", name, *args))
+
+
+def claim(process: NodeProcess, count: int, lease_s: int | None = None) -> list[dict[str, Any]]:
+    body: dict[str, Any] = {"max": count, "worker": "test"}
+    if lease_s is not None:
+        body["lease_s"] = lease_s
+    with process.client() as client:
+        response = client.post("/v1/claims", json=body)
+    if response.status_code != 200:
+        return []
+    leases: list[dict[str, Any]] = response.json()["leases"]
+    return leases
+
+
+def test_a_fresh_cluster_on_default_settings_grants_within_seconds(
+    tmp_path: Path, on_pg: str
+) -> None:
+    seed_rows(on_pg, 3000, due_share=1.0)
+    nodes = [node(tmp_path, name) for name in ("a", "b", "c")]
+    try:
+        for process in nodes:
+            process.start(wait_ready=False)
+        for process in nodes:
+            process.wait_event("node_ready")
+        ready_at = now_ms()
+        granted: dict[str, list[dict[str, Any]]] = {}
+
+        def every_node_granted() -> bool:
+            for process in nodes:
+                name = process.extra_args[1]
+                if name not in granted:
+                    got = claim(process, 50)
+                    if got:
+                        granted[name] = got
+            return len(granted) == len(nodes)
+
+        # Each node's default lease cap is 300 s: fencing by the worst case would keep them
+        # dark for five minutes. Nothing here holds a lease, so none may wait that long.
+        wait_for(every_node_granted, 120, "every node of a fresh cluster to grant", 0.2)
+        first_grant_s = (now_ms() - ready_at) / 1000
+        keys = [lease["key"] for leases in granted.values() for lease in leases]
+        assert len(keys) == len(set(keys)), "a key was granted by two nodes"
+        for name, leases in granted.items():
+            assert {lease["node"] for lease in leases} == {name}
+        print(f"fresh cluster: every node granted {first_grant_s:.1f} s after all were ready")
+        for process in nodes:
+            with process.client() as client:
+                state = client.get("/prerender_admin/overview").json()
+            assert state is not None
+    finally:
+        for process in nodes:
+            process.stop()
+
+
+def test_a_join_hands_over_live_leases_and_refuses_renewals_of_moved_keys(
+    tmp_path: Path, on_pg: str
+) -> None:
+    seed_rows(on_pg, 3000, due_share=1.0)
+    a, b = node(tmp_path, "a"), node(tmp_path, "b")
+    c = node(tmp_path, "c")
+    try:
+        a.start(wait_ready=False)
+        b.start(wait_ready=False)
+        a.wait_event("node_ready")
+        b.wait_event("node_ready")
+        held: list[dict[str, Any]] = []
+
+        def claimed_at_a() -> bool:
+            held.extend(claim(a, 400 - len(held), lease_s=120))
+            return len(held) >= 400
+
+        wait_for(claimed_at_a, 120, "400 leases at a", 0.2)
+        c.start()
+        # c grants promptly the keys it gained that were not under a live lease at a.
+        gained: list[dict[str, Any]] = []
+
+        def granted_at_c() -> bool:
+            gained.extend(claim(c, 200, lease_s=60))
+            return bool(gained)
+
+        wait_for(granted_at_c, 60, "c to grant", 0.2)
+        held_keys = {lease["key"] for lease in held}
+        # Keep claiming everything c will grant: none of a's live leases may be among them.
+        for _ in range(10):
+            gained.extend(claim(c, 500, lease_s=60))
+        assert not held_keys & {lease["key"] for lease in gained}, "c granted a key a holds"
+        # a refuses to renew the leases whose keys moved to c, naming c; it renews the rest.
+        with a.client() as client:
+            items = [{"key": x["key"], "token": x["token"], "lease_s": 120} for x in held]
+
+            def moved_refused() -> list[dict[str, Any]] | None:
+                results: list[dict[str, Any]] = client.post(
+                    "/v1/leases/renew", json={"items": items}
+                ).json()["results"]
+                return results if any(r.get("error") == "not_owner" for r in results) else None
+
+            results = wait_for(moved_refused, 30, "a to refuse renewals of moved keys", 0.2)
+        refused = [r for r in results if not r["ok"]]
+        assert refused and all(r["error"] == "not_owner" and r["owner"] == "c" for r in refused)
+        # Exactly the leases whose keys moved: c owns them now.
+        moved = owned_by(on_pg, [x["key"] for x in held], ["a", "b", "c"], "c")
+        assert {r["key"] for r in refused} == moved
+        assert any(r["ok"] for r in results)  # a keeps the keys it still owns
+        # The moved keys stay fenced at c: a handed them over.
+        with c.client() as client:
+            overview = client.get("/prerender_admin/overview").json()
+        fences = overview["keeper"]["cluster"]["fences"]
+        assert any(f["reason"] == "handed over" and f["node"] == "a" for f in fences), fences
+    finally:
+        for process in (a, b, c):
+            process.stop()
+
+
+def owned_by(url: str, keys: list[str], nodes: list[str], name: str) -> set[str]:
+    store = PostgresStore(url)
+    try:
+        secret = store.hash_secret()  # what the nodes hash under
+    finally:
+        store.close()
+    hashes = np.array([keyed_hash(secret, key.encode()) for key in keys], dtype=np.uint64)
+    owners = winners(hashes, sorted(nodes))
+    return {
+        key
+        for key, owner in zip(keys, owners.tolist(), strict=True)
+        if sorted(nodes)[owner] == name
+    }
+
+
+def is_live(url: str, name: str) -> bool:
+    store = PostgresStore(url)
+    try:
+        return any(r.node == name and r.live for r in store.nodes(4.0))
+    finally:
+        store.close()
+
+
+def _pids(process: NodeProcess) -> list[int]:
+    assert process.process is not None
+    pids = [process.process.pid]
+    pids += [int(e["worker_pid"]) for e in process.find_events("worker_started")]
+    return pids
+
+
+def test_a_paused_node_replaced_under_its_name_grants_nothing_and_stops(
+    tmp_path: Path, on_pg: str
+) -> None:
+    seed_rows(on_pg, 500, due_share=1.0)
+    old = node(tmp_path, "a", *FAST)
+    other = node(tmp_path, "b", *FAST)
+    replacement = NodeProcess(tmp_path / "a2", workers=1, extra_args=("--node", "a", *FAST))
+    (tmp_path / "a2").mkdir()
+    try:
+        old.start()
+        other.start()
+        paused = _pids(old)
+        for pid in paused:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            # Its row ages out; a new start under its name is then a new incarnation.
+            wait_for(lambda: not is_live(on_pg, "a"), 60, "a's row to age out", 0.2)
+            replacement.start()
+        finally:
+            for pid in paused:
+                os.kill(pid, signal.SIGCONT)
+        # Woken, the old process grants nothing: its claims fail until it has stopped.
+        refused = 0
+        while old.process is not None and old.process.poll() is None:
+            try:
+                got = claim(old, 50)
+            except httpx.HTTPError:
+                break
+            assert not got, "a superseded incarnation granted a lease"
+            refused += 1
+        assert old.wait(60) == 3
+        old.wait_event("cluster_superseded")
+        wait_for(lambda: claim(replacement, 10), 60, "the replacement to grant", 0.2)
+    finally:
+        for process in (old, other, replacement):
+            process.stop()
+
+
+def test_a_node_with_other_cluster_settings_is_refused_naming_both(
+    tmp_path: Path, on_pg: str
+) -> None:
+    first = node(tmp_path, "a", *FAST)
+    second = node(tmp_path, "b", "--heartbeat-s", "0.5", "--node-ttl-s", "6", "--max-lease-s", "5")
+    try:
+        first.start()
+        with pytest.raises(AssertionError, match="node_ttl_s: this node 6, the cluster 4"):
+            second.start()
+    finally:
+        first.stop()
+        second.stop()
