@@ -35,7 +35,7 @@ from typing import Any, NamedTuple
 
 from store.base import Cursor, CursorAhead, CursorBelowFloor, FeedBatch, FeedStatistics
 from store.postgres import sql
-from store.postgres.conn import Conn, connect, translated
+from store.postgres.conn import Conn, connect, long_statements, translated
 from store.postgres.schema import (
     DEFAULT_CADENCE_S,
     KIND_ROUTE,
@@ -501,8 +501,9 @@ def prune(
 
 
 def count_retained(conn: Conn, cap: int = RETAINED_COUNT_CAP) -> int:
-    """The log's entries, counted up to `cap`."""
-    with translated("count the change log"):
+    """The log's entries, counted up to `cap`: up to a million index entries, so a long
+    statement on a loaded server."""
+    with translated("count the change log"), long_statements(conn):
         found = conn.execute(
             "SELECT count(*) FROM (SELECT 1 FROM change_log LIMIT %s) AS held", (cap,)
         ).fetchone()
@@ -516,5 +517,5 @@ def vacuum_log(conn: Conn) -> None:
     behind on a busy one), the log's table and index would grow by every write ever made.
     SKIP_LOCKED: another node's pruner is at it. No TRUNCATE: giving pages back to the
     file system takes a lock that the writers' logging triggers would queue behind."""
-    with translated("vacuum the change log"):
+    with translated("vacuum the change log"), long_statements(conn):
         conn.execute("VACUUM (SKIP_LOCKED, TRUNCATE false) change_log")
