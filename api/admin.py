@@ -48,10 +48,11 @@ def healthz(node: Node) -> Health:
 
 
 def readyz(node: Node) -> Response:
-    """200 while this node can grant a claim (ready, or draining the keeper's last set);
-    503 when it cannot (no set published yet, or the last one drained with the keeper not
-    publishing)."""
-    status = claim_status(node)
+    """200 while this node can grant a claim (ready, or draining the keeper's last set, or
+    fenced: every due key it owns waits on a fence that ends by itself, said with until
+    when); 503 when it cannot (no set published yet, the last one drained with the keeper
+    not publishing, or its cluster membership unconfirmed)."""
+    status = claim_status(node, fences=True)
     published_at = node.ring.published_at
     body = Readiness(
         status=status.status,
@@ -59,6 +60,8 @@ def readyz(node: Node) -> Response:
         published_at=published_at or None,
         publish_age_ms=status.publish_age_ms,
         generation=node.ring.generation or None,
+        fenced=status.fenced,
+        fenced_until=status.fenced_until,
     )
     if not status.can_grant:
         return json_response(body, 503, headers={"Retry-After": str(node.settings.retry_after_s)})
@@ -76,7 +79,7 @@ def _live_now(node: Node, document: dict[str, Any], now: int) -> None:
     group["leases"] = leases
     if "due" in group:
         group["unclaimed_estimate"] = max(0, int(group["due"]) - view.in_flight)
-    status = claim_status(node, now)
+    status = claim_status(node, now, fences=True)
     group["claims"] = {"status": status.status, "reason": status.reason}
 
 
@@ -247,7 +250,7 @@ def overview(node: Node) -> Overview:
     state = node.state.read()
     keeper = node.read_keeper_statistics()
     keeper_snapshot = None if node.keeper_statistics is None else node.keeper_statistics.read()
-    status = claim_status(node, now)
+    status = claim_status(node, now, fences=True)
     return Overview(
         now=now,
         node=node.settings.node,

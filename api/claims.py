@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 from starlette.responses import Response
@@ -29,7 +29,7 @@ from api.schemas import (
     RenewResult,
     RenewResults,
 )
-from api.status import NodeClaimStatus, claim_status, membership_lapsed
+from api.status import NodeClaimStatus, claim_status, membership_lapsed, read_fences
 from keeper.ownership import winners
 from shm import Grant, key_hash
 from shm.segment import now_ms
@@ -250,15 +250,24 @@ async def claim(node: Node, request: ClaimRequest) -> ClaimResponse | Response:
     # generation) and try again, until something is granted or the wait is over.
     while not leases and await next_publish(node, deadline):
         leases = grant_from_ring(node, request.max, lease_ms)
+    kind: Literal["ready", "draining"] = "draining" if status.status == "draining" else "ready"
     if not leases:
         # Said as of now: a set that drained during this claim, or a keeper that stopped
         # publishing during its wait, is what the fleet needs to hear.
         status = claim_status(node)
         if not status.can_grant:
             return unready(node, status)
-    return ClaimResponse(
-        leases=leases, status="draining" if status.status == "draining" else "ready"
-    )
+        kind = "draining" if status.status == "draining" else "ready"
+        # Only an empty answer reads the keeper's record: a grant never pays for it.
+        held = read_fences(node)
+        if held is not None:
+            return ClaimResponse(
+                leases=leases,
+                status=kind,
+                fenced=held.due,
+                detail=f"nothing granted: {held.describe(now_ms())}",
+            )
+    return ClaimResponse(leases=leases, status=kind)
 
 
 def renew(node: Node, request: RenewRequest) -> RenewResults:

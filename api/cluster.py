@@ -15,6 +15,9 @@ that granted the lease, and the cluster's queue-state.
   once and sums the counts only when every node vouches for its own; otherwise 503,
   naming each node that is missing, unready, not exact, stale or holding another view of
   the membership. Never a partial sum: an autoscaler reading one would under-scale.
+  `autoscale.due_now` sums each node's own, its due rows no fence holds back (a key
+  moving between nodes is fenced at its new owner only), and `fenced` sums what the fences
+  hold back, with the latest end.
 """
 
 from __future__ import annotations
@@ -413,6 +416,7 @@ class NodeView(msgspec.Struct, kw_only=True):
     view: list[str] | None  # the live nodes its keeper holds rows for
     now: dict[str, Any] | None  # due, in flight...: only when it vouches
     autoscale: dict[str, Any] | None
+    fenced: dict[str, Any] | None = None  # its fenced group, when it vouches and has one
     document: dict[str, Any] | None = None  # left out of the answer
 
 
@@ -489,14 +493,18 @@ def judge(answer: NodeAnswer, live: list[str], clustered: bool, me: str) -> Node
         view=view_names if isinstance(view_names, list) else None,
         now=None
         if now is None
-        else {k: now.get(k) for k in ("due", "in_flight", "unclaimed_estimate", "held")},
+        else {
+            k: now.get(k) for k in ("due", "claimable", "in_flight", "unclaimed_estimate", "held")
+        },
         autoscale=_dig(document, "autoscale") if vouched else None,
+        fenced=_dig(document, "fenced") if vouched else None,
         document=document if vouched else None,
     )
 
 
 NOW_SUMS = (
     "due",
+    "claimable",
     "due_sitemap",
     "due_discovered",
     "in_flight",
@@ -526,6 +534,7 @@ def sums(documents: list[dict[str, Any]]) -> dict[str, Any]:
         k: sum(_int(_dig(d, "coming", k)) for d in documents) for k in COMING_SUMS
     }
     coming["next_24h_by_hour"] = hours
+    fenced = [f for f in (_dig(d, "fenced") for d in documents) if isinstance(f, dict)]
     ages = [_dig(d, "autoscale", "oldest_claimable_age_s") for d in documents]
     oldest = max((float(a) for a in ages if isinstance(a, int | float)), default=0.0)
     return {
@@ -541,4 +550,11 @@ def sums(documents: list[dict[str, Any]]) -> dict[str, Any]:
             "due_now": sum(_int(_dig(d, "autoscale", "due_now")) for d in documents),
             "oldest_claimable_age_s": oldest,
         },
+        # None unless a node counted fences (a cluster's node always does).
+        "fenced": {
+            "due": sum(_int(f.get("due")) for f in fenced),
+            "until_ms": max((_int(f.get("until_ms")) for f in fenced), default=0),
+        }
+        if fenced
+        else None,
     }

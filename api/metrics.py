@@ -3,7 +3,8 @@ statistics record, the supervisor's (with each worker's report of its own counts
 api.report), and the shared-memory primitives' `statistics()`, never re-derived from the
 table.
 
-Gauges an autoscaler reads: `renderqueue_due` (claimable work) and `renderqueue_in_flight`.
+Gauges an autoscaler reads: `renderqueue_due_claimable` (work a fleet can be granted now;
+`renderqueue_due` counts fenced keys too) and `renderqueue_in_flight`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import msgspec
 
 from api.node import Node
 from api.report import WorkerReport, report_from, worker_report
-from api.status import claim_status, lease_view, supervisor_statistics
+from api.status import claim_status, fences_of, lease_view, supervisor_statistics
 from keeper.state import (
     ClassRow,
     QueueState,
@@ -29,7 +30,7 @@ from shm.segment import now_ms
 from store.base import PostgresCounters, SqliteCounters
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-CLAIM_STATUSES = ("ready", "draining", "stalled", "unready")
+CLAIM_STATUSES = ("ready", "draining", "fenced", "stalled", "unready")
 
 
 def _escape(value: str) -> str:
@@ -85,17 +86,19 @@ def render(node: Node) -> str:
     out = Exposition()
     leases = node.leases.statistics()
     ring = node.ring.statistics()
-    status = claim_status(node, now)
+    status = claim_status(node, now, fences=True)
     out.gauge(
         "renderqueue_ready",
-        "1 while this node can grant a claim (ready, or draining the keeper's last set).",
+        "1 while this node can grant a claim (ready, draining the keeper's last set, or "
+        "fenced until its fences end).",
         status.can_grant,
     )
     out.metric(
         "renderqueue_claim_status",
         "gauge",
         "1 for this node's claim status now: ready, draining (the keeper is not publishing; "
-        "claims take its last set), stalled (that set is drained), unready.",
+        "claims take its last set), fenced (in a cluster: every due key it owns is fenced), "
+        "stalled (that set is drained), unready.",
         [({"status": name}, name == status.status) for name in CLAIM_STATUSES],
     )
     published_at = node.ring.published_at
@@ -174,7 +177,7 @@ def render(node: Node) -> str:
     supervisor = supervisor_statistics(node)
     _supervisor_metrics(out, supervisor)
     _worker_metrics(out, worker_reports(node, supervisor), now)
-    _keeper_metrics(out, node)
+    _keeper_metrics(out, node, now)
     snapshot = node.state.read()
     if snapshot is None:
         out.gauge("renderqueue_keeper_live", "1 while the keeper is live.", 0)
@@ -410,11 +413,25 @@ def _wal_metrics(out: Exposition, wal: object) -> None:
     )
 
 
-def _keeper_metrics(out: Exposition, node: Node) -> None:
+def _keeper_metrics(out: Exposition, node: Node, now: int) -> None:
     """From the keeper's statistics record alone; none before its first or if it is unreadable."""
     stats = node.read_keeper_statistics()
     if stats is None:
         return
+    if stats.cluster is not None:
+        held = fences_of(stats.cluster, now)
+        out.gauge(
+            "renderqueue_cluster_fenced_keys",
+            "Due keys this node owns but may not grant yet: gained from another node whose "
+            "leases on them may live, or all of them while its membership is unconfirmed "
+            "(counted at the keeper's full report).",
+            0 if held is None else held.due,
+        )
+        out.gauge(
+            "renderqueue_cluster_fence_until_seconds",
+            "When this node's last fence ends (epoch seconds; 0: no fence).",
+            stats.cluster.fenced_until / 1000,
+        )
     for name, help_text, value in (
         ("feed_events", "Change-feed events the keeper applied.", stats.events),
         (
@@ -483,7 +500,16 @@ def _keeper_metrics(out: Exposition, node: Node) -> None:
 
 def _count_metrics(out: Exposition, state: QueueState) -> None:
     now = state.now
-    out.gauge("renderqueue_due", "Due rows of routes not paused (claimable work).", now.due)
+    out.gauge(
+        "renderqueue_due",
+        "Due rows of routes not paused, fenced ones included (in a cluster, this node's).",
+        now.due,
+    )
+    out.gauge(
+        "renderqueue_due_claimable",
+        "Of those, the rows no cluster fence holds back (claimable work; all on one node).",
+        now.claimable,
+    )
     out.metric(
         "renderqueue_due_by_source",
         "gauge",

@@ -117,11 +117,17 @@ class Lease(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     node: str | None = None
 
 
-class ClaimResponse(msgspec.Struct, frozen=True, kw_only=True):
+class ClaimResponse(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     leases: list[Lease]
     # `ready` (the keeper is publishing) or `draining` (it is not, and these came from its
-    # last published set); `unready` and `stalled` are answered 503 (NodeStatus).
+    # last published set); `unready` and `stalled` are answered 503 (NodeStatus). A fenced
+    # node says so in `fenced` and `detail`, not here: a fleet built before would refuse
+    # a status it does not know.
     status: Literal["ready", "draining"]
+    # With no leases, in a cluster: due keys this node owns but may not grant yet (gained
+    # from another node whose leases on them may live), and why, until when.
+    fenced: int | None = None
+    detail: str | None = None
 
 
 class NodeStatus(Body, frozen=True):
@@ -253,11 +259,13 @@ class Health(Body, frozen=True):
 
 
 class Readiness(Body, frozen=True):
-    status: str  # ready | draining (200); unready | stalled (503): api.status
+    status: str  # ready | draining | fenced (200); unready | stalled (503): api.status
     reason: str | None = None
     published_at: int | None = None
     publish_age_ms: int | None = None
     generation: int | None = None
+    fenced: int | None = None  # in a cluster: due keys its fences hold back
+    fenced_until: int | None = None  # when the last one ends (epoch ms; 0: not known)
 
 
 ExplainState = Literal["missing", "paused", "leased", "held", "not_due", "claimable"]

@@ -10,6 +10,12 @@ ring's remaining count only once the keeper is late):
   set still has entries; claims take them, each checked against its row.
 - `stalled`: the keeper is not publishing and its last set is drained: nothing can be
   granted until it publishes again. `/readyz` and claims answer 503.
+- `fenced` (a cluster's node, where asked with `fences`): ready, but every due key it owns
+  is fenced: gained from another node whose leases on it may still live, or its whole
+  share while its membership is unconfirmed (keeper.cluster). It grants each key once its
+  fence ends, with no restart or new publish needed, so `/readyz` answers 200 and says
+  until when. Read from the keeper's statistics record (its count at each full report),
+  so not on the claim path: a claim reads it only when it grants nothing.
 
 Leases in flight: the lease table's counters are kept by the ops, so a lease that expired
 with no result stays counted as leased until a grant of the key or a sweep settles it.
@@ -29,12 +35,13 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
+from keeper.state import ClusterStatistics, FenceCount
 from shm.segment import now_ms
 
 if TYPE_CHECKING:
     from api.node import Node
 
-ClaimStatus = Literal["unready", "ready", "draining", "stalled"]
+ClaimStatus = Literal["unready", "ready", "draining", "stalled", "fenced"]
 # A census older than this is not served; the supervisor writes one every second.
 CENSUS_MAX_AGE_MS = 3000
 OWN_CENSUS_EVERY_MS = 1000
@@ -45,10 +52,88 @@ class NodeClaimStatus(msgspec.Struct, frozen=True, kw_only=True):
     reason: str
     publish_age_ms: int | None = None
     remaining: int | None = None  # entries left in the published set, when it matters
+    fenced: int | None = None  # due keys its fences hold back (asked with `fences`)
+    fenced_until: int | None = None  # when the last fence ends (epoch ms; 0: not known)
 
     @property
     def can_grant(self) -> bool:
-        return self.status in ("ready", "draining")
+        return self.status in ("ready", "draining", "fenced")
+
+
+class Fences(msgspec.Struct, frozen=True, kw_only=True):
+    """The due keys a clustered node may not grant, as its keeper last counted them."""
+
+    due: int  # due keys fenced
+    claimable: int  # due keys not fenced
+    until_ms: int  # when the last fence ends (0: not known: membership unconfirmed)
+    reasons: list[FenceCount]
+
+    @property
+    def all(self) -> bool:
+        return self.due > 0 and self.claimable == 0
+
+    def describe(self, now: int) -> str:
+        """Which keys are fenced and until when, for a reason or a claim's detail."""
+        said = "; ".join(_fence_said(r, now) for r in self.reasons if r.due)
+        share = (
+            f"all {self.due:,}"
+            if self.all
+            else f"{self.due:,} of the {self.due + self.claimable:,}"
+        )
+        return f"{share} due keys of this node are fenced ({said})"
+
+
+def _fence_said(fence: FenceCount, now: int) -> str:
+    left = f"{max(0, fence.until_ms - now) / 1000:.0f} s"
+    match fence.reason:
+        case "unconfirmed":
+            return f"{fence.due:,}: its membership is unconfirmed"
+        case "awaiting":
+            return (
+                f"{fence.due:,} gained from node {fence.node!r}, until it acknowledges the "
+                f"new view, at the latest in {left}"
+            )
+        case "handed over":
+            return (
+                f"{fence.due:,} under leases node {fence.node!r} handed over, until they end, "
+                f"the last in {left}"
+            )
+        case "dead":
+            return (
+                f"{fence.due:,} of node {fence.node!r}, gone without a word, until its "
+                f"leases could have ended, in {left}"
+            )
+        case "restarted":
+            return (
+                f"{fence.due:,} its previous run may still hold leases on, until those could "
+                f"have ended, in {left}"
+            )
+    return f"{fence.due:,} from node {fence.node!r} ({fence.reason}), for {left}"
+
+
+def read_fences(node: Node, now: int | None = None) -> Fences | None:
+    """What the fences hold back now; None on a single node, before the keeper's first
+    count, or when they hold nothing (or every fence has ended since the count)."""
+    if not node.settings.clustered:
+        return None
+    stats = node.read_keeper_statistics()
+    return fences_of(None if stats is None else stats.cluster, now_ms() if now is None else now)
+
+
+def fences_of(cluster: ClusterStatistics | None, now: int) -> Fences | None:
+    """`read_fences` from a statistics record already read."""
+    if cluster is None or cluster.fenced is None or cluster.fenced.due == 0:
+        return None
+    # The count is a full report's (every few seconds); the fences' end is rewritten at
+    # every publish, so a count whose fences have all ended since is no longer true.
+    if cluster.confirmed and cluster.fenced_until <= now:
+        return None
+    return Fences(
+        due=cluster.fenced.due,
+        claimable=cluster.claimable,
+        until_ms=cluster.fenced_until if cluster.confirmed else 0,
+        reasons=cluster.fenced.reasons,
+    )
 
 
 def membership_lapsed(node: Node) -> str | None:
@@ -70,8 +155,26 @@ def membership_lapsed(node: Node) -> str | None:
     )
 
 
-def claim_status(node: Node, now: int | None = None) -> NodeClaimStatus:
+def claim_status(node: Node, now: int | None = None, *, fences: bool = False) -> NodeClaimStatus:
+    """`fences`: a ready node says how many of its due keys are fenced, and `fenced` when
+    all are (module note); off on the claim path, which reads no record."""
     now = now_ms() if now is None else now
+    status = _claim_status(node, now)
+    if not fences or status.status != "ready":
+        return status
+    held = read_fences(node, now)
+    if held is None:
+        return status
+    return msgspec.structs.replace(
+        status,
+        status="fenced" if held.all else "ready",
+        reason=f"{status.reason}; {held.describe(now)}",
+        fenced=held.due,
+        fenced_until=held.until_ms,
+    )
+
+
+def _claim_status(node: Node, now: int) -> NodeClaimStatus:
     lapsed = membership_lapsed(node)
     if lapsed is not None and node.ring.generation:
         return NodeClaimStatus(status="unready", reason=lapsed)

@@ -35,7 +35,7 @@ import numpy as np
 import numpy.typing as npt
 
 from keeper.ownership import Rendezvous, winners
-from keeper.state import ClusterStatistics, Fence
+from keeper.state import ClusterStatistics, Fence, FenceCount, FencedGroup
 from store.rows import Handover, MemberList, NodeRecord
 
 Member = tuple[str, int]  # (name, incarnation)
@@ -283,6 +283,40 @@ class ClusterView:
         for fence in active:
             blocked |= fence.blocks(key_hashes, now)
         return blocked
+
+    def fencing(self, now: int) -> bool:
+        """Whether any key may be held back now: without, a count has nothing to find."""
+        return not self.confirmed(now) or any(f.until_ms > now for f in self.fences)
+
+    def count_fenced(self, key_hashes: npt.NDArray[np.uint64], now: int) -> FencedGroup:
+        """How many of `key_hashes` (the due rows) `blocked_mask` holds back now, and by
+        which fence: each fence's mask taken once, their union the total."""
+        active = [f for f in self.fences if f.until_ms > now]
+        confirmed = self.confirmed(now)
+        counted: list[FenceCount] = []
+        if not confirmed:
+            counted.append(
+                FenceCount(node=self.me, reason="unconfirmed", due=len(key_hashes), until_ms=0)
+            )
+        blocked = np.zeros(len(key_hashes), dtype=np.bool_)
+        for fence in active:
+            mask = fence.blocks(key_hashes, now) if len(key_hashes) else blocked
+            blocked |= mask
+            record = fence.record(now)
+            counted.append(
+                FenceCount(
+                    node=record.node,
+                    reason=record.reason,
+                    due=int(np.count_nonzero(mask)),
+                    until_ms=record.until_ms,
+                    keys=record.keys,
+                )
+            )
+        return FencedGroup(
+            due=int(np.count_nonzero(blocked)) if confirmed else len(key_hashes),
+            until_ms=max((f.until_ms for f in active), default=0),
+            reasons=counted,
+        )
 
     def statistics(self, now: int) -> ClusterStatistics:
         active = [f for f in self.fences if f.until_ms > now]

@@ -12,8 +12,10 @@ from bisect import bisect_left, bisect_right
 
 import msgspec
 import numpy as np
+import numpy.typing as npt
 
 from keeper.queue import HeldQueue
+from keeper.slots import NO_PLACE
 from keeper.tallies import KEY_SPAN, MINUTE_MS
 
 # Lateness in cadences: a due row falls in [edge_i, edge_i+1); the last bin is open.
@@ -188,3 +190,20 @@ def count_queue(queue: HeldQueue, now_ms: int) -> QueueCounts:
 def due_in_minute(queue: HeldQueue, minute: int) -> int:
     """Rows whose due time falls in `minute` (for the flow's "came due")."""
     return sum(queue.tallies.count(c, minute) for c in queue.class_ids_in_use())
+
+
+def due_key_hashes(queue: HeldQueue, now_ms: int) -> npt.NDArray[np.uint64]:
+    """The key hashes of the rows `count_queue` counts as due (due, route not paused), in
+    one pass over the slot records: what the cluster's fences are counted against."""
+    items = queue.slots.items()
+    place = items["place"].view(np.uint64)
+    picked = (place != np.uint64(NO_PLACE)) & (items["due"] <= now_ms)
+    hashes: npt.NDArray[np.uint64] = items["hash"][picked]
+    buckets = (place[picked] >> np.uint64(32)).astype(np.intp)
+    del items, place  # a live view of the records would stop the slot table from growing
+    class_of = np.frombuffer(queue.buckets.b_class, dtype=np.intc)
+    paused = queue.classes.paused_mask()
+    if paused.any():
+        hashes = hashes[~paused[class_of[buckets]]]
+    del class_of
+    return hashes

@@ -12,6 +12,7 @@ from keeper.state import (
     AutoscaleGroup,
     ClassRow,
     ComingGroup,
+    FencedGroup,
     FlowGroup,
     FlowTotals,
     LatenessGroup,
@@ -88,6 +89,7 @@ def now_group(
     leases: LeaseCounts,
     status: Status,
     status_reason: str,
+    fenced: FencedGroup | None = None,
 ) -> NowGroup:
     paused_routes = sorted(
         {classes.get(c.class_id).route for c in counts.classes if classes.paused(c.class_id)}
@@ -96,6 +98,7 @@ def now_group(
         status=status,
         status_reason=status_reason,
         due=counts.due,
+        claimable=max(0, counts.due - (0 if fenced is None else fenced.due)),
         due_sitemap=counts.due_sitemap,
         due_discovered=counts.due_discovered,
         in_flight=leases.in_flight,
@@ -120,13 +123,16 @@ def build_queue_state(
     trust: TrustGroup,
     earliest_claimable_at: int | None,
     rows_max: int,
+    fenced: FencedGroup | None = None,
 ) -> QueueState:
+    """`fenced`: in a cluster, the due rows its fences hold back (None on a single node)."""
+    now = now_group(counts, classes, leases, status, status_reason, fenced)
     oldest_age = 0.0 if earliest_claimable_at is None else (now_ms - earliest_claimable_at) / 1000
     return QueueState(
         schema=SCHEMA,
         node=node,
         generated_at=now_ms,
-        now=now_group(counts, classes, leases, status, status_reason),
+        now=now,
         coming=ComingGroup(
             due_15m=counts.due_15m,
             due_60m=counts.due_60m,
@@ -136,5 +142,8 @@ def build_queue_state(
         lateness=lateness_group(counts, classes, now_ms, rows_max),
         flow=flow_group(flow),
         trust=trust,
-        autoscale=AutoscaleGroup(due_now=counts.due, oldest_claimable_age_s=max(0.0, oldest_age)),
+        autoscale=AutoscaleGroup(
+            due_now=now.claimable, oldest_claimable_age_s=max(0.0, oldest_age)
+        ),
+        fenced=fenced,
     )

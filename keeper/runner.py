@@ -32,7 +32,7 @@ from keeper import heap
 from keeper.cluster import ClusterView
 from keeper.config import KeeperConfig
 from keeper.core import KeeperCore
-from keeper.counts import count_queue, due_in_minute
+from keeper.counts import count_queue, due_in_minute, due_key_hashes
 from keeper.feed import Feed
 from keeper.lifecycle import (
     MEMBERS_ERROR_RETRY_S,
@@ -75,6 +75,8 @@ from keeper.protocols import LeaseTableLike, ReadyRingLike, StateBufferLike, Wri
 from keeper.publish import Publisher, PublishFailed
 from keeper.report import build_queue_state
 from keeper.state import (
+    ClusterStatistics,
+    FencedGroup,
     KeeperStatistics,
     LeaseCounts,
     Phase,
@@ -197,6 +199,9 @@ class Keeper:
         self._published_keys: list[bytes] = []  # the last publish's, for the top check
         self._state: QueueState | None = None
         self._memory_bytes = 0  # the queue's buffers, as of the last full report
+        # In a cluster, the last full report's count of due rows fenced, with the due rows
+        # not fenced and when it was taken, for the statistics record.
+        self._fenced: tuple[FencedGroup, int, int] | None = None
         self._tallies = 0
         self._state_writes = 0
         self._state_write_failures = 0
@@ -575,10 +580,13 @@ class Keeper:
             self._tallies = len(queue.tallies)
             self.core.flow.tick(now, lambda minute: due_in_minute(queue, minute))
             blocked = self._publisher.blocked(now)
+            counts = count_queue(queue, now)
+            fenced = self._count_fenced(now, counts.due)
             return build_queue_state(
                 node=self.node,
                 now_ms=now,
-                counts=count_queue(queue, now),
+                counts=counts,
+                fenced=fenced,
                 classes=self.core.classes,
                 flow=self.core.flow.minutes(now),
                 leases=self._lease_counts(now),
@@ -598,6 +606,19 @@ class Keeper:
             ),
             trust=self._trust(now, last.trust.counts_at),
         )
+
+    def _count_fenced(self, now: int, due: int) -> FencedGroup | None:
+        """In a cluster, how many of the due rows the fences hold back: a pass over every
+        due row's hash, so only at a full report and only while a fence may hold one."""
+        cluster = self.cluster
+        if cluster is None:
+            return None
+        if cluster.fencing(now):
+            fenced = cluster.count_fenced(due_key_hashes(self.core.queue, now), now)
+        else:
+            fenced = FencedGroup()
+        self._fenced = (fenced, max(0, due - fenced.due), now)
+        return fenced
 
     def _write_state(self, now: int, *, full: bool = False) -> None:
         try:
@@ -675,7 +696,16 @@ class Keeper:
             repairs=core.repairs.snapshot(),
             short_slice=self._short_slice,
             feed=self.feed.statistics(),
-            cluster=None if self.cluster is None else self.cluster.statistics(self.clock()),
+            cluster=self._cluster_statistics(),
             unowned_events=counters.unowned,
             dropped_unowned=counters.dropped_unowned,
         )
+
+    def _cluster_statistics(self) -> ClusterStatistics | None:
+        if self.cluster is None:
+            return None
+        stats = self.cluster.statistics(self.clock())
+        if self._fenced is None:
+            return stats
+        fenced, claimable, at = self._fenced
+        return msgspec.structs.replace(stats, fenced=fenced, claimable=claimable, counted_at=at)

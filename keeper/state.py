@@ -2,7 +2,8 @@
 
 Versioned (`schema`), msgpack-encoded, one msgspec Struct per group of the
 seed's table: now, coming, lateness, flow, trust, plus two autoscaling scalars
-at fixed paths (`autoscale.due_now`, `autoscale.oldest_claimable_age_s`).
+at fixed paths (`autoscale.due_now`, `autoscale.oldest_claimable_age_s`), and in a
+cluster `fenced`: the due rows this node owns but may not grant yet.
 
 Liveness is decided by the reader, not only by the keeper, because a stalled
 keeper cannot say it has stalled: the keeper rewrites the record at every
@@ -57,7 +58,10 @@ def lease_counts(stats: LeaseStatisticsLike) -> LeaseCounts:
 class NowGroup(msgspec.Struct, frozen=True, kw_only=True):
     status: Status
     status_reason: str = ""
-    due: int = 0  # due rows of routes not paused
+    due: int = 0  # due rows of routes not paused, fenced ones included
+    # Of those, the rows no fence holds back (a leased or held one still counts): `due`
+    # less `fenced.due`; all of them on a single node.
+    claimable: int = 0
     due_sitemap: int = 0
     due_discovered: int = 0
     in_flight: int = 0
@@ -180,8 +184,34 @@ class TrustGroup(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class AutoscaleGroup(msgspec.Struct, frozen=True, kw_only=True):
+    # Due rows no fence holds back (now.claimable): a fleet sized for keys no node may
+    # grant would sit idle until the fence ends, and a handed-over key's render is already
+    # running under the lease its old owner granted.
     due_now: int = 0
     oldest_claimable_age_s: float = 0.0  # now minus the earliest due among claimable rows
+
+
+class FenceCount(msgspec.Struct, frozen=True, kw_only=True):
+    """One fence (or the lapsed membership) as queue-state counts it."""
+
+    # The node whose keys these were; this node's own name for "restarted" (its
+    # predecessor's leases) and "unconfirmed".
+    node: str
+    # A Fence's reason, or "unconfirmed": this node has not confirmed within the grant
+    # window that it is a live member, so it grants none of its keys.
+    reason: str
+    due: int  # due rows it holds back; a row two fences hold is counted by each
+    until_ms: int  # when it ends (0 for "unconfirmed": once this node confirms itself)
+    keys: int | None = None  # a hand-over: its keys still fenced, due or not
+
+
+class FencedGroup(msgspec.Struct, frozen=True, kw_only=True):
+    """In a cluster: due rows (routes not paused) this node owns but may not grant now,
+    counted at each full report."""
+
+    due: int = 0
+    until_ms: int = 0  # when the last fence ends (0: none; "unconfirmed" has no end)
+    reasons: list[FenceCount] = []
 
 
 class QueueState(msgspec.Struct, frozen=True, kw_only=True):
@@ -194,6 +224,7 @@ class QueueState(msgspec.Struct, frozen=True, kw_only=True):
     flow: FlowGroup
     trust: TrustGroup
     autoscale: AutoscaleGroup
+    fenced: FencedGroup | None = None  # None on a single node
 
 
 class Liveness(msgspec.Struct, frozen=True, kw_only=True):
@@ -246,6 +277,11 @@ class ClusterStatistics(msgspec.Struct, frozen=True, kw_only=True):
     fenced_until: int  # when the last fence ends (0: none)
     incarnation: int = 0
     acknowledged: bool = True  # the others have been told this node enforces its view
+    # As of the keeper's last full report (`counted_at`): its due rows fenced, and those
+    # not (queue-state's `fenced` and `now.claimable`); None before the first.
+    fenced: FencedGroup | None = None
+    claimable: int = 0
+    counted_at: int = 0
 
 
 # The keeper's statistics record, written beside queue-state into its own buffer

@@ -122,7 +122,15 @@ def test_cluster_queue_state_is_the_sum_of_the_nodes_exact_counts(
     pair: tuple[str, dict[str, NodeProcess]],
 ) -> None:
     url, nodes = pair
-    # Nothing writes or claims here: the counts hold still while they are read.
+    # Nothing writes or claims here: the counts hold still while they are read, once a
+    # full report has counted the fences of the nodes' joins ended (each fenced the keys
+    # it gained until the other acknowledged it, and due_now left them out meanwhile).
+    wait_for(
+        lambda: (state := cluster_state(nodes["a"])) and state["fenced"]["due"] == 0,
+        30,
+        "the joins' fences counted ended",
+        0.25,
+    )
     own = {name: get(node, "/prerender_admin/queue-state").json() for name, node in nodes.items()}
     for name, body in own.items():
         assert body["node"] == name and body["trust"]["exact"] is True
@@ -136,6 +144,8 @@ def test_cluster_queue_state_is_the_sum_of_the_nodes_exact_counts(
         assert body["now"]["due"] == due == due_in_table(url, now_ms()) == ROWS // 2
         assert body["now"]["held"] == sum(s["now"]["held"] for s in own.values()) == ROWS
         assert body["autoscale"]["due_now"] == sum(s["autoscale"]["due_now"] for s in own.values())
+        assert body["autoscale"]["due_now"] == body["now"]["claimable"] == due
+        assert body["fenced"] == {"due": 0, "until_ms": 0}
         assert body["autoscale"]["oldest_claimable_age_s"] == max(
             s["autoscale"]["oldest_claimable_age_s"] for s in own.values()
         )
@@ -316,3 +326,44 @@ def test_a_single_node_lists_itself(tmp_path: Path) -> None:
         assert lease["token"].isdigit() and "node" not in lease
     finally:
         node.stop()
+
+
+def test_the_cluster_sums_count_fenced_keys_apart_and_autoscale_on_the_claimable() -> None:
+    """Each node's due_now is its claimable (due less fenced): the sum is the cluster's, and
+    the fenced keys are summed beside it with the last fence's end."""
+    from api.cluster import NodeAnswer, judge, sums
+    from store.rows import NodeRecord
+
+    def document(name: str, due: int, fenced: int, until: int) -> dict[str, Any]:
+        return {
+            "node": name,
+            "now": {"status": "ready", "due": due, "claimable": due - fenced, "held": 2 * due},
+            "trust": {"live": True, "exact": True, "state_age_ms": 10},
+            "autoscale": {"due_now": due - fenced, "oldest_claimable_age_s": 1.0},
+            "fenced": {"due": fenced, "until_ms": until, "reasons": []},
+            "cluster": {"view": ["a", "b"]},
+        }
+
+    documents = [document("a", 100, 40, 5_000), document("b", 50, 0, 0)]
+    summed = sums(documents)
+    assert summed["now"]["due"] == 150 and summed["now"]["claimable"] == 110
+    assert summed["autoscale"]["due_now"] == 110 == summed["now"]["claimable"]
+    assert summed["fenced"] == {"due": 40, "until_ms": 5_000}
+    single = {k: v for k, v in document("a", 10, 0, 0).items() if k != "fenced"}
+    assert sums([single])["fenced"] is None
+    record = NodeRecord(
+        node="a",
+        url="http://a",
+        instance="a",
+        started_at_ms=0,
+        heartbeat_age_ms=0,
+        left=False,
+        live=True,
+        lease_horizon_ms=0,
+        max_lease_ms=10_000,
+    )
+    line = judge(
+        NodeAnswer(record=record, http_status=200, document=documents[0]), ["a", "b"], True, "a"
+    )
+    assert line.problem is None and line.fenced == documents[0]["fenced"]
+    assert line.now is not None and line.now["claimable"] == 60

@@ -27,6 +27,7 @@ pytestmark = pytest.mark.usefixtures("node_backend")
 
 SUPERVISOR_WAL_SERIES = "renderqueue_sqlite_wal_"
 PRUNING_SERIES = ("renderqueue_feed_log_entries", "renderqueue_feed_prune_failures_total")
+CLUSTER_SERIES = ("renderqueue_cluster_fenced_keys", "renderqueue_cluster_fence_until_seconds")
 
 
 def test_before_the_keeper_no_counts(tmp_path: Path) -> None:
@@ -163,6 +164,50 @@ def test_the_feeds_pruning_is_served_where_the_feed_prunes(tmp_path: Path) -> No
             assert samples.get(failures) == (failed if counted is not None else None)
 
 
+def test_the_cluster_fence_series_come_from_the_keepers_record_in_a_cluster(
+    tmp_path: Path,
+) -> None:
+    """A cluster's keeper record carries its fences and its count of the due keys they
+    hold back; a single node's carries no cluster, and the series are left out."""
+    from keeper.state import ClusterStatistics, Fence, FenceCount, FencedGroup
+
+    assert set(CLUSTER_SERIES) <= readme_series()[0]  # the README names what is tested here
+    seed_rows(node_db(tmp_path), 10)
+    with thread_node(tmp_path) as node, node.client() as client:
+        record = wait_for(lambda: keeper_record(node), 30, "the keeper's record", 0.05)
+        node.stop_keeper()  # nothing overwrites the records written below
+        fenced_keys, until_seconds = CLUSTER_SERIES
+        assert fenced_keys not in metric_samples(client.get("/metrics").text)
+        now = now_ms()
+        until = now + 60_000
+        cluster = ClusterStatistics(
+            node="test",
+            view=["other", "test"],
+            generation=2,
+            confirmed=True,
+            confirmed_at=now,
+            changes=2,
+            reads=3,
+            read_failures=0,
+            fences=[Fence(node="other", view=(), until_ms=until, reason="handed over", keys=9)],
+            fenced_until=until,
+            fenced=FencedGroup(
+                due=4,
+                until_ms=until,
+                reasons=[
+                    FenceCount(node="other", reason="handed over", due=4, until_ms=until, keys=9)
+                ],
+            ),
+            claimable=6,
+            counted_at=now,
+        )
+        payload = encode_keeper_statistics(msgspec.structs.replace(record, cluster=cluster))
+        node.segments.keeper.write(payload, now_ms())
+        samples = metric_samples(client.get("/metrics").text)
+        assert samples[fenced_keys] == 4
+        assert samples[until_seconds] == until / 1000
+
+
 def test_an_unreadable_keeper_record_leaves_its_series_out_and_is_no_error(
     tmp_path: Path,
 ) -> None:
@@ -232,6 +277,8 @@ def test_prometheus_clients_own_parser_reads_every_series_the_readme_names(
     # Served only by a feed that prunes (PostgreSQL), after its first round: the test of
     # the feed's pruning series checks them.
     exact -= set(PRUNING_SERIES)
+    # Served only by a cluster's node: the test of the fence series checks them.
+    exact -= set(CLUSTER_SERIES)
     # A worker's counts of the other backend's store are not served.
     other = "renderqueue_postgres_" if node_backend == "sqlite" else "renderqueue_sqlite_"
     exact = {name for name in exact if not name.startswith(other)}

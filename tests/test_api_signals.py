@@ -129,3 +129,134 @@ def test_a_fresh_supervisor_census_is_used(node: Any) -> None:
     stale = {**census, "now": now - 60_000}
     assert lease_view(node, {"lease_census": stale}, now).source == "worker"
     assert msgspec.to_builtins(view)["source"] == "supervisor"
+
+
+@pytest.fixture
+def member(tmp_path: Path) -> Iterator[tuple[Any, Any]]:
+    """A cluster's node confirmed live for a minute, with a keeper statistics buffer the
+    test writes: (node, segments)."""
+    import dataclasses
+    import time
+
+    import msgspec
+
+    with local_node(tmp_path / "node.sqlite", marks=True) as (found, _, segments):
+        node = dataclasses.replace(
+            found,
+            settings=msgspec.structs.replace(found.settings, node="a", clustered=True),
+            keeper_statistics=segments.keeper,
+        )
+        segments.marks.confirm_until(int(time.monotonic() * 1000) + 60_000)
+        yield node, segments
+
+
+def write_fences(segments: Any, *, due: int, claimable: int, until: int, **more: Any) -> None:
+    """A keeper statistics record whose last count found `due` keys fenced by one awaiting
+    fence on b's share, ending at `until`."""
+    import msgspec
+    from keeper_helpers import Rig
+
+    from keeper.state import (
+        ClusterStatistics,
+        Fence,
+        FenceCount,
+        FencedGroup,
+        encode_keeper_statistics,
+    )
+
+    now = now_ms()
+    fences = [Fence(node="b", view=("a", "b"), until_ms=until, reason="awaiting")]
+    cluster = ClusterStatistics(
+        node="a",
+        view=["a", "b"],
+        generation=1,
+        confirmed=True,
+        confirmed_at=now,
+        changes=1,
+        reads=1,
+        read_failures=0,
+        fences=fences if until > now else [],
+        fenced_until=until if until > now else 0,
+        fenced=FencedGroup(
+            due=due,
+            until_ms=until,
+            reasons=[FenceCount(node="b", reason="awaiting", due=due, until_ms=until)],
+        ),
+        claimable=claimable,
+        counted_at=now,
+    )
+    record = msgspec.structs.replace(Rig().keeper.statistics(), cluster=cluster, **more)
+    segments.keeper.write(encode_keeper_statistics(record), now)
+
+
+def test_a_cluster_node_whose_due_keys_are_all_fenced_says_so_everywhere(
+    member: tuple[Any, Any],
+) -> None:
+    node, segments = member
+    until = now_ms() + 30_000
+    write_fences(segments, due=5, claimable=0, until=until)
+    publish(node, [], now_ms())
+    code, body = readyz(node)
+    assert code == 200 and body["status"] == "fenced"
+    assert body["fenced"] == 5 and body["fenced_until"] == until
+    assert "all 5 due keys of this node are fenced" in body["reason"]
+    assert "gained from node 'b', until it acknowledges" in body["reason"]
+    # A claim is answered, with nothing granted and why; its status is still the contract's.
+    answered = claim(node, 3)
+    assert answered.leases == [] and answered.status == "ready" and answered.fenced == 5
+    assert answered.detail.startswith("nothing granted: all 5 due keys of this node are fenced")
+    text = metrics.render(node)
+    assert 'renderqueue_claim_status{status="fenced"} 1' in text
+    assert gauge(text, "renderqueue_ready") == "1"
+    assert gauge(text, "renderqueue_cluster_fenced_keys") == "5"
+    assert float(gauge(text, "renderqueue_cluster_fence_until_seconds")) == until / 1000
+    overview = admin.overview(node)
+    assert overview.status == "fenced"
+
+
+def test_a_cluster_node_with_some_keys_fenced_is_ready_and_says_how_many(
+    member: tuple[Any, Any],
+) -> None:
+    node, segments = member
+    write_fences(segments, due=3, claimable=7, until=now_ms() + 30_000)
+    publish(node, [], now_ms())
+    code, body = readyz(node)
+    assert code == 200 and body["status"] == "ready" and body["fenced"] == 3
+    assert "3 of the 10 due keys of this node are fenced" in body["reason"]
+    assert claim(node, 1).fenced == 3
+
+
+def test_a_count_whose_fences_have_all_ended_since_says_nothing_is_fenced(
+    member: tuple[Any, Any],
+) -> None:
+    node, segments = member
+    write_fences(segments, due=5, claimable=0, until=now_ms() - 1)
+    publish(node, [], now_ms())
+    code, body = readyz(node)
+    assert code == 200 and body["status"] == "ready" and "fenced" not in body
+    answered = claim(node, 1)
+    assert answered.fenced is None and answered.detail is None
+    assert gauge(metrics.render(node), "renderqueue_cluster_fenced_keys") == "0"
+
+
+def test_an_unconfirmed_membership_is_unready_and_says_why(member: tuple[Any, Any]) -> None:
+    import time
+
+    node, segments = member
+    publish(node, [], now_ms())
+    segments.marks.confirm_until(int(time.monotonic() * 1000) - 5_000)
+    code, body = readyz(node)
+    assert code == 503 and body["status"] == "unready"
+    assert "has not confirmed it is a live member of the cluster" in body["reason"]
+    refused = claim(node, 1)
+    assert refused.status_code == 503 and json.loads(refused.body)["status"] == "unready"
+    segments.marks.confirm_until(0)
+    code, body = readyz(node)
+    assert code == 503 and "not (yet) confirmed as a live member" in body["reason"]
+
+
+def test_a_single_node_reads_no_fences(node: Any) -> None:
+    publish(node, [], now_ms())
+    code, body = readyz(node)
+    assert code == 200 and body["status"] == "ready" and "fenced" not in body
+    assert "renderqueue_cluster_fenced_keys" not in metrics.render(node)

@@ -24,8 +24,11 @@ from conftest import IN_CI
 from node_harness import (
     ADMIN_TOKEN,
     NodeProcess,
+    ThreadNode,
+    node_db,
     now_ms,
     seed_rows,
+    thread_node,
     wait_for,
 )
 
@@ -122,7 +125,7 @@ def node(tmp_path_factory: pytest.TempPathFactory, browser: Any) -> Iterator[Nod
 
 
 @contextlib.contextmanager
-def console(browser: Any, node: NodeProcess, token: str | None) -> Iterator[Any]:
+def console(browser: Any, node: NodeProcess | ThreadNode, token: str | None) -> Iterator[Any]:
     context = browser.new_context(viewport={"width": 1400, "height": 1900})
     page = context.new_page()
     page.on("dialog", lambda dialog: dialog.accept())
@@ -463,3 +466,69 @@ def test_the_cluster_section(browser: Any, shots: Path, pg_database: str, tmp_pa
             finally:
                 for pid in frozen:
                     os.kill(pid, signal.SIGCONT)
+
+
+def test_the_keeper_section_lists_the_fences(browser: Any, shots: Path, tmp_path: Path) -> None:
+    """A cluster's keeper record with two fences, written into a node's keeper buffer: the
+    keeper's statistics name each fence's node, reason, due keys and end, and the count."""
+    import msgspec
+
+    from keeper.state import (
+        ClusterStatistics,
+        Fence,
+        FenceCount,
+        FencedGroup,
+        decode_keeper_statistics,
+        encode_keeper_statistics,
+    )
+
+    seed_rows(node_db(tmp_path), 10)
+    with thread_node(tmp_path) as node:
+
+        def record() -> Any:
+            snapshot = node.segments.keeper.read()
+            return None if snapshot is None else decode_keeper_statistics(snapshot.payload)
+
+        written = wait_for(record, 30, "the keeper's record", 0.05)
+        node.stop_keeper()  # nothing overwrites the record written below
+        now = now_ms()
+        fences = [
+            Fence(node="b", view=("a", "b"), until_ms=now + 120_000, reason="awaiting"),
+            Fence(node="c", view=(), until_ms=now + 60_000, reason="handed over", keys=7),
+        ]
+        counted = [
+            FenceCount(node="b", reason="awaiting", due=9, until_ms=now + 120_000),
+            FenceCount(node="c", reason="handed over", due=3, until_ms=now + 60_000, keys=7),
+        ]
+        cluster = ClusterStatistics(
+            node="a",
+            view=["a", "b", "c"],
+            generation=3,
+            confirmed=True,
+            confirmed_at=now,
+            changes=3,
+            reads=9,
+            read_failures=0,
+            fences=fences,
+            fenced_until=now + 120_000,
+            fenced=FencedGroup(due=12, until_ms=now + 120_000, reasons=counted),
+            claimable=28,
+            counted_at=now,
+        )
+        payload = encode_keeper_statistics(msgspec.structs.replace(written, cluster=cluster))
+        node.segments.keeper.write(payload, now)
+        with console(browser, node, None) as page:
+            wait_for(lambda: "fence: b" in page.inner_text("#keeper"), 30, "the fences listed", 0.1)
+            rows = {
+                cells[0]: cells[1]
+                for cells in (
+                    tr.locator("td").all_inner_texts() for tr in page.locator("#keeper tr").all()
+                )
+            }
+            assert rows["cluster view"].startswith("a, b, c; membership confirmed")
+            assert rows["fenced"].startswith("12 of 40 due keys, until ")
+            assert rows["fence: b"].startswith("awaiting (gained from it, until it acknowledges")
+            assert ": 9 due keys, until " in rows["fence: b"]
+            assert rows["fence: c"].startswith("handed over (under leases it handed over")
+            assert ": 3 due keys of 7 handed over, until " in rows["fence: c"]
+            shot(page, shots, "10-keeper-fences")

@@ -261,3 +261,53 @@ def test_a_superseded_incarnation_is_not_live() -> None:
     cluster.observe(members(replaced, T0 + 100), T0 + 100)
     assert not cluster.confirmed(T0 + WINDOW + 101)
     assert not cluster.ownership.owns_many(KEYS).any()
+
+
+def test_the_fenced_count_is_the_blocked_mask_by_fence() -> None:
+    """c died silent and b left with ten leases handed over: the count says how many of
+    the due keys each fence holds back, and in all exactly what blocked_mask blocks."""
+    cluster = settled("a", ["a", "b", "c"])
+    before = np.array(["a", "b", "c"])[winners(KEYS, ["a", "b", "c"])]
+    handed = KEYS[before == "b"][:10]
+    handover = Handover(
+        node="b", incarnation=2, key_hashes=handed.tolist(), expires_at_ms=[T0 + 4000] * 10
+    )
+    read = [
+        record("a"),
+        record("b", live=False, left=True, horizon=T0 + 4000),
+        record("c", live=False, age=13_000),
+    ]
+    cluster.observe(members(read, T0 + 10, [handover]), T0 + 10)
+    now = T0 + 100
+    owned = cluster.ownership.owns_many(KEYS)
+    due = KEYS[owned][::2]  # the rows due now: any subset of the keys it owns
+    assert cluster.fencing(now)
+    counted = cluster.count_fenced(due, now)
+    blocked = cluster.blocked_mask(due, now)
+    assert blocked is not None and counted.due == int(blocked.sum()) > 0
+    by = {(r.node, r.reason): r for r in counted.reasons}
+    assert set(by) == {("b", "handed over"), ("c", "dead")}
+    assert by["b", "handed over"].due == int(np.isin(due, handed).sum())
+    assert by["b", "handed over"].keys == 10 and by["b", "handed over"].until_ms == T0 + 4000
+    assert by["c", "dead"].due == int(np.isin(due, KEYS[before == "c"]).sum())
+    assert by["c", "dead"].keys is None
+    assert counted.until_ms == max(r.until_ms for r in counted.reasons)
+    assert counted.until_ms == cluster.statistics(now).fenced_until
+    # Once every fence has ended there is nothing to count, and a count finds nothing.
+    end = counted.until_ms
+    cluster.observe(members(read, end), end)
+    assert not cluster.fencing(end)
+    assert cluster.count_fenced(due, end).due == 0 and not cluster.count_fenced(due, end).reasons
+
+
+def test_an_unconfirmed_membership_fences_every_due_key() -> None:
+    cluster = settled("a", ["a", "b"])
+    later = T0 + WINDOW + 1
+    assert cluster.fencing(later)
+    counted = cluster.count_fenced(KEYS[:100], later)
+    assert counted.due == 100 and counted.until_ms == 0
+    assert [(r.node, r.reason, r.due, r.until_ms) for r in counted.reasons] == [
+        ("a", "unconfirmed", 100, 0)
+    ]
+    empty = cluster.count_fenced(KEYS[:0], later)
+    assert empty.due == 0 and [r.due for r in empty.reasons] == [0]

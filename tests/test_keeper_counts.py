@@ -8,7 +8,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from keeper.classes import ClassTable, RenderClass
-from keeper.counts import HOURS_AHEAD, LATENESS_EDGES, count_queue, due_in_minute
+from keeper.counts import (
+    HOURS_AHEAD,
+    LATENESS_EDGES,
+    count_queue,
+    due_in_minute,
+    due_key_hashes,
+)
 from keeper.queue import HeldQueue
 from keeper.tallies import MINUTE_MS
 from shm import key_hash
@@ -84,6 +90,15 @@ def test_counts_equal_a_row_by_row_count(
     oldest = {c.class_id: c.oldest_due_at for c in counts.classes if c.oldest_due_at is not None}
     assert oldest == want["oldest"]
     assert sum(c.held for c in counts.classes) == len(placed)
+    # The rows the cluster's fences are counted against are the ones counted due.
+    paused_ids = table.paused_mask()
+    due_keys = {
+        key_hash(f"/k{i}".encode())
+        for i, (c, d) in placed.items()
+        if d <= NOW and not paused_ids[c]
+    }
+    hashes = due_key_hashes(queue, NOW)
+    assert len(hashes) == counts.due and set(hashes.tolist()) == due_keys
 
 
 def test_came_due_counts_the_rows_due_in_a_minute() -> None:
@@ -129,3 +144,17 @@ def test_rows_far_from_now_are_counted_through_the_overflow_and_trim_keeps_them(
     counts = count_queue(queue, later)
     assert (counts.held, counts.due, counts.due_24h) == (5, 2, 0)
     assert sum(queue.tallies.class_total(c) for c in range(4)) == 5
+
+
+def test_the_due_key_hashes_leave_out_removed_rows_and_rows_not_yet_due() -> None:
+    table = ClassTable(1.0)
+    table.intern(CLASSES[0])
+    queue = HeldQueue(table)
+    keys = [f"/k{i}".encode() for i in range(50)]
+    for i, k in enumerate(keys):
+        queue.upsert(k, key_hash(k), 0, NOW - 1000 if i % 2 else NOW + 1000, 1, NOW)
+    for k in keys[:10]:
+        queue.remove(key_hash(k))  # a freed slot's record reads due at 0: not a row
+    hashes = due_key_hashes(queue, NOW)
+    assert sorted(hashes.tolist()) == sorted(key_hash(k) for k in keys[11::2])
+    assert len(hashes) == count_queue(queue, NOW).due

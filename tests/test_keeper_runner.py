@@ -853,3 +853,96 @@ def test_a_clustered_keeper_holds_its_share_and_rebalances_when_a_node_dies() ->
         clock.advance(500)
         keeper.step()
     assert published() & theirs  # and published once the fence ends
+
+
+def test_a_clustered_keeper_counts_its_fenced_due_rows_at_each_full_report() -> None:
+    """Its due rows stay counted in now.due; the ones a fence holds back are counted apart
+    (queue-state's fenced, the statistics record), and left out of now.claimable and of
+    autoscale.due_now. A single node has no fenced group, and every due row claimable."""
+    import threading
+
+    from keeper_helpers import ManualClock, MemoryStore
+
+    from keeper.ownership import winners
+    from keeper.runner import ClusterSettings
+    from shm import key_hashes
+    from store.rows import MemberList, NodeRecord
+
+    def member(name: str) -> NodeRecord:
+        return NodeRecord(
+            node=name,
+            url="",
+            instance=name,
+            started_at_ms=0,
+            heartbeat_age_ms=0,
+            left=False,
+            live=True,
+            lease_horizon_ms=0,
+            max_lease_ms=10_000,
+        )
+
+    clock = ManualClock()
+    store = MemoryStore()
+    keys = [f"/k{i:03}" for i in range(200)]
+    for i, key in enumerate(keys):
+        store.put(key, NOW - 1000 * i if i % 4 else NOW + 3_600_000)  # a quarter not due
+    owners = winners(key_hashes([k.encode() for k in keys]), ["a", "b"]).tolist()
+    due_mine = sum(1 for i, o in enumerate(owners) if o == 0 and i % 4)
+    state = MemoryStateBuffer()
+    statistics = MemoryStateBuffer()
+    keeper = Keeper(
+        store,
+        MemoryRing(),
+        MemoryLeases(),
+        state,
+        CONFIG,
+        node="a",
+        clock=clock,
+        statistics_buffer=statistics,
+        cluster=ClusterSettings(ttl_s=4, max_lease_s=10, poll_s=1),
+        # b never acknowledges a's join: every key a owns was b's, fenced until b's leases
+        # on them have surely ended.
+        members=lambda handovers: MemberList(records=[member("a"), member("b")], db_now_ms=clock()),
+    )
+    assert keeper._await_members(threading.Event())
+    keeper.start()
+
+    def full_report(after: int) -> Any:
+        """Step until queue-state holds counts taken after `after`."""
+        for _ in range(200):
+            clock.advance(100)
+            keeper.step()
+            written = decode_queue_state(state.last())
+            if written.trust.counts_at > after and written.trust.exact:
+                return written
+        raise AssertionError("no full report")
+
+    written = full_report(NOW)
+    fenced = written.fenced
+    assert fenced is not None and written.now.due == due_mine > 0
+    assert fenced.due == due_mine and written.now.claimable == 0
+    assert written.autoscale.due_now == 0
+    assert [(r.node, r.reason, r.due) for r in fenced.reasons] == [("b", "awaiting", due_mine)]
+    record = decode_keeper_statistics(statistics.last()).cluster
+    assert record is not None and record.fenced == fenced and record.claimable == 0
+    assert record.counted_at == written.trust.counts_at and fenced.until_ms == record.fenced_until
+    # Between full reports the count stands, however often the keeper publishes.
+    counted_at = record.counted_at
+    clock.advance(100)
+    keeper.step()
+    again = decode_keeper_statistics(statistics.last()).cluster
+    assert again is not None and again.counted_at == counted_at
+    # Once the fence has ended, the next full report finds nothing fenced.
+    clock.at = fenced.until_ms + 1
+    written = full_report(fenced.until_ms)
+    assert written.fenced is not None and written.fenced.due == 0 and not written.fenced.reasons
+    assert written.now.claimable == written.now.due == written.autoscale.due_now == due_mine
+    record = decode_keeper_statistics(statistics.last()).cluster
+    assert record is not None and record.claimable == due_mine and record.fenced_until == 0
+
+    single = Rig()
+    single.steps(60, 100)
+    alone = single.last()
+    assert alone.fenced is None and alone.now.due > 0
+    assert alone.now.claimable == alone.now.due == alone.autoscale.due_now
+    assert decode_keeper_statistics(single.statistics.last()).cluster is None
