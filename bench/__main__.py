@@ -34,6 +34,7 @@ SECTIONS = (
     "restart",
     "postgres",
     "cluster",
+    "faults",
 )
 # Run only by name (`python -m bench soak --minutes N`), never by `all`: they take minutes
 # of a machine on purpose.

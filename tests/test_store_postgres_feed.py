@@ -367,3 +367,18 @@ def test_a_pruner_that_cannot_reach_the_server_counts_its_failures() -> None:
         assert pruner.failures >= 2 and pruner.removed == 0 and pruner.retained is None
     finally:
         pruner.close()
+
+
+def test_the_server_drops_a_listener_whose_socket_takes_nothing(pg_url: str) -> None:
+    """A stopped listener would hold every notification in the server's shared queue
+    until it filled and writes failed; the feed's session bounds that on the server."""
+    store = PostgresStore(pg_url)
+    try:
+        sub = store.subscribe("listener")
+        try:
+            shown = sub._conn.execute("SHOW tcp_user_timeout").fetchone()
+            assert shown == (str(pg_feed.LISTENER_TCP_USER_TIMEOUT_MS),)
+        finally:
+            sub.close()
+    finally:
+        store.close()

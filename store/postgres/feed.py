@@ -77,6 +77,10 @@ SELECT EXISTS (
 """
 
 
+# How long the server keeps a listener whose socket takes no data (see Subscription).
+LISTENER_TCP_USER_TIMEOUT_MS = 10_000
+
+
 class Position(NamedTuple):
     """A place in the log: entries after (xid, seq) are still to come. `xmax`, for a head
     read beside rows, is the snapshot's xmax: those rows are delivered once the feed's
@@ -152,6 +156,13 @@ class PostgresSubscription:
         self._conn: Conn = connect(url, application_name="renderqueue-feed")
         try:
             with translated("subscribe"):
+                # Every notifying commit queues a notification until each listener has
+                # read it, and a listener whose process is stopped reads nothing: once
+                # its socket buffers fill, the server's shared queue grows until it is
+                # full and every writing commit in the database fails. The server drops a
+                # listener whose socket has accepted nothing for this long instead; the
+                # feed then reopens, and polls meanwhile, so nothing is lost.
+                self._conn.execute(f"SET tcp_user_timeout = {LISTENER_TCP_USER_TIMEOUT_MS}")
                 self._conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
         except BaseException:
             self._conn.close()
