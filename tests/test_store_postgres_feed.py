@@ -21,6 +21,7 @@ from replica import Replica
 from store.postgres import PostgresStore
 from store.postgres import feed as pg_feed
 from store.postgres import sql as pg_sql
+from store.postgres.conn import connect
 from store.rows import FeedEvent, RowEvent, RowWrite
 
 
@@ -351,7 +352,7 @@ def test_the_log_is_counted_up_to_a_cap(pg_url: str) -> None:
     store = PostgresStore(pg_url, prune_interval_s=None)
     try:
         store.write([RowWrite(key=f"/c/{i}", route="page", next_render_at=1) for i in range(25)])
-        with psycopg.connect(pg_url, autocommit=True) as conn:
+        with connect(pg_url) as conn:
             assert pg_feed.count_retained(conn) == 25
             assert pg_feed.count_retained(conn, cap=10) == 10
     finally:
