@@ -197,6 +197,7 @@ def grant_from_ring(node: Node, want: int, lease_ms: int) -> list[Lease]:
                     sitemap=named[1],
                     cadence_s=entry.cadence_s,
                     node=node.settings.node if clustered else None,
+                    lease_ms=outcome.expires_at - now,
                 )
                 granted.append((lease, entry.key_hash, outcome.token))
                 continue
@@ -222,6 +223,7 @@ def grant_from_ring(node: Node, want: int, lease_ms: int) -> list[Lease]:
                 sitemap=row.sitemap,
                 cadence_s=cadence_s,
                 node=node.settings.node if clustered else None,
+                lease_ms=expires_at - now,
             )
             granted.append((lease, hashed, token))
     return _keep_owned(node, granted, now_ms()) if granted else []
@@ -312,7 +314,9 @@ def _renewed(node: Node, item: RenewItem, hashed: int, now: int) -> RenewResult:
     expires_at = None if token is None else node.leases.renew(hashed, token, now, lease_ms)
     if expires_at is None:
         return RenewResult(key=item.key, ok=False, error=LEASE_NOT_HELD)
-    return RenewResult(key=item.key, ok=True, lease_expires_at=expires_at)
+    return RenewResult(
+        key=item.key, ok=True, lease_expires_at=expires_at, lease_ms=expires_at - now
+    )
 
 
 def _not_owner(key: str, owner: str | None) -> RenewResult:

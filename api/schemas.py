@@ -115,6 +115,10 @@ class Lease(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     # In a cluster: the node that granted the lease (its completion and renewals belong
     # there; any node forwards them). Absent on a single node.
     node: str | None = None
+    # The lease's term as the node granted it: it ends this long after the node answered.
+    # A client whose clock may differ from the node's counts it from when it asked, which
+    # is never later than the grant (lease_expires_at is in the node's clock).
+    lease_ms: int | None = None
 
 
 class ClaimResponse(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -184,6 +188,7 @@ class RenewResult(Body, frozen=True):
     error: str | None = None
     detail: str | None = None  # as ItemResult.detail
     owner: str | None = None
+    lease_ms: int | None = None  # as Lease.lease_ms: the renewed term, from the answer
 
 
 class RenewResults(msgspec.Struct, frozen=True, kw_only=True):

@@ -150,6 +150,13 @@ class FaultNode(Node):
 # --- the fleet ---------------------------------------------------------------------------
 
 
+def ends(lease: dict[str, Any], asked_ms: int) -> int:
+    """A lease's end in this process's clock: its term counted from when it was asked (a
+    node's own clock may be set apart from this one's)."""
+    term = lease.get("lease_ms")
+    return asked_ms + int(term) if term is not None else int(lease["lease_expires_at"])
+
+
 class Fleet:
     """Threads that claim from their node, render, renew and complete, into a History."""
 
@@ -214,7 +221,7 @@ class Fleet:
             held = [
                 (
                     self.history.granted(
-                        x["key"], x.get("node") or name, who, asked, answered, x["lease_expires_at"]
+                        x["key"], x.get("node") or name, who, asked, answered, ends(x, asked)
                     ),
                     x["token"],
                     answered + int(rng.uniform(*self.config.render_s) * 1000),
@@ -247,13 +254,14 @@ class Fleet:
         due: list[tuple[HeldLease, str, int]],
     ) -> list[tuple[HeldLease, str, int]]:
         items = [{"key": h[0].key, "token": h[1], "lease_s": self.config.lease_s} for h in due]
+        sent = report.now_ms()
         status, body = self._call(name, "/v1/leases/renew", {"items": items})
         if status != 200 or not body:
             return held
         dropped: set[str] = set()
         for lease, result in zip(due, body["results"], strict=True):
             if result.get("ok"):
-                lease[0].expires_ms = int(result["lease_expires_at"])
+                lease[0].expires_ms = ends(result, sent)
                 lease[0].renewals += 1
             else:
                 lease[0].refused_renewals += 1

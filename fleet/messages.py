@@ -56,6 +56,7 @@ class ItemResult(msgspec.Struct, frozen=True, kw_only=True):
     lease_expires_at: int | None = None  # renew only
     detail: str | None = None  # in a cluster: which node said what, when not ok
     owner: str | None = None  # with not_owner: the node that owns the key now
+    lease_ms: int | None = None  # renew only: the term the node renewed, from its answer
 
 
 class ResultsResponse(msgspec.Struct, frozen=True, kw_only=True):

@@ -123,7 +123,7 @@ class _Job:
         "timer",
     )
 
-    def __init__(self, lease: Lease, node: str, lease_s: int) -> None:
+    def __init__(self, lease: Lease, node: str, lease_s: int, asked_at: int) -> None:
         self.lease = lease
         self.node = node  # the node that granted the lease: its results go there
         self.task: asyncio.Task[None] | None = None
@@ -133,9 +133,16 @@ class _Job:
         self.timer: asyncio.TimerHandle | None = None
         self.expires_at = 0
         self.term_ms = 0
-        self.extend(lease.lease_expires_at, lease_s)
+        self.extend(lease.lease_expires_at, lease_s, lease.lease_ms, asked_at)
 
-    def extend(self, expires_at: int, lease_s: int) -> None:
+    def extend(
+        self, expires_at: int, lease_s: int, term_ms: int | None = None, asked_at: int = 0
+    ) -> None:
+        """`expires_at` is in the node's clock; with the term it granted (`term_ms`), the
+        end is taken in this clock instead, counted from `asked_at`: a node whose clock
+        runs ahead of this one's would otherwise keep a render going past its lease."""
+        if term_ms is not None and asked_at:
+            expires_at = asked_at + term_ms
         self.expires_at = expires_at
         # The term the node granted, as far as this clock can tell: a node may cap it
         # below what was asked, and the margin must shrink with it.
@@ -389,6 +396,7 @@ class FleetRunner:
                 await self._slot_freed.wait()
                 continue
             self._reserved += want
+            asked_at = _now_ms()
             try:
                 leases = await client.claim(
                     want, lease_s=config.lease_s, wait_s=config.wait_s, max_unready_s=unready_s
@@ -416,21 +424,23 @@ class FleetRunner:
             else:
                 self._idle.add(node)
             for lease in leases:
-                self._start(lease, lease.node or node)
+                self._start(lease, lease.node or node, asked_at)
             if len(leases) < want:
                 self._slot_freed.set()  # slots it reserved and did not fill
             if not leases and config.wait_s == 0:
                 await asyncio.sleep(1.0)  # nothing due and no long-poll: do not spin
 
-    def _start(self, lease: Lease, node: str = SINGLE) -> None:
+    def _start(self, lease: Lease, node: str = SINGLE, asked_at: int = 0) -> None:
         if lease.key in self._jobs:
             # The node granted a key this worker still holds: its lease must have
             # lapsed. Keep the render we have; the new token is the live one.
             self._jobs[lease.key].lease = lease
             self._jobs[lease.key].node = node
-            self._jobs[lease.key].extend(lease.lease_expires_at, self.config.lease_s)
+            self._jobs[lease.key].extend(
+                lease.lease_expires_at, self.config.lease_s, lease.lease_ms, asked_at
+            )
             return
-        job = _Job(lease, node, self.config.lease_s)
+        job = _Job(lease, node, self.config.lease_s, asked_at)
         self._jobs[lease.key] = job
         job.task = asyncio.create_task(self._render(job), name=f"render {lease.key[:80]}")
         self._watch_lease(job)
@@ -546,6 +556,7 @@ class FleetRunner:
                 # Retrying past the last deadline in the chunk is pointless: each of its
                 # renders has been abandoned by then, whatever the node would say.
                 wait_ms = max(job.deadline_ms() for job in chunk) - _now_ms()
+                asked_at = _now_ms()
                 try:
                     async with asyncio.timeout(max(0, wait_ms) / 1000):
                         results = await client.renew(
@@ -557,7 +568,7 @@ class FleetRunner:
                     failure = f"renewal failed: {exc}"
                     self._log(failure)
                 else:
-                    self._apply_renewals(chunk, results)
+                    self._apply_renewals(chunk, results, asked_at)
                     continue
                 for job in chunk:
                     job.renew_failure = failure
@@ -565,7 +576,9 @@ class FleetRunner:
             for job in jobs:
                 job.renewing = False
 
-    def _apply_renewals(self, jobs: list[_Job], results: list[ItemResult]) -> None:
+    def _apply_renewals(
+        self, jobs: list[_Job], results: list[ItemResult], asked_at: int = 0
+    ) -> None:
         by_key = {job.lease.key: job for job in jobs}
         for result in results:
             job = by_key.get(result.key)
@@ -574,7 +587,7 @@ class FleetRunner:
             if result.ok:
                 self._counts["renewed"] += 1
                 expires_at = result.lease_expires_at or (_now_ms() + self.config.lease_s * 1000)
-                job.extend(expires_at, self.config.lease_s)
+                job.extend(expires_at, self.config.lease_s, result.lease_ms, asked_at)
             elif job.cancel_reason not in ABANDONED and job.task and not job.task.done():
                 # Whatever the reason (lease_not_held, not_owner, ...): the node does not
                 # hold this lease for us any more, so no result of ours can count.

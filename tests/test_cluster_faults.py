@@ -235,3 +235,66 @@ def test_a_node_with_other_cluster_settings_is_refused_naming_both(
     finally:
         first.stop()
         second.stop()
+
+
+FAKETIME_LIB = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1"
+
+
+@pytest.mark.parametrize("offset", ["+30s", "-30s", "+5m"])
+def test_a_node_whose_clock_is_set_apart_grants_no_key_twice(
+    tmp_path: Path, on_pg: str, offset: str
+) -> None:
+    """c runs under libfaketime. Keys move to c (a join) and away from it (a clean leave)
+    while leases on them live; every grant is judged in this process's clock, each lease
+    ending its granted term after it was asked."""
+    if not Path(FAKETIME_LIB).exists():
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail(f"{FAKETIME_LIB} is missing: .ci/run installs Debian's faketime")
+        pytest.skip("Debian's faketime (libfaketime) is not installed")
+    from bench.history import History, double_grants
+
+    seed_rows(on_pg, 2000, due_share=1.0)
+    a, b = node(tmp_path, "a"), node(tmp_path, "b")
+    c = NodeProcess(
+        tmp_path / "c",
+        workers=1,
+        extra_args=("--node", "c"),
+        env={"LD_PRELOAD": FAKETIME_LIB, "FAKETIME": offset, "FAKETIME_DONT_RESET": "1"},
+    )
+    (tmp_path / "c").mkdir()
+    history = History()
+
+    def take(process: NodeProcess, name: str, rounds: int = 1) -> int:
+        got = 0
+        for _ in range(rounds):
+            asked = now_ms()
+            leases = claim(process, 200, lease_s=30)
+            answered = now_ms()
+            for lease in leases:
+                ends = asked + int(lease["lease_ms"])
+                history.granted(lease["key"], name, "test", asked, answered, ends)
+            got += len(leases)
+        return got
+
+    try:
+        a.start(wait_ready=False)
+        b.start(wait_ready=False)
+        a.wait_event("node_ready")
+        b.wait_event("node_ready")
+        wait_for(lambda: take(a, "a") and take(b, "b"), 60, "leases at a and b", 0.2)
+        c.start()
+        joined = c.wait_event("cluster_joined")
+        assert joined["clock_offset_ms"] != 0 or offset == "+0s"
+        wait_for(lambda: take(c, "c"), 60, "c to grant", 0.2)
+        take(c, "c", rounds=5)
+        c.stop()  # a clean leave: c hands its live leases over, in the database's clock
+        for process, name in ((a, "a"), (b, "b")):
+            take(process, name, rounds=5)
+        wait_for(lambda: take(a, "a") + take(b, "b") > 0, 60, "a and b to grant c's keys", 0.2)
+        found = double_grants(history.snapshot())
+        assert found == [], found[:3]
+        by_node = {n: sum(1 for x in history.snapshot() if x.node == n) for n in "abc"}
+        assert all(by_node.values()), by_node
+    finally:
+        for process in (a, b, c):
+            process.stop()

@@ -42,6 +42,9 @@ class ScriptedNode:
         self.renewals: list[str] = []
         self.claims = 0
         self._token = 0
+        # The node's clock less the fleet's: its lease_expires_at are in its own clock,
+        # and each lease says its term (lease_ms) as a real node does.
+        self.clock_ahead_ms = 0
 
     async def handle(self, request: httpx.Request) -> httpx.Response:
         body = json.loads(request.content) if request.content else {}
@@ -60,9 +63,10 @@ class ScriptedNode:
                         "token": str(self._token),
                         "route": "product",
                         "due_at": 0,
-                        "lease_expires_at": expires,
+                        "lease_expires_at": expires + self.clock_ahead_ms,
                         "sitemap": False,
                         "cadence_s": 3600,
+                        "lease_ms": body["lease_s"] * 1000,
                     }
                 )
             if not granted and body.get("wait_s"):
@@ -321,6 +325,37 @@ def test_failing_renewals_abandon_the_render_before_its_lease_ends() -> None:
     assert stats.leases_expired == 1 and stats.leases_lost == 0
     assert stats.rendered == stats.failed == stats.refused == 0
     assert any("lease expiring on stuck with no renewal" in line for line in log), log
+
+
+def test_a_node_whose_clock_runs_ahead_cannot_stretch_a_lease() -> None:
+    """The node's clock is a minute ahead, so its lease_expires_at is a minute late by
+    this clock: the fleet counts the granted term from its own ask, and stops the render
+    before the lease really ends."""
+    node = ScriptedNode(["skewed"])
+    node.fail_renewals = True
+    node.clock_ahead_ms = 60_000
+    asked: list[int] = []
+    cancelled_at: list[int] = []
+
+    async def stubborn(lease: Lease) -> RenderResult:
+        asked.append(now_ms())
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            cancelled_at.append(now_ms())
+        return RenderResult(outcome="rendered")
+
+    stats, _ = run_fleet(
+        node,
+        stubborn,
+        FleetConfig(concurrency=1, lease_s=5, wait_s=1, state_every_s=0, renew_every_s=0.1),
+        stop_when=lambda runner: (
+            runner.statistics().leases_expired == 1 and runner.statistics().in_flight == 0
+        ),
+    )
+    _, really_ends = node.leases["skewed"]
+    assert len(cancelled_at) == 1 and cancelled_at[0] < really_ends
+    assert node.completed == [] and stats.leases_expired == 1
 
 
 def test_a_renderer_that_raises_is_a_failed_render_not_a_dead_fleet() -> None:
