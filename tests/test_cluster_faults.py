@@ -12,6 +12,7 @@ PostgreSQL, on default settings unless a test says otherwise.
 
 from __future__ import annotations
 
+import glob
 import os
 import signal
 from collections.abc import Iterator
@@ -237,7 +238,7 @@ def test_a_node_with_other_cluster_settings_is_refused_naming_both(
         second.stop()
 
 
-FAKETIME_LIB = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1"
+FAKETIME_LIB = next(iter(glob.glob("/usr/lib/*/faketime/libfaketime.so.1")), "libfaketime.so.1")
 
 
 @pytest.mark.parametrize("offset", ["+30s", "-30s", "+5m"])
