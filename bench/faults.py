@@ -22,6 +22,10 @@ Scenarios, on default settings unless named:
   restart, how long its share went ungranted (from the stop to its first grant after
   the start), how long the cluster queue-state answered 503, and whether every
   completion of a lease it granted before the stop landed.
+- blackhole: every node reaches PostgreSQL through a TCP proxy of its own, and every
+  proxy stops forwarding (connections open, nothing reset) for 15 s, then for 60 s
+  (quick: 30 s, past the TTL, so each node sees the others, or itself, dead on its
+  return); per node, the time from the heal to its first grant.
 
 The chart shows each scenario's grants per node over time, with its events marked.
 """
@@ -48,6 +52,7 @@ from bench.history import HeldLease, History, double_grants, grants_by_node
 from bench.node import ADMIN_TOKEN, FLEET_TOKEN, REPO, Node, NodeClient
 from bench.peer_base import reachable
 from bench.postgres import Scratch, db_url, host_port, server_url
+from bench.tcp_proxy import TcpProxy
 
 NAMES = ("a", "b", "c")
 FAST = ("--heartbeat-s", "0.5", "--node-ttl-s", "4", "--max-lease-s", "10")
@@ -62,6 +67,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True):
     render_s: tuple[float, float]  # a render's time, uniform in this range
     warm_s: float  # the fleet runs this long before a fault
     after_s: float  # and this long after the cluster settled again
+    long_blackhole_s: float  # past the default TTL (12 s): the nodes see each other dead
 
 
 FULL = Config(
@@ -72,6 +78,7 @@ FULL = Config(
     render_s=(0.3, 9.0),
     warm_s=8.0,
     after_s=10.0,
+    long_blackhole_s=60.0,
 )
 QUICK = Config(
     rows=3_000,
@@ -81,6 +88,7 @@ QUICK = Config(
     render_s=(0.2, 8.0),
     warm_s=4.0,
     after_s=5.0,
+    long_blackhole_s=30.0,
 )
 
 
@@ -382,11 +390,23 @@ def count_rows(url: str) -> int:
 
 @contextlib.contextmanager
 def cluster(
-    scratch: Scratch, scenario: str, config: Config, args: Sequence[str] = ()
+    scratch: Scratch,
+    scenario: str,
+    config: Config,
+    args: Sequence[str] = (),
+    proxies: list[TcpProxy] | None = None,
 ) -> Iterator[tuple[str, dict[str, FaultNode], Fleet]]:
+    """`proxies`: filled with a TCP proxy per node, each node's way to the database."""
     url = db_url(scratch.create(f"faults_{scenario.replace(' ', '_')}"))
     seed(url, config.rows)
-    nodes = {name: FaultNode(name, url, args) for name in NAMES}
+    host, port = host_port(url)
+    urls = {name: url for name in NAMES}
+    if proxies is not None:
+        for name in NAMES:
+            proxy = TcpProxy(host, port).start()
+            proxies.append(proxy)
+            urls[name] = url.replace(f"{host}:{port}", f"127.0.0.1:{proxy.port}", 1)
+    nodes = {name: FaultNode(name, urls[name], args) for name in NAMES}
     fleet = Fleet(nodes, config)
     try:
         yield url, nodes, fleet
@@ -394,6 +414,8 @@ def cluster(
         fleet.close()
         for node in nodes.values():
             node.drop()
+        for proxy in proxies or ():
+            proxy.stop()
 
 
 def judged(
@@ -579,11 +601,42 @@ def rolling(scratch: Scratch, config: Config) -> Outcome:
         return judged("rolling restart", url, config, fleet, figures, events, start)
 
 
+def blackhole(scratch: Scratch, config: Config, seconds_out: float, scenario: str) -> Outcome:
+    proxies: list[TcpProxy] = []
+    with cluster(scratch, scenario, config, proxies=proxies) as (url, nodes, fleet):
+        start = report.now_ms()
+        for node in nodes.values():
+            node.launch()
+        for node in nodes.values():
+            node.wait_ready()
+        fleet.start(NAMES)
+        time.sleep(config.warm_s)
+        cut = report.now_ms()
+        for proxy in proxies:
+            proxy.blackhole()
+        time.sleep(seconds_out)
+        healed = report.now_ms()
+        for proxy in proxies:
+            proxy.heal()
+        waits = [seconds(healed, first_grant_after(fleet, name, healed, 600)) for name in NAMES]
+        time.sleep(config.after_s)
+        slowest = None if any(w is None for w in waits) else max(w for w in waits if w is not None)
+        events = [(cut, "blackhole"), (healed, "healed")]
+        return judged(scenario, url, config, fleet, {"first_grant_s": slowest}, events, start)
+
+
 SCENARIOS: tuple[tuple[str, Callable[[Scratch, Config], Outcome]], ...] = (
     ("cold start", cold_start),
     ("join", join),
     ("sigkill", sigkill),
     ("rolling restart", rolling),
+    ("blackhole 15 s", lambda scratch, config: blackhole(scratch, config, 15, "blackhole 15 s")),
+    (
+        "blackhole past the TTL",
+        lambda scratch, config: blackhole(
+            scratch, config, config.long_blackhole_s, "blackhole past the TTL"
+        ),
+    ),
 )
 
 
@@ -619,6 +672,9 @@ def figures_of(outcomes: Sequence[Outcome]) -> list[report.Figure]:
     add(
         "rolling restart", "cluster queue-state 503 per restart", roll["queue_state_503_s"], "<= 15"
     )
+    for name in ("blackhole 15 s", "blackhole past the TTL"):
+        got = by[name].figures
+        add(name, "slowest node's first grant after the heal", got["first_grant_s"], "<= 10")
     for outcome in outcomes:
         add(outcome.scenario, "keys granted twice", outcome.double_grants, "0", unit="")
         add(outcome.scenario, "rows lost", outcome.rows_lost, "0", unit="")

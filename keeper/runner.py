@@ -404,8 +404,9 @@ class Keeper:
         cluster = self.cluster
         assert cluster is not None
         if self.marks is not None:
-            live = cluster.view if cluster.confirmed(now) else ()
-            self.marks.write_owners(live or (), now)
+            # The names ownership is computed over: without this node when it is not live
+            # in the view (another start of its name may be), so its workers own nothing.
+            self.marks.write_owners(cluster.ownership.nodes if cluster.confirmed(now) else (), now)
         if self.acknowledge is None:
             cluster.acknowledged()
             return

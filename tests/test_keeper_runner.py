@@ -946,3 +946,94 @@ def test_a_clustered_keeper_counts_its_fenced_due_rows_at_each_full_report() -> 
     assert alone.fenced is None and alone.now.due > 0
     assert alone.now.claimable == alone.now.due == alone.autoscale.due_now
     assert decode_keeper_statistics(single.statistics.last()).cluster is None
+
+
+def test_a_change_of_view_reaches_the_workers_before_the_hand_over_is_acknowledged() -> None:
+    """On every change of view the keeper publishes the live names to its workers (the
+    write marks' owners view), then acknowledges the view with its live leases on the
+    keys it no longer owns, their ends in the database's clock."""
+    import threading
+    import time
+    import uuid
+
+    import numpy as np
+    from keeper_helpers import (
+        ManualClock,
+        MemoryLeases,
+        MemoryRing,
+        MemoryStateBuffer,
+        MemoryStore,
+    )
+
+    from keeper.ownership import winners
+    from keeper.runner import ClusterSettings
+    from shm import key_hashes
+    from shm.marks import WriteMarks
+    from store.rows import Handover, MemberList, NodeRecord
+
+    def member(name: str, incarnation: int) -> NodeRecord:
+        return NodeRecord(
+            node=name,
+            url="",
+            instance=name,
+            started_at_ms=0,
+            heartbeat_age_ms=0,
+            left=False,
+            live=True,
+            lease_horizon_ms=0,
+            max_lease_ms=10_000,
+            incarnation=incarnation,
+        )
+
+    clock = ManualClock()
+    offset = 500  # the database's clock runs this far ahead
+    members = [member("a", 1), member("b", 2)]
+    leased = key_hashes([f"/leased{i}".encode() for i in range(300)])
+    leases = MemoryLeases()
+    leases.blocked = {int(h) for h in leased}
+    acks: list[tuple[int, list[int], Handover]] = []
+
+    def acknowledge(incarnation: int, view: Any, handover: Handover) -> bool:
+        acks.append((incarnation, list(view), handover))
+        return True
+
+    marks = WriteMarks.create(f"/rqt{uuid.uuid4().hex[:12]}", capacity=1024)
+    try:
+        keeper = Keeper(
+            MemoryStore(),
+            MemoryRing(),
+            leases,
+            MemoryStateBuffer(),
+            CONFIG,
+            node="a",
+            clock=clock,
+            cluster=ClusterSettings(ttl_s=4, max_lease_s=10, poll_s=1, incarnation=1),
+            members=lambda handovers: MemberList(
+                records=members, db_now_ms=clock() + offset, with_handovers=handovers
+            ),
+            marks=marks,
+            acknowledge=acknowledge,
+        )
+        assert keeper._await_members(threading.Event())
+        view = marks.owners()
+        assert view is not None and view.nodes == ("a", "b")
+        assert marks.confirmed_until() > time.monotonic() * 1000
+        incarnation, acked, handover = acks[-1]
+        lost = leased[winners(leased, ["a", "b"]) == 1]
+        assert (incarnation, acked) == (1, [1, 2])
+        assert sorted(handover.key_hashes) == sorted(lost.tolist())
+        assert set(handover.expires_at_ms) == {clock() + 60_000 + offset}
+        keeper.start()
+        members.append(member("c", 3))  # c joins: a loses the keys c now wins
+        for _ in range(30):
+            clock.advance(100)
+            keeper.step()
+        view = marks.owners()
+        assert view is not None and view.nodes == ("a", "b", "c")
+        incarnation, acked, handover = acks[-1]
+        owners = np.array(["a", "b", "c"])[winners(leased, ["a", "b", "c"])]
+        assert acked == [1, 2, 3]
+        assert sorted(handover.key_hashes) == sorted(leased[owners != "a"].tolist())
+    finally:
+        marks.close()
+        marks.unlink()

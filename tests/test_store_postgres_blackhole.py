@@ -23,8 +23,8 @@ from typing import Any
 from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
 import pytest
-from tcp_proxy import TcpProxy
 
+from bench.tcp_proxy import TcpProxy
 from store.errors import StoreBusy, StoreUnavailable
 from store.postgres import PostgresStore
 from store.postgres.conn import (
