@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import msgspec
 import numpy as np
 import numpy.typing as npt
 
@@ -109,7 +110,11 @@ class ClusterView:
         self.members: tuple[Member, ...] | None = None
         self.fences: list[_ShareFence | _KeyFence] = []
         self.confirmed_at = 0
-        self.offset_ms = 0  # the database's clock less this node's, as of the last read
+        # The database's clock less `now`'s (the clock this view runs on, monotonic in a
+        # node), and the wall clock less it, as of the last read: instants other nodes
+        # read are in the database's clock, the ones people read in the wall clock's.
+        self.offset_ms = 0
+        self.to_wall_ms = 0
         self._changes = self._reads = self._read_failures = 0
         # Whether the last change can have moved keys here: a join only takes keys away
         # from the nodes already live, so they need no walk for rows gained.
@@ -126,11 +131,13 @@ class ClusterView:
     def live_incarnations(self) -> list[int]:
         return sorted(i for _, i in self.members or ())
 
-    def observe(self, members: MemberList, now: int) -> bool:
-        """Take a fresh member list; True when the live set (and so ownership) changed."""
+    def observe(self, members: MemberList, now: int, wall_now: int | None = None) -> bool:
+        """Take a fresh member list; True when the live set (and so ownership) changed.
+        `wall_now`: the wall clock's reading at `now`, when `now` is another clock's."""
         self._reads += 1
         records = members.records
         self.offset_ms = members.db_now_ms - now if members.db_now_ms else 0
+        self.to_wall_ms = 0 if wall_now is None else wall_now - now
         live = tuple(sorted((r.node, r.incarnation) for r in records if r.live))
         me_live = (self.me, self.incarnation) in live
         if me_live:
@@ -302,7 +309,7 @@ class ClusterView:
         for fence in active:
             mask = fence.blocks(key_hashes, now) if len(key_hashes) else blocked
             blocked |= mask
-            record = fence.record(now)
+            record = self._on_wall(fence.record(now))
             counted.append(
                 FenceCount(
                     node=record.node,
@@ -314,7 +321,7 @@ class ClusterView:
             )
         return FencedGroup(
             due=int(np.count_nonzero(blocked)) if confirmed else len(key_hashes),
-            until_ms=max((f.until_ms for f in active), default=0),
+            until_ms=max((f.until_ms + self.to_wall_ms for f in active), default=0),
             reasons=counted,
         )
 
@@ -325,15 +332,18 @@ class ClusterView:
             view=list(self.view or ()),
             generation=self.ownership.generation,
             confirmed=self.confirmed(now),
-            confirmed_at=self.confirmed_at,
+            confirmed_at=self.confirmed_at and self.confirmed_at + self.to_wall_ms,
             changes=self._changes,
             reads=self._reads,
             read_failures=self._read_failures,
-            fences=[f.record(now) for f in active],
-            fenced_until=max((f.until_ms for f in active), default=0),
+            fences=[self._on_wall(f.record(now)) for f in active],
+            fenced_until=max((f.until_ms + self.to_wall_ms for f in active), default=0),
             incarnation=self.incarnation,
             acknowledged=not self.unacknowledged,
         )
+
+    def _on_wall(self, fence: Fence) -> Fence:
+        return msgspec.structs.replace(fence, until_ms=fence.until_ms + self.to_wall_ms)
 
 
 def _ended(fence: _ShareFence) -> _ShareFence:

@@ -127,6 +127,10 @@ def wall_clock_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
+def monotonic_ms() -> int:
+    return time.monotonic_ns() // 1_000_000
+
+
 class Keeper:
     def __init__(
         self,
@@ -139,6 +143,7 @@ class Keeper:
         *,
         ownership: Ownership | None = None,
         clock: Clock = wall_clock_ms,
+        monotonic: Clock | None = None,
         statistics_buffer: StateBufferLike | None = None,
         cluster: ClusterSettings | None = None,
         members: Members | None = None,
@@ -158,6 +163,10 @@ class Keeper:
         self.config = config
         self.node = node
         self.clock = clock
+        # The cluster's durations (fences, the grant window) run on this clock, so a step
+        # of the wall clock neither ends a fence early nor stretches a confirmation. A
+        # test's manual clock drives both.
+        self.monotonic = monotonic or (monotonic_ms if clock is wall_clock_ms else clock)
         self.cluster_settings = cluster
         self.members = members
         self.acknowledge = acknowledge
@@ -172,7 +181,8 @@ class Keeper:
                 grant_window_ms=cluster.grant_window_ms,
                 max_lease_ms=cluster.max_lease_s * 1000,
                 incarnation=cluster.incarnation,
-                predecessor_until_ms=cluster.predecessor_until_ms,
+                predecessor_until_ms=cluster.predecessor_until_ms
+                and self.monotonic() + cluster.predecessor_until_ms - clock(),
             )
             ownership = self.cluster.ownership
         self.core = KeeperCore(config, ownership)
@@ -194,7 +204,10 @@ class Keeper:
         self._walk_read: RowsRead | None = None  # a chunk read, waiting for the feed
         self._publisher = Publisher(self.core, ring, leases, config, marks)
         if self.cluster is not None:
-            self._publisher.fenced = self.cluster.blocked_mask
+            view = self.cluster
+            self._publisher.fenced = lambda hashes, _now: view.blocked_mask(
+                hashes, self.monotonic()
+            )
         self._top = TopCheck(self.core, store, self.feed, config, clock)
         self._published_keys: list[bytes] = []  # the last publish's, for the top check
         self._state: QueueState | None = None
@@ -382,13 +395,14 @@ class Keeper:
     def _observe(self, read: MemberList, now: int) -> bool:
         """Take a member list; on a change of view, enforce it and say so (see below)."""
         assert self.cluster is not None
-        changed = self.cluster.observe(read, now)
+        mono = self.monotonic()
+        changed = self.cluster.observe(read, mono, wall_now=now)
         if self.marks is not None:
+            # The workers judge it on the machine's monotonic clock, shared by its
+            # processes: a step of the wall clock neither extends nor cuts it.
             until = self.cluster.confirmed_until()
-            # The workers judge it on the monotonic clock: a step of the wall clock
-            # neither extends nor cuts this node's right to grant.
-            left_ms = until - now if until else -1
-            self.marks.confirm_until(int(time.monotonic() * 1000) + left_ms if left_ms > 0 else 0)
+            left_ms = until - mono if until else -1
+            self.marks.confirm_until(monotonic_ms() + left_ms if left_ms > 0 else 0)
         if self.cluster.unacknowledged:
             self._enforce_view(now)
         return changed
@@ -406,7 +420,8 @@ class Keeper:
         if self.marks is not None:
             # The names ownership is computed over: without this node when it is not live
             # in the view (another start of its name may be), so its workers own nothing.
-            self.marks.write_owners(cluster.ownership.nodes if cluster.confirmed(now) else (), now)
+            live = cluster.ownership.nodes if cluster.confirmed(self.monotonic()) else ()
+            self.marks.write_owners(live, now)
         if self.acknowledge is None:
             cluster.acknowledged()
             return
@@ -416,7 +431,8 @@ class Keeper:
             node=self.node,
             incarnation=cluster.incarnation,
             key_hashes=hashes[lost].tolist(),
-            expires_at_ms=(expiries[lost] + cluster.offset_ms).tolist(),
+            # The lease table's ends are in the wall clock: to the database's.
+            expires_at_ms=(expiries[lost] + cluster.offset_ms - cluster.to_wall_ms).tolist(),
         )
         try:
             if self.acknowledge(cluster.incarnation, cluster.live_incarnations(), handover):
@@ -614,8 +630,9 @@ class Keeper:
         cluster = self.cluster
         if cluster is None:
             return None
-        if cluster.fencing(now):
-            fenced = cluster.count_fenced(due_key_hashes(self.core.queue, now), now)
+        mono = self.monotonic()
+        if cluster.fencing(mono):
+            fenced = cluster.count_fenced(due_key_hashes(self.core.queue, now), mono)
         else:
             fenced = FencedGroup()
         self._fenced = (fenced, max(0, due - fenced.due), now)
@@ -705,7 +722,7 @@ class Keeper:
     def _cluster_statistics(self) -> ClusterStatistics | None:
         if self.cluster is None:
             return None
-        stats = self.cluster.statistics(self.clock())
+        stats = self.cluster.statistics(self.monotonic())
         if self._fenced is None:
             return stats
         fenced, claimable, at = self._fenced

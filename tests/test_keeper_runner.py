@@ -1037,3 +1037,77 @@ def test_a_change_of_view_reaches_the_workers_before_the_hand_over_is_acknowledg
     finally:
         marks.close()
         marks.unlink()
+
+
+def test_a_wall_clock_stepped_forward_ends_no_fence_early() -> None:
+    """Fences and the grant window run on the monotonic clock: a step of the wall clock
+    (an NTP correction, an operator's `date -s`) leaves a fenced key fenced."""
+    import threading
+
+    from keeper_helpers import (
+        NOW,
+        ManualClock,
+        MemoryLeases,
+        MemoryRing,
+        MemoryStateBuffer,
+        MemoryStore,
+    )
+
+    from keeper.runner import ClusterSettings
+    from store.rows import MemberList, NodeRecord
+
+    def member(name: str, incarnation: int) -> NodeRecord:
+        return NodeRecord(
+            node=name,
+            url="",
+            instance=name,
+            started_at_ms=0,
+            heartbeat_age_ms=0,
+            left=False,
+            live=True,
+            lease_horizon_ms=0,
+            max_lease_ms=10_000,
+            incarnation=incarnation,
+        )
+
+    wall, mono = ManualClock(), ManualClock(5_000)
+    store = MemoryStore()
+    for i in range(200):
+        store.put(f"/k{i:03}", NOW - 1000 * i)
+    members = [member("a", 1), member("b", 2)]  # b never acknowledges a
+    ring = MemoryRing()
+    keeper = Keeper(
+        store,
+        ring,
+        MemoryLeases(),
+        MemoryStateBuffer(),
+        msgspec.structs.replace(CONFIG, best_k=400),
+        node="a",
+        clock=wall,
+        monotonic=mono,
+        cluster=ClusterSettings(ttl_s=4, max_lease_s=10, poll_s=1, incarnation=1),
+        members=lambda handovers: MemberList(
+            records=members, db_now_ms=wall(), with_handovers=handovers
+        ),
+    )
+    assert keeper._await_members(threading.Event())
+    keeper.start()
+    for _ in range(20):
+        wall.advance(100)
+        mono.advance(100)
+        keeper.step()
+    stats = keeper.statistics().cluster
+    assert stats is not None and stats.fences and not ring.keys
+    # The fence is shown in the wall clock's terms, where people read it.
+    assert wall() < stats.fenced_until <= wall() + 2_000 + 10_000
+    wall.advance(600_000)  # ten minutes forward, in a moment
+    for _ in range(20):
+        wall.advance(100)
+        mono.advance(100)
+        keeper.step()
+    assert not ring.keys, "a wall clock step ended the fence"
+    for _ in range(150):
+        wall.advance(100)
+        mono.advance(100)
+        keeper.step()
+    assert ring.keys  # once the fence ends on the monotonic clock
