@@ -397,7 +397,7 @@ def cluster(
     proxies: list[TcpProxy] | None = None,
 ) -> Iterator[tuple[str, dict[str, FaultNode], Fleet]]:
     """`proxies`: filled with a TCP proxy per node, each node's way to the database."""
-    url = db_url(scratch.create(f"faults_{scenario.replace(' ', '_')}"))
+    url = db_url(scratch.create(f"faults_{scenario.replace(' ', '_').lower()}"))
     seed(url, config.rows)
     host, port = host_port(url)
     urls = {name: url for name in NAMES}
@@ -669,9 +669,9 @@ def figures_of(outcomes: Sequence[Outcome]) -> list[report.Figure]:
     add("sigkill", "worst case the survivors wait for", kill["worst_case_s"], "")
     roll = by["rolling restart"].figures
     add("rolling restart", "a node's share dark (stop to first grant)", roll["dark_s"], "<= 10")
-    add(
-        "rolling restart", "cluster queue-state 503 per restart", roll["queue_state_503_s"], "<= 15"
-    )
+    add("rolling restart", "cluster queue-state 503, longest", roll["queue_state_503_s"], "<= 15")
+    pending = by["rolling restart"].completions_pending
+    add("rolling restart", "completions that never landed", pending, "0", unit="")
     for name in ("blackhole 15 s", "blackhole past the TTL"):
         got = by[name].figures
         add(name, "slowest node's first grant after the heal", got["first_grant_s"], "<= 10")
