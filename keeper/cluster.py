@@ -140,6 +140,10 @@ class ClusterView:
         self.to_wall_ms = 0 if wall_now is None else wall_now - now
         live = tuple(sorted((r.node, r.incarnation) for r in records if r.live))
         me_live = (self.me, self.incarnation) in live
+        # A node that could not confirm itself for a grant window may have been declared
+        # dead meanwhile, its keys taken and leased, and its row revived by its next
+        # heartbeat: the same list as before proves nothing, so it comes back as a joiner.
+        lapsed = self.confirmed_at > 0 and not self.confirmed(now)
         if me_live:
             self.confirmed_at = now
         seen = {r.node: r for r in records}
@@ -147,10 +151,10 @@ class ClusterView:
         handovers = members.handovers if members.with_handovers else None
         self._settle(seen, handovers, now)
         previous = self.members
-        if live == previous:
+        if live == previous and not (lapsed and me_live):
             return False
         names = tuple(sorted(n for n, _ in live))
-        was_live = previous is not None and (self.me, self.incarnation) in previous
+        was_live = previous is not None and (self.me, self.incarnation) in previous and not lapsed
         before: tuple[str, ...] = ()
         movers: list[str] = []  # nodes whose keys may have moved here
         if me_live and not was_live:
