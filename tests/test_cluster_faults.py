@@ -146,11 +146,17 @@ def test_a_join_hands_over_live_leases_and_refuses_renewals_of_moved_keys(
         moved = owned_by(on_pg, [x["key"] for x in held], ["a", "b", "c"], "c")
         assert {r["key"] for r in refused} == moved
         assert any(r["ok"] for r in results)  # a keeps the keys it still owns
-        # The moved keys stay fenced at c: a handed them over.
-        with c.client() as client:
-            overview = client.get("/prerender_admin/overview").json()
-        fences = overview["keeper"]["cluster"]["fences"]
-        assert any(f["reason"] == "handed over" and f["node"] == "a" for f in fences), fences
+
+        # The moved keys stay fenced at c, key by key, once it has read a's hand-over.
+        def handed_over_by_a() -> list[dict[str, Any]] | None:
+            with c.client() as client:
+                overview = client.get("/prerender_admin/overview").json()
+            fences: list[dict[str, Any]] = overview["keeper"]["cluster"]["fences"]
+            by_a = [f for f in fences if f["node"] == "a"]
+            return by_a if by_a and by_a[0]["reason"] == "handed over" else None
+
+        fenced = wait_for(handed_over_by_a, 30, "c to fence a's hand-over key by key", 0.2)
+        assert fenced[0]["keys"] == len(moved)
     finally:
         for process in (a, b, c):
             process.stop()
