@@ -82,6 +82,7 @@ def test_a_lease_carries_the_row_and_a_decimal_token(live_node: ThreadNode) -> N
             "route",
             "due_at",
             "lease_expires_at",
+            "lease_ms",
             "sitemap",
             "cadence_s",
         }
@@ -89,6 +90,7 @@ def test_a_lease_carries_the_row_and_a_decimal_token(live_node: ThreadNode) -> N
         assert lease["route"] == "product" and lease["cadence_s"] == 3600
         assert lease["due_at"] <= before
         assert before + 60_000 <= lease["lease_expires_at"] <= now_ms() + 60_000
+        assert lease["lease_ms"] == 60_000
     # Most overdue first, within one class (same route, cadence and sitemap flag).
     for flag in (True, False):
         dues = [lease["due_at"] for lease in leases if lease["sitemap"] is flag]
