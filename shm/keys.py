@@ -35,10 +35,16 @@ from shm import _atomics
 SECRET_BYTES = 16
 # Domain separation: the fingerprint is no other BLAKE2b value of the secret.
 _FINGERPRINT_PERSON = b"rq-secret-print"
+# Site hashes are keyed by a secret derived from the key secret, so a site named like a
+# key never shares its hash.
+_SITE_PERSON = b"rq-site-hash"
+NO_SITE = 0  # the site hash of a key that names no host: no site's settings apply
+SITE_MAX_BYTES = 253  # the longest DNS name
 
 key_hash = _atomics.key_hash  # the C function itself: no Python frame on the event path
 
 _secret: bytes | None = None
+_site_secret: bytes | None = None
 
 
 class SecretConflict(RuntimeError):
@@ -72,14 +78,17 @@ def use_secret(secret: bytes) -> None:
         return
     _atomics.set_hash_secret(raw)
     _secret = raw
+    global _site_secret
+    _site_secret = _derive_site_secret(raw)
 
 
 def forget_secret() -> None:
     """Hash nothing until the next use_secret: for a process that hosts one node after
     another (a test or bench harness), once the first is closed and its hashes are void."""
-    global _secret
+    global _secret, _site_secret
     _atomics.clear_hash_secret()
     _secret = None
+    _site_secret = None
 
 
 def secret_in_use() -> bytes | None:
@@ -107,3 +116,59 @@ def key_hashes(keys: Sequence[bytes]) -> npt.NDArray[np.uint64]:
     hashes = np.empty(len(keys), dtype=np.uint64)
     _atomics.key_hashes_into(keys, hashes)
     return hashes
+
+
+def _derive_site_secret(secret: bytes) -> bytes:
+    return hashlib.blake2b(secret, digest_size=SECRET_BYTES, person=_SITE_PERSON).digest()
+
+
+def site_of(key: bytes) -> bytes:
+    """The site a key belongs to: its URL's host, lower-cased, without a trailing dot, a
+    port, credentials or a leading `www.`; b"" when the key names no host (no `scheme://`).
+
+    Politeness is owed to an origin, and `www.example.com` and `example.com` are one
+    origin's two names far more often than two origins."""
+    start = key.find(b"://")
+    if start < 0:
+        return b""
+    start += 3
+    end = len(key)
+    for stop in (b"/", b"?", b"#"):
+        at = key.find(stop, start, end)
+        if at >= 0:
+            end = at
+    host = key[start:end]
+    at = host.rfind(b"@")
+    if at >= 0:
+        host = host[at + 1 :]
+    if host.startswith(b"["):  # an IPv6 literal keeps its colons
+        close = host.find(b"]")
+        host = host[: close + 1] if close >= 0 else host
+    else:
+        colon = host.find(b":")
+        if colon >= 0:
+            host = host[:colon]
+    host = host.lower().rstrip(b".")
+    if host.startswith(b"www."):
+        host = host[4:]
+    return host[:SITE_MAX_BYTES]
+
+
+def site_hash(site: bytes) -> int:
+    """The 64-bit identity of a site name (`site_of`'s answer, or a name an operator
+    gives), under this process's secret; NO_SITE for b"". Hashing before use_secret
+    raises."""
+    if not site:
+        return NO_SITE
+    if _site_secret is None:
+        raise RuntimeError("site_hash before use_secret: this process hashes under no secret")
+    return _atomics.siphash24(_site_secret, site) or 1
+
+
+def keyed_site_hash(secret: bytes, site: bytes) -> int:
+    """`site_hash` of `site` as a process hashing under `secret` computes it."""
+    if not site:
+        return NO_SITE
+    return (
+        _atomics.siphash24(_derive_site_secret(check_secret(secret, "keyed_site_hash")), site) or 1
+    )

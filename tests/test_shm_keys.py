@@ -26,7 +26,17 @@ from hypothesis import strategies as st
 
 from shm import key_hash, key_hashes
 from shm._atomics import key_hashes_into, siphash24
-from shm.keys import SECRET_BYTES, SecretConflict, fingerprint, secret_in_use, use_secret
+from shm.keys import (
+    NO_SITE,
+    SECRET_BYTES,
+    SecretConflict,
+    fingerprint,
+    keyed_site_hash,
+    secret_in_use,
+    site_hash,
+    site_of,
+    use_secret,
+)
 
 _M = (1 << 64) - 1
 
@@ -248,3 +258,40 @@ def test_the_fingerprint_names_a_secret_without_showing_it() -> None:
 @given(st.binary(min_size=16, max_size=16), st.lists(st.binary(max_size=200), max_size=8))
 def test_the_c_hash_is_the_published_algorithm(secret: bytes, keys: list[bytes]) -> None:
     assert [siphash24(secret, k) for k in keys] == [reference_siphash24(secret, k) for k in keys]
+
+
+@pytest.mark.parametrize(
+    ("key", "site"),
+    [
+        (b"https://www.Example.COM/p/1", b"example.com"),
+        (b"https://example.com", b"example.com"),
+        (b"http://user:pw@shop.example.com:8080/a?b#c", b"shop.example.com"),
+        (b"https://example.com./x", b"example.com"),
+        (b"https://example.com?q=1", b"example.com"),
+        (b"https://[2001:db8::1]:443/x", b"[2001:db8::1]"),
+        (b"https://wwwexample.com/", b"wwwexample.com"),
+        (b"product:123", b""),
+        (b"/relative/path", b""),
+    ],
+)
+def test_a_keys_site_is_its_host_without_www_port_or_credentials(key: bytes, site: bytes) -> None:
+    assert site_of(key) == site
+
+
+def test_site_hashes_are_keyed_apart_from_key_hashes() -> None:
+    secret = bytes(range(SECRET_BYTES))
+    assert keyed_site_hash(secret, b"") == NO_SITE
+    assert keyed_site_hash(secret, b"example.com") == keyed_site_hash(secret, b"example.com")
+    assert keyed_site_hash(secret, b"example.com") != keyed_site_hash(secret, b"example.org")
+    # The same bytes as a key and as a site name hash apart.
+    assert keyed_site_hash(secret, b"example.com") != (siphash24(secret, b"example.com") or 1)
+    assert keyed_site_hash(secret, b"example.com") != keyed_site_hash(
+        bytes(reversed(range(SECRET_BYTES))), b"example.com"
+    )
+
+
+def test_site_hash_is_keyed_site_hash_under_the_process_secret() -> None:
+    secret = secret_in_use()
+    assert secret is not None
+    assert site_hash(b"example.com") == keyed_site_hash(secret, b"example.com")
+    assert site_hash(b"") == NO_SITE
