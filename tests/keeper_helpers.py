@@ -34,6 +34,7 @@ from store.base import (
 from store.rows import (
     Completion,
     FeedEvent,
+    NodeRecord,
     Route,
     RouteEvent,
     Row,
@@ -148,6 +149,8 @@ class MemorySubscription:
 
 class MemoryStore:
     """A schedule table with a change log; delivery re-reads the current row."""
+
+    remote = False
 
     def __init__(self) -> None:
         self.rows: dict[str, Row] = {}
@@ -447,3 +450,21 @@ class Rig:
 
     def table(self) -> dict[str, tuple[int, int]]:
         return {k: (r.next_render_at, r.version) for k, r in self.store.rows.items()}
+
+
+def member_record(
+    name: str, *, live: bool = True, age: int = 0, incarnation: int = 0, max_lease_ms: int = 10_000
+) -> NodeRecord:
+    """A member row as the store reads it: `name` live (or not), its heartbeat `age` ms old."""
+    return NodeRecord(
+        node=name,
+        url="",
+        instance=name,
+        started_at_ms=0,
+        heartbeat_age_ms=age,
+        left=False,
+        live=live,
+        lease_horizon_ms=0,
+        max_lease_ms=max_lease_ms,
+        incarnation=incarnation,
+    )

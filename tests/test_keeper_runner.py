@@ -13,6 +13,7 @@ from keeper_helpers import (
     MemoryRing,
     MemoryStateBuffer,
     Rig,
+    member_record,
 )
 from store_helpers import open_url
 
@@ -773,20 +774,9 @@ def test_a_clustered_keeper_holds_its_share_and_rebalances_when_a_node_dies() ->
     from keeper.ownership import winners
     from keeper.runner import ClusterSettings
     from shm import key_hashes
-    from store.rows import MemberList, NodeRecord
+    from store.rows import MemberList
 
-    def member(name: str, *, live: bool = True, age: int = 0) -> NodeRecord:
-        return NodeRecord(
-            node=name,
-            url="",
-            instance=name,
-            started_at_ms=0,
-            heartbeat_age_ms=age,
-            left=False,
-            live=live,
-            lease_horizon_ms=0,
-            max_lease_ms=10_000,
-        )
+    member = member_record
 
     clock = ManualClock()
     store = MemoryStore()
@@ -866,20 +856,9 @@ def test_a_clustered_keeper_counts_its_fenced_due_rows_at_each_full_report() -> 
     from keeper.ownership import winners
     from keeper.runner import ClusterSettings
     from shm import key_hashes
-    from store.rows import MemberList, NodeRecord
+    from store.rows import MemberList
 
-    def member(name: str) -> NodeRecord:
-        return NodeRecord(
-            node=name,
-            url="",
-            instance=name,
-            started_at_ms=0,
-            heartbeat_age_ms=0,
-            left=False,
-            live=True,
-            lease_horizon_ms=0,
-            max_lease_ms=10_000,
-        )
+    member = member_record
 
     clock = ManualClock()
     store = MemoryStore()
@@ -974,18 +953,7 @@ def test_a_change_of_view_reaches_the_workers_before_the_hand_over_is_acknowledg
     from store.rows import Handover, MemberList, NodeRecord
 
     def member(name: str, incarnation: int) -> NodeRecord:
-        return NodeRecord(
-            node=name,
-            url="",
-            instance=name,
-            started_at_ms=0,
-            heartbeat_age_ms=0,
-            left=False,
-            live=True,
-            lease_horizon_ms=0,
-            max_lease_ms=10_000,
-            incarnation=incarnation,
-        )
+        return member_record(name, incarnation=incarnation)
 
     clock = ManualClock()
     offset = 500  # the database's clock runs this far ahead
@@ -1059,18 +1027,7 @@ def test_a_wall_clock_stepped_forward_ends_no_fence_early() -> None:
     from store.rows import MemberList, NodeRecord
 
     def member(name: str, incarnation: int) -> NodeRecord:
-        return NodeRecord(
-            node=name,
-            url="",
-            instance=name,
-            started_at_ms=0,
-            heartbeat_age_ms=0,
-            left=False,
-            live=True,
-            lease_horizon_ms=0,
-            max_lease_ms=10_000,
-            incarnation=incarnation,
-        )
+        return member_record(name, incarnation=incarnation)
 
     wall, mono = ManualClock(), ManualClock(5_000)
     store = MemoryStore()
