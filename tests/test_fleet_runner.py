@@ -295,11 +295,12 @@ def test_a_renewal_refused_for_any_reason_abandons_the_render_and_names_the_owne
     ), log
 
 
-def test_failing_renewals_abandon_the_render_before_its_lease_ends() -> None:
-    """Every renewal fails (500s, retried): the render is cut off before its lease ends,
-    and a renderer that shrugs the cancel off and returns a result is not completed."""
-    node = ScriptedNode(["stuck"])
-    node.fail_renewals = True
+def render_stubbornly(
+    node: ScriptedNode,
+) -> tuple[list[Lease], list[int], FleetStatistics, list[str]]:
+    """Run one render that never ends on its own and returns a result once cancelled, until
+    the fleet gives its lease up: (the leases rendered, when each was cancelled, the
+    fleet's statistics, its log)."""
     leases: list[Lease] = []
     cancelled_at: list[int] = []
 
@@ -319,6 +320,15 @@ def test_failing_renewals_abandon_the_render_before_its_lease_ends() -> None:
             runner.statistics().leases_expired == 1 and runner.statistics().in_flight == 0
         ),
     )
+    return leases, cancelled_at, stats, log
+
+
+def test_failing_renewals_abandon_the_render_before_its_lease_ends() -> None:
+    """Every renewal fails (500s, retried): the render is cut off before its lease ends,
+    and a renderer that shrugs the cancel off and returns a result is not completed."""
+    node = ScriptedNode(["stuck"])
+    node.fail_renewals = True
+    leases, cancelled_at, stats, log = render_stubbornly(node)
     assert "stuck" in node.renewals, "no renewal was tried"
     assert len(cancelled_at) == 1 and cancelled_at[0] < leases[0].lease_expires_at
     assert node.completed == [] and "stuck" in node.leases, "a completion went out"
@@ -334,25 +344,7 @@ def test_a_node_whose_clock_runs_ahead_cannot_stretch_a_lease() -> None:
     node = ScriptedNode(["skewed"])
     node.fail_renewals = True
     node.clock_ahead_ms = 60_000
-    asked: list[int] = []
-    cancelled_at: list[int] = []
-
-    async def stubborn(lease: Lease) -> RenderResult:
-        asked.append(now_ms())
-        try:
-            await asyncio.sleep(3600)
-        except asyncio.CancelledError:
-            cancelled_at.append(now_ms())
-        return RenderResult(outcome="rendered")
-
-    stats, _ = run_fleet(
-        node,
-        stubborn,
-        FleetConfig(concurrency=1, lease_s=5, wait_s=1, state_every_s=0, renew_every_s=0.1),
-        stop_when=lambda runner: (
-            runner.statistics().leases_expired == 1 and runner.statistics().in_flight == 0
-        ),
-    )
+    _, cancelled_at, stats, _ = render_stubbornly(node)
     _, really_ends = node.leases["skewed"]
     assert len(cancelled_at) == 1 and cancelled_at[0] < really_ends
     assert node.completed == [] and stats.leases_expired == 1
