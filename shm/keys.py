@@ -42,6 +42,9 @@ NO_SITE = 0  # the site hash of a key that names no host: no site's settings app
 SITE_MAX_BYTES = 253  # the longest DNS name
 
 key_hash = _atomics.key_hash  # the C function itself: no Python frame on the event path
+# site_hash(site_of(key)) in one C call (the rules of site_of, in C beside the hash): the
+# keeper takes each new row's site with its key hash, on every event and walked row.
+key_site_hash = _atomics.key_site_hash
 
 _secret: bytes | None = None
 _site_secret: bytes | None = None
@@ -76,10 +79,12 @@ def use_secret(secret: bytes) -> None:
                 f"not {fingerprint(raw):016x}"
             )
         return
-    _atomics.set_hash_secret(raw)
-    _secret = raw
     global _site_secret
-    _site_secret = _derive_site_secret(raw)
+    site_secret = _derive_site_secret(raw)
+    _atomics.set_hash_secret(raw)
+    _atomics.set_site_secret(site_secret)
+    _secret = raw
+    _site_secret = site_secret
 
 
 def forget_secret() -> None:
@@ -118,6 +123,13 @@ def key_hashes(keys: Sequence[bytes]) -> npt.NDArray[np.uint64]:
     return hashes
 
 
+def key_site_hashes(keys: Sequence[bytes]) -> npt.NDArray[np.uint64]:
+    """`key_site_hash` of each key, as a uint64 array (one C call)."""
+    hashes = np.empty(len(keys), dtype=np.uint64)
+    _atomics.key_site_hashes_into(keys, hashes)
+    return hashes
+
+
 def _derive_site_secret(secret: bytes) -> bytes:
     return hashlib.blake2b(secret, digest_size=SECRET_BYTES, person=_SITE_PERSON).digest()
 
@@ -127,7 +139,8 @@ def site_of(key: bytes) -> bytes:
     port, credentials or a leading `www.`; b"" when the key names no host (no `scheme://`).
 
     Politeness is owed to an origin, and `www.example.com` and `example.com` are one
-    origin's two names far more often than two origins."""
+    origin's two names far more often than two origins. `key_site_hash` follows the same
+    rules in C (shm/csrc/hash.c): a change here is made there too."""
     start = key.find(b"://")
     if start < 0:
         return b""

@@ -25,12 +25,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shm import key_hash, key_hashes
-from shm._atomics import key_hashes_into, siphash24
+from shm._atomics import key_hashes_into, key_site_hashes_into, siphash24
 from shm.keys import (
     NO_SITE,
     SECRET_BYTES,
+    SITE_MAX_BYTES,
     SecretConflict,
     fingerprint,
+    key_site_hash,
+    key_site_hashes,
     keyed_site_hash,
     secret_in_use,
     site_hash,
@@ -295,3 +298,146 @@ def test_site_hash_is_keyed_site_hash_under_the_process_secret() -> None:
     assert secret is not None
     assert site_hash(b"example.com") == keyed_site_hash(secret, b"example.com")
     assert site_hash(b"") == NO_SITE
+
+
+# The C site hash follows site_of's rules step by step: each edge of them, and the bytes
+# around each, where a C rendering can go wrong (bounds, order of the steps, case).
+SITE_CORPUS = [
+    b"",
+    b":",
+    b"://",
+    b"https://",
+    b"https:///path",
+    b"https://?q",
+    b"https://#f",
+    b"https://@",
+    b"https://@/",
+    b"https://a@",
+    b"https://a@b@c.example/x",
+    b"https://user:pw@Shop.Example.COM:8080/a?b#c",
+    b"https://www.Example.COM/p/1",
+    b"https://WWW.example.com",
+    b"https://www./x",
+    b"https://www../x",
+    b"https://www.www.example.com/",
+    b"https://www.a./",
+    b"https://wwwexample.com/",
+    b"https://ww.example.com/",
+    b"https://example.com./x",
+    b"https://example.com.../x",
+    b"https://.../x",
+    b"https://example.com:/x",
+    b"https://example.com:8080",
+    b"https://example.com?q=http://other.example/",
+    b"https://example.com#frag/x",
+    b"https://[2001:db8::1]:443/x",
+    b"https://[2001:DB8::1]/",
+    b"https://[::1",
+    b"https://[abc.",
+    b"https://user@[::1]:80/",
+    b"HTTPS://Example.com/",
+    b"/relative/path",
+    b"/path?u=http://Inner.Example/x",
+    b"product:123",
+    b"a://b",
+    b"x" * 3000,
+    b"https://" + b"a" * 300 + b"/x",
+    b"https://www." + b"B" * 260,
+    b"https://" + b"c" * 252 + b"..",
+    b"https://\xc3\xa9xample.com/\xff",
+    b"https://exa\x00mple.com/",
+    b"https://\x80\x81.example/",
+]
+
+
+def test_the_c_site_hash_is_site_hash_of_site_of() -> None:
+    want = [site_hash(site_of(k)) for k in SITE_CORPUS]
+    assert [key_site_hash(k) for k in SITE_CORPUS] == want
+    assert key_site_hashes(SITE_CORPUS).tolist() == want
+    assert key_site_hash(b"/relative/path") == NO_SITE
+    assert key_site_hash(b"https://www.Example.COM/p/1") == site_hash(b"example.com")
+    long_site = site_of(b"https://www." + b"B" * 260)
+    assert len(long_site) == SITE_MAX_BYTES
+
+
+_URL_PIECES = st.sampled_from(
+    [
+        b"https://",
+        b"http://",
+        b"://",
+        b"www.",
+        b"WWW.",
+        b"@",
+        b":",
+        b"/",
+        b"?",
+        b"#",
+        b".",
+        b"[",
+        b"]",
+        b"::1",
+        b"Example",
+        b"com",
+        b"8080",
+        b"\xc3\xa9",
+        b"a",
+        b"-",
+    ]
+)
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(st.one_of(_URL_PIECES, st.binary(max_size=6)), max_size=14))
+def test_the_c_site_hash_agrees_on_url_like_bytes(pieces: list[bytes]) -> None:
+    key = b"".join(pieces)
+    assert key_site_hash(key) == site_hash(site_of(key)), key
+
+
+def test_key_site_hashes_into_checks_its_output() -> None:
+    with pytest.raises(ValueError, match="one word per key"):
+        key_site_hashes_into([b"a", b"b"], np.empty(1, dtype=np.uint64))
+    not_a_key: Any = 3
+    with pytest.raises(TypeError):
+        key_site_hashes_into([b"a", not_a_key], np.empty(2, dtype=np.uint64))
+    assert key_site_hash(bytearray(b"https://x.example/")) == site_hash(b"x.example")
+    assert key_site_hash(memoryview(b"https://x.example/")) == site_hash(b"x.example")
+
+
+_SITE_CHILD = """
+import json, sys
+from shm import keys
+secret, then = json.loads(sys.stdin.read())
+key = b"https://www.example.com/x"
+out = []
+for step in ("first", "then"):
+    try:
+        out.append(keys.key_site_hash(key))
+    except RuntimeError as exc:
+        out.append(str(exc))
+    if step == "first":
+        if secret is not None:
+            keys.use_secret(bytes.fromhex(secret))
+            out.append(keys.key_site_hash(key))
+            keys.forget_secret()
+        if then is not None:
+            keys.use_secret(bytes.fromhex(then))
+print(json.dumps(out))
+"""
+
+
+def test_a_process_hashes_sites_only_under_its_secret() -> None:
+    other = bytes(range(16))
+    ask = json.dumps([PINNED_SECRET.hex(), other.hex()])
+    done = subprocess.run(
+        [sys.executable, "-c", _SITE_CHILD], input=ask, capture_output=True, text=True, check=True
+    )
+    before, under, after = json.loads(done.stdout)
+    assert isinstance(before, str) and "use_secret" in before
+    assert under == keyed_site_hash(PINNED_SECRET, b"example.com")
+    assert after == keyed_site_hash(other, b"example.com")
+    # After forget_secret, with no new secret: refused again.
+    ask = json.dumps([PINNED_SECRET.hex(), None])
+    done = subprocess.run(
+        [sys.executable, "-c", _SITE_CHILD], input=ask, capture_output=True, text=True, check=True
+    )
+    assert "use_secret" in json.loads(done.stdout)[2]

@@ -1,4 +1,5 @@
-/* key_hash, key_hashes_into: a key's 64-bit identity in shared memory. */
+/* key_hash, key_hashes_into: a key's 64-bit identity in shared memory; key_site_hash,
+ * key_site_hashes_into: its site's. */
 #include "atomics.h"
 
 #include <string.h>
@@ -99,6 +100,77 @@ key_hash_of(const unsigned char *p, size_t len)
     return h ? h : 1;
 }
 
+/* The site hash (shm/keys.py: site_of, site_hash): the same SipHash under a second secret
+ * derived from the key secret, over the key's host. Set beside the key secret. */
+static uint64_t site_init[4];
+static int site_keyed = 0;
+
+#define SITE_MAX_BYTES 253
+
+static inline unsigned char
+ascii_lower(unsigned char c)
+{
+    return (c >= 'A' && c <= 'Z') ? (unsigned char)(c + ('a' - 'A')) : c;
+}
+
+/* The key's site as site_of finds it, lower-cased into `out` (SITE_MAX_BYTES at least);
+ * returns its length, 0 when the key names no host. Each step is site_of's, in its order:
+ * after the first "://", up to the first '/', '?' or '#'; after the last '@'; an IPv6
+ * literal up to its ']', else up to the first ':'; lower-cased; trailing dots dropped; a
+ * leading "www." dropped; at most SITE_MAX_BYTES. */
+static size_t
+site_of_key(const unsigned char *key, size_t len, unsigned char *out)
+{
+    size_t start = 0;
+    for (;; start++) {
+        if (start + 3 > len) return 0;
+        if (key[start] == ':' && key[start + 1] == '/' && key[start + 2] == '/') break;
+    }
+    start += 3;
+    size_t end = start;
+    while (end < len && key[end] != '/' && key[end] != '?' && key[end] != '#') end++;
+    for (size_t at = end; at > start; at--) {
+        if (key[at - 1] == '@') {
+            start = at;
+            break;
+        }
+    }
+    if (start < end && key[start] == '[') {
+        for (size_t at = start; at < end; at++) {
+            if (key[at] == ']') {
+                end = at + 1;
+                break;
+            }
+        }
+    } else {
+        for (size_t at = start; at < end; at++) {
+            if (key[at] == ':') {
+                end = at;
+                break;
+            }
+        }
+    }
+    while (end > start && key[end - 1] == '.') end--;
+    if (end - start >= 4 && ascii_lower(key[start]) == 'w' && ascii_lower(key[start + 1]) == 'w' &&
+        ascii_lower(key[start + 2]) == 'w' && key[start + 3] == '.') {
+        start += 4;
+    }
+    size_t n = end - start;
+    if (n > SITE_MAX_BYTES) n = SITE_MAX_BYTES;
+    for (size_t i = 0; i < n; i++) out[i] = ascii_lower(key[start + i]);
+    return n;
+}
+
+static inline uint64_t
+key_site_hash_of(const unsigned char *p, size_t len)
+{
+    unsigned char site[SITE_MAX_BYTES];
+    size_t n = site_of_key(p, len, site);
+    if (n == 0) return 0; /* NO_SITE */
+    uint64_t h = siphash24(site_init, site, n);
+    return h ? h : 1;
+}
+
 static int
 need_secret(void)
 {
@@ -140,6 +212,32 @@ hash_object(PyObject *key, uint64_t *out)
     *out = key_hash_of((const unsigned char *)view.buf, (size_t)view.len);
     PyBuffer_Release(&view);
     return 0;
+}
+
+/* The site hash of one key's site (bytes fast, any contiguous buffer otherwise). */
+static int
+site_hash_object(PyObject *key, uint64_t *out)
+{
+    if (PyBytes_CheckExact(key)) {
+        *out = key_site_hash_of((const unsigned char *)PyBytes_AS_STRING(key),
+                                (size_t)PyBytes_GET_SIZE(key));
+        return 0;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(key, &view, PyBUF_C_CONTIGUOUS) < 0) return -1;
+    *out = key_site_hash_of((const unsigned char *)view.buf, (size_t)view.len);
+    PyBuffer_Release(&view);
+    return 0;
+}
+
+static int
+need_site_secret(void)
+{
+    if (site_keyed) return 0;
+    PyErr_SetString(PyExc_RuntimeError,
+                    "no site secret: call shm.keys.use_secret with the store's before "
+                    "hashing a key's site");
+    return -1;
 }
 
 /* key_hash(key) -> the key's nonzero 64-bit hash. */
@@ -187,6 +285,64 @@ module_key_hashes_into(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ss
     Py_RETURN_NONE;
 }
 
+/* key_site_hash(key) -> site_hash(site_of(key)): 0 when the key names no host. */
+static PyObject *
+module_key_site_hash(PyObject *Py_UNUSED(module), PyObject *key)
+{
+    uint64_t h;
+    if (need_site_secret() < 0 || site_hash_object(key, &h) < 0) return NULL;
+    return PyLong_FromUnsignedLongLong(h);
+}
+
+/* key_site_hashes_into(keys, out) -> None: key_site_hash of each key of a list or tuple
+ * into the aligned uint64 buffer `out` (one word per key). */
+static PyObject *
+module_key_site_hashes_into(PyObject *Py_UNUSED(module), PyObject *const *args,
+                            Py_ssize_t nargs)
+{
+    if (check_nargs("key_site_hashes_into", nargs, 2) < 0 || need_site_secret() < 0) return NULL;
+    PyObject *seq = PySequence_Fast(args[0], "key_site_hashes_into wants a sequence of keys");
+    if (seq == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    Py_buffer out;
+    if (PyObject_GetBuffer(args[1], &out, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+        Py_DECREF(seq);
+        return NULL;
+    }
+    if (out.len != n * 8 || ((uintptr_t)out.buf & 7u)) {
+        PyBuffer_Release(&out);
+        Py_DECREF(seq);
+        PyErr_SetString(PyExc_ValueError,
+                        "key_site_hashes_into wants an aligned uint64 buffer of one word per key");
+        return NULL;
+    }
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    uint64_t *o = out.buf;
+    int failed = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (site_hash_object(items[i], &o[i]) < 0) {
+            failed = 1;
+            break;
+        }
+    }
+    PyBuffer_Release(&out);
+    Py_DECREF(seq);
+    if (failed) return NULL;
+    Py_RETURN_NONE;
+}
+
+/* set_site_secret(secret) -> None: every later key_site_hash is keyed by these 16 bytes
+ * (shm.keys.use_secret derives them from the key secret). */
+static PyObject *
+module_set_site_secret(PyObject *Py_UNUSED(module), PyObject *secret)
+{
+    unsigned char raw[SECRET_BYTES];
+    if (read_secret(secret, raw) < 0) return NULL;
+    sip_start(raw, site_init);
+    site_keyed = 1;
+    Py_RETURN_NONE;
+}
+
 /* set_hash_secret(secret) -> None: every later key_hash of this process is keyed by
  * these 16 bytes (shm.keys.use_secret decides when that may happen). */
 static PyObject *
@@ -199,12 +355,15 @@ module_set_hash_secret(PyObject *Py_UNUSED(module), PyObject *secret)
     Py_RETURN_NONE;
 }
 
-/* clear_hash_secret() -> None: key_hash raises again until the next set_hash_secret. */
+/* clear_hash_secret() -> None: key_hash and key_site_hash raise again until the next
+ * set_hash_secret and set_site_secret. */
 static PyObject *
 module_clear_hash_secret(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(unused))
 {
     memset(sip_init, 0, sizeof sip_init);
     sip_keyed = 0;
+    memset(site_init, 0, sizeof site_init);
+    site_keyed = 0;
     Py_RETURN_NONE;
 }
 
@@ -231,6 +390,12 @@ static PyMethodDef hash_methods[] = {
      "key_hash($module, key, /)\n--\n\nkey_hash(key) -> SipHash-2-4 of the key's bytes under the process's secret, 0 mapped to 1."},
     {"key_hashes_into", (PyCFunction)(void (*)(void))module_key_hashes_into, METH_FASTCALL,
      "key_hashes_into($module, keys, out, /)\n--\n\nkey_hashes_into(keys, out_u64) -> None: key_hash of each key into out."},
+    {"key_site_hash", (PyCFunction)module_key_site_hash, METH_O,
+     "key_site_hash($module, key, /)\n--\n\nkey_site_hash(key) -> site_hash(site_of(key)): the key's site's hash, 0 for no host."},
+    {"key_site_hashes_into", (PyCFunction)(void (*)(void))module_key_site_hashes_into, METH_FASTCALL,
+     "key_site_hashes_into($module, keys, out, /)\n--\n\nkey_site_hashes_into(keys, out_u64) -> None: key_site_hash of each key into out."},
+    {"set_site_secret", (PyCFunction)module_set_site_secret, METH_O,
+     "set_site_secret($module, secret, /)\n--\n\nset_site_secret(secret) -> None: key every later key_site_hash with these 16 bytes."},
     {"set_hash_secret", (PyCFunction)module_set_hash_secret, METH_O,
      "set_hash_secret($module, secret, /)\n--\n\nset_hash_secret(secret) -> None: key every later key_hash with these 16 bytes."},
     {"clear_hash_secret", (PyCFunction)module_clear_hash_secret, METH_NOARGS,
