@@ -30,9 +30,11 @@ class ReadyRingLike(Protocol):
         key_hash: npt.NDArray[np.uint64],
         now_ms: int,
         cadence_s: npt.NDArray[np.uint32] | None = None,
+        site_hash: npt.NDArray[np.uint64] | None = None,
     ) -> int:
         """Replace the published set with these entries, key i being
-        source[starts[i] : starts[i] + lengths[i]]; returns the new generation."""
+        source[starts[i] : starts[i] + lengths[i]]; returns the new generation. Without
+        `site_hash` every entry says 0 (no site)."""
         ...
 
     def remaining(self) -> int:

@@ -53,8 +53,9 @@ class Ring:
         arena_offset: int,
         capacity: int,
         arena_bytes: int,
-        # Called as factory(key, due_at, class_id, key_hash, cadence_s) per entry claimed.
-        factory: Callable[[bytes, int, int, int, int], Any],
+        # Called as factory(key, due_at, class_id, key_hash, cadence_s, site_hash) per
+        # entry claimed.
+        factory: Callable[[bytes, int, int, int, int, int], Any],
     ) -> None: ...
     def publish(
         self,
@@ -65,6 +66,7 @@ class Ring:
         class_id: Any,
         key_hash: Any,
         cadence_s: Any | None,
+        site_hash: Any | None,
         now: int,
         /,
     ) -> tuple[int, int]: ...

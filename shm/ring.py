@@ -25,8 +25,9 @@ So every entry of a generation is taken by at most one claimant, and, while the
 generation stays live, every entry is taken exactly once. A drained buffer is
 detected before the fetch-add, so idle polling never runs the cursor up.
 
-Entries are 32 bytes (`ENTRY`: due time, key hash, key offset and length in the
-arena, class id, the row's effective cadence); keys are at most 2,048 bytes. A
+Entries are 40 bytes (`ENTRY`: due time, key hash, key offset and length in the
+arena, class id, the row's effective cadence, the key's site hash, 0 for none);
+keys are at most 2,048 bytes. A
 batch larger than the ring (entries or arena) is cut to the prefix that fits:
 publishing is in priority order, so the prefix is the best part, and the cut is
 counted in `statistics().truncated`.
@@ -52,8 +53,16 @@ KEY_MAX = RING_LAYOUT["key_max"]
 MAX_CAPACITY = 1 << 24
 ENTRY = np.dtype(
     {
-        "names": ["due_at", "key_hash", "key_off", "key_len", "class_id", "cadence_s"],
-        "formats": ["<i8", "<u8", "<u4", "<u4", "<i4", "<u4"],
+        "names": [
+            "due_at",
+            "key_hash",
+            "key_off",
+            "key_len",
+            "class_id",
+            "cadence_s",
+            "site_hash",
+        ],
+        "formats": ["<i8", "<u8", "<u4", "<u4", "<i4", "<u4", "<u8"],
         "offsets": [
             RING_LAYOUT["entry_due_at"],
             RING_LAYOUT["entry_key_hash"],
@@ -61,6 +70,7 @@ ENTRY = np.dtype(
             RING_LAYOUT["entry_key_len"],
             RING_LAYOUT["entry_class_id"],
             RING_LAYOUT["entry_cadence_s"],
+            RING_LAYOUT["entry_site_hash"],
         ],
         "itemsize": RING_LAYOUT["entry_size"],
     }
@@ -95,6 +105,7 @@ def _check_columns(
     class_id: np.ndarray,
     key_hash: np.ndarray,
     cadence_s: np.ndarray | None,
+    site_hash: np.ndarray | None,
     lengths: np.ndarray | None = None,
 ) -> None:
     """Every column of a publish names the same number of entries as its keys."""
@@ -107,6 +118,8 @@ def _check_columns(
         )
     if cadence_s is not None and len(cadence_s) != n_in:
         raise ValueError(f"publish: {n_in} keys but {len(cadence_s)} cadences")
+    if site_hash is not None and len(site_hash) != n_in:
+        raise ValueError(f"publish: {n_in} keys but {len(site_hash)} site hashes")
 
 
 def ring_size(capacity: int, arena_bytes: int) -> int:
@@ -121,6 +134,9 @@ class ReadyEntry(msgspec.Struct, frozen=True):
     # The row's effective cadence when it was published (a grant's hold cap), so a
     # claimant need not read the row before granting; 0 when the publisher did not say.
     cadence_s: int = 0
+    # The key's site (shm.keys.site_hash), so a claimant can take the site's permit
+    # before the lease; 0 when the key has no site or the publisher did not say.
+    site_hash: int = 0
 
 
 class RingStatistics(msgspec.Struct, frozen=True):
@@ -189,14 +205,16 @@ class ReadyRing:
         key_hash: np.ndarray,
         now_ms: int,
         cadence_s: np.ndarray | None = None,
+        site_hash: np.ndarray | None = None,
     ) -> int:
         """Replace the ring's contents with these entries; returns the new generation.
 
         Single writer. Entries past the ring's capacity or arena are cut off. Without
-        `cadence_s` the entries say 0 (not known) and claimants read the row first.
+        `cadence_s` the entries say 0 (not known) and claimants read the row first;
+        without `site_hash` they say 0 (no site).
         """
         n_in = len(keys)
-        _check_columns(n_in, due_at, class_id, key_hash, cadence_s)
+        _check_columns(n_in, due_at, class_id, key_hash, cadence_s, site_hash)
         lengths = np.fromiter((len(k) for k in keys), dtype=np.int64, count=n_in)
         too_long = np.flatnonzero(lengths > KEY_MAX)
         if too_long.size:
@@ -218,6 +236,7 @@ class ReadyRing:
         entries["key_hash"] = key_hash[:n]
         entries["class_id"] = class_id[:n]
         entries["cadence_s"] = 0 if cadence_s is None else cadence_s[:n]
+        entries["site_hash"] = 0 if site_hash is None else site_hash[:n]
         entries["key_len"] = lengths[:n]
         entries["key_off"] = ends[:n] - lengths[:n]
         del entries
@@ -248,6 +267,7 @@ class ReadyRing:
         key_hash: np.ndarray,
         now_ms: int,
         cadence_s: np.ndarray | None = None,
+        site_hash: np.ndarray | None = None,
     ) -> int:
         """`publish`, for keys that are slices of one buffer: key i is
         `source[starts[i] : starts[i] + lengths[i]]`. One C call writes the same entries
@@ -255,7 +275,7 @@ class ReadyRing:
         already sit in its slot arena). A slice outside `source` is refused, as is a key
         over KEY_MAX, before anything is written."""
         n_in = len(starts)
-        _check_columns(n_in, due_at, class_id, key_hash, cadence_s, lengths)
+        _check_columns(n_in, due_at, class_id, key_hash, cadence_s, site_hash, lengths)
         generation, _ = self._ring.publish(
             source,
             np.ascontiguousarray(starts, dtype=np.int64),
@@ -264,6 +284,7 @@ class ReadyRing:
             np.ascontiguousarray(class_id, dtype=np.int32),
             np.ascontiguousarray(key_hash, dtype=np.uint64),
             None if cadence_s is None else np.ascontiguousarray(cadence_s, dtype=np.uint32),
+            None if site_hash is None else np.ascontiguousarray(site_hash, dtype=np.uint64),
             now_ms,
         )
         self._segment.set_generation(generation)

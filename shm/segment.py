@@ -50,8 +50,9 @@ MAGIC = int.from_bytes(b"rqshm\x00\x00\x01", "little")
 # key hash that the ring carries and the lease table is keyed by (3: XXH64; 4: the
 # lease table's live counters, tag lanes and counted-hold word; 5: the ring entry's
 # cadence; 6: the lease table's live counters in the process stripes; 7: SipHash-2-4
-# under the database's secret; 8: the write marks' owners view).
-LAYOUT_VERSION = 8
+# under the database's secret; 8: the write marks' owners view; 9: the ring entry's
+# site hash).
+LAYOUT_VERSION = 9
 HEADER_BYTES = 256
 CACHE_LINE = 64
 

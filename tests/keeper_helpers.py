@@ -307,6 +307,7 @@ class MemoryRing:
         self.keys: list[bytes] = []
         self.due_at: npt.NDArray[np.int64] = np.empty(0, dtype=np.int64)
         self.cadence_s: npt.NDArray[np.uint32] = np.empty(0, dtype=np.uint32)
+        self.site_hash: npt.NDArray[np.uint64] = np.empty(0, dtype=np.uint64)
         self.taken = 0  # entries of the live generation claimed (by `take`)
         self.fail = False
 
@@ -330,14 +331,19 @@ class MemoryRing:
         key_hash: npt.NDArray[np.uint64],
         now_ms: int,
         cadence_s: npt.NDArray[np.uint32] | None = None,
+        site_hash: npt.NDArray[np.uint64] | None = None,
     ) -> int:
         if self.fail:
             raise OSError("ring unavailable (test)")
         assert len(keys) == len(due_at) == len(class_id) == len(key_hash)
         assert cadence_s is not None and len(cadence_s) == len(keys)
+        assert site_hash is None or len(site_hash) == len(keys)
         self.keys = list(keys)
         self.due_at = due_at.copy()
         self.cadence_s = cadence_s.copy()
+        self.site_hash = (
+            np.zeros(len(keys), dtype=np.uint64) if site_hash is None else site_hash.copy()
+        )
         self.taken = 0
         self.published_at = now_ms
         self.generation += 1
@@ -353,10 +359,11 @@ class MemoryRing:
         key_hash: npt.NDArray[np.uint64],
         now_ms: int,
         cadence_s: npt.NDArray[np.uint32] | None = None,
+        site_hash: npt.NDArray[np.uint64] | None = None,
     ) -> int:
         pairs = zip(starts.tolist(), lengths.tolist(), strict=True)
         keys = [bytes(source[s : s + n]) for s, n in pairs]
-        return self.publish(keys, due_at, class_id, key_hash, now_ms, cadence_s)
+        return self.publish(keys, due_at, class_id, key_hash, now_ms, cadence_s, site_hash)
 
 
 class LeaseStats(msgspec.Struct, frozen=True):

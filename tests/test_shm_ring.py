@@ -63,6 +63,27 @@ def test_an_entry_carries_the_cadence_it_was_published_with(name: str) -> None:
         ring.close()
 
 
+def test_an_entry_carries_its_site_hash(name: str) -> None:
+    ring = ReadyRing.create(name, capacity=8, arena_bytes=256)
+    try:
+        keys = [b"/a", b"/b", b"/c"]
+        sites = np.array([0, 7, 2**64 - 1], dtype=np.uint64)
+        zeros = np.zeros(3, dtype=np.int64)
+        ring.publish(keys, zeros, zeros.astype(np.int32), key_hashes(keys), 1, None, sites)
+        assert [e.site_hash for e in ring.claim(3)] == [0, 7, 2**64 - 1]
+        source = b"".join(keys)
+        starts = np.array([0, 2, 4], dtype=np.int64)
+        lengths = np.full(3, 2, dtype=np.int64)
+        ring.publish_slices(
+            source, starts, lengths, zeros, zeros.astype(np.int32), key_hashes(keys), 2, None, sites
+        )
+        assert [e.site_hash for e in ring.claim(3)] == [0, 7, 2**64 - 1]
+        _publish(ring, keys)  # a publisher that does not say: no site
+        assert [e.site_hash for e in ring.claim(3)] == [0, 0, 0]
+    finally:
+        ring.close()
+
+
 def test_claims_come_in_published_order_until_drained(name: str) -> None:
     ring = ReadyRing.create(name, capacity=32, arena_bytes=1024)
     try:
@@ -171,7 +192,7 @@ class _Batch:
     """One publish's input, as a list of keys and as slices of one source buffer (the
     keys in another order, with bytes of junk between them, as in the keeper's arena)."""
 
-    def __init__(self, keys: list[bytes], seed: int, cadence: bool) -> None:
+    def __init__(self, keys: list[bytes], seed: int, cadence: bool, sites: bool = False) -> None:
         n = len(keys)
         rng = np.random.default_rng(seed)
         self.keys = keys
@@ -180,6 +201,8 @@ class _Batch:
         self.hashes = rng.integers(0, 2**64, n, dtype=np.uint64)
         self.cadence = rng.integers(0, 2**32, n, dtype=np.uint64).astype(np.uint32)
         self.with_cadence = cadence
+        self.sites = rng.integers(0, 2**64, n, dtype=np.uint64)
+        self.with_sites = sites
         self.starts = np.zeros(n, dtype=np.int64)
         self.lengths = np.array([len(k) for k in keys], dtype=np.int64)
         source = bytearray()
@@ -191,10 +214,12 @@ class _Batch:
 
     def by_list(self, ring: ReadyRing, now: int) -> int:
         cadence = self.cadence if self.with_cadence else None
-        return ring.publish(self.keys, self.due, self.classes, self.hashes, now, cadence)
+        sites = self.sites if self.with_sites else None
+        return ring.publish(self.keys, self.due, self.classes, self.hashes, now, cadence, sites)
 
     def by_slices(self, ring: ReadyRing, now: int) -> int:
         cadence = self.cadence if self.with_cadence else None
+        sites = self.sites if self.with_sites else None
         return ring.publish_slices(
             self.source,
             self.starts,
@@ -204,6 +229,7 @@ class _Batch:
             self.hashes,
             now,
             cadence,
+            sites,
         )
 
 
@@ -220,14 +246,18 @@ _key = st.one_of(
 
 
 @given(
-    batches=st.lists(st.tuples(st.lists(_key, max_size=24), st.booleans()), min_size=1, max_size=4),
+    batches=st.lists(
+        st.tuples(st.lists(_key, max_size=24), st.booleans(), st.booleans()),
+        min_size=1,
+        max_size=4,
+    ),
     capacity=st.integers(1, 20),
     arena_bytes=st.integers(1, 12_000),
     seed=st.integers(0, 2**32 - 1),
 )
 @settings(max_examples=60, deadline=None)
 def test_publishing_slices_leaves_the_segment_as_publishing_the_keys_does(
-    batches: list[tuple[list[bytes], bool]], capacity: int, arena_bytes: int, seed: int
+    batches: list[tuple[list[bytes], bool, bool]], capacity: int, arena_bytes: int, seed: int
 ) -> None:
     """Byte for byte, after each of several publishes (both buffers, stale bytes left by
     a longer generation, cut-offs by capacity and by arena, truncation counts), and the
@@ -236,8 +266,8 @@ def test_publishing_slices_leaves_the_segment_as_publishing_the_keys_does(
     old = ReadyRing.create(segment_name(f"t{os.getpid()}o{tag}", "ring"), capacity, arena_bytes)
     new = ReadyRing.create(segment_name(f"t{os.getpid()}n{tag}", "ring"), capacity, arena_bytes)
     try:
-        for i, (keys, cadence) in enumerate(batches):
-            batch = _Batch(keys, seed + i, cadence)
+        for i, (keys, cadence, sites) in enumerate(batches):
+            batch = _Batch(keys, seed + i, cadence, sites)
             assert batch.by_list(old, 100 + i) == batch.by_slices(new, 100 + i) == i + 1
             assert _segment_bytes(old) == _segment_bytes(new)
             assert old.statistics() == new.statistics()
@@ -275,6 +305,12 @@ def test_a_refused_slice_publish_leaves_the_ring_as_it_was(name: str) -> None:
         short.cadence = short.cadence[:1]
         with pytest.raises(ValueError, match="2 keys but 1 cadences"):
             short.by_slices(ring, 8)
+        short = _Batch([b"/e", b"/f"], 4, True, True)
+        short.sites = short.sites[:1]
+        with pytest.raises(ValueError, match="2 keys but 1 site hashes"):
+            short.by_slices(ring, 8)
+        with pytest.raises(ValueError, match="2 keys but 1 site hashes"):
+            short.by_list(ring, 8)
         assert _segment_bytes(ring) == before
         assert [e.key for e in ring.claim(8)] == [b"/a", b"/b"]
     finally:
@@ -286,6 +322,11 @@ def _entry_key(generation: int, index: int, due: int, klass: int) -> bytes:
     body = b"%d:%d:%d:%d:" % (generation, index, due, klass)
     pad = (generation * 31 + index) % 200  # varying lengths move every offset
     return body + bytes([65 + (generation + index) % 26]) * pad
+
+
+def _entry_site(dues: np.ndarray) -> np.ndarray:
+    """A site hash a reader can recompute from the entry's due time (all 64 bits used)."""
+    return (dues.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)) | np.uint64(1)
 
 
 def _republish(name: str, seconds: float, slices: bool) -> int:
@@ -305,10 +346,26 @@ def _republish(name: str, seconds: float, slices: bool) -> int:
             starts = len(source) - np.cumsum(lengths)
             hashes = key_hashes(keys)
             ring.publish_slices(
-                source, starts, lengths, dues, classes.astype(np.int32), hashes, generation
+                source,
+                starts,
+                lengths,
+                dues,
+                classes.astype(np.int32),
+                hashes,
+                generation,
+                None,
+                _entry_site(dues),
             )
         else:
-            ring.publish(keys, dues, classes.astype(np.uint32), key_hashes(keys), generation)
+            ring.publish(
+                keys,
+                dues,
+                classes.astype(np.uint32),
+                key_hashes(keys),
+                generation,
+                None,
+                _entry_site(dues),
+            )
         publishes += 1
     ring.close()
     return publishes
@@ -327,6 +384,7 @@ def _verify_claims(name: str, seconds: float) -> tuple[int, int, int]:
                 entry.key_hash != key_hash(entry.key)
                 or entry.due_at != due
                 or entry.class_id != klass
+                or entry.site_hash != int(_entry_site(np.array([due]))[0])
                 or entry.key != _entry_key(generation, int(fields[1]), due, klass)
             ):
                 bad += 1

@@ -35,9 +35,10 @@ typedef struct {
     uint32_t key_len;
     int32_t class_id;
     uint32_t cadence_s; /* the row's effective cadence at publish; 0: not known */
+    uint64_t site_hash; /* the key's site (shm/keys.py site_hash); 0: no site */
 } ring_entry;
 
-_Static_assert(sizeof(ring_entry) == 32, "ring entry is 32 bytes");
+_Static_assert(sizeof(ring_entry) == 40, "ring entry is 40 bytes");
 
 /* A claim copies entries and keys here first and builds Python objects only after
  * the generation check, so a torn copy never becomes an object. */
@@ -268,18 +269,19 @@ Ring_claim(RingObject *self, PyObject *const *args, Py_ssize_t nargs)
     const char *kp = sc.keys;
     for (uint64_t i = 0; i < got; i++) {
         const ring_entry *e = &sc.entries[i];
-        PyObject *fields[5];
+        PyObject *fields[6];
         fields[0] = PyBytes_FromStringAndSize(kp, e->key_len);
         fields[1] = PyLong_FromLongLong(e->due_at);
         fields[2] = PyLong_FromLong(e->class_id);
         fields[3] = PyLong_FromUnsignedLongLong(e->key_hash);
         fields[4] = PyLong_FromUnsignedLong(e->cadence_s);
+        fields[5] = PyLong_FromUnsignedLongLong(e->site_hash);
         kp += e->key_len;
         PyObject *item = NULL;
-        if (fields[0] && fields[1] && fields[2] && fields[3] && fields[4]) {
-            item = PyObject_Vectorcall(self->factory, fields, 5, NULL);
+        if (fields[0] && fields[1] && fields[2] && fields[3] && fields[4] && fields[5]) {
+            item = PyObject_Vectorcall(self->factory, fields, 6, NULL);
         }
-        for (int f = 0; f < 5; f++) Py_XDECREF(fields[f]);
+        for (int f = 0; f < 6; f++) Py_XDECREF(fields[f]);
         if (item == NULL) {
             Py_CLEAR(out);
             goto done;
@@ -320,7 +322,7 @@ Ring_remaining(RingObject *self, PyObject *Py_UNUSED(ignored))
 }
 
 /* publish(source, starts_i64, lengths_i64, due_i64, class_i32, hash_u64, cadence_u32 | None,
- *         now) -> (generation, written)
+ *         site_hash_u64 | None, now) -> (generation, written)
  *
  * The writer's side of the ring (the protocol is shm/ring.py's), for keys that are
  * slices of one buffer: key i is source[starts[i] : starts[i] + lengths[i]]. The
@@ -333,22 +335,23 @@ Ring_remaining(RingObject *self, PyObject *Py_UNUSED(ignored))
 static PyObject *
 Ring_publish(RingObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (check_nargs("publish", nargs, 8) < 0) return NULL;
+    if (check_nargs("publish", nargs, 9) < 0) return NULL;
     if (!self->held) return shm_released_error();
     int64_t now;
-    if (parse_i64(args[7], &now) < 0) return NULL;
-    static const Py_ssize_t sizes[6] = {8, 8, 8, 4, 8, 4};
-    static const char *const names[6] = {"starts",   "lengths",  "due_at",
-                                         "class_id", "key_hash", "cadence_s"};
-    Py_buffer src, cols[6];
-    int n_cols = 0;
+    if (parse_i64(args[8], &now) < 0) return NULL;
+    enum { N_COLS = 7, FIRST_OPTIONAL = 5 };
+    static const Py_ssize_t sizes[N_COLS] = {8, 8, 8, 4, 8, 4, 8};
+    static const char *const names[N_COLS] = {"starts",   "lengths",   "due_at",   "class_id",
+                                              "key_hash", "cadence_s", "site_hash"};
+    Py_buffer src, cols[N_COLS];
+    int given[N_COLS] = {0};
     PyObject *result = NULL;
     if (PyObject_GetBuffer(args[0], &src, PyBUF_C_CONTIGUOUS) < 0) return NULL;
     Py_ssize_t n_in = -1;
-    for (int c = 0; c < 6; c++) {
-        if (c == 5 && args[6] == Py_None) break;
+    for (int c = 0; c < N_COLS; c++) {
+        if (c >= FIRST_OPTIONAL && args[1 + c] == Py_None) continue;
         if (PyObject_GetBuffer(args[1 + c], &cols[c], PyBUF_C_CONTIGUOUS) < 0) goto done;
-        n_cols++;
+        given[c] = 1;
         Py_ssize_t n = cols[c].len / sizes[c];
         if (cols[c].len % sizes[c] || (n && ((uintptr_t)cols[c].buf % (uintptr_t)sizes[c]))) {
             PyErr_Format(PyExc_ValueError, "publish: %s is not an aligned array of %zd-byte items",
@@ -364,7 +367,8 @@ Ring_publish(RingObject *self, PyObject *const *args, Py_ssize_t nargs)
     const int64_t *starts = cols[0].buf, *lengths = cols[1].buf, *due = cols[2].buf;
     const int32_t *class_id = cols[3].buf;
     const uint64_t *hashes = cols[4].buf;
-    const uint32_t *cadence = n_cols == 6 ? cols[5].buf : NULL;
+    const uint32_t *cadence = given[5] ? cols[5].buf : NULL;
+    const uint64_t *sites = given[6] ? cols[6].buf : NULL;
     const char *source = src.buf;
 
     /* Check every key (as the list path does), and find the prefix that fits. */
@@ -417,6 +421,7 @@ Ring_publish(RingObject *self, PyObject *const *args, Py_ssize_t nargs)
         e->key_len = len;
         e->class_id = class_id[i];
         e->cadence_s = cadence ? cadence[i] : 0;
+        e->site_hash = sites ? sites[i] : 0;
         memcpy(arena + off, source + starts[i], len);
         off += len;
     }
@@ -434,7 +439,9 @@ Ring_publish(RingObject *self, PyObject *const *args, Py_ssize_t nargs)
                               memory_order_seq_cst);
     result = Py_BuildValue("(KK)", (unsigned long long)generation, (unsigned long long)n);
 done:
-    while (n_cols > 0) PyBuffer_Release(&cols[--n_cols]);
+    for (int c = 0; c < N_COLS; c++) {
+        if (given[c]) PyBuffer_Release(&cols[c]);
+    }
     PyBuffer_Release(&src);
     return result;
 }
@@ -454,7 +461,7 @@ Ring_release(RingObject *self, PyObject *Py_UNUSED(ignored))
 
 static PyMethodDef Ring_methods[] = {
     {"publish", (PyCFunction)(void (*)(void))Ring_publish, METH_FASTCALL,
-     "publish($self, source, starts, lengths, due_at, class_id, key_hash, cadence_s, now, /)\n--\n\npublish(source, starts, lengths, due_at, class_id, key_hash, cadence_s | None, now) -> "
+     "publish($self, source, starts, lengths, due_at, class_id, key_hash, cadence_s, site_hash, now, /)\n--\n\npublish(source, starts, lengths, due_at, class_id, key_hash, cadence_s | None, site_hash | None, now) -> "
      "(generation, written): the writer's side, keys as slices of one buffer."},
     {"claim", (PyCFunction)(void (*)(void))Ring_claim, METH_FASTCALL,
      "claim($self, n, /)\n--\n\nclaim(n) -> list: up to n entries of the active buffer, in order, each to one claimant."},
@@ -490,7 +497,7 @@ shm_ring_add(PyObject *m)
         "publishes", "truncated", "stripes", "ctrl_words", "buf_gen", "buf_count",
         "buf_published_at", "buf_arena_used", "s_claimed", "s_claim_calls", "s_torn",
         "s_stale", "s_empty", "entry_size", "entry_due_at", "entry_key_hash", "entry_key_off",
-        "entry_key_len", "entry_class_id", "entry_cadence_s", "key_max",
+        "entry_key_len", "entry_class_id", "entry_cadence_s", "entry_site_hash", "key_max",
     };
     static const long ring_values[] = {
         RING_ACTIVE, RING_BUF0, RING_CURSOR0, RING_BUF1, RING_CURSOR1, RING_GENERATION,
@@ -499,7 +506,8 @@ shm_ring_add(PyObject *m)
         RS_STALE, RS_EMPTY, (long)sizeof(ring_entry), (long)offsetof(ring_entry, due_at),
         (long)offsetof(ring_entry, key_hash), (long)offsetof(ring_entry, key_off),
         (long)offsetof(ring_entry, key_len), (long)offsetof(ring_entry, class_id),
-        (long)offsetof(ring_entry, cadence_s), RING_KEY_MAX,
+        (long)offsetof(ring_entry, cadence_s), (long)offsetof(ring_entry, site_hash),
+        RING_KEY_MAX,
     };
     _Static_assert(sizeof(ring_keys) / sizeof(ring_keys[0]) ==
                        sizeof(ring_values) / sizeof(ring_values[0]),
