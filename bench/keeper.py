@@ -391,7 +391,10 @@ def old_publish(
     selection = core.select(k, now, lambda h: leases.blocked_mask(h, now))
     keys = core.queue.slots.keys(selection.slots)
     cadence_s = (core.classes.cadence_ms()[selection.class_id] // 1000).astype(np.uint32)
-    ring.publish(keys, selection.due_at, selection.class_id, selection.key_hash, now, cadence_s)
+    site_hash = core.queue.site_hashes_of(selection.slots)
+    ring.publish(
+        keys, selection.due_at, selection.class_id, selection.key_hash, now, cadence_s, site_hash
+    )
     return keys
 
 

@@ -35,6 +35,14 @@ class Picked:
     @property
     def size(self) -> int: ...
     def keep_unblocked(self, blocked: npt.NDArray[np.bool_], limit: int, /) -> tuple[int, int]: ...
+    def keep_within(
+        self,
+        blocked: npt.NDArray[np.bool_],
+        limit: int,
+        site_ids: npt.NDArray[np.int32],
+        budget: npt.NDArray[np.int64],
+        /,
+    ) -> tuple[int, int, int, int]: ...
 
 @final
 class FeedShape:

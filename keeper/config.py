@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
 
 
@@ -33,3 +35,6 @@ class KeeperConfig(msgspec.Struct, frozen=True, kw_only=True):
     feed_backoff_s: float = 0.1  # first retry delay for a failed feed; doubles up to the max
     feed_backoff_max_s: float = 5.0
     class_rows_max: int = 256  # class rows in queue-state beyond this are cut, flagged truncated
+    # A publish takes at most a capped site's allowance (the grants it can take now) plus
+    # this many of its keys (keeper/select.py says why one).
+    site_slack: Annotated[int, msgspec.Meta(ge=0)] = 1

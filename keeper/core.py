@@ -26,7 +26,7 @@ from keeper.queue import (
     TRIGGERED,
     HeldQueue,
 )
-from keeper.select import BlockedMask, Selection
+from keeper.select import Allowances, BlockedMask, Selection
 from keeper.tallies import MINUTE_MS
 from keeper.walk import RepairTally, Walk, WalkReason
 from shm import key_hash, key_hashes
@@ -525,7 +525,7 @@ class KeeperCore:
         self.repairs.add(walk.repairs)
         if walk.reason == "load":
             self.queue.buckets.end_load()
-            self.queue.slots.fit()
+            self.queue.fit()
 
     def abandon_walk(self, walk: Walk) -> None:
         """Stop a walk without its sweep (e.g. the feed failed under it)."""
@@ -622,6 +622,15 @@ class KeeperCore:
     # -- selection -----------------------------------------------------------------
 
     def select(
-        self, k: int, now_ms: int, blocked: BlockedMask | None = None, expect_blocked: int = 0
+        self,
+        k: int,
+        now_ms: int,
+        blocked: BlockedMask | None = None,
+        expect_blocked: int = 0,
+        allowances: Allowances | None = None,
     ) -> Selection:
-        return self.queue.best(k, now_ms, blocked, expect_blocked)
+        """The best k claimable rows; `allowances`: each site's grants left now (the
+        SiteTable's, read by the caller), which limits each capped site's share."""
+        return self.queue.best(
+            k, now_ms, blocked, expect_blocked, allowances, self.config.site_slack
+        )

@@ -13,6 +13,11 @@ bytes object per key and a join, which would hold the GIL for milliseconds), onl
 few keys are made bytes, and the selection's margin for blocked rows is the
 number the last publish found ahead of its k-th row (the fleet's working set),
 so a quarter of the top leased no longer costs a second read.
+
+Each entry carries its key's site hash, for the claimant's per-site permit (the shm
+SiteTable); where a SiteTable is attached, `allowances` reads how many more grants each
+candidate's site can take, and the selection keeps a capped site to that many keys and
+the slack (keeper/select.py).
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import numpy.typing as npt
 from keeper.config import KeeperConfig
 from keeper.core import KeeperCore
 from keeper.protocols import LeaseTableLike, ReadyRingLike, WriteMarksLike
-from keeper.select import BlockedMask
+from keeper.select import Allowances, BlockedMask
 from keeper.state import PublishStats
 from keeper.topcheck import TopChecked
 
@@ -36,6 +41,8 @@ log = logging.getLogger("renderqueue.keeper")
 
 
 Fenced = Callable[[npt.NDArray[np.uint64], int], "npt.NDArray[np.bool_] | None"]
+# Each site's grants left now (-1: no limit), for distinct site hashes, at a time.
+SiteAllowances = Callable[[npt.NDArray[np.uint64], int], npt.NDArray[np.int64]]
 
 
 class PublishFailed(msgspec.Struct, frozen=True):
@@ -61,6 +68,9 @@ class Publisher:
         self._expect_blocked = 0  # blocked rows the last selection found ahead of its k-th
         # In a cluster: keys this node owns but may not grant yet (keeper.cluster fences).
         self.fenced: Fenced | None = None
+        # Where sites are capped: each site's grants left at a publish's `now` (the shm
+        # SiteTable's allowances); None publishes every site's keys by rank alone.
+        self.site_allowances: SiteAllowances | None = None
 
     def blocked(self, now: int) -> BlockedMask:
         """The lease table's answer at `now`: which of the hashes are leased or held, or
@@ -81,6 +91,13 @@ class Publisher:
 
         return blocked
 
+    def allowances(self, now: int) -> Allowances | None:
+        """The SiteTable's allowances at `now`, as the selection asks them."""
+        read = self.site_allowances
+        if read is None:
+            return None
+        return lambda site_hashes: read(site_hashes, now)
+
     def publish(
         self, now: int, refill: bool = False, delivered_below: int = 0
     ) -> list[bytes] | PublishFailed:
@@ -91,7 +108,11 @@ class Publisher:
         started = time.perf_counter_ns()
         try:
             selection = self.core.select(
-                self.config.best_k, now, self.blocked(now), expect_blocked=self._expect_blocked
+                self.config.best_k,
+                now,
+                self.blocked(now),
+                expect_blocked=self._expect_blocked,
+                allowances=self.allowances(now),
             )
             slots = self.core.queue.slots
             starts, lengths = slots.key_slices(selection.slots)
@@ -112,6 +133,7 @@ class Publisher:
                 selection.key_hash,
                 now,
                 cadence_s,
+                self.core.queue.site_hashes_of(selection.slots),
             )
             keys = slots.keys(selection.slots[: self.config.top_check])
         except Exception as exc:
@@ -127,6 +149,8 @@ class Publisher:
             last_duration_us=(time.perf_counter_ns() - started) // 1000,
             last_considered=selection.considered,
             last_blocked=selection.blocked,
+            last_site_skipped=selection.site_skipped,
+            last_sites_limited=selection.sites_limited,
             generation=generation,
         )
         self._expect_blocked = selection.blocked_ahead

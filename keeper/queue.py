@@ -1,7 +1,8 @@
 """The held queue: every owned row as (due, class), in due-ordered buckets per class.
 
 Per row the queue keeps a slot (`keeper.slots`): the key's bytes and a record
-of hash, due ms, version and place in its bucket.
+of hash, due ms, version and place in its bucket; and the id of its site
+(`keeper.sites`), taken when the row enters.
 Two structures are kept per class, both exact at all times: buckets of about a
 hundred rows in due order (`keeper.buckets`), which give the class list in
 priority order because within a class an earlier due always ranks higher;
@@ -12,6 +13,7 @@ The best K is a merge over class heads (`keeper.select`).
 
 from __future__ import annotations
 
+from array import array
 from bisect import bisect_right
 from collections.abc import Sequence
 
@@ -22,9 +24,11 @@ import numpy.typing as npt
 from keeper._native import QueueView
 from keeper.buckets import MERGE_BELOW, STALE_SLACK, Buckets
 from keeper.classes import ClassTable
-from keeper.select import BlockedMask, Selection, select_best
+from keeper.select import Allowances, BlockedMask, Selection, select_best
+from keeper.sites import HeldSites
 from keeper.slots import DUE, FIELDS, NO_PLACE, PLACE, VERSION, SlotTable
 from keeper.tallies import MINUTE_MS, MinuteTallies
+from shm.keys import key_site_hash, key_site_hashes
 
 # What an upsert or remove did, for the flow counters (indexes into a tally list).
 ADDED = 0
@@ -48,6 +52,9 @@ class HeldQueue:
         self.classes = classes
         self.slots = SlotTable(index_capacity)
         self.rec = self.slots.rec  # grows in place, never replaced
+        self.sites = HeldSites()
+        # Each slot's site id, parallel to the slot records (a free slot's is stale).
+        self.site_ids: array[int] = array("i")
         self.buckets = Buckets(self.slots)
         self.tallies = MinuteTallies()
         buckets = self.buckets
@@ -116,6 +123,11 @@ class HeldQueue:
             i = (i + 1) & mask
         if slot < 0:
             slot = slots.add(key_hash, key)
+            site = self.sites.intern(key_site_hash(key))
+            if slot == len(self.site_ids):
+                self.site_ids.append(site)
+            else:
+                self.site_ids[slot] = site
             base = slot * FIELDS
             rec[base + DUE] = due_at
             rec[base + VERSION] = version
@@ -207,6 +219,7 @@ class HeldQueue:
         self.tallies.sub(self.buckets.b_class[bucket], self.rec[base + DUE] // MINUTE_MS)
         self.rec[base + PLACE] = NO_PLACE  # its entry is stale before the bucket looks
         self.buckets.pull(bucket, slot)
+        self.sites.release(self.site_ids[slot])
         self.slots.remove(slot)
 
     # -- the bulk path (load and verification walks) ------------------------------
@@ -226,6 +239,13 @@ class HeldQueue:
         if count == 0:
             return np.empty(0, dtype=np.int32)
         slots = self.slots.add_many(key_hashes, keys)
+        site_ids = self.sites.intern_many(key_site_hashes(keys))
+        grow = self.slots.slots - len(self.site_ids)
+        if grow > 0:
+            self.site_ids.frombytes(bytes(4 * grow))
+        column = np.frombuffer(self.site_ids, dtype=np.int32)
+        column[slots] = site_ids
+        del column  # a live view would stop the column from growing
         records = self.slots.records()
         records[slots, DUE] = due_at
         records[slots, VERSION] = versions
@@ -258,6 +278,16 @@ class HeldQueue:
     def hash_of(self, slot: int) -> int:
         return self.rec[slot * FIELDS]
 
+    def site_of(self, slot: int) -> int:
+        """The row's site id (keeper.sites)."""
+        return self.site_ids[slot]
+
+    def site_hashes_of(self, slots: npt.NDArray[np.int32]) -> npt.NDArray[np.uint64]:
+        """The site hash of each slot's row (NO_SITE for a key with no host)."""
+        ids = np.frombuffer(self.site_ids, dtype=np.int32).take(slots)
+        hashes: npt.NDArray[np.uint64] = self.sites.hashes().take(ids)
+        return hashes
+
     def held(self, key_hash: int) -> HeldRow | None:
         slot = self.slots.find(key_hash)
         if slot < 0:
@@ -277,11 +307,18 @@ class HeldQueue:
         return [c for c, ids in enumerate(self.buckets.ids) if ids]
 
     def best(
-        self, k: int, now_ms: int, blocked: BlockedMask | None = None, expect_blocked: int = 0
+        self,
+        k: int,
+        now_ms: int,
+        blocked: BlockedMask | None = None,
+        expect_blocked: int = 0,
+        allowances: Allowances | None = None,
+        slack: int = 1,
     ) -> Selection:
-        """The best k claimable rows (due, class not paused, not blocked), best first;
-        `expect_blocked` sizes the read's margin only (keeper/select.py)."""
-        return select_best(self, k, now_ms, blocked, expect_blocked)
+        """The best k claimable rows (due, class not paused, not blocked, within their
+        sites' allowances plus `slack`), best first; `expect_blocked` sizes the read's
+        margin only (keeper/select.py)."""
+        return select_best(self, k, now_ms, blocked, expect_blocked, allowances, slack)
 
     def earliest_claimable(self, now_ms: int, blocked: BlockedMask | None = None) -> int | None:
         """The earliest due time among claimable rows (due, not paused, not blocked)."""
@@ -325,6 +362,17 @@ class HeldQueue:
         sizes = [self.tallies.class_total(c) for c in range(len(self.classes))]
         return np.array(sizes, dtype=np.int64)
 
+    def fit(self) -> None:
+        """Drop the spare room a load left in the key arena and the site column."""
+        self.slots.fit()
+        self.site_ids = array("i", self.site_ids)
+
     def nbytes(self) -> int:
         """Bytes in the queue's own buffers (allocated lengths), keys included."""
-        return self.slots.nbytes() + self.buckets.nbytes() + self.tallies.nbytes()
+        return (
+            self.slots.nbytes()
+            + len(self.site_ids) * 4
+            + self.sites.nbytes()
+            + self.buckets.nbytes()
+            + self.tallies.nbytes()
+        )

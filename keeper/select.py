@@ -21,6 +21,20 @@ many blocked rows to expect
 (`expect_blocked`: a publisher passes the `blocked_ahead` of its last selection,
 which moves little from one publish to the next), and a re-read is sized by the
 share of rows the first read found blocked.
+
+Sites with a cap (or a spacing, or a block) are the shm SiteTable's: a claimant skips a
+key whose site cannot take another grant. So that claims do not scan past thousands of
+such entries, the selection asks `allowances` how many more grants each candidate's site
+can take now (-1: no limit) and keeps, in rank order, at most the allowance plus
+`slack` keys of each limited site; the rest are left out of this publish as a blocked
+row is, and keep their place in the queue. The slack is for a render that ends between
+two publishes: without it a site at its cap (allowance 0) would have no key in the ring
+and stay idle until the next publish; with one key it is granted at once. A key of a
+site still full is refused at grant time, one SiteTable probe, so the slack's cost is
+one refused entry per limited site per publish, never a scan. One is enough at the
+node's publish period (a quarter of a second, and sooner when claims drain the ring):
+more would only matter for a site finishing several renders a period. Keys with no site
+are never limited.
 """
 
 from __future__ import annotations
@@ -33,11 +47,15 @@ import numpy as np
 import numpy.typing as npt
 
 from keeper._native import Picked
+from keeper.sites import NO_SITE_ID
 
 if TYPE_CHECKING:
     from keeper.queue import HeldQueue
 
 BlockedMask = Callable[[npt.NDArray[np.uint64]], npt.NDArray[np.bool_]]
+# For each site hash (distinct, never NO_SITE), how many more grants its site can take
+# now: -1 no limit, 0 none (full, blocked, or inside its spacing).
+Allowances = Callable[[npt.NDArray[np.uint64]], npt.NDArray[np.int64]]
 
 
 class Selection(msgspec.Struct, frozen=True, kw_only=True):
@@ -49,10 +67,12 @@ class Selection(msgspec.Struct, frozen=True, kw_only=True):
     key_hash: npt.NDArray[np.uint64]
     rank: npt.NDArray[np.float64]
     considered: int  # entries read from buckets
-    blocked: int  # due rows left out as leased or held
+    blocked: int  # due rows left out as leased or held, or over their site's allowance
     # Of them, those ranked above the last row kept: what the next read's margin needs.
     blocked_ahead: int = 0
     reads: int = 0  # passes over the buckets: 1 unless the margin was too small
+    site_skipped: int = 0  # of `blocked`, the rows left out over their site's allowance
+    sites_limited: int = 0  # sites among the candidates whose allowance limited them
 
 
 def _empty(considered: int, blocked: int) -> Selection:
@@ -67,14 +87,40 @@ def _empty(considered: int, blocked: int) -> Selection:
     )
 
 
+def site_budgets(
+    queue: HeldQueue,
+    slots: npt.NDArray[np.int32],
+    stopped: npt.NDArray[np.bool_],
+    allowances: Allowances,
+    slack: int,
+) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int64]]:
+    """Each candidate row's site id, and each site id's budget for this selection: the
+    allowance plus `slack` for a limited site among the rows not `stopped`, -1 (none)
+    for every other site and for "no site". The allowances are asked once, for the
+    distinct sites of those rows."""
+    ids = np.frombuffer(queue.site_ids, dtype=np.int32).take(slots)
+    n_ids = queue.sites.table.slots
+    budget = np.full(n_ids, -1, dtype=np.int64)
+    present = np.bincount(ids[~stopped], minlength=n_ids).astype(np.bool_)
+    present[NO_SITE_ID] = False
+    distinct = np.flatnonzero(present)
+    if len(distinct):
+        allowed = np.asarray(allowances(queue.sites.hashes().take(distinct)), dtype=np.int64)
+        budget[distinct] = np.where(allowed >= 0, allowed + slack, -1)
+    return ids, budget
+
+
 def select_best(
     queue: HeldQueue,
     k: int,
     now_ms: int,
     blocked: BlockedMask | None = None,
     expect_blocked: int = 0,
+    allowances: Allowances | None = None,
+    slack: int = 1,
 ) -> Selection:
-    """The best k claimable rows (due, route not paused, not blocked), best first.
+    """The best k claimable rows (due, route not paused, not blocked, within their sites'
+    allowances plus `slack`), best first.
 
     `expect_blocked`: how many blocked rows the caller expects ahead of the k-th
     claimable one; only the read's margin depends on it, never the result."""
@@ -86,8 +132,10 @@ def select_best(
     paused = table.paused_mask().tolist()
     view = queue.view
     expect = max(0, expect_blocked)
-    need = k if blocked is None else k + max((k >> 4), expect + (expect >> 2)) + 16
+    limits = blocked is not None or allowances is not None
+    need = k if not limits else k + max((k >> 4), expect + (expect >> 2)) + 16
     reads = 0
+    skipped = limited = 0
     while True:
         reads += 1
         slots = np.empty(need, dtype=np.int32)
@@ -97,14 +145,21 @@ def select_best(
         classes = np.empty(need, dtype=np.int32)
         picked = Picked(slots, rank, due, hashes, classes)
         count, considered, _ = view.best_read(cadence, boost, paused, now_ms, picked)
-        if blocked is None:
+        if not limits:
             kept = count
             n_blocked = ahead = 0
             break
-        stopped = blocked(hashes[:count])
-        kept, scanned = picked.keep_unblocked(stopped, k)
+        if blocked is not None:
+            stopped = blocked(hashes[:count])
+        else:
+            stopped = np.zeros(count, dtype=np.bool_)
+        if allowances is not None:
+            site_ids, budget = site_budgets(queue, slots[:count], stopped, allowances, slack)
+            kept, scanned, skipped, limited = picked.keep_within(stopped, k, site_ids, budget)
+        else:
+            kept, scanned = picked.keep_unblocked(stopped, k)
         if kept == k or count < need:  # enough, or every due row was read
-            n_blocked = int(np.count_nonzero(stopped))
+            n_blocked = int(np.count_nonzero(stopped)) + skipped
             ahead = scanned - kept
             break
         # The rows still wanted, at the share of rows this read found free, and an
@@ -122,4 +177,6 @@ def select_best(
         blocked=n_blocked,
         blocked_ahead=ahead,
         reads=reads,
+        site_skipped=skipped,
+        sites_limited=limited,
     )

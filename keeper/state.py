@@ -137,7 +137,11 @@ class PublishStats(msgspec.Struct, frozen=True, kw_only=True):
     last_count: int = 0
     last_duration_us: int = 0
     last_considered: int = 0  # candidate rows read to choose them
-    last_blocked: int = 0  # due candidates left out as leased or held
+    last_blocked: int = 0  # due candidates left out as leased or held, or over a site's cap
+    # Of them, those left out because their site could take no more grants (its
+    # allowance and the slack), and how many sites that was.
+    last_site_skipped: int = 0
+    last_sites_limited: int = 0
     generation: int = 0
     top_checked: int = 0  # rows re-read after publishing
     top_repaired: int = 0

@@ -401,6 +401,54 @@ def test_keep_unblocked_is_a_stable_filter_up_to_the_limit(
         assert col[:kept].tolist() == old[free[:kept]].tolist()
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    rows=st.lists(st.tuples(st.booleans(), st.integers(0, 4)), max_size=60),
+    budget=st.lists(st.integers(-1, 3), min_size=5, max_size=5),
+    limit=st.integers(0, 70),
+)
+def test_keep_within_spends_each_sites_budget_in_order(
+    rows: list[tuple[bool, int]], budget: list[int], limit: int
+) -> None:
+    n = len(rows)
+    cols: tuple[npt.NDArray[Any], ...] = (
+        np.arange(n, dtype=np.int32),
+        np.arange(n, dtype=np.float64) / 3,
+        np.arange(n, dtype=np.int64) * 7,
+        np.arange(n, dtype=np.uint64),
+        np.arange(n, dtype=np.int32) % 5,
+    )
+    mask = np.array([b for b, _ in rows], dtype=np.bool_)
+    sites = np.array([s for _, s in rows], dtype=np.int32)
+    left = np.array(budget, dtype=np.int64)
+    # The same, row by row.
+    want: list[int] = []
+    spent = list(budget)
+    skipped, limited, scanned = 0, set(), 0
+    for i, (stopped, site) in enumerate(rows):
+        if len(want) == limit:
+            break
+        scanned = i + 1
+        if stopped:
+            continue
+        if spent[site] == 0:
+            skipped += 1
+            limited.add(site)
+            continue
+        spent[site] -= spent[site] > 0
+        want.append(i)
+    got = Picked(*cols).keep_within(mask, limit, sites, left)
+    assert got == (len(want), scanned if len(want) == limit else n, skipped, len(limited))
+    assert cols[0][: len(want)].tolist() == want
+    if n:
+        with pytest.raises(IndexError):
+            Picked(*cols).keep_within(
+                np.zeros(n, np.bool_), n, np.full(n, 5, np.int32), np.zeros(5, np.int64)
+            )
+    with pytest.raises(ValueError, match="site id per row"):
+        Picked(*cols).keep_within(mask, limit, sites.astype(np.int64), left)
+
+
 def test_the_c_types_check_what_they_are_given() -> None:
     i32, f64 = np.zeros(4, dtype=np.int32), np.zeros(4, dtype=np.float64)
     i64, u64 = np.zeros(4, dtype=np.int64), np.zeros(4, dtype=np.uint64)

@@ -7,6 +7,8 @@ from __future__ import annotations
 import os
 import uuid
 
+import numpy as np
+import numpy.typing as npt
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from keeper_helpers import NOW, MemoryRing, core_with_dues
@@ -16,6 +18,7 @@ from keeper.config import KeeperConfig
 from keeper.core import KeeperCore
 from keeper.publish import Publisher, PublishFailed
 from shm import Grant, LeaseTable, ReadyRing, key_hash, segment_name
+from shm.keys import NO_SITE, key_site_hash, site_hash
 from shm.segment import HEADER_BYTES
 from store.rows import Row, RowEvent
 
@@ -171,5 +174,56 @@ def test_a_publish_leaves_the_ring_byte_for_byte_as_the_list_of_keys_did(
         for ring in (old, new):
             ring.close()
             ring.unlink()
+        table.close()
+        table.unlink()
+
+
+def test_each_entry_carries_its_keys_site_and_a_capped_site_gets_its_allowance() -> None:
+    """Entries name their key's site hash (0 for a key with no host); with the SiteTable's
+    allowances, a site that can take one more grant gets that one and the slack, in rank
+    order, and the rest of the ring goes to the others."""
+    core = KeeperCore(KeeperConfig(best_k=8, site_slack=1))
+    keys = [f"https://{'capped' if i < 10 else 'free'}.example/p/{i}" for i in range(14)]
+    keys.append("/no/site")
+    core.apply_events(
+        [
+            RowEvent(
+                key=key,
+                row=Row(
+                    key=key,
+                    route="product",
+                    cadence_s=None,
+                    sitemap=False,
+                    next_render_at=NOW - 1_000 * (100 - i),  # the capped site's are latest
+                    version=1,
+                ),
+            )
+            for i, key in enumerate(keys)
+        ],
+        NOW,
+    )
+    ring = MemoryRing()
+    table = _table()
+    asked: list[tuple[list[int], int]] = []
+    capped = site_hash(b"capped.example")
+
+    def allowances(hashes: npt.NDArray[np.uint64], now: int) -> npt.NDArray[np.int64]:
+        asked.append((hashes.tolist(), now))
+        return np.where(hashes == capped, 1, -1).astype(np.int64)
+
+    try:
+        publisher = Publisher(core, ring, table, core.config)
+        assert not isinstance(publisher.publish(NOW), PublishFailed)
+        assert ring.keys[:8] == [k.encode() for k in keys[:8]]  # no caps: rank order
+        assert ring.site_hash.tolist() == [key_site_hash(k) for k in ring.keys]
+        publisher.site_allowances = allowances
+        assert not isinstance(publisher.publish(NOW + 1), PublishFailed)
+        assert ring.keys == [k.encode() for k in keys[:2] + keys[10:]]
+        assert ring.site_hash.tolist()[-1] == NO_SITE
+        assert all(now == NOW + 1 for _, now in asked)
+        assert sorted(asked[0][0]) == sorted([capped, site_hash(b"free.example")])
+        stats = publisher.stats
+        assert stats.last_site_skipped >= 8 and stats.last_sites_limited == 1
+    finally:
         table.close()
         table.unlink()

@@ -541,6 +541,85 @@ Picked_keep_unblocked(PickedObject *self, PyObject *const *args, Py_ssize_t narg
     return Py_BuildValue("(nn)", kept, i);
 }
 
+/* keep_within(blocked_u8, limit, site_ids_i32, budget_i64) -> (kept, scanned, skipped,
+ * sites)
+ * keep_unblocked with each row's site held to a budget: row i belongs to site
+ * site_ids[i], and a site whose budget (indexed by site id) is n >= 0 takes at most n
+ * more rows, in order; -1 is no limit. Rows over their site's budget are left out like
+ * blocked ones and counted (`skipped`), and so are the sites that left any out
+ * (`sites`). The budget is spent in place. One pass, where numpy took a sort by site. */
+static PyObject *
+Picked_keep_within(PickedObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (keeper_check_nargs("keep_within", nargs, 4) < 0) return NULL;
+    if (!self->held) {
+        PyErr_SetString(PyExc_ValueError, "Picked was not initialised");
+        return NULL;
+    }
+    Py_ssize_t limit = PyLong_AsSsize_t(args[1]);
+    if (limit == -1 && PyErr_Occurred()) return NULL;
+    Py_buffer mask, sites, budget;
+    if (PyObject_GetBuffer(args[0], &mask, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    if (PyObject_GetBuffer(args[2], &sites, PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&mask);
+        return NULL;
+    }
+    if (PyObject_GetBuffer(args[3], &budget, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&mask);
+        PyBuffer_Release(&sites);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    Py_ssize_t n = mask.len, n_sites = budget.len / 8;
+    if (n > self->n || sites.len != n * 4 || sites.itemsize != 4 || budget.itemsize != 8 ||
+        budget.len % 8 || (n && ((uintptr_t)sites.buf & 3u)) || ((uintptr_t)budget.buf & 7u)) {
+        PyErr_SetString(PyExc_ValueError,
+                        "keep_within: a mask byte and an int32 site id per row (at most the "
+                        "rows held), and an aligned int64 budget per site id");
+        goto done;
+    }
+    const unsigned char *blocked = mask.buf;
+    const int32_t *site = sites.buf;
+    int64_t *left = budget.buf;
+    int32_t *slot = self->slot, *cls = self->class_id;
+    double *rank = self->rank;
+    int64_t *due = self->due;
+    uint64_t *hash = self->hash;
+    Py_ssize_t kept = 0, i = 0, skipped = 0, limited = 0;
+    for (; i < n && kept < limit; i++) {
+        if (blocked[i]) continue;
+        int32_t s = site[i];
+        if (s < 0 || s >= n_sites) {
+            PyErr_SetString(PyExc_IndexError, "keep_within: a site id past the budget");
+            goto done;
+        }
+        int64_t b = left[s];
+        if (b == 0 || b == -2) {
+            skipped++;
+            if (b == 0) {
+                left[s] = -2; /* spent, and counted once */
+                limited++;
+            }
+            continue;
+        }
+        if (b > 0) left[s] = b - 1;
+        if (kept != i) {
+            slot[kept] = slot[i];
+            rank[kept] = rank[i];
+            due[kept] = due[i];
+            hash[kept] = hash[i];
+            cls[kept] = cls[i];
+        }
+        kept++;
+    }
+    result = Py_BuildValue("(nnnn)", kept, i, skipped, limited);
+done:
+    PyBuffer_Release(&mask);
+    PyBuffer_Release(&sites);
+    PyBuffer_Release(&budget);
+    return result;
+}
+
 static PyObject *
 Picked_len(PickedObject *self, void *Py_UNUSED(closure))
 {
@@ -552,6 +631,10 @@ static PyMethodDef Picked_methods[] = {
      "keep_unblocked($self, blocked, limit, /)\n--\n\n"
      "Move the rows whose blocked byte is 0 to the front, in order, up to limit: "
      "(kept, scanned)."},
+    {"keep_within", (PyCFunction)(void (*)(void))Picked_keep_within, METH_FASTCALL,
+     "keep_within($self, blocked, limit, site_ids, budget, /)\n--\n\n"
+     "keep_unblocked, each row's site spending its budget (-1: none): "
+     "(kept, scanned, skipped, sites)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,0 +1,165 @@
+"""keeper/sites.py and the queue's site column: every held row's site id names its key's
+site (hash and name) whatever events and walks did, each site counts exactly its held
+rows, and a site goes with its last row."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from keeper_helpers import NOW, MemoryStore
+from test_keeper_core import load
+
+from keeper.config import KeeperConfig
+from keeper.core import KeeperCore
+from keeper.queue import HeldQueue
+from keeper.sites import NO_SITE_ID, HeldSites
+from shm.keys import NO_SITE, key_site_hash, site_hash, site_of
+from store.rows import Route, Row, RowEvent, RowWrite
+
+HOSTS = [
+    "https://www.shop.example/",
+    "https://shop.example/",  # the same site as www.shop.example
+    "http://Blog.Example:8080/",
+    "https://news.example/",
+    "/",  # no host: no site
+]
+
+
+def key_of(n: int) -> str:
+    return f"{HOSTS[n % len(HOSTS)]}p/{n}"
+
+
+def check_sites(queue: HeldQueue) -> None:
+    """The site column and the site table agree with the held keys, exactly."""
+    sites = queue.sites
+    live = queue.slots.live_slots().tolist()
+    want: Counter[int] = Counter()
+    hashes = sites.hashes()
+    for slot in live:
+        key = queue.slots.key(slot)
+        site = queue.site_of(slot)
+        assert int(hashes[site]) == key_site_hash(key) == site_hash(site_of(key))
+        assert (site == NO_SITE_ID) == (site_of(key) == b"")
+        want[site] += 1
+    held = {s: sites.held_rows(s) for s in sites.table.live_slots().tolist()}
+    assert held.pop(NO_SITE_ID) == want.pop(NO_SITE_ID, 0)  # always there, maybe empty
+    assert held == dict(want)
+    assert len(sites) == len(want)
+    if live:
+        site_hashes = queue.site_hashes_of(np.array(live, dtype=np.int32))
+        assert site_hashes.tolist() == [key_site_hash(queue.slots.key(s)) for s in live]
+    del hashes
+
+
+def site_names(queue: HeldQueue) -> set[str]:
+    return {site_of(queue.slots.key(s)).decode() for s in queue.slots.live_slots().tolist()} - {""}
+
+
+def test_a_site_is_interned_once_and_goes_with_its_last_row() -> None:
+    sites = HeldSites()
+    a_hash = key_site_hash(b"https://www.a.example/1")
+    assert len(sites) == 0
+    a = sites.intern(a_hash)
+    assert sites.intern(key_site_hash(b"https://A.example/2")) == a
+    assert sites.held_rows(a) == 2 and len(sites) == 1
+    assert sites.intern(NO_SITE) == NO_SITE_ID and len(sites) == 1
+    sites.release(a)
+    assert sites.held_rows(a) == 1 and len(sites) == 1
+    sites.release(a)
+    assert len(sites) == 0 and sites.table.find(a_hash) < 0
+    sites.release(NO_SITE_ID)
+    assert sites.table.find(NO_SITE) == NO_SITE_ID  # "no site" stays, with no rows
+    b = sites.intern(key_site_hash(b"https://b.example/"))
+    assert b == a  # the freed id is reused
+    keys = [b"https://c.example/1", b"/x", b"https://b.example/2", b"https://c.example/3"]
+    ids = sites.intern_many(np.array([key_site_hash(k) for k in keys], np.uint64))
+    assert ids[1] == NO_SITE_ID and ids[2] == b and ids[0] == ids[3] != b
+    assert sites.hashes()[int(ids[0])] == site_hash(b"c.example")
+    assert sites.held_rows(int(ids[0])) == 2 and sites.held_rows(NO_SITE_ID) == 1
+    assert sites.held_rows(b) == 2 and sites.statistics().sites == 2
+
+
+def _event(key: str, due: int, version: int) -> RowEvent:
+    row = Row(
+        key=key, route="product", cadence_s=None, sitemap=False, next_render_at=due, version=version
+    )
+    return RowEvent(key=key, row=row)
+
+
+def test_sites_follow_events_walks_and_removals() -> None:
+    store = MemoryStore()
+    for n in range(40):
+        store.put(key_of(n), NOW - n * 1000)
+    core = KeeperCore(KeeperConfig())
+    load(core, store)
+    check_sites(core.queue)
+    assert len(core.queue.sites) == 3  # shop.example, blog.example, news.example
+    # Events: new rows (one of a new site), moves, deletions of every row of a site.
+    events = [_event(key_of(n), NOW + n, 100 + n) for n in range(0, 40, 3)]
+    events.append(_event("https://fresh.example/a", NOW, 1))
+    events += [RowEvent(key=key_of(n), row=None) for n in range(3, 40, 5)]  # news.example
+    core.apply_events(events, NOW)
+    check_sites(core.queue)
+    names = site_names(core.queue)
+    assert "news.example" not in names and "fresh.example" in names
+    assert len(core.queue.sites) == len(names)
+    # Rows moved to another class (a route's new cadence) keep their sites.
+    before = {
+        core.queue.slots.key(s): core.queue.site_of(s)
+        for s in core.queue.slots.live_slots().tolist()
+    }
+    assert core.apply_route(Route(route="product", default_cadence_s=60)).rows > 0
+    after = {
+        core.queue.slots.key(s): core.queue.site_of(s)
+        for s in core.queue.slots.live_slots().tolist()
+    }
+    assert after == before
+    check_sites(core.queue)
+    # A verification walk after writes the feed never saw (removed and added rows).
+    store.rows.pop(key_of(1))
+    store.rows.pop("https://fresh.example/a", None)
+    walk = core.begin_walk("verify", NOW)
+    store.put("https://late.example/x", NOW)
+    while True:
+        rows = store.walk(walk.after, 6)
+        core.apply_walked(walk, rows, NOW)
+        if len(rows) < 6:
+            break
+    core.finish_walk(walk, NOW)
+    check_sites(core.queue)
+
+
+write = st.tuples(st.sampled_from(["put", "put", "delete", "walk"]), st.integers(0, 30))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(write, max_size=80))
+def test_random_writes_keep_every_site_exact(writes: list[tuple[str, int]]) -> None:
+    store = MemoryStore()
+    core = KeeperCore(KeeperConfig())
+    sub = store.subscribe("keeper", store.feed_head())
+    load(core, store)
+    for i, (what, n) in enumerate(writes):
+        key = key_of(n)
+        if what == "put":
+            store.write([RowWrite(key=key, route="product", next_render_at=NOW - i)])
+        elif what == "delete":
+            store.write(delete=[key])
+        else:
+            core.apply_events(sub.poll(10_000).events, NOW)
+            walk = core.begin_walk("verify", NOW)
+            while True:
+                rows = store.walk(walk.after, 4)
+                core.apply_walked(walk, rows, NOW)
+                if len(rows) < 4:
+                    break
+            core.finish_walk(walk, NOW)
+        if i % 3 == 2:
+            core.apply_events(sub.poll(10_000).events, NOW)
+        check_sites(core.queue)
+    core.apply_events(sub.poll(10_000).events, NOW)
+    check_sites(core.queue)
+    assert len(core.queue) == len(store.rows)
