@@ -15,8 +15,10 @@ import numpy as np
 import numpy.typing as npt
 
 from keeper.queue import HeldQueue
+from keeper.sites import NO_SITE_ID
 from keeper.slots import NO_PLACE
 from keeper.tallies import KEY_SPAN, MINUTE_MS
+from shm.keys import site_of
 
 # Lateness in cadences: a due row falls in [edge_i, edge_i+1); the last bin is open.
 LATENESS_EDGES: tuple[float, ...] = (0.0, 0.1, 0.5, 1.0, 2.0, 5.0, 10.0)
@@ -192,18 +194,74 @@ def due_in_minute(queue: HeldQueue, minute: int) -> int:
     return sum(queue.tallies.count(c, minute) for c in queue.class_ids_in_use())
 
 
-def due_key_hashes(queue: HeldQueue, now_ms: int) -> npt.NDArray[np.uint64]:
-    """The key hashes of the rows `count_queue` counts as due (due, route not paused), in
-    one pass over the slot records: what the cluster's fences are counted against."""
+def due_slots(queue: HeldQueue, now_ms: int) -> npt.NDArray[np.intp]:
+    """The slots of the rows `count_queue` counts as due (due, route not paused), in one
+    pass over the slot records."""
     items = queue.slots.items()
     place = items["place"].view(np.uint64)
-    picked = (place != np.uint64(NO_PLACE)) & (items["due"] <= now_ms)
-    hashes: npt.NDArray[np.uint64] = items["hash"][picked]
-    buckets = (place[picked] >> np.uint64(32)).astype(np.intp)
-    del items, place  # a live view of the records would stop the slot table from growing
-    class_of = np.frombuffer(queue.buckets.b_class, dtype=np.intc)
+    picked = np.flatnonzero((place != np.uint64(NO_PLACE)) & (items["due"] <= now_ms))
     paused = queue.classes.paused_mask()
     if paused.any():
-        hashes = hashes[~paused[class_of[buckets]]]
-    del class_of
+        buckets = (place[picked] >> np.uint64(32)).astype(np.intp)
+        class_of = np.frombuffer(queue.buckets.b_class, dtype=np.intc)
+        picked = picked[~paused[class_of[buckets]]]
+        del class_of
+    del items, place  # a live view of the records would stop the slot table from growing
+    return picked
+
+
+def due_key_hashes(queue: HeldQueue, now_ms: int) -> npt.NDArray[np.uint64]:
+    """The key hashes of the rows `count_queue` counts as due: what the cluster's fences
+    are counted against."""
+    hashes: npt.NDArray[np.uint64] = queue.slots.hashes().take(due_slots(queue, now_ms))
     return hashes
+
+
+class SiteCount(msgspec.Struct, frozen=True, kw_only=True):
+    site: str  # its name: shm.keys.site_of of one of its keys
+    site_hash: int
+    due: int  # its due rows (routes not paused)
+    held: int  # its rows held
+    oldest_due_at: int  # the earliest due time among its due rows
+
+
+class SiteCounts(msgspec.Struct, frozen=True, kw_only=True):
+    at: int
+    held: int  # sites holding a row
+    with_due: int  # sites with a due row
+    no_site_due: int  # due rows whose key names no host (no site)
+    top: list[SiteCount]  # the sites with the most due rows, most first
+
+
+def count_sites(queue: HeldQueue, now_ms: int, top: int) -> SiteCounts:
+    """Due rows per site, exact (the rows `count_queue` counts as due), and the `top`
+    sites by due (ties: the one waiting longest first, then by site hash). One pass over
+    the slot records, then numpy over the due rows' site ids (dense: a `bincount`, not a
+    sort of hashes); only the listed sites are named, each from one of its due keys."""
+    slots = due_slots(queue, now_ms)
+    dues = queue.slots.dues().take(slots)
+    ids = np.frombuffer(queue.site_ids, dtype=np.int32).take(slots)
+    n_ids = queue.sites.table.slots
+    per_site = np.bincount(ids, minlength=n_ids)
+    earliest = np.full(n_ids, np.iinfo(np.int64).max, dtype=np.int64)
+    np.minimum.at(earliest, ids, dues)
+    one_key = np.full(n_ids, -1, dtype=np.intp)
+    one_key[ids] = slots  # any due row of each site: it names the site
+    no_site_due = int(per_site[NO_SITE_ID])
+    per_site[NO_SITE_ID] = 0
+    sited = np.flatnonzero(per_site)
+    hashes = queue.sites.hashes().take(sited)
+    order = np.lexsort((hashes, earliest[sited], -per_site[sited]))[: max(0, top)]
+    rows = [
+        SiteCount(
+            site=site_of(queue.slots.key(int(one_key[site]))).decode(errors="replace"),
+            site_hash=int(hashes[i]),
+            due=int(per_site[site]),
+            held=queue.sites.held_rows(site),
+            oldest_due_at=int(earliest[site]),
+        )
+        for i, site in zip(order.tolist(), sited[order].tolist(), strict=True)
+    ]
+    return SiteCounts(
+        at=now_ms, held=len(queue.sites), with_due=len(sited), no_site_due=no_site_due, top=rows
+    )

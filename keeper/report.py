@@ -5,10 +5,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from keeper.classes import ClassTable
-from keeper.counts import LATENESS_EDGES, ClassCounts, QueueCounts
+from keeper.counts import LATENESS_EDGES, ClassCounts, QueueCounts, SiteCounts
 from keeper.flow import FlowMinute
 from keeper.state import (
     SCHEMA,
+    SITES_IN_QUEUE_STATE,
+    SITES_LISTED,
     AutoscaleGroup,
     ClassRow,
     ComingGroup,
@@ -19,6 +21,9 @@ from keeper.state import (
     LeaseCounts,
     NowGroup,
     QueueState,
+    SiteList,
+    SiteRow,
+    SitesGroup,
     Status,
     TrustGroup,
 )
@@ -110,6 +115,35 @@ def now_group(
     )
 
 
+def sites_group(counts: SiteCounts, now_ms: int, top: int) -> SitesGroup:
+    return SitesGroup(
+        held=counts.held,
+        with_due=counts.with_due,
+        no_site_due=counts.no_site_due,
+        top=[
+            SiteRow(
+                site=c.site,
+                due=c.due,
+                held=c.held,
+                oldest_due_at=c.oldest_due_at,
+                oldest_age_s=max(0.0, (now_ms - c.oldest_due_at) / 1000),
+            )
+            for c in counts.top[:top]
+        ],
+    )
+
+
+def build_site_list(node: str, counts: SiteCounts) -> SiteList:
+    """The sites listing of one full report (keeper.state.SiteList)."""
+    return SiteList(
+        node=node,
+        generated_at=counts.at,
+        sites=sites_group(counts, counts.at, SITES_LISTED),
+        site_hashes=[c.site_hash for c in counts.top[:SITES_LISTED]],
+        truncated=counts.with_due > min(len(counts.top), SITES_LISTED),
+    )
+
+
 def build_queue_state(
     *,
     node: str,
@@ -124,8 +158,10 @@ def build_queue_state(
     earliest_claimable_at: int | None,
     rows_max: int,
     fenced: FencedGroup | None = None,
+    sites: SiteCounts | None = None,
 ) -> QueueState:
-    """`fenced`: in a cluster, the due rows its fences hold back (None on a single node)."""
+    """`fenced`: in a cluster, the due rows its fences hold back (None on a single node);
+    `sites`: the due rows by site (queue-state keeps the first few)."""
     now = now_group(counts, classes, leases, status, status_reason, fenced)
     oldest_age = 0.0 if earliest_claimable_at is None else (now_ms - earliest_claimable_at) / 1000
     return QueueState(
@@ -146,4 +182,5 @@ def build_queue_state(
             due_now=now.claimable, oldest_claimable_age_s=max(0.0, oldest_age)
         ),
         fenced=fenced,
+        sites=SitesGroup() if sites is None else sites_group(sites, now_ms, SITES_IN_QUEUE_STATE),
     )

@@ -9,7 +9,9 @@ into the core), telling it each outcome; `run` loops `step` until asked to stop,
 waiting on the feed between rounds. The publish step is `keeper.publish.Publisher`,
 the re-read of the top published rows `keeper.topcheck.TopCheck`. Each time it
 rewrites queue-state, the keeper also writes its `statistics()` (msgpack) into a
-second state buffer, when it has one, for every worker's /metrics and overview.
+second state buffer, when it has one, for every worker's /metrics and overview; and at
+each full report, the sites listing (due rows by site, `keeper.counts.count_sites`) into
+a third, for GET /v1/sites.
 
 The self-checks (the top check, the walks) read the table together with the
 feed's head, in one snapshot, and judge what they read only once the feed has
@@ -32,7 +34,7 @@ from keeper import heap
 from keeper.cluster import ClusterView
 from keeper.config import KeeperConfig
 from keeper.core import KeeperCore
-from keeper.counts import count_queue, due_in_minute, due_key_hashes
+from keeper.counts import SiteCounts, count_queue, count_sites, due_in_minute, due_key_hashes
 from keeper.feed import Feed
 from keeper.lifecycle import (
     MEMBERS_ERROR_RETRY_S,
@@ -73,8 +75,9 @@ from keeper.lifecycle import (
 from keeper.ownership import Ownership
 from keeper.protocols import LeaseTableLike, ReadyRingLike, StateBufferLike, WriteMarksLike
 from keeper.publish import Publisher, PublishFailed
-from keeper.report import build_queue_state
+from keeper.report import build_queue_state, build_site_list
 from keeper.state import (
+    SITES_LISTED,
     ClusterStatistics,
     FencedGroup,
     KeeperStatistics,
@@ -84,6 +87,7 @@ from keeper.state import (
     TrustGroup,
     encode_keeper_statistics,
     encode_queue_state,
+    encode_site_list,
     lease_counts,
 )
 from keeper.topcheck import TopCheck
@@ -145,6 +149,7 @@ class Keeper:
         clock: Clock = wall_clock_ms,
         monotonic: Clock | None = None,
         statistics_buffer: StateBufferLike | None = None,
+        site_list_buffer: StateBufferLike | None = None,
         cluster: ClusterSettings | None = None,
         members: Members | None = None,
         marks: WriteMarksLike | None = None,
@@ -160,6 +165,8 @@ class Keeper:
         self.state_buffer = state_buffer
         # Where `statistics()` is written beside queue-state, for every worker to read.
         self.statistics_buffer = statistics_buffer
+        # Where each full report's sites listing is written (GET /v1/sites).
+        self.site_list_buffer = site_list_buffer
         self.config = config
         self.node = node
         self.clock = clock
@@ -219,6 +226,8 @@ class Keeper:
         self._state_writes = 0
         self._state_write_failures = 0
         self._statistics_write_failures = 0
+        self._site_list_write_failures = 0
+        self._site_counts: SiteCounts | None = None  # the last full report's, not written yet
         self._short_slice = False
 
     # -- the loop ------------------------------------------------------------------
@@ -599,11 +608,14 @@ class Keeper:
             blocked = self._publisher.blocked(now)
             counts = count_queue(queue, now)
             fenced = self._count_fenced(now, counts.due)
+            sites = count_sites(queue, now, SITES_LISTED)
+            self._site_counts = sites
             return build_queue_state(
                 node=self.node,
                 now_ms=now,
                 counts=counts,
                 fenced=fenced,
+                sites=sites,
                 classes=self.core.classes,
                 flow=self.core.flow.minutes(now),
                 leases=self._lease_counts(now),
@@ -658,7 +670,29 @@ class Keeper:
         except Exception:
             self._state_write_failures += 1
             log.exception("keeper: writing queue-state failed")
+        self._write_site_list(now)
         self._write_statistics(now)
+
+    def _write_site_list(self, now: int) -> None:
+        """The last full report's sites listing, once; a listing too large for its buffer
+        is cut in half until it fits (names are up to 253 bytes)."""
+        counts, self._site_counts = self._site_counts, None
+        if counts is None or self.site_list_buffer is None:
+            return
+        try:
+            while True:
+                try:
+                    self.site_list_buffer.write(
+                        encode_site_list(build_site_list(self.node, counts)), now
+                    )
+                    return
+                except ValueError:
+                    if not counts.top:
+                        raise
+                    counts = msgspec.structs.replace(counts, top=counts.top[: len(counts.top) // 2])
+        except Exception:
+            self._site_list_write_failures += 1
+            log.exception("keeper: writing the sites listing failed")
 
     def _write_statistics(self, now: int) -> None:
         """The statistics record, at every queue-state write; a failure is counted only."""
@@ -717,6 +751,8 @@ class Keeper:
             cluster=self._cluster_statistics(),
             unowned_events=counters.unowned,
             dropped_unowned=counters.dropped_unowned,
+            sites=len(core.queue.sites),
+            site_list_write_failures=self._site_list_write_failures,
         )
 
     def _cluster_statistics(self) -> ClusterStatistics | None:

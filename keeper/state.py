@@ -2,8 +2,10 @@
 
 Versioned (`schema`), msgpack-encoded, one msgspec Struct per group of the
 seed's table: now, coming, lateness, flow, trust, plus two autoscaling scalars
-at fixed paths (`autoscale.due_now`, `autoscale.oldest_claimable_age_s`), and in a
-cluster `fenced`: the due rows this node owns but may not grant yet.
+at fixed paths (`autoscale.due_now`, `autoscale.oldest_claimable_age_s`), `sites` (due
+rows by site: how many sites, the first few), and in a cluster `fenced`: the due rows
+this node owns but may not grant yet. The full sites listing is a record of its own
+(`SiteList`), in a buffer of its own.
 
 Liveness is decided by the reader, not only by the keeper, because a stalled
 keeper cannot say it has stalled: the keeper rewrites the record at every
@@ -218,6 +220,44 @@ class FencedGroup(msgspec.Struct, frozen=True, kw_only=True):
     reasons: list[FenceCount] = []
 
 
+class SiteRow(msgspec.Struct, frozen=True, kw_only=True):
+    """One site's due rows, as of the keeper's last full report (this node's rows only)."""
+
+    site: str  # its host, lower-cased, without www. (shm.keys.site_of)
+    due: int  # due rows (routes not paused), fenced ones included
+    held: int  # rows held
+    oldest_due_at: int  # the earliest due time among its due rows
+    oldest_age_s: float  # how long that row has been due, at the report
+
+
+class SitesGroup(msgspec.Struct, frozen=True, kw_only=True):
+    """Due rows by site, counted at each full report: how many sites, and the first few
+    by due (GET /v1/sites lists up to SITES_LISTED)."""
+
+    held: int = 0  # sites with a row held here
+    with_due: int = 0  # of them, those with a due row
+    no_site_due: int = 0  # due rows whose key names no host
+    top: list[SiteRow] = []  # by due, most first (ties: the longest waiting first)
+
+
+# Sites the keeper lists at each full report (GET /v1/sites?top=N takes N up to this),
+# and the first few queue-state shows.
+SITES_LISTED = 1000
+SITES_IN_QUEUE_STATE = 5
+
+
+class SiteList(msgspec.Struct, frozen=True, kw_only=True):
+    """The sites listing, written at each full report into a state buffer of its own
+    (workers.segments.Segments.site_list), beside queue-state, which keeps only the
+    first few."""
+
+    node: str
+    generated_at: int  # the full report's time: queue-state's trust.counts_at
+    sites: SitesGroup
+    site_hashes: list[int]  # each listed site's hash (shm.keys.site_hash), in order
+    truncated: bool  # more sites have due rows than are listed
+
+
 class QueueState(msgspec.Struct, frozen=True, kw_only=True):
     schema: int
     node: str
@@ -229,6 +269,7 @@ class QueueState(msgspec.Struct, frozen=True, kw_only=True):
     trust: TrustGroup
     autoscale: AutoscaleGroup
     fenced: FencedGroup | None = None  # None on a single node
+    sites: SitesGroup = SitesGroup()
 
 
 class Liveness(msgspec.Struct, frozen=True, kw_only=True):
@@ -332,9 +373,21 @@ class KeeperStatistics(msgspec.Struct, frozen=True, kw_only=True):
     cluster: ClusterStatistics | None = None  # in a cluster: the view and its fences
     unowned_events: int = 0  # feed events for rows another node owns: dropped
     dropped_unowned: int = 0  # held rows dropped because their key moved to another node
+    sites: int = 0  # sites with a row held here (keeper.sites)
+    site_list_write_failures: int = 0  # sites listings that could not be written
 
 
 _statistics_decoder = msgspec.msgpack.Decoder(KeeperStatistics)
+_site_list_decoder = msgspec.msgpack.Decoder(SiteList)
+
+
+def encode_site_list(sites: SiteList) -> bytes:
+    return _encoder.encode(sites)
+
+
+def decode_site_list(payload: bytes) -> SiteList:
+    """Raises msgspec.DecodeError (or ValidationError) on a payload of another shape."""
+    return _site_list_decoder.decode(payload)
 
 
 def encode_keeper_statistics(stats: KeeperStatistics) -> bytes:

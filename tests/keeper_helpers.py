@@ -426,6 +426,7 @@ class Rig:
         self.leases = MemoryLeases()
         self.state = MemoryStateBuffer()
         self.statistics = MemoryStateBuffer()  # the keeper's statistics records
+        self.site_list = MemoryStateBuffer()  # the sites listings
         self.keeper = Keeper(
             self.store,
             self.ring,
@@ -435,6 +436,7 @@ class Rig:
             node="n1",
             clock=self.clock,
             statistics_buffer=self.statistics,
+            site_list_buffer=self.site_list,
         )
 
     def states(self) -> list[QueueState]:

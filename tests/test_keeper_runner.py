@@ -22,11 +22,13 @@ from keeper.runner import Keeper
 from keeper.state import (
     decode_keeper_statistics,
     decode_queue_state,
+    decode_site_list,
     encode_keeper_statistics,
     liveness,
     vouches,
 )
 from shm import key_hash
+from shm.keys import site_hash
 from store.base import FeedStatistics
 from store.rows import Row
 
@@ -1070,3 +1072,42 @@ def test_a_wall_clock_stepped_forward_ends_no_fence_early() -> None:
         mono.advance(100)
         keeper.step()
     assert ring.keys  # once the fence ends on the monotonic clock
+
+
+def test_each_full_report_writes_the_sites_listing_and_queue_state_names_the_top_sites() -> None:
+    rig = Rig(rows=0)
+    for i in range(30):  # a.example: 15 due, b.example: 10 (one not yet), c.example: 5
+        site = "a" if i < 15 else "b" if i < 25 else "c"
+        rig.store.put(f"https://www.{site}.example/p/{i}", NOW - 1000 * i if i != 24 else NOW + 9)
+    rig.store.put("/no/site", NOW - 5)
+    rig.keeper.start()
+    rig.steps(5)
+    assert rig.site_list.writes, "no listing yet"
+    listing = decode_site_list(rig.site_list.last())
+    state = rig.last()
+    assert listing.generated_at == state.trust.counts_at and listing.node == "n1"
+    assert [(r.site, r.due, r.held) for r in listing.sites.top] == [
+        ("a.example", 15, 15),
+        ("b.example", 9, 10),
+        ("c.example", 5, 5),
+    ]
+    assert listing.site_hashes == [site_hash(r.site.encode()) for r in listing.sites.top]
+    assert listing.sites.no_site_due == 1 and listing.sites.with_due == 3
+    assert not listing.truncated
+    assert state.sites == listing.sites  # fewer than queue-state's few
+    assert rig.keeper.statistics().sites == 3
+    # Written once a full report, not at every queue-state write.
+    writes = len(rig.site_list.writes)
+    rig.steps(3, advance_ms=1000)
+    assert len(rig.site_list.writes) == writes and len(rig.state.writes) > writes
+    rig.steps(1, advance_ms=5000)
+    assert len(rig.site_list.writes) == writes + 1
+
+
+def test_a_failed_sites_listing_write_is_counted_and_the_keeper_goes_on() -> None:
+    rig = Rig(rows=3)
+    rig.keeper.site_list_buffer = BrokenBuffer()
+    rig.keeper.start()
+    rig.steps(5)
+    assert rig.keeper.statistics().site_list_write_failures >= 1
+    assert rig.last().now.status == "ready"

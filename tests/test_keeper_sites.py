@@ -14,6 +14,7 @@ from test_keeper_core import load
 
 from keeper.config import KeeperConfig
 from keeper.core import KeeperCore
+from keeper.counts import count_sites
 from keeper.queue import HeldQueue
 from keeper.sites import NO_SITE_ID, HeldSites
 from shm.keys import NO_SITE, key_site_hash, site_hash, site_of
@@ -163,3 +164,82 @@ def test_random_writes_keep_every_site_exact(writes: list[tuple[str, int]]) -> N
     core.apply_events(sub.poll(10_000).events, NOW)
     check_sites(core.queue)
     assert len(core.queue) == len(store.rows)
+
+
+def brute_site_counts(core: KeeperCore, now: int) -> tuple[dict[str, tuple[int, int, int]], int]:
+    """Row by row: per site name, (due, held, earliest due); and due rows with no site.
+    Due as count_queue counts it: due, route not paused."""
+    queue = core.queue
+    paused = core.classes.paused_mask()
+    per: dict[str, list[int]] = {}
+    no_site = 0
+    for slot in queue.slots.live_slots().tolist():
+        row = queue.held_slot(slot)
+        site = site_of(queue.slots.key(slot)).decode()
+        due = row.due_at <= now and not paused[row.class_id]
+        if not site:
+            no_site += due
+            continue
+        entry = per.setdefault(site, [0, 0, 1 << 62])
+        entry[1] += 1
+        if due:
+            entry[0] += 1
+            entry[2] = min(entry[2], row.due_at)
+    return {k: (d, h, e) for k, (d, h, e) in per.items() if d}, no_site
+
+
+def check_site_counts(core: KeeperCore, now: int, top: int) -> None:
+    want, no_site = brute_site_counts(core, now)
+    counts = count_sites(core.queue, now, top)
+    assert counts.at == now and counts.with_due == len(want) and counts.no_site_due == no_site
+    assert counts.held == len(core.queue.sites)
+    assert len(counts.top) == min(top, len(want))
+    for row in counts.top:
+        assert (row.due, row.held, row.oldest_due_at) == want[row.site]
+        assert row.site_hash == site_hash(row.site.encode())
+    ranked = sorted(want.items(), key=lambda kv: (-kv[1][0], kv[1][2]))
+    assert [(r.due, r.oldest_due_at) for r in counts.top] == [
+        (d, e) for _, (d, _, e) in ranked[:top]
+    ]
+
+
+counted_write = st.tuples(
+    st.sampled_from(["put", "put", "delete", "walk", "pause"]),
+    st.integers(0, 40),
+    st.integers(-3_600_000, 3_600_000),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(counted_write, max_size=60), st.integers(0, 6), st.integers(-3_600_000, 3_600_000))
+def test_due_rows_per_site_are_exact_after_events_and_walks(
+    writes: list[tuple[str, int, int]], top: int, at: int
+) -> None:
+    store = MemoryStore()
+    core = KeeperCore(KeeperConfig())
+    sub = store.subscribe("keeper", store.feed_head())
+    load(core, store)
+    routes = ["product", "category"]
+    for what, n, offset in writes:
+        key = key_of(n)
+        if what == "put":
+            store.write([RowWrite(key=key, route=routes[n % 2], next_render_at=NOW + offset)])
+        elif what == "delete":
+            store.write(delete=[key])
+        elif what == "pause":
+            store.set_route(routes[n % 2], paused=offset > 0)
+        else:
+            core.apply_events(sub.poll(10_000).events, NOW)
+            walk = core.begin_walk("verify", NOW)
+            while True:
+                rows = store.walk(walk.after, 4)
+                core.apply_walked(walk, rows, NOW)
+                if len(rows) < 4:
+                    break
+            core.finish_walk(walk, NOW)
+        if n % 3 == 0:
+            core.apply_events(sub.poll(10_000).events, NOW)
+            check_site_counts(core, NOW + at, top)
+    core.apply_events(sub.poll(10_000).events, NOW)
+    check_site_counts(core, NOW + at, top)
+    check_site_counts(core, NOW + at, 1000)
