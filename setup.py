@@ -12,7 +12,7 @@ CFLAGS = ["-O2", "-std=c11", "-Wall", "-Wextra", "-Werror"]
 CFLAGS += shlex.split(os.environ.get("RENDERQUEUE_CFLAGS", ""))
 LDFLAGS = shlex.split(os.environ.get("RENDERQUEUE_LDFLAGS", ""))
 
-SHM = ["module", "words", "ring", "leases", "hash"]
+SHM = ["module", "words", "ring", "leases", "hash", "sites"]
 KEEPER = ["module", "index", "select", "moves", "buckets"]
 
 setup(

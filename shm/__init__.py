@@ -1,8 +1,8 @@
 """renderqueue shared memory: the structures worker 0 writes and every worker reads.
 
 POSIX shared memory (posix_ipc + mmap), fixed numpy layouts, no mutex anywhere:
-our own C11 atomics (`shm._atomics`) under a ready ring, a lease table and a
-state buffer. Each module's docstring gives its protocol.
+our own C11 atomics (`shm._atomics`) under a ready ring, a lease table, a site
+table and state buffers. Each module's docstring gives its protocol.
 """
 
 from shm.keys import key_hash, key_hashes, use_secret
@@ -16,6 +16,7 @@ from shm.segment import (
     SegmentMissing,
     segment_name,
 )
+from shm.sites import SiteInfo, SiteStatistics, SiteTable
 from shm.state import StateBuffer, StateBufferStatistics, StateSnapshot
 
 __all__ = [
@@ -32,6 +33,9 @@ __all__ = [
     "SegmentError",
     "SegmentInUse",
     "SegmentMissing",
+    "SiteInfo",
+    "SiteStatistics",
+    "SiteTable",
     "StateBuffer",
     "StateBufferStatistics",
     "StateSnapshot",

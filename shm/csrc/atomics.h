@@ -9,6 +9,8 @@
  *   leases.c  Leases: the lease table's grant / renew / complete / fail / forgive /
  *             state / blocked mask / sweep, each one call over the 8-slot probe
  *             window (shm/leases.py).
+ *   sites.c   Sites: the site table's permits, spacing, blocks and failure streaks,
+ *             each one call over the site's 8-slot probe window (shm/sites.py).
  *   hash.c    key_hash, key_hashes_into: SipHash-2-4 of key bytes under the database's
  *             secret, the lease table's key.
  *   module.c  the module: buffer acquisition and argument checks shared by the
@@ -129,5 +131,6 @@ SHM_INTERNAL int shm_words_add(PyObject *m);
 SHM_INTERNAL int shm_ring_add(PyObject *m);
 SHM_INTERNAL int shm_leases_add(PyObject *m);
 SHM_INTERNAL int shm_hash_add(PyObject *m);
+SHM_INTERNAL int shm_sites_add(PyObject *m);
 
 #endif /* RENDERQUEUE_SHM_ATOMICS_H */

@@ -75,7 +75,7 @@ PyInit__atomics(void)
     PyObject *m = PyModule_Create(&atomics_module);
     if (m == NULL) return NULL;
     if (shm_words_add(m) < 0 || shm_ring_add(m) < 0 || shm_leases_add(m) < 0 ||
-        shm_hash_add(m) < 0 || PyModule_AddIntConstant(m, "STRIPES", STRIPES) < 0 ||
+        shm_hash_add(m) < 0 || shm_sites_add(m) < 0 || PyModule_AddIntConstant(m, "STRIPES", STRIPES) < 0 ||
         PyModule_AddIntConstant(m, "STRIPE_WORDS", STRIPE_WORDS) < 0) {
         Py_DECREF(m);
         return NULL;
