@@ -76,6 +76,14 @@ class LeaseTableLike(Protocol):
         ...
 
 
+class SiteTableLike(Protocol):
+    """shm.sites.SiteTable, as the keeper's publish reads it."""
+
+    def allowances(self, site_hashes: npt.NDArray[np.uint64], now_ms: int) -> npt.NDArray[np.int64]:
+        """How many more grants each site can take at `now_ms`: -1 no limit, 0 none."""
+        ...
+
+
 class StateBufferLike(Protocol):
     def write(self, payload: bytes, now_ms: int) -> int: ...
 

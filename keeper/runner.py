@@ -73,7 +73,13 @@ from keeper.lifecycle import (
     WriteState,
 )
 from keeper.ownership import Ownership
-from keeper.protocols import LeaseTableLike, ReadyRingLike, StateBufferLike, WriteMarksLike
+from keeper.protocols import (
+    LeaseTableLike,
+    ReadyRingLike,
+    SiteTableLike,
+    StateBufferLike,
+    WriteMarksLike,
+)
 from keeper.publish import Publisher, PublishFailed
 from keeper.report import build_queue_state, build_site_list
 from keeper.state import (
@@ -150,6 +156,7 @@ class Keeper:
         monotonic: Clock | None = None,
         statistics_buffer: StateBufferLike | None = None,
         site_list_buffer: StateBufferLike | None = None,
+        site_table: SiteTableLike | None = None,
         cluster: ClusterSettings | None = None,
         members: Members | None = None,
         marks: WriteMarksLike | None = None,
@@ -158,7 +165,8 @@ class Keeper:
         """`cluster` and `members` (a read of the member list) make this keeper one of a
         cluster's: it holds and publishes only the rows it owns, and fences what it gains.
         `marks`: where each publish says how far its view had read (shm.marks), so claims
-        can skip reading rows nothing wrote since."""
+        can skip reading rows nothing wrote since. `site_table`: the node's (shm.sites),
+        whose allowances keep each capped site's keys in a publish to what it can take."""
         self.store = store
         self.ring = ring
         self.leases = leases
@@ -210,6 +218,8 @@ class Keeper:
         self._walk: Walk | None = None
         self._walk_read: RowsRead | None = None  # a chunk read, waiting for the feed
         self._publisher = Publisher(self.core, ring, leases, config, marks)
+        if site_table is not None:  # its allowances keep a capped site's share of the ring
+            self._publisher.site_allowances = site_table.allowances
         if self.cluster is not None:
             view = self.cluster
             self._publisher.fenced = lambda hashes, _now: view.blocked_mask(

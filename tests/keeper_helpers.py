@@ -19,6 +19,7 @@ import numpy.typing as npt
 
 from keeper.config import KeeperConfig
 from keeper.core import KeeperCore
+from keeper.protocols import SiteTableLike
 from keeper.runner import Keeper
 from keeper.state import QueueState, decode_queue_state
 from store.base import (
@@ -417,7 +418,12 @@ RIG_CONFIG = KeeperConfig(
 class Rig:
     """A Keeper over the stand-ins below on a manual clock, stepped by hand."""
 
-    def __init__(self, rows: int = 35, config: KeeperConfig = RIG_CONFIG) -> None:
+    def __init__(
+        self,
+        rows: int = 35,
+        config: KeeperConfig = RIG_CONFIG,
+        site_table: SiteTableLike | None = None,
+    ) -> None:
         self.clock = ManualClock()
         self.store = MemoryStore()
         for i in range(rows):
@@ -437,6 +443,7 @@ class Rig:
             clock=self.clock,
             statistics_buffer=self.statistics,
             site_list_buffer=self.site_list,
+            site_table=site_table,
         )
 
     def states(self) -> list[QueueState]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import uuid
 from typing import Any
 
 import msgspec
@@ -27,8 +29,9 @@ from keeper.state import (
     liveness,
     vouches,
 )
-from shm import key_hash
+from shm import key_hash, segment_name
 from shm.keys import site_hash
+from shm.sites import SiteTable
 from store.base import FeedStatistics
 from store.rows import Row
 
@@ -1111,3 +1114,35 @@ def test_a_failed_sites_listing_write_is_counted_and_the_keeper_goes_on() -> Non
     rig.steps(5)
     assert rig.keeper.statistics().site_list_write_failures >= 1
     assert rig.last().now.status == "ready"
+
+
+def test_with_a_real_site_table_a_publish_keeps_a_capped_site_to_its_permits() -> None:
+    """shm's SiteTable, a.example capped at 2 with one permit taken: a publish holds one
+    of its keys (the permit left) and the slack, in rank order, and every key of the
+    other site; a permit given back lets one more in at the next publish."""
+    tag = f"t{os.getpid()}x{uuid.uuid4().hex[:8]}"
+    table = SiteTable.create(segment_name(tag, "sites"), capacity=64, permits=4)
+    try:
+        capped = site_hash(b"a.example")
+        assert table.configure(capped, 2, None)
+        rig = Rig(rows=0, site_table=table)
+        for i in range(20):  # a.example's keys are the latest
+            rig.store.put(f"https://a.example/p/{i}", NOW - 100_000 + i)
+            rig.store.put(f"https://b.example/p/{i}", NOW - 50_000 + i)
+        permit = table.take_permit(capped, NOW, 60_000)
+        assert permit
+        rig.keeper.start()
+        rig.steps(10)
+        assert rig.keeper.statistics().phase == "live"
+        rig.steps(1, advance_ms=1000)
+        a_keys = [k for k in rig.ring.keys if k.startswith(b"https://a.example/")]
+        assert a_keys == [b"https://a.example/p/0", b"https://a.example/p/1"]
+        assert len(rig.ring.keys) == 22
+        assert rig.keeper.statistics().publish.last_site_skipped == 18
+        assert table.release(capped, permit)
+        rig.steps(1, advance_ms=1000)
+        a_keys = [k for k in rig.ring.keys if k.startswith(b"https://a.example/")]
+        assert len(a_keys) == 3 and len(rig.ring.keys) == 23
+    finally:
+        table.close()
+        table.unlink()
