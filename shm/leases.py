@@ -71,6 +71,16 @@ settles it; after a sweep at `now` they equal `census(now)`, the full scan. A
 process killed between a CAS and its count can leave a counter one off;
 `recount()` rebuilds counters and lanes from the slots (after an import).
 
+**Sites** (shm/sites.py): a table given a `SiteTable` (`use_sites`) takes a key's site
+permit and spacing before the lease's CAS (`grant(..., site_hash=)`; a skipped key is a
+`Refusal` with the site's reason) and gives them back if the CAS fails. A site word per
+slot, beside the slots, names the site of the key its grant's winner leased, and a bit of
+the hold word says whether the lease holds a permit, so renewals move the permit with
+the lease (before it when extending, after it when shortening) and results free it after
+the lease ends: a permit never ends before its lease. `lease_site` tells a completion
+which site its outcome counts for. A table whose slots were imported (a snapshot, a
+survivor) holds no permits of the new site table: the import clears the bits.
+
 **The secret's fingerprint**: the creator records which hash secret the keys are hashed
 under (`shm.keys.fingerprint`, in a control word), so the next start of a node killed
 whole can tell whether the table it left is keyed as its own before adopting its slots
@@ -79,7 +89,7 @@ whole can tell whether the table it left is keyed as its own before adopting its
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import msgspec
 import numpy as np
@@ -88,6 +98,10 @@ from shm._atomics import LEASE_LAYOUT, Leases, Words
 from shm.keys import fingerprint
 from shm.segment import HEADER_BYTES, Segment, align
 from shm.segment import now_ms as wall_clock_ms
+from shm.sites import Acquired
+
+if TYPE_CHECKING:
+    from shm.sites import SiteTable
 
 KIND = "lease_table"
 PROBE_WINDOW = LEASE_LAYOUT["probe"]
@@ -101,7 +115,10 @@ KEEP_MISSES_MS = LEASE_LAYOUT["keep_misses_ms"]
 
 _CTRL = HEADER_BYTES
 _SLOTS = align(_CTRL + LEASE_LAYOUT["ctrl_words"] * 8)
-_REASONS: dict[int, Literal["taken", "held", "probe_full"]] = {
+RefusalReason = Literal[
+    "taken", "held", "probe_full", "site_capped", "site_spacing", "site_blocked", "site_full"
+]
+_REASONS: dict[int, RefusalReason] = {
     LEASE_LAYOUT["refused_taken"]: "taken",
     LEASE_LAYOUT["refused_held"]: "held",
     LEASE_LAYOUT["refused_probe_full"]: "probe_full",
@@ -109,15 +126,26 @@ _REASONS: dict[int, Literal["taken", "held", "probe_full"]] = {
 _GRANTED = LEASE_LAYOUT["granted"]
 _SECRET_PRINT_WORD = _CTRL // 8 + LEASE_LAYOUT["secret_print"]
 _PHASE_LEASED = 1  # PH_LEASED in csrc/leases.c
+_HOLD_PERMIT = np.uint64(1 << LEASE_LAYOUT["hold_permit_bit"])
+_SITE_REFUSALS: dict[str, RefusalReason] = {
+    "capped": "site_capped",
+    "spacing": "site_spacing",
+    "blocked": "site_blocked",
+    "table_full": "site_full",
+}
 
 
 def _tags_offset(capacity: int) -> int:
     return align(_SLOTS + capacity * SLOT.itemsize)
 
 
-def table_size(capacity: int, _extra: int = 0) -> int:
+def _sites_offset(capacity: int) -> int:
     # The tag lanes: a byte per slot, in words, plus one (see LEASE_TAG_WORDS).
     return align(_tags_offset(capacity) + ((capacity + 7) // 8 + 1) * 8)
+
+
+def table_size(capacity: int, _extra: int = 0) -> int:
+    return align(_sites_offset(capacity) + capacity * 8)
 
 
 class Grant(msgspec.Struct, frozen=True):
@@ -127,8 +155,10 @@ class Grant(msgspec.Struct, frozen=True):
 
 
 class Refusal(msgspec.Struct, frozen=True):
-    reason: Literal["taken", "held", "probe_full"]
-    until: int  # lease expiry or hold end; 0 for probe_full
+    reason: RefusalReason
+    # lease expiry or hold end; for a site's refusal, its block's or spacing's end or its
+    # earliest permit's; 0 when there is none (probe_full, site_full)
+    until: int
 
 
 class KeyLeaseState(msgspec.Struct, frozen=True):
@@ -187,8 +217,16 @@ class LeaseTable:
         self.capacity = segment.capacity
         self._words = segment.register(Words(segment.mmap))
         self._c = segment.register(
-            Leases(segment.mmap, _CTRL, _SLOTS, _tags_offset(self.capacity), self.capacity)
+            Leases(
+                segment.mmap,
+                _CTRL,
+                _SLOTS,
+                _tags_offset(self.capacity),
+                _sites_offset(self.capacity),
+                self.capacity,
+            )
         )
+        self._sites: SiteTable | None = None
 
     @classmethod
     def create(
@@ -221,11 +259,36 @@ class LeaseTable:
     def created_at(self) -> int:
         return self._segment.created_at
 
+    def use_sites(self, sites: SiteTable | None) -> None:
+        """Take and give back site permits and spacing with this table's leases."""
+        self._sites = sites
+
+    @property
+    def sites(self) -> SiteTable | None:
+        return self._sites
+
     # -------------------------------------------------------------- claim path
 
-    def grant(self, key_hash: int, now_ms: int, lease_ms: int, cadence_ms: int) -> Grant | Refusal:
-        """An exclusive lease on the key until now + lease_ms, or why not."""
-        code, token, until = self._c.grant(key_hash, now_ms, lease_ms, cadence_ms)
+    def grant(
+        self, key_hash: int, now_ms: int, lease_ms: int, cadence_ms: int, site_hash: int = 0
+    ) -> Grant | Refusal:
+        """An exclusive lease on the key until now + lease_ms, or why not. With a site
+        table and a site, the site's permit and spacing come first (a skip is a Refusal
+        with the site's reason) and are given back if the lease is refused."""
+        sites = self._sites
+        if site_hash and sites is not None:
+            taken = sites.acquire(site_hash, now_ms, lease_ms)
+            if not isinstance(taken, Acquired):
+                return Refusal(reason=_SITE_REFUSALS[taken.reason], until=taken.until)
+            code, token, until = self._c.grant(
+                key_hash, now_ms, lease_ms, cadence_ms, site_hash, taken.expires_at != 0
+            )
+            if code != _GRANTED:
+                sites.undo(taken)
+        else:
+            code, token, until = self._c.grant(
+                key_hash, now_ms, lease_ms, cadence_ms, site_hash, False
+            )
         if code == _GRANTED:
             return Grant(key_hash=key_hash, token=token, expires_at=until)
         return Refusal(reason=_REASONS[code], until=until)
@@ -234,20 +297,63 @@ class LeaseTable:
         """True while the token's lease is live."""
         return bool(self._c.holds(key_hash, token, now_ms))
 
+    def lease_site(self, key_hash: int, token: int, now_ms: int) -> int | None:
+        """The site hash the token's live lease was granted under (0: none), or None if
+        the lease is not live."""
+        held = self._c.lease_of(key_hash, token, now_ms)
+        return None if held is None else int(held[1])
+
     def renew(self, key_hash: int, token: int, now_ms: int, lease_ms: int) -> int | None:
-        """Move the lease's expiry to now + lease_ms; None (nothing changed) if not held."""
-        expires: int = self._c.renew(key_hash, token, now_ms, lease_ms)
-        return None if expires < 0 else expires
+        """Move the lease's expiry to now + lease_ms; None (nothing changed) if not held.
+
+        A lease holding a site permit moves it along: first the permit when the lease
+        grows, first the lease when it shrinks, so the permit never ends before it. A
+        permit gone from its word (its site table is newer than the lease, or a renewal
+        was killed between its two moves) is taken anew under the cap; when the site is
+        full the lease is renewed without one, and no longer frees one at its end."""
+        new = now_ms + lease_ms
+        for _ in range(8):
+            held = self._c.lease_of(key_hash, token, now_ms)
+            sites = self._sites
+            if held is None or sites is None or not held[1] or not held[2]:
+                expires: int = self._c.renew(key_hash, token, now_ms, lease_ms, 0)
+                return None if expires < 0 else expires
+            before, site, _ = held
+            if new < before:
+                expires = self._c.renew(key_hash, token, now_ms, lease_ms, before)
+                if expires >= 0:
+                    sites.extend(site, before, new)
+                    return expires
+                continue
+            moved = sites.extend(site, before, new)
+            fresh = 0 if moved else sites.take_permit(site, now_ms, lease_ms)
+            if not moved and not fresh:
+                self._c.drop_permit(key_hash, token)
+            expires = self._c.renew(key_hash, token, now_ms, lease_ms, before)
+            if expires >= 0:
+                return expires
+            if moved:  # another renewal moved the lease first: put the permit back
+                sites.extend(site, new, before)
+            elif fresh:
+                sites.release(site, fresh)
+        return None
 
     def complete(self, key_hash: int, token: int, now_ms: int) -> bool:
-        """A result for the key: end the lease and reset its misses. False if not held."""
-        return bool(self._c.complete(key_hash, token, now_ms))
+        """A result for the key (or a hand-back): end the lease and reset its misses, then
+        free its site permit. False if not held."""
+        expires, site, permit = self._c.complete(key_hash, token, now_ms)
+        if permit and self._sites is not None:
+            self._sites.release(site, expires)
+        return expires != 0
 
     def fail(self, key_hash: int, token: int, now_ms: int) -> int | None:
         """A failed render: end the lease and hold the key back from now as a missed lease
-        would (misses + 1). The hold's end, or None (nothing changed) if not held."""
-        until: int = self._c.fail(key_hash, token, now_ms)
-        return None if until < 0 else until
+        would (misses + 1), then free its site permit. The hold's end, or None (nothing
+        changed) if not held."""
+        until, expires, site, permit = self._c.fail(key_hash, token, now_ms)
+        if permit and self._sites is not None:
+            self._sites.release(site, expires)
+        return None if until < 0 else int(until)
 
     def forgive(self, key_hash: int, now_ms: int) -> int:
         """End the key's holds and forget its misses (an operator's "render now"); a live
@@ -399,6 +505,8 @@ class LeaseTable:
         words["state"][removing] = stamps << time_shift
         words["hold"][removing] = 0
         words["reserved"][removing] = 0
+        # The permits imported leases held belong to the old run's site table.
+        words["hold"] &= ~_HOLD_PERMIT
         view = np.frombuffer(self._segment.mmap, dtype=SLOT, count=self.capacity, offset=_SLOTS)
         try:
             if view["key_hash"].any() or view["state"].any():

@@ -42,7 +42,7 @@ success (docs/decisions/0010-sites-timed-permits.md says why the defaults).
 
 **Entries.** A site needs an entry only when it has settings, a block, live permits, a
 spacing or failure memory (with a default cap every site that is granted does). A
-window with no room refuses a grant that needs an entry (`full`): the cap is a promise
+window with no room refuses a grant that needs an entry (`table_full`): the cap is a promise
 to an origin, so it fails closed. A sweep (one process at a time, elected by CAS, the
 supervisor's) empties entries idle for `keep_ms`: it parks the entry, checks it again and
 empties or restores it; an operation verifies the entry's state word after its CAS and
@@ -77,7 +77,7 @@ _CTRL = HEADER_BYTES
 _SLOTS = align(_CTRL + SITE_LAYOUT["ctrl_words"] * 8)
 _W = _CTRL // 8
 
-SkipReason = Literal["capped", "spacing", "blocked", "full"]
+SkipReason = Literal["capped", "spacing", "blocked", "table_full"]
 BlockReason = Literal["retry_after", "failures"]
 _GRANTED = SITE_LAYOUT["granted"]
 _PERMIT = SITE_LAYOUT["permit"]
@@ -85,7 +85,7 @@ _SKIPS: dict[int, SkipReason] = {
     SITE_LAYOUT["capped"]: "capped",
     SITE_LAYOUT["spacing"]: "spacing",
     SITE_LAYOUT["blocked"]: "blocked",
-    SITE_LAYOUT["full"]: "full",
+    SITE_LAYOUT["full"]: "table_full",
 }
 _BLOCK_CODES: dict[BlockReason, int] = {
     "retry_after": SITE_LAYOUT["reason_retry_after"],

@@ -1,6 +1,8 @@
 """shm/leases.py: grants, tokens, hold-back, the probe window, sweep and blocked_mask;
 a hypothesis state machine against a plain dict model; four processes racing for the
-same keys with no overlapping live leases; and a claimant SIGKILLed mid-claim."""
+same keys with no overlapping live leases; a claimant SIGKILLed mid-claim; and leases
+under a site table (permits taken before the lease, moved by renewals, freed after
+results and refused grants)."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from shm import Grant, KeyLeaseState, LeaseTable, Refusal, key_hash, segment_name
+from shm import Grant, KeyLeaseState, LeaseTable, Refusal, SiteTable, key_hash, segment_name
 from shm.segment import remove
 
 
@@ -288,6 +290,130 @@ def test_bad_arguments_are_refused(table: LeaseTable) -> None:
         table.grant(H, 0, 0, 100)
     with pytest.raises(ValueError, match="now"):
         table.grant(H, -1, 100, 100)
+
+
+# ------------------------------------------------------------------ sites
+
+SITE = 0xABCDEF
+
+
+@pytest.fixture
+def sited(table: LeaseTable) -> Iterator[tuple[LeaseTable, SiteTable]]:
+    sites = SiteTable.create(_name("sites"), capacity=64, permits=4)
+    table.use_sites(sites)
+    yield table, sites
+    table.use_sites(None)
+    sites.close()
+    sites.unlink()
+
+
+K1, K2, K3 = (key_hash(b"/s/%d" % i) for i in range(3))
+
+
+def _lease(outcome: Grant | Refusal) -> Grant:
+    assert isinstance(outcome, Grant), outcome
+    return outcome
+
+
+def test_a_capped_site_grants_its_keys_up_to_the_cap(
+    sited: tuple[LeaseTable, SiteTable],
+) -> None:
+    table, sites = sited
+    sites.configure(SITE, 1, None)
+    first = _lease(table.grant(K1, 1_000, 100, 10_000, SITE))
+    assert table.grant(K2, 1_010, 100, 10_000, SITE) == Refusal("site_capped", 1_100)
+    assert table.lease_site(K1, first.token, 1_050) == SITE
+    assert table.lease_site(K1, first.token, 1_100) is None  # not live
+    assert table.complete(K1, first.token, 1_050)  # the lease ends, then the permit
+    assert sites.info(SITE, 1_050).in_flight == 0
+    second = _lease(table.grant(K2, 1_060, 100, 10_000, SITE))
+    # A refused lease gives its permit back: K2 is taken, so K2 again is refused as taken.
+    assert table.grant(K2, 1_070, 100, 10_000, SITE) == Refusal("site_capped", 1_160)
+    sites.configure(SITE, 2, None)
+    assert table.grant(K2, 1_070, 100, 10_000, SITE) == Refusal("taken", 1_160)
+    assert sites.info(SITE, 1_070).in_flight == 1 and sites.statistics().undone == 1
+    assert table.fail(K2, second.token, 1_080) is not None  # a failure frees it too
+    assert sites.info(SITE, 1_080).in_flight == 0
+    other = _lease(table.grant(K3, 1_090, 100, 10_000))  # no site: nothing taken
+    assert table.lease_site(K3, other.token, 1_090) == 0
+
+
+def test_a_spacing_or_a_block_refuses_with_the_sites_reason(
+    sited: tuple[LeaseTable, SiteTable],
+) -> None:
+    table, sites = sited
+    sites.configure(SITE, None, 200)
+    _lease(table.grant(K1, 1_000, 100, 10_000, SITE))
+    assert table.grant(K2, 1_100, 100, 10_000, SITE) == Refusal("site_spacing", 1_200)
+    _lease(table.grant(K2, 1_200, 100, 10_000, SITE))
+    sites.block(SITE, 5_000, "retry_after")
+    assert table.grant(K3, 1_400, 100, 10_000, SITE) == Refusal("site_blocked", 5_000)
+
+
+def test_renewals_move_the_permit_with_the_lease(sited: tuple[LeaseTable, SiteTable]) -> None:
+    table, sites = sited
+    sites.configure(SITE, 1, None)
+    got = _lease(table.grant(K1, 1_000, 100, 10_000, SITE))
+    assert table.renew(K1, got.token, 1_050, 500) == 1_550
+    # The lease's first expiry has passed; its permit moved with it.
+    assert table.grant(K2, 1_200, 100, 10_000, SITE) == Refusal("site_capped", 1_550)
+    assert table.renew(K1, got.token, 1_300, 50) == 1_350  # shorter: the permit follows
+    assert sites.info(SITE, 1_300).next_permit_free_at == 1_350
+    assert table.complete(K1, got.token, 1_310)
+    assert sites.info(SITE, 1_310).in_flight == 0
+
+
+def test_a_renewal_whose_permit_is_gone_takes_one_or_goes_on_without(
+    sited: tuple[LeaseTable, SiteTable],
+) -> None:
+    """A renewal killed between its two moves leaves the permit at a later word than its
+    lease (it still covers the lease): the next renewal finds no permit at the lease's
+    word and takes one under the cap, or, with the site full, renews without one and no
+    longer frees one at its end."""
+    table, sites = sited
+    sites.configure(SITE, 2, None)
+    got = _lease(table.grant(K1, 1_000, 100, 10_000, SITE))
+    assert sites.extend(SITE, 1_100, 1_400)  # the killed renewal's first move
+    assert table.renew(K1, got.token, 1_050, 100) == 1_150
+    assert sites.info(SITE, 1_050).in_flight == 2  # the orphan and a fresh one
+    assert table.complete(K1, got.token, 1_060)
+    assert sites.info(SITE, 1_060).in_flight == 1  # the orphan, until 1_400
+    sites.configure(SITE, 1, None)
+    second = _lease(table.grant(K2, 1_500, 100, 10_000, SITE))
+    assert sites.extend(SITE, 1_600, 1_900)
+    assert table.renew(K2, second.token, 1_550, 50) == 1_600  # full: without a permit
+    assert table.grant(K3, 1_560, 100, 10_000, SITE) == Refusal("site_capped", 1_900)
+    assert table.complete(K2, second.token, 1_570)
+    assert sites.info(SITE, 1_570).in_flight == 1  # the orphan is nobody's to free
+    _lease(table.grant(K3, 1_900, 100, 10_000, SITE))
+
+
+def test_imported_leases_hold_no_permit_of_the_new_site_table() -> None:
+    source, target = LeaseTable.create(_name("export")), LeaseTable.create(_name("import"))
+    sites = SiteTable.create(_name("sites"), capacity=64, permits=4)
+    fresh = SiteTable.create(_name("sites2"), capacity=64, permits=4)
+    try:
+        from shm.segment import now_ms
+
+        source.use_sites(sites)
+        sites.configure(SITE, 2, None)
+        fresh.configure(SITE, 2, None)
+        now = now_ms()
+        got = _lease(source.grant(K1, now, 60_000, 3_600_000, SITE))
+        target.import_slots(source.export_slots())
+        target.use_sites(fresh)
+        mine = fresh.acquire(SITE, now, 60_000)  # a permit with the same word
+        assert fresh.info(SITE, now).in_flight == 1
+        assert target.complete(K1, got.token, now + 1)
+        assert fresh.info(SITE, now + 1).in_flight == 1  # not freed by the imported lease
+        assert mine is not None
+    finally:
+        for t in (source, target):
+            t.close()
+            t.unlink()
+        for s in (sites, fresh):
+            s.close()
+            s.unlink()
 
 
 # ----------------------------------------------------------------- the model

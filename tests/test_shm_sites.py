@@ -274,7 +274,7 @@ def test_a_full_window_refuses_a_site_that_needs_an_entry(name: str) -> None:
     try:
         for h in range(1, 9):
             _granted(sites.acquire(h * 0x10001, NOW, LEASE))
-        assert sites.acquire(0x99999, NOW, LEASE) == Skipped("full", 0)
+        assert sites.acquire(0x99999, NOW, LEASE) == Skipped("table_full", 0)
         assert not sites.configure(0x99999, 1, None)
         assert sites.statistics().skips_full == 1
     finally:

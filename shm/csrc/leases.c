@@ -16,8 +16,10 @@
  *   bits 6-21 token (16 bits, never 0 once granted)
  *   bits 22-63 time in epoch ms (42 bits, to year 2109): LEASED -> expiry,
  *             HELD -> hold end, else 0.
- * The hold word, written by the grant's winner, is (token << 48 | hold_ms): how
- * long the key is held back if this lease expires with no result. */
+ * The hold word, written by the grant's winner, is (token << 48 | permit << 47 |
+ * hold_ms): how long the key is held back if this lease expires with no result, and
+ * whether the lease holds a permit of its site (shm/sites.py). Beside the slots, a site
+ * word per slot names the site of the key its grant's winner leased (0: none). */
 enum { PH_FREE = 0, PH_LEASED = 1, PH_HELD = 2, PH_REMOVING = 3 };
 #define W_PHASE(w) ((w) & 3u)
 #define W_MISSES(w) (((w) >> 2) & 15u)
@@ -26,7 +28,8 @@ enum { PH_FREE = 0, PH_LEASED = 1, PH_HELD = 2, PH_REMOVING = 3 };
 #define W_MAKE(ph, m, tok, t)                                                                  \
     ((uint64_t)(ph) | ((uint64_t)(m) << 2) | ((uint64_t)(tok) << 6) | ((uint64_t)(t) << 22))
 #define TIME_MAX ((((uint64_t)1) << 42) - 1)
-#define HOLD_MASK ((((uint64_t)1) << 48) - 1)
+#define HOLD_MASK ((((uint64_t)1) << 47) - 1)
+#define HOLD_PERMIT (((uint64_t)1) << 47)
 #define MISSES_MAX 15u
 #define PROBE 8
 /* How long a sweep (by default) and a full window keep an ended hold's misses. */
@@ -92,6 +95,7 @@ typedef struct {
      * slot held since it was last emptied. A window whose lanes lack the key's bit
      * holds no slot of the key, so blocked_mask skips the probe (see mark_tag). */
     aword *tags;
+    aword *sites; /* a word per slot: the site hash of the lease its grant's winner made */
     uint64_t capacity;
     aword *stripe;
     uint64_t rng;
@@ -100,12 +104,12 @@ typedef struct {
 static int
 Leases_init(LeasesObject *self, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"buffer", "ctrl_offset", "slots_offset", "tags_offset", "capacity",
-                             NULL};
+    static char *kwlist[] = {"buffer",      "ctrl_offset",  "slots_offset", "tags_offset",
+                             "sites_offset", "capacity", NULL};
     PyObject *obj;
-    Py_ssize_t ctrl_off, slots_off, tags_off, capacity;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "Onnnn", kwlist, &obj, &ctrl_off, &slots_off,
-                                     &tags_off, &capacity)) {
+    Py_ssize_t ctrl_off, slots_off, tags_off, sites_off, capacity;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "Onnnnn", kwlist, &obj, &ctrl_off, &slots_off,
+                                     &tags_off, &sites_off, &capacity)) {
         return -1;
     }
     if (self->held) {
@@ -120,14 +124,14 @@ Leases_init(LeasesObject *self, PyObject *args, PyObject *kwds)
     Py_ssize_t length;
     if (shm_acquire_region(obj, 0, -1, &self->view, &base, &length) < 0) return -1;
     self->held = 1;
-    if (ctrl_off < 0 || slots_off < 0 || tags_off < 0 || (ctrl_off & 63) || (slots_off & 63) ||
-        (tags_off & 63) || ctrl_off + LEASE_CTRL_WORDS * 8 > length ||
-        slots_off + capacity * SLOT_WORDS * 8 > length ||
-        tags_off + LEASE_TAG_WORDS(capacity) * 8 > length) {
+    if (ctrl_off < 0 || slots_off < 0 || tags_off < 0 || sites_off < 0 || (ctrl_off & 63) ||
+        (slots_off & 63) || (tags_off & 63) || (sites_off & 63) ||
+        ctrl_off + LEASE_CTRL_WORDS * 8 > length || slots_off + capacity * SLOT_WORDS * 8 > length ||
+        tags_off + LEASE_TAG_WORDS(capacity) * 8 > length || sites_off + capacity * 8 > length) {
         PyErr_Format(PyExc_ValueError,
-                     "lease layout (ctrl %zd, slots %zd, tags %zd, capacity %zd) does not fit a "
-                     "buffer of %zd bytes with aligned words",
-                     ctrl_off, slots_off, tags_off, capacity, length);
+                     "lease layout (ctrl %zd, slots %zd, tags %zd, sites %zd, capacity %zd) does "
+                     "not fit a buffer of %zd bytes with aligned words",
+                     ctrl_off, slots_off, tags_off, sites_off, capacity, length);
         PyBuffer_Release(&self->view);
         self->held = 0;
         return -1;
@@ -135,6 +139,7 @@ Leases_init(LeasesObject *self, PyObject *args, PyObject *kwds)
     self->ctrl = (aword *)(base + ctrl_off);
     self->slots = (aword *)(base + slots_off);
     self->tags = (aword *)(base + tags_off);
+    self->sites = (aword *)(base + sites_off);
     self->capacity = (uint64_t)capacity;
     self->stripe = self->ctrl + LEASE_STRIPES + stripe_of_process() * STRIPE_WORDS;
     struct timespec ts;
@@ -431,7 +436,11 @@ probe(LeasesObject *self, uint64_t h, uint64_t now, probe_t *p)
     }
 }
 
-/* grant(key_hash, now_ms, lease_ms, cadence_ms) -> (code, token, until)
+/* grant(key_hash, now_ms, lease_ms, cadence_ms, site_hash, permit) -> (code, token, until)
+ *
+ * site_hash names the key's site (0: none) and permit says the caller holds a permit of
+ * it until now + lease_ms (shm/sites.py); the winner writes both beside the lease, so
+ * its renewals and result find the permit.
  *
  * Duplicates: two claimants inserting one key at the same moment can land in two
  * slots (a sweep may empty a slot between their scans). Grants go to the first
@@ -443,12 +452,13 @@ probe(LeasesObject *self, uint64_t h, uint64_t now, probe_t *p)
 static PyObject *
 Leases_grant(LeasesObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (check_nargs("grant", nargs, 4) < 0) return NULL;
+    if (check_nargs("grant", nargs, 6) < 0) return NULL;
     if (!self->held) return shm_released_error();
-    uint64_t h, now, lease_ms, cadence_ms;
-    if (parse_hash(args[0], &h) < 0 || parse_time(args[1], &now, "now") < 0 ||
+    uint64_t h, now, lease_ms, cadence_ms, site;
+    int with_permit = PyObject_IsTrue(args[5]);
+    if (with_permit < 0 || parse_hash(args[0], &h) < 0 || parse_time(args[1], &now, "now") < 0 ||
         parse_time(args[2], &lease_ms, "lease") < 0 ||
-        parse_time(args[3], &cadence_ms, "cadence") < 0) {
+        parse_time(args[3], &cadence_ms, "cadence") < 0 || parse_u64(args[4], &site) < 0) {
         return NULL;
     }
     if (lease_ms == 0 || now + lease_ms > TIME_MAX) {
@@ -519,8 +529,9 @@ Leases_grant(LeasesObject *self, PyObject *const *args, Py_ssize_t nargs)
         live_add(self, LS_LEASED, 1);
         /* A HELD slot is granted only once its hold ended: no longer held. */
         if (W_PHASE(w) == PH_HELD) uncount_hold(self, s, w);
-        STORE(slot_word(self, s, SLOT_HOLD),
-              (tok << 48) | hold_if_missed(W_MISSES(w), lease_ms, cadence_ms));
+        STORE(&self->sites[s], site);
+        STORE(slot_word(self, s, SLOT_HOLD), (tok << 48) | (with_permit ? HOLD_PERMIT : 0) |
+                                                 hold_if_missed(W_MISSES(w), lease_ms, cadence_ms));
         /* Verify: no other slot of this key holds a live lease. */
         uint64_t start = window_start(self, h);
         int conflict = 0;
@@ -580,22 +591,27 @@ Leases_holds(LeasesObject *self, PyObject *const *args, Py_ssize_t nargs)
     return PyBool_FromLong(r == 1 && live_lease(self, h, s, tok, now) != 0);
 }
 
-/* renew(h, token, now, lease_ms) -> new expiry or -1 */
+/* renew(h, token, now, lease_ms, expected) -> new expiry or -1. expected: the lease's
+ * expiry the caller moved its permit from (0: any); another expiry refuses, so a renewal
+ * never moves a lease its permit did not follow. */
 static PyObject *
 Leases_renew(LeasesObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (check_nargs("renew", nargs, 4) < 0) return NULL;
+    if (check_nargs("renew", nargs, 5) < 0) return NULL;
     if (!self->held) return shm_released_error();
-    uint64_t h, s, tok, now, lease_ms;
+    uint64_t h, s, tok, now, lease_ms, expected;
     int r = token_slot(self, args, &h, &s, &tok, &now);
-    if (r < 0 || parse_time(args[3], &lease_ms, "lease") < 0) return NULL;
+    if (r < 0 || parse_time(args[3], &lease_ms, "lease") < 0 ||
+        parse_time(args[4], &expected, "expected") < 0) {
+        return NULL;
+    }
     if (lease_ms == 0 || now + lease_ms > TIME_MAX) {
         PyErr_SetString(PyExc_ValueError, "lease_ms must be positive and now + lease in range");
         return NULL;
     }
     for (int attempt = 0; r == 1 && attempt < LEASE_MAX_ATTEMPTS; attempt++) {
         uint64_t w = live_lease(self, h, s, tok, now);
-        if (w == 0) break;
+        if (w == 0 || (expected != 0 && W_TIME(w) != expected)) break;
         uint64_t nw = W_MAKE(PH_LEASED, W_MISSES(w), tok, now + lease_ms);
         if (cas_word(slot_word(self, s, SLOT_STATE), w, nw)) {
             bump(self, LS_RENEWALS, 1);
@@ -606,6 +622,19 @@ Leases_renew(LeasesObject *self, PyObject *const *args, Py_ssize_t nargs)
     return PyLong_FromLong(-1);
 }
 
+/* What a lease holds of its site: the site word and the hold word's permit bit, read
+ * with the state word they go with (the winner wrote them before its token was out). */
+static void
+lease_site(LeasesObject *self, uint64_t s, uint64_t tok, uint64_t *site, int *with_permit)
+{
+    uint64_t hold = LOAD_SC(slot_word(self, s, SLOT_HOLD));
+    *site = LOAD_SC(&self->sites[s]);
+    *with_permit = (hold >> 48) == tok && (hold & HOLD_PERMIT) != 0;
+}
+
+/* complete(key_hash, token, now) -> (expires, site_hash, permit): the ended lease's
+ * expiry (0 if the token's lease was not live: nothing changed), its site, and whether it
+ * held a permit there, for the caller to free (shm/sites.py). */
 static PyObject *
 Leases_complete(LeasesObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -617,18 +646,60 @@ Leases_complete(LeasesObject *self, PyObject *const *args, Py_ssize_t nargs)
     for (int attempt = 0; r == 1 && attempt < LEASE_MAX_ATTEMPTS; attempt++) {
         uint64_t w = live_lease(self, h, s, tok, now);
         if (w == 0) break;
+        uint64_t site;
+        int with_permit;
+        lease_site(self, s, tok, &site, &with_permit);
         /* A result ends the lease and forgives the misses. */
         if (cas_word(slot_word(self, s, SLOT_STATE), w, W_MAKE(PH_FREE, 0, tok, 0))) {
             live_add(self, LS_LEASED, -1);
             bump(self, LS_COMPLETIONS, 1);
-            Py_RETURN_TRUE;
+            return Py_BuildValue("(KKO)", (unsigned long long)W_TIME(w), (unsigned long long)site,
+                                 with_permit ? Py_True : Py_False);
         }
     }
     bump(self, LS_STALE_TOKENS, 1);
-    Py_RETURN_FALSE;
+    return Py_BuildValue("(KKO)", 0ull, 0ull, Py_False);
 }
 
-/* fail(key_hash, token, now) -> hold end, or -1 if the token's lease is not live.
+/* lease_of(key_hash, token, now) -> (expires, site_hash, permit), or None if the token's
+ * lease is not live. */
+static PyObject *
+Leases_lease_of(LeasesObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs("lease_of", nargs, 3) < 0) return NULL;
+    if (!self->held) return shm_released_error();
+    uint64_t h, s, tok, now;
+    int r = token_slot(self, args, &h, &s, &tok, &now);
+    if (r < 0) return NULL;
+    uint64_t w = r == 1 ? live_lease(self, h, s, tok, now) : 0;
+    if (w == 0) Py_RETURN_NONE;
+    uint64_t site;
+    int with_permit;
+    lease_site(self, s, tok, &site, &with_permit);
+    if (LOAD_SC(slot_word(self, s, SLOT_STATE)) != w) Py_RETURN_NONE;
+    return Py_BuildValue("(KKO)", (unsigned long long)W_TIME(w), (unsigned long long)site,
+                         with_permit ? Py_True : Py_False);
+}
+
+/* drop_permit(key_hash, token) -> bool: the lease no longer holds a permit (a renewal
+ * found its site full), so its result frees none. */
+static PyObject *
+Leases_drop_permit(LeasesObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs("drop_permit", nargs, 2) < 0) return NULL;
+    if (!self->held) return shm_released_error();
+    uint64_t h, token;
+    if (parse_hash(args[0], &h) < 0 || parse_u64(args[1], &token) < 0) return NULL;
+    uint64_t s = token >> 16, tok = token & 0xffffu;
+    if (s >= self->capacity || tok == 0) Py_RETURN_FALSE;
+    aword *hw = slot_word(self, s, SLOT_HOLD);
+    uint64_t hold = LOAD_SC(hw);
+    if ((hold >> 48) != tok || !(hold & HOLD_PERMIT)) Py_RETURN_FALSE;
+    return PyBool_FromLong(cas_word(hw, hold, hold & ~HOLD_PERMIT));
+}
+
+/* fail(key_hash, token, now) -> (hold end, expires, site_hash, permit); hold end -1 if
+ * the token's lease is not live (then nothing changed). The rest as complete's.
  *
  * A failed render is a result, but not one that should be retried at once: the lease
  * ends and the key is held back from now exactly as if the lease had expired
@@ -651,16 +722,20 @@ Leases_fail(LeasesObject *self, PyObject *const *args, Py_ssize_t nargs)
         uint64_t until = now + settled_hold(self, s, w);
         if (until > TIME_MAX) until = TIME_MAX;
         uint64_t nw = W_MAKE(PH_HELD, m, tok, until);
+        uint64_t site;
+        int with_permit;
+        lease_site(self, s, tok, &site, &with_permit);
         if (cas_word(slot_word(self, s, SLOT_STATE), w, nw)) {
             live_add(self, LS_LEASED, -1);
             bump(self, LS_COMPLETIONS, 1);
             atomic_fetch_add_explicit(&self->ctrl[LEASE_FAILURES], 1, memory_order_relaxed);
             if (until > now) count_hold(self, s, nw);
-            return PyLong_FromUnsignedLongLong(until);
+            return Py_BuildValue("(LKKO)", (long long)until, (unsigned long long)W_TIME(w),
+                                 (unsigned long long)site, with_permit ? Py_True : Py_False);
         }
     }
     bump(self, LS_STALE_TOKENS, 1);
-    return PyLong_FromLong(-1);
+    return Py_BuildValue("(LKKO)", -1ll, 0ull, 0ull, Py_False);
 }
 
 /* forgive(key_hash, now) -> slots released: an operator's "render now". Every hold of
@@ -977,22 +1052,26 @@ Leases_release(LeasesObject *self, PyObject *Py_UNUSED(ignored))
     if (self->held) {
         PyBuffer_Release(&self->view);
         self->held = 0;
-        self->ctrl = self->slots = self->tags = NULL;
+        self->ctrl = self->slots = self->tags = self->sites = NULL;
     }
     Py_RETURN_NONE;
 }
 
 static PyMethodDef Leases_methods[] = {
     {"grant", (PyCFunction)(void (*)(void))Leases_grant, METH_FASTCALL,
-     "grant($self, key_hash, now, lease_ms, cadence_ms, /)\n--\n\ngrant(key_hash, now, lease_ms, cadence_ms) -> (code, token, until)."},
+     "grant($self, key_hash, now, lease_ms, cadence_ms, site_hash, permit, /)\n--\n\ngrant(key_hash, now, lease_ms, cadence_ms, site_hash, permit) -> (code, token, until)."},
     {"holds", (PyCFunction)(void (*)(void))Leases_holds, METH_FASTCALL,
      "holds($self, key_hash, token, now, /)\n--\n\nholds(key_hash, token, now) -> bool."},
     {"renew", (PyCFunction)(void (*)(void))Leases_renew, METH_FASTCALL,
-     "renew($self, key_hash, token, now, lease_ms, /)\n--\n\nrenew(key_hash, token, now, lease_ms) -> new expiry, or -1."},
+     "renew($self, key_hash, token, now, lease_ms, expected, /)\n--\n\nrenew(key_hash, token, now, lease_ms, expected) -> new expiry, or -1."},
     {"complete", (PyCFunction)(void (*)(void))Leases_complete, METH_FASTCALL,
-     "complete($self, key_hash, token, now, /)\n--\n\ncomplete(key_hash, token, now) -> bool."},
+     "complete($self, key_hash, token, now, /)\n--\n\ncomplete(key_hash, token, now) -> (expires, site_hash, permit); expires 0 if not held."},
+    {"lease_of", (PyCFunction)(void (*)(void))Leases_lease_of, METH_FASTCALL,
+     "lease_of($self, key_hash, token, now, /)\n--\n\nlease_of(key_hash, token, now) -> (expires, site_hash, permit) or None."},
+    {"drop_permit", (PyCFunction)(void (*)(void))Leases_drop_permit, METH_FASTCALL,
+     "drop_permit($self, key_hash, token, /)\n--\n\ndrop_permit(key_hash, token) -> bool."},
     {"fail", (PyCFunction)(void (*)(void))Leases_fail, METH_FASTCALL,
-     "fail($self, key_hash, token, now, /)\n--\n\nfail(key_hash, token, now) -> hold end, or -1 if not held."},
+     "fail($self, key_hash, token, now, /)\n--\n\nfail(key_hash, token, now) -> (hold end or -1, expires, site_hash, permit)."},
     {"forgive", (PyCFunction)(void (*)(void))Leases_forgive, METH_FASTCALL,
      "forgive($self, key_hash, now, /)\n--\n\nforgive(key_hash, now) -> slots whose hold (or expired lease) was released."},
     {"state", (PyCFunction)(void (*)(void))Leases_state, METH_FASTCALL,
@@ -1017,7 +1096,7 @@ static PyTypeObject LeasesType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "shm._atomics.Leases",
     .tp_basicsize = sizeof(LeasesObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Leases(buffer, ctrl_offset, slots_offset, tags_offset, capacity)\n--\n\n"
+    .tp_doc = "Leases(buffer, ctrl_offset, slots_offset, tags_offset, sites_offset, capacity)\n--\n\n"
               "The lease table's hot paths.",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)Leases_init,
@@ -1041,7 +1120,7 @@ shm_leases_add(PyObject *m)
         "s_sweeps", "granted", "refused_taken", "refused_held", "refused_probe_full",
         "misses_max", "keep_misses_ms", "s_occupied", "s_leased", "s_held", "incarnation",
         "phase_mask", "phase_removing", "token_shift", "token_mask", "time_shift",
-        "failures", "forgiven", "secret_print",
+        "failures", "forgiven", "secret_print", "hold_permit_bit",
     };
     static const long lease_values[] = {
         LEASE_SWEEPER, LEASE_STRIPES, LEASE_CTRL_WORDS, SLOT_WORDS, PROBE, LS_GRANTS,
@@ -1050,7 +1129,7 @@ shm_leases_add(PyObject *m)
         LS_STALE_TOKENS, LS_SWEEPS, GRANTED, REFUSED_TAKEN, REFUSED_HELD, REFUSED_PROBE_FULL,
         MISSES_MAX, (long)KEEP_MISSES_MS, LS_OCCUPIED, LS_LEASED, LS_HELD, LEASE_INCARNATION,
         3, PH_REMOVING, 6, 0xffff, 22, /* the state word's fields: see W_MAKE */
-        LEASE_FAILURES, LEASE_FORGIVEN, LEASE_SECRET_PRINT,
+        LEASE_FAILURES, LEASE_FORGIVEN, LEASE_SECRET_PRINT, 47,
     };
     _Static_assert(sizeof(lease_keys) / sizeof(lease_keys[0]) ==
                        sizeof(lease_values) / sizeof(lease_values[0]),
