@@ -26,7 +26,14 @@ ratio holds on this shared, noisy machine.
   the median of the rounds' medians; both rings are checked to hold the same
   bytes;
 - rebuild: a fresh keeper loading the table from a real SqliteStore, by primary
-  key in chunks of 5,000, wall time (the store's walk included, and apart).
+  key in chunks of 5,000, wall time (the store's walk included, and apart);
+- sites: the same rows over 1,000 sites (the host `shop<i % 1000>.example.com`): memory
+  per held row, the full report's due rows per site (count_sites, the first 1,000
+  named), and publish 8,192 with the SiteTable's allowances (a vectorised stand-in:
+  the keeper's cost, not the table's) beside the same publish with none: asked with no
+  site capped, one site holding 60% of the rows capped at 0 (its key and the slack
+  published, the rest read past), and all 1,000 sites capped at 0 to 4 (fewer
+  publishable keys than 8,192, so every due row is read).
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import numpy as np
 
 from bench import report
@@ -53,10 +61,12 @@ from bench.peer_base import ROUTES, Workload, generate
 from keeper.classes import Classifier, ClassTable
 from keeper.config import KeeperConfig
 from keeper.core import KeeperCore
-from keeper.counts import count_queue
+from keeper.counts import count_queue, count_sites
 from keeper.publish import Publisher
 from keeper.select import select_best
+from keeper.state import SITES_LISTED, PublishStats
 from shm import LeaseTable, ReadyRing, key_hash, use_secret
+from shm.keys import site_hash
 from shm.segment import HEADER_BYTES, now_ms
 from store.rows import FeedEvent, Route, Row, RowEvent
 
@@ -360,6 +370,9 @@ def measure(n: int, quick: bool) -> dict[str, Any]:
     counts_ours = timed_ms(lambda: count_queue(core.queue, at), 20)
     counts_base = timed_ms(lambda: base.counts(at), 5)
 
+    report.progress(f"keeper: {n:,} rows: sites")
+    sites = measure_sites(rows, at)
+
     report.progress(f"keeper: {n:,} rows: rebuild from SQLite")
     rebuild = measure_rebuild(rows, at)
     return {
@@ -378,6 +391,7 @@ def measure(n: int, quick: bool) -> dict[str, Any]:
         "counts_min_ms": counts_ours[1],
         "counts_baseline_ms": counts_base[0],
         **publish,
+        **sites,
         **rebuild,
     }
 
@@ -469,6 +483,87 @@ def measure_publish_case(
         "blocked_ahead": new_select.blocked_ahead,
         "count": publisher.stats.last_count,
     }
+
+
+SITES = 1000
+SITE_CASES = (
+    ("asked", "allowances asked, none capped"),
+    ("dominant", "one site of 60% capped at 0"),
+    ("all", f"all {SITES:,} sites capped at 0-4"),
+)
+
+
+def on_sites(rows: list[Row], host_of: Callable[[int], str]) -> list[Row]:
+    return [
+        msgspec.structs.replace(r, key=r.key.replace("shop.example.com", host_of(i), 1))
+        for i, r in enumerate(rows)
+    ]
+
+
+def measure_sites(rows: list[Row], at: int) -> dict[str, Any]:
+    spread = on_sites(rows, lambda i: f"shop{i % SITES}.example.com")
+    built, held = traced_bytes(lambda: load_core(spread, at))
+    assert isinstance(built, KeeperCore)
+    core: KeeperCore = built
+    counts_ms = timed_ms(lambda: count_sites(core.queue, at, SITES_LISTED), 10)
+    rng = np.random.default_rng(17)
+    hosts = np.sort(
+        np.array([site_hash(f"shop{i}.example.com".encode()) for i in range(SITES)], np.uint64)
+    )
+    allowed = rng.integers(0, 5, SITES).astype(np.int64)
+    big = site_hash(b"big.example.com")
+
+    def uncapped(h: np.ndarray, now: int) -> np.ndarray:
+        return np.full(len(h), -1, dtype=np.int64)
+
+    def all_capped(h: np.ndarray, now: int) -> np.ndarray:
+        at_ = np.minimum(np.searchsorted(hosts, h), SITES - 1)
+        return np.where(hosts[at_] == h, allowed[at_], -1)
+
+    def big_capped(h: np.ndarray, now: int) -> np.ndarray:
+        return np.where(h == big, 0, -1).astype(np.int64)
+
+    out: dict[str, Any] = {
+        "sites_memory_b_per_row": held / len(rows),
+        "sites_counts_ms": counts_ms[0],
+    }
+    tag = uuid.uuid4().hex[:8]
+    leases = LeaseTable.create(f"/bksl{tag}", capacity=1 << 20)
+    ring = ReadyRing.create(f"/bksr{tag}", capacity=PUBLISH_K)
+    try:
+
+        def publish_ms(core: KeeperCore, allowances: Any) -> tuple[float, PublishStats]:
+            publisher = Publisher(core, ring, leases, KeeperConfig(best_k=PUBLISH_K))
+            publisher.site_allowances = allowances
+            publisher.publish(at)  # as at a node: the margin follows the last publish
+            rounds = [cpu_median_ms(lambda: publisher.publish(at), 30) for _ in range(3)]
+            return statistics.median(rounds), publisher.stats
+
+        out["sites_publish_none_ms"], _ = publish_ms(core, None)
+        for name, allowances in (("asked", uncapped), ("all", all_capped)):
+            ms, stats = publish_ms(core, allowances)
+            out[f"sites_publish_{name}_ms"] = ms
+            out[f"sites_publish_{name}_stats"] = msgspec.to_builtins(stats)
+        del core
+        gc.collect()
+        dominant_rng = random.Random(19)
+        dominant = on_sites(
+            rows,
+            lambda i: (
+                "big.example.com" if dominant_rng.random() < 0.6 else f"shop{i % SITES}.example.com"
+            ),
+        )
+        core = load_core(dominant, at)
+        out["sites_publish_dominant_none_ms"], _ = publish_ms(core, None)
+        ms, stats = publish_ms(core, big_capped)
+        out["sites_publish_dominant_ms"] = ms
+        out["sites_publish_dominant_stats"] = msgspec.to_builtins(stats)
+    finally:
+        ring.close()
+        ring.unlink()
+        leases.close()
+        leases.unlink()
+    return out
 
 
 def measure_rebuild(rows: list[Row], at: int) -> dict[str, float]:
@@ -616,6 +711,43 @@ def figures(result: report.SectionResult, m: dict[str, Any]) -> None:
                 f"{m[f'{p}_count']:,} published",
             )
         )
+    sites_table = f"keeper sites at {n:,} rows"
+    add(
+        report.Figure(
+            table=sites_table,
+            what=f"memory per held row, {SITES:,} sites",
+            unit="B/row",
+            ours=round(m["sites_memory_b_per_row"], 1),
+            peers={"one site": round(m["memory_b_per_row"], 1)},
+            note="a 4-byte site id a row, and a table of the sites held",
+        )
+    )
+    add(
+        report.Figure(
+            table=sites_table,
+            what=f"due rows per site, the first {SITES_LISTED:,} named",
+            unit="ms",
+            ours=round(m["sites_counts_ms"], 3),
+            note="count_sites at each full report (every 5 s); median of 10",
+        )
+    )
+    for name, label in SITE_CASES:
+        stats = m[f"sites_publish_{name}_stats"]
+        base = m[
+            "sites_publish_dominant_none_ms" if name == "dominant" else "sites_publish_none_ms"
+        ]
+        add(
+            report.Figure(
+                table=sites_table,
+                what=f"publish {PUBLISH_K:,}, {label}",
+                unit="ms",
+                ours=round(m[f"sites_publish_{name}_ms"], 3),
+                peers={"no allowances": round(base, 3)},
+                note=f"thread CPU, median of 3 rounds of 30; {stats['last_count']:,} published, "
+                f"{stats['last_site_skipped']:,} read past over {stats['last_sites_limited']:,} "
+                "site(s)' allowances",
+            )
+        )
     add(
         report.Figure(
             table=table,
@@ -653,6 +785,15 @@ def main(argv: list[str] | None = None) -> int:
         f"keeper publish at {n:,} rows/publish {PUBLISH_K:,}, {label}"
         for n in sizes
         for _, label in LEASED_SHARES
+    ]
+    result.promised += [
+        f"keeper sites at {n:,} rows/{w}"
+        for n in sizes
+        for w in (
+            f"memory per held row, {SITES:,} sites",
+            f"due rows per site, the first {SITES_LISTED:,} named",
+            *(f"publish {PUBLISH_K:,}, {label}" for _, label in SITE_CASES),
+        )
     ]
     for n in sizes:
         measured = measure(n, quick)
