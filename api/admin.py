@@ -2,6 +2,8 @@
 and the one admin action that is not a schedule write as such, "render now".
 
 None of these wait on the keeper: they read shared memory and point-read the store.
+Health, readiness, queue-state and overview read shared memory only; explain and render
+now, which call the store, are made on the worker's store lane (api.endpoints, api.lane).
 """
 
 from __future__ import annotations
@@ -163,6 +165,7 @@ def explain(node: Node, key: str) -> Explain:
             now=now,
             lease=builtins(lease),
         )
+    node.routes.refresh()
     routes = node.routes.routes()
     cls = classify(row, routes, node.routes.default_cadence_s)
     paused = node.routes.paused(row.route)

@@ -10,8 +10,10 @@ and hand back any gone, no longer due or on a paused route. A stale token change
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
-from typing import TYPE_CHECKING, Literal
+from collections.abc import Callable, Generator
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 from starlette.responses import Response
@@ -33,6 +35,7 @@ from api.status import NodeClaimStatus, claim_status, membership_lapsed, read_fe
 from keeper.ownership import winners
 from shm import Grant, key_hash
 from shm.segment import now_ms
+from store.rows import Row
 
 if TYPE_CHECKING:
     from api.node import Node
@@ -134,8 +137,51 @@ def _keep_owned(node: Node, granted: list[tuple[Lease, int, int]], now: int) -> 
     return kept
 
 
+# A store call the claim path needs made: a read, or the route book's refresh. The driver
+# makes it where the worker makes its store calls (api.lane) and sends back its value.
+StoreCall = Callable[[], Any]
+
+
 def grant_from_ring(node: Node, want: int, lease_ms: int) -> list[Lease]:
     """Grant up to `want` leases from the published ring; fewer if the ring runs dry.
+    The store is called in the caller's thread (`grant`: the event loop's way)."""
+    steps = _granting(node, want, lease_ms)
+    try:
+        call = next(steps)
+        while True:
+            try:
+                value = call()
+            except BaseException as exc:
+                call = steps.throw(exc)
+            else:
+                call = steps.send(value)
+    except StopIteration as done:
+        leases: list[Lease] = done.value
+        return leases
+
+
+async def grant(node: Node, want: int, lease_ms: int) -> list[Lease]:
+    """`grant_from_ring` on the event loop: only a claim that must touch the store (a stale
+    route book, a row to read) hops to the worker's store lane and back, and then only for
+    that call; on SQLite the calls stay on the loop (api.lane)."""
+    lane = node.lane
+    steps = _granting(node, want, lease_ms)
+    try:
+        call = next(steps)
+        while True:
+            try:
+                value = call() if lane.hot_inline else await lane.call(call)
+            except BaseException as exc:  # a cancelled claim hands its leases back too
+                call = steps.throw(exc)
+            else:
+                call = steps.send(value)
+    except StopIteration as done:
+        leases: list[Lease] = done.value
+        return leases
+
+
+def _granting(node: Node, want: int, lease_ms: int) -> Generator[StoreCall, Any, list[Lease]]:
+    """The claim, yielding each store call it needs made and taking back its value.
 
     Grant first, then check. The grant's hold cap is the cadence the entry was published
     with (its class's, as of that publish). A completion commits its row and stamps its
@@ -146,86 +192,102 @@ def grant_from_ring(node: Node, want: int, lease_ms: int) -> list[Lease]:
     the grant is the one trusted: a key that is gone, no longer due or on a paused route
     is handed back instead of granted twice. Entries published without a cadence (0)
     are read once before their grant too, to learn it.
+
+    A store call that fails (the store unavailable, the claim cancelled) hands back every
+    lease the claim took before it is raised: none was answered, so nobody renders them.
     """
     ring, store, leases, routes, marks = node.ring, node.store, node.leases, node.routes, node.marks
     # (lease, key hash, token): a cluster's node checks ownership after its CASes.
     granted: list[tuple[Lease, int, int]] = []
+    held: list[tuple[str, int, int, int]] = []  # key, key hash, token, lease expiry
     clustered = node.settings.clustered
-    while len(granted) < want:
-        # Read before the claim: the entries come from this generation or a later one,
-        # whose view is no older (so the check below can only be too careful).
-        view = 0 if marks is None else marks.view_of(ring.generation)
-        entries = ring.claim(want - len(granted))
-        if not entries:
-            break
-        if view and marks is not None:
-            marks.refresh_classes()
-        now = now_ms()
-        unknown = [entry.key.decode() for entry in entries if not entry.cadence_s]
-        before = store.get_many(unknown) if unknown else {}
-        held: list[tuple[str, int, int, int]] = []  # key, key hash, token, lease expiry
-        answered = 0
-        for entry in entries:
-            key = entry.key.decode()
-            cadence_s: int | None = entry.cadence_s
-            if not cadence_s:
-                row = before.get(key)
-                # Gone, or rendered since the keeper published it: not claimable now.
-                if row is None or row.next_render_at > now:
-                    continue
-                cadence_s = routes.grant_cadence_s(row)
-                if cadence_s is None:
-                    continue
-            outcome = leases.grant(entry.key_hash, now, lease_ms, cadence_s * 1000)
-            if type(outcome) is not Grant:
-                continue
-            named = (
-                marks.class_of(entry.class_id)
-                if marks is not None
-                and entry.cadence_s
-                and marks.unwritten_since(entry.key_hash, view)
-                else None
+    try:
+        while len(granted) < want:
+            if not routes.fresh:
+                yield routes.refresh
+            # Read before the claim: the entries come from this generation or a later one,
+            # whose view is no older (so the check below can only be too careful).
+            view = 0 if marks is None else marks.view_of(ring.generation)
+            entries = ring.claim(want - len(granted))
+            if not entries:
+                break
+            if view and marks is not None:
+                marks.refresh_classes()
+            now = now_ms()
+            unknown = [entry.key.decode() for entry in entries if not entry.cadence_s]
+            before: dict[str, Row] = (
+                (yield functools.partial(store.get_many, unknown)) if unknown else {}
             )
-            if named is not None and not routes.paused(named[0]):
-                answered += 1
+            answered = 0
+            for entry in entries:
+                key = entry.key.decode()
+                cadence_s: int | None = entry.cadence_s
+                if not cadence_s:
+                    row = before.get(key)
+                    # Gone, or rendered since the keeper published it: not claimable now.
+                    if row is None or row.next_render_at > now:
+                        continue
+                    cadence_s = routes.grant_cadence_s(row)
+                    if cadence_s is None:
+                        continue
+                outcome = leases.grant(entry.key_hash, now, lease_ms, cadence_s * 1000)
+                if type(outcome) is not Grant:
+                    continue
+                named = (
+                    marks.class_of(entry.class_id)
+                    if marks is not None
+                    and entry.cadence_s
+                    and marks.unwritten_since(entry.key_hash, view)
+                    else None
+                )
+                if named is not None and not routes.paused(named[0]):
+                    answered += 1
+                    lease = Lease(
+                        key=key,
+                        token=format_token(node, outcome.token),
+                        route=named[0],
+                        due_at=entry.due_at,
+                        lease_expires_at=outcome.expires_at,
+                        sitemap=named[1],
+                        cadence_s=entry.cadence_s,
+                        node=node.settings.node if clustered else None,
+                        lease_ms=outcome.expires_at - now,
+                    )
+                    granted.append((lease, entry.key_hash, outcome.token))
+                    continue
+                held.append((key, entry.key_hash, outcome.token, outcome.expires_at))
+            if marks is not None:
+                marks.count_claimed(answered, len(held))
+            if not held:
+                continue
+            rows: dict[str, Row] = yield functools.partial(
+                store.get_many, [key for key, _, _, _ in held]
+            )
+            reading, held = held, []
+            for key, hashed, token, expires_at in reading:
+                row = rows.get(key)
+                cadence_s = None if row is None else routes.grant_cadence_s(row)
+                if row is None or row.next_render_at > now or cadence_s is None:
+                    # Hand it back: ending the lease is not a missed render.
+                    leases.complete(hashed, token, now)
+                    continue
                 lease = Lease(
                     key=key,
-                    token=format_token(node, outcome.token),
-                    route=named[0],
-                    due_at=entry.due_at,
-                    lease_expires_at=outcome.expires_at,
-                    sitemap=named[1],
-                    cadence_s=entry.cadence_s,
+                    token=format_token(node, token),
+                    route=row.route,
+                    due_at=row.next_render_at,
+                    lease_expires_at=expires_at,
+                    sitemap=row.sitemap,
+                    cadence_s=cadence_s,
                     node=node.settings.node if clustered else None,
-                    lease_ms=outcome.expires_at - now,
+                    lease_ms=expires_at - now,
                 )
-                granted.append((lease, entry.key_hash, outcome.token))
-                continue
-            held.append((key, entry.key_hash, outcome.token, outcome.expires_at))
-        if marks is not None:
-            marks.count_claimed(answered, len(held))
-        if not held:
-            continue
-        rows = store.get_many([key for key, _, _, _ in held])
-        for key, hashed, token, expires_at in held:
-            row = rows.get(key)
-            cadence_s = None if row is None else routes.grant_cadence_s(row)
-            if row is None or row.next_render_at > now or cadence_s is None:
-                # Hand it back: ending the lease is not a missed render.
-                leases.complete(hashed, token, now)
-                continue
-            lease = Lease(
-                key=key,
-                token=format_token(node, token),
-                route=row.route,
-                due_at=row.next_render_at,
-                lease_expires_at=expires_at,
-                sitemap=row.sitemap,
-                cadence_s=cadence_s,
-                node=node.settings.node if clustered else None,
-                lease_ms=expires_at - now,
-            )
-            granted.append((lease, hashed, token))
+                granted.append((lease, hashed, token))
+    except BaseException:
+        now = now_ms()
+        for hashed, token in [(h, t) for _, h, t in granted] + [(h, t) for _, h, t, _ in held]:
+            leases.complete(hashed, token, now)
+        raise
     return _keep_owned(node, granted, now_ms()) if granted else []
 
 
@@ -247,11 +309,11 @@ async def claim(node: Node, request: ClaimRequest) -> ClaimResponse | Response:
     check_lease_s(node, request.lease_s)
     lease_ms = lease_ms_of(node, request.lease_s)
     deadline = time.monotonic() + request.wait_s
-    leases = grant_from_ring(node, request.max, lease_ms)
+    leases = await grant(node, request.max, lease_ms)
     # Long poll: nothing was claimable, so wait for the keeper's next publish (a new ring
     # generation) and try again, until something is granted or the wait is over.
     while not leases and await next_publish(node, deadline):
-        leases = grant_from_ring(node, request.max, lease_ms)
+        leases = await grant(node, request.max, lease_ms)
     kind: Literal["ready", "draining"] = "draining" if status.status == "draining" else "ready"
     if not leases:
         # Said as of now: a set that drained during this claim, or a keeper that stopped

@@ -76,14 +76,16 @@ class ClusterLink:
 
     # -- the member list -----------------------------------------------------------------
 
-    def live(self, max_age_s: float = MEMBERS_MAX_AGE_S) -> list[NodeRecord]:
-        """The live nodes, by name; a single node is the only one."""
+    async def live(self, max_age_s: float = MEMBERS_MAX_AGE_S) -> list[NodeRecord]:
+        """The live nodes, by name; a single node is the only one. The list is read on the
+        worker's store lane (api.lane)."""
         settings = self.node.settings
         if not settings.clustered:
             return [self._myself()]
         if time.monotonic() - self._read_at > max_age_s:
             read: Callable[[float], list[NodeRecord]] = self.node.store.nodes  # type: ignore[attr-defined]
-            self._records = [r for r in read(settings.node_ttl_s) if r.live]
+            records = await self.node.lane.call(lambda: read(settings.node_ttl_s))
+            self._records = [r for r in records if r.live]
             self._read_at = time.monotonic()
         return self._records
 
@@ -103,17 +105,18 @@ class ClusterLink:
             max_lease_ms=self.node.settings.max_lease_s * 1000,
         )
 
-    def url_of(self, name: str) -> str | None:
+    async def url_of(self, name: str) -> str | None:
         """A live node's URL; the list is re-read once when the name is not in it (it may
         have just joined)."""
         for max_age in (MEMBERS_MAX_AGE_S, 0.0):
-            for record in self.live(max_age):
+            for record in await self.live(max_age):
                 if record.node == name:
                     return record.url.rstrip("/")
         return None
 
-    def members(self) -> ClusterNodes:
+    async def members(self) -> ClusterNodes:
         settings = self.node.settings
+        live = await self.live()
         return ClusterNodes(
             node=settings.node,
             clustered=settings.clustered,
@@ -126,7 +129,7 @@ class ClusterLink:
                     heartbeat_age_ms=r.heartbeat_age_ms,
                     answering=r.node == settings.node,
                 )
-                for r in self.live()
+                for r in live
             ],
         )
 
@@ -215,7 +218,7 @@ class ClusterLink:
                 "has its URL)"
             )
             return [refuse(key_of(item), LEASE_NOT_HELD, detail) for item in group]
-        url = self.url_of(owner) if self.node.settings.clustered else None
+        url = await self.url_of(owner) if self.node.settings.clustered else None
         if url is None:
             detail = (
                 f"granted by node {owner!r}, which is not a live member of this cluster: "
@@ -314,7 +317,7 @@ class ClusterLink:
         from api.admin import queue_state_document
 
         settings = self.node.settings
-        members = self.live()
+        members = await self.live()
         names = sorted(r.node for r in members)
 
         async def ask(record: NodeRecord) -> NodeAnswer:

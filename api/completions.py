@@ -9,9 +9,12 @@ thread, and the worker would serve nothing meanwhile: no claims, no other comple
 `CompletionQueue` tries the lock without waiting; when it is held, the request waits with
 `asyncio.sleep`, the worker goes on serving, and completions that arrive meanwhile join
 the next attempt: one transaction for all of them, each request answered with its own
-results. The store call stays on the loop's thread rather than a worker thread, because
-a thread hop costs every completion a GIL handoff each way
-(docs/decisions/0001-completions-on-the-event-loop.md).
+results. On SQLite the store call stays on the loop's thread rather than a worker thread,
+because a thread hop costs every completion a GIL handoff each way
+(docs/decisions/0001-completions-on-the-event-loop.md). On PostgreSQL every call is a
+round trip that a silent server holds until the store's deadline, so each attempt is
+made on the worker's store lane (api.lane), whole (lease checks, the write, its stamp,
+the releases): completions that arrive while one is in flight join the next attempt.
 """
 
 from __future__ import annotations
@@ -102,7 +105,9 @@ def check(request: CompletionsRequest) -> None:
 
 class CompletionQueueStatistics(msgspec.Struct, frozen=True, kw_only=True):
     requests: int  # completion requests answered
-    waited: int  # requests that found the write lock held and waited on the event loop
+    # Requests that waited on the event loop for the write lock (on SQLite: queued behind
+    # one that found it held; on the store lane: were in an attempt that found it held).
+    waited: int
     joined: int  # requests committed in a transaction with another request's items
     transactions: int  # store transactions that committed completions
     busy_attempts: int  # attempts that found the lock held
@@ -113,6 +118,7 @@ class CompletionQueueStatistics(msgspec.Struct, frozen=True, kw_only=True):
 class _Waiting:
     request: CompletionsRequest
     done: asyncio.Future[ItemResults]
+    busy: bool = False  # an attempt with it found the lock held (counted in `waited`)
 
 
 @dataclass(eq=False)
@@ -132,7 +138,8 @@ class CompletionQueue:
 
     async def complete(self, request: CompletionsRequest) -> ItemResults:
         check(request)
-        if not self._waiting:  # else it joins the queue behind the others
+        inline = self.node.lane.hot_inline
+        if inline and not self._waiting:  # else it joins the queue behind the others
             try:
                 (results,) = apply(self.node, [request], wait=False)
             except StoreBusy:
@@ -141,33 +148,48 @@ class CompletionQueue:
                 self._requests += 1
                 self._transactions += 1
                 return results
-        self._waited += 1
+        if inline:
+            self._waited += 1
         waiting = _Waiting(request, asyncio.get_running_loop().create_future())
         self._waiting.append(waiting)
         if self._drainer is None:
-            self._drainer = asyncio.create_task(self._drain())
+            # On the lane the first attempt goes at once; on the loop it follows a failed one.
+            first = FIRST_BACKOFF_S if inline else 0.0
+            self._drainer = asyncio.create_task(self._drain(first))
         return await waiting.done
 
-    async def _drain(self) -> None:
+    async def _attempt(self, requests: list[CompletionsRequest]) -> list[ItemResults]:
+        node = self.node
+        if node.lane.hot_inline:
+            return apply(node, requests, wait=False)
+        return await node.lane.call(lambda: apply(node, requests, wait=False))
+
+    async def _drain(self, backoff: float) -> None:
         """Commit every waiting request, oldest first, all together once the lock is free."""
-        backoff = FIRST_BACKOFF_S
         deadline = time.monotonic() + self.busy_timeout_s
+        settled = FIRST_BACKOFF_S if self.node.lane.hot_inline else 0.0
         try:
             while self._waiting:
-                await asyncio.sleep(backoff)
+                if backoff:
+                    await asyncio.sleep(backoff)
                 batch = [w for w in self._waiting if not w.done.cancelled()]
                 self._waiting = []
                 if not batch:
                     continue
                 try:
-                    answers = apply(self.node, [w.request for w in batch], wait=False)
+                    answers = await self._attempt([w.request for w in batch])
                 except StoreBusy as exc:
                     self._busy_attempts += 1
-                    self._waiting = batch + self._waiting  # none arrived: no await since
+                    if not self.node.lane.hot_inline:  # on the loop, counted as they queued
+                        self._waited += sum(1 for w in batch if not w.busy)
+                        for w in batch:
+                            w.busy = True
+                    # Before any that arrived meanwhile (on the lane, some may have).
+                    self._waiting = batch + self._waiting
                     if time.monotonic() >= deadline:
                         self._fail(exc)
                         return
-                    backoff = min(backoff * 2, MAX_BACKOFF_S)
+                    backoff = min(max(backoff * 2, FIRST_BACKOFF_S), MAX_BACKOFF_S)
                     continue
                 except Exception as exc:  # the store failed: every request in it hears so
                     for waiting in batch:
@@ -181,7 +203,7 @@ class CompletionQueue:
                     self._requests += 1
                     if not waiting.done.done():
                         waiting.done.set_result(answer)
-                backoff = FIRST_BACKOFF_S
+                backoff = settled
                 deadline = time.monotonic() + self.busy_timeout_s
         finally:
             self._drainer = None

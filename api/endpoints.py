@@ -96,6 +96,17 @@ class Endpoint:
         return inspect.iscoroutinefunction(self.run)
 
 
+def on_lane(run: Callable[[Call], Any]) -> Callable[[Call], Awaitable[Any]]:
+    """An endpoint whose handler calls the store, made whole on the worker's store lane
+    (api.lane): the event loop goes on serving while it waits. Such a handler touches no
+    asyncio object, and stamps its writes on the lane, where they were made."""
+
+    async def run_on_lane(call: Call) -> Any:
+        return await call.node.lane.call(lambda: run(call))
+
+    return run_on_lane
+
+
 async def _claim(call: Call) -> ClaimResponse | Response:
     return await claims.claim(call.node, call.body)
 
@@ -113,6 +124,10 @@ async def _complete(call: Call) -> ItemResults:
 
 async def _renew(call: Call) -> RenewResults:
     return await call.node.cluster.renew(call.body, *_forwarding(call))
+
+
+async def _members(call: Call) -> ClusterNodes:
+    return await call.node.cluster.members()
 
 
 async def _cluster_queue_state(call: Call) -> Response:
@@ -160,7 +175,7 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         "discover",
         "The live nodes (name, URL, start, heartbeat age) from the cluster's member list; a "
         "single node lists itself. The fleet finds every node from any one.",
-        lambda call: call.node.cluster.members(),
+        _members,
         response=ClusterNodes,
     ),
     Endpoint(
@@ -168,7 +183,7 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         "/v1/schedule",
         "admin",
         "Upsert and delete rows, all or nothing; `next_render_at` defaults to now.",
-        lambda call: schedule.write(call.node, call.body),
+        on_lane(lambda call: schedule.write(call.node, call.body)),
         body=ScheduleRequest,
         response=ScheduleResult,
         writes_store=True,
@@ -189,7 +204,7 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         "/v1/schedule",
         "read",
         "One row by key.",
-        lambda call: schedule.get_row(call.node, call.params["key"]),
+        on_lane(lambda call: schedule.get_row(call.node, call.params["key"])),
         response=Row,
         query=(Param("key", "the row's key", Key, check_key),),
         errors=(404,),
@@ -199,7 +214,7 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         "/v1/routes",
         "read",
         "Every route with its default cadence and pause flag, and the global default.",
-        lambda call: schedule.routes(call.node),
+        on_lane(lambda call: schedule.routes(call.node)),
         response=Routes,
     ),
     Endpoint(
@@ -207,7 +222,7 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         "/v1/routes/{route}",
         "admin",
         "Set or clear (`default_cadence_s: null`) a route's default cadence; pause or resume it.",
-        lambda call: schedule.set_route(call.node, call.params["route"], call.body),
+        on_lane(lambda call: schedule.set_route(call.node, call.params["route"], call.body)),
         body=RouteUpdate,
         response=Route,
         writes_store=True,
@@ -218,7 +233,7 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         "/v1/settings",
         "admin",
         "Set the global default cadence (used when neither row nor route has one).",
-        lambda call: schedule.set_settings(call.node, call.body),
+        on_lane(lambda call: schedule.set_settings(call.node, call.body)),
         body=SettingsUpdate,
         response=NodeSettings,
         writes_store=True,
@@ -250,7 +265,7 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         "/prerender_admin/explain",
         "read",
         "A key's row, class, rank, lease and hold state, and why it is or is not claimed.",
-        lambda call: admin.explain(call.node, call.params["key"]),
+        on_lane(lambda call: admin.explain(call.node, call.params["key"])),
         response=Explain,
         query=(Param("key", "the row's key", Key, check_key),),
     ),
@@ -260,7 +275,7 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         "admin",
         "Make a key due now and end any hold on it (failures or unanswered leases); a live "
         "lease is left to end. Answers the key's explain.",
-        lambda call: admin.render_now(call.node, call.body),
+        on_lane(lambda call: admin.render_now(call.node, call.body)),
         body=RenderNow,
         response=Explain,
         writes_store=True,

@@ -339,6 +339,33 @@ def _worker_metrics(out: Exposition, reports: dict[int, WorkerReport], now: int)
             lambda r: r.completions.timed_out,
         ),
         (
+            "renderqueue_store_lane_pending",
+            "gauge",
+            "Store calls the worker has queued or running on its store lane, the one thread "
+            "that makes them off the event loop.",
+            lambda r: None if r.lane is None else r.lane.pending,
+        ),
+        (
+            "renderqueue_store_lane_running_seconds",
+            "gauge",
+            "How long the store call the worker's lane is making now has waited (0: none): "
+            "a store that stopped answering shows here first.",
+            lambda r: None if r.lane is None else r.lane.running_s,
+        ),
+        (
+            "renderqueue_store_lane_calls_total",
+            "counter",
+            "Store calls the worker's lane made.",
+            lambda r: None if r.lane is None else r.lane.calls,
+        ),
+        (
+            "renderqueue_store_lane_shed_total",
+            "counter",
+            "Store calls answered 503 untried: queued behind a call that found the store "
+            "unavailable.",
+            lambda r: None if r.lane is None else r.lane.shed,
+        ),
+        (
             "renderqueue_sqlite_busy_retries_total",
             "counter",
             "Write transactions tried again because another process held SQLite's write lock.",

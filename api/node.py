@@ -1,9 +1,11 @@
 """What a worker hands the API: its settings and its handles on the node's shared state.
 
-One `Node` per worker process. Its store is used only from the event loop's thread: the
-calls are sub-millisecond point reads and short writes, and a thread-pool hop would cost
-more than the call itself. Completions wait for the write lock on the loop, not in the
-store (api.completions).
+One `Node` per worker process. No request waits on its store on the event loop: store
+calls are made on the worker's store lane (api.lane), one thread, so a store that stops
+answering holds only the requests that need it, never `/healthz`, `/readyz` or
+`/metrics`. On SQLite the claim path's reads and the completions stay on the loop, where
+they take microseconds and a thread hop would cost more than the call; completions wait
+for the write lock on the loop, not in the store (api.completions).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import msgspec
 
 from api.cluster import ClusterLink
 from api.completions import CompletionQueue
+from api.lane import StoreLane
 from api.routebook import RouteBook
 from keeper.state import KeeperStatistics, decode_keeper_statistics
 from shm import LeaseTable, ReadyRing, StateBuffer, key_hashes
@@ -66,6 +69,8 @@ class Node:
     keeper_statistics: StateBuffer | None = None  # written by the keeper (worker 0's thread)
     # Without them every granted row is read back (tests that build a bare node).
     marks: WriteMarks | None = None
+    # Where its store calls are made; a worker opens its store on it (api.lane).
+    lane: StoreLane = field(default_factory=StoreLane)
     routes: RouteBook = field(init=False)
     completions: CompletionQueue = field(init=False)
     cluster: ClusterLink = field(init=False)  # the member list and the peers' client
@@ -73,6 +78,7 @@ class Node:
     own_census: tuple[int, dict[str, Any]] | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
+        self.lane.hot_inline = not self.store.remote
         self.routes = RouteBook(self.store)
         self.completions = CompletionQueue(self)
         self.cluster = ClusterLink(self)
@@ -91,8 +97,9 @@ class Node:
             return None
 
     def stamp_written(self, hashes: Sequence[int]) -> None:
-        """Mark keys as written by this worker's last commit (shm.marks): after the commit,
-        before the write is answered or its lease released."""
+        """Mark keys as written by this thread's last commit (shm.marks): after the commit,
+        before the write is answered or its lease released. On the thread that wrote: a
+        store's write position is its own thread's (api.lane)."""
         if self.marks is not None and hashes:
             self.marks.stamp(hashes, self.store.write_position)
 

@@ -1,7 +1,7 @@
 """What a worker tells its supervisor of itself, about once a second: the counts only its
-own process holds (its store object's writes, its completion queue). The supervisor keeps
-each worker's latest report in its shared record, so any worker can serve every worker's
-counts on `/metrics`, and a scrape does not depend on which worker answers it.
+own process holds (its store object's writes, its completion queue, its store lane). The
+supervisor keeps each worker's latest report in its shared record, so any worker can serve
+every worker's counts on `/metrics`, and a scrape does not depend on which worker answers it.
 
 A report travels as one line on the worker's status pipe (`report ` and its JSON). It is
 written whole or not at all: under PIPE_BUF bytes a pipe write is atomic, and the pipe is
@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from api.completions import CompletionQueueStatistics
+from api.lane import LaneStatistics
 from shm.segment import now_ms
 from store.base import StoreCounters
 
@@ -34,6 +35,7 @@ class WorkerReport(msgspec.Struct, frozen=True, kw_only=True):
     written_at: int  # ms since the epoch
     store: StoreCounters
     completions: CompletionQueueStatistics
+    lane: LaneStatistics | None = None  # its store lane (api.lane); None from older builds
 
 
 def worker_report(node: Node) -> WorkerReport:
@@ -48,6 +50,7 @@ def worker_report(node: Node) -> WorkerReport:
         written_at=now_ms(),
         store=store,
         completions=node.completions.statistics(),
+        lane=node.lane.statistics(),
     )
 
 

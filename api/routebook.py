@@ -4,11 +4,19 @@ Every grant needs the row's effective cadence (the lease table's hold cap) and w
 route is paused; reading the routes table per claim would cost more than the claim. A
 route change made through this worker is seen at once, one made elsewhere within a second,
 and the keeper stops publishing a paused route's keys on its own within its publish period.
+
+Reading the book never reads the store: whoever uses it makes it fresh first (`refresh`,
+a store call, made where the worker makes its store calls: api.lane), so a claim on the
+event loop never waits on the store unless the book is stale. A book is the result of one
+reload, replaced whole, so a reader on another thread sees one reload's routes and default
+together; a reload that began before an `invalidate` does not count as fresh.
 """
 
 from __future__ import annotations
 
 import time
+
+import msgspec
 
 from keeper.classes import effective_cadence_s
 from store.base import ScheduleStore
@@ -17,59 +25,74 @@ from store.rows import Route, Row
 TTL_S = 1.0
 
 
+class _Book(msgspec.Struct, frozen=True):
+    routes: dict[str, Route]
+    default_cadence_s: int
+    loaded_at: float  # monotonic, when its reload began
+    generation: int  # the book's generation when its reload began
+
+
 class RouteBook:
     def __init__(self, store: ScheduleStore, ttl_s: float = TTL_S) -> None:
         self._store = store
         self._ttl_s = ttl_s
-        self._routes: dict[str, Route] = {}
-        self._default_cadence_s = 0
-        self._loaded_at = -1e18
+        self._generation = 0  # raised by every invalidate()
+        self._book = _Book({}, 0, -1e18, -1)
 
-    def _fresh(self) -> None:
-        if time.monotonic() - self._loaded_at >= self._ttl_s:
+    @property
+    def fresh(self) -> bool:
+        """Loaded within the TTL, and since the last invalidate()."""
+        book = self._book
+        return book.generation == self._generation and time.monotonic() - book.loaded_at < (
+            self._ttl_s
+        )
+
+    def refresh(self) -> None:
+        """Reload unless fresh: a store call (module note)."""
+        if not self.fresh:
             self.reload()
 
     def reload(self) -> None:
-        self._routes = {route.route: route for route in self._store.routes()}
-        self._default_cadence_s = self._store.default_cadence_s()
-        self._loaded_at = time.monotonic()
+        generation = self._generation
+        began = time.monotonic()
+        routes = {route.route: route for route in self._store.routes()}
+        default_cadence_s = self._store.default_cadence_s()
+        self._book = _Book(routes, default_cadence_s, began, generation)
 
     def invalidate(self) -> None:
-        self._loaded_at = -1e18
+        """A route or the default changed through this worker: the next use reloads."""
+        self._generation += 1
 
     def route(self, name: str) -> Route | None:
-        self._fresh()
-        return self._routes.get(name)
+        return self._book.routes.get(name)
 
     def routes(self) -> dict[str, Route]:
-        self._fresh()
-        return self._routes
+        return self._book.routes
 
     @property
     def default_cadence_s(self) -> int:
-        self._fresh()
-        return self._default_cadence_s
+        return self._book.default_cadence_s
 
     def paused(self, route: str) -> bool:
-        found = self.route(route)
+        found = self._book.routes.get(route)
         return found is not None and found.paused
 
     def grant_cadence_s(self, row: Row) -> int | None:
         """The row's effective cadence, or None while its route is paused (no grant)."""
-        self._fresh()
-        route = self._routes.get(row.route)
+        book = self._book
+        route = book.routes.get(row.route)
         if route is not None and route.paused:
             return None
         if row.cadence_s is not None:
             return row.cadence_s
         if route is not None and route.default_cadence_s is not None:
             return route.default_cadence_s
-        return self._default_cadence_s
+        return book.default_cadence_s
 
     def cadence_s(self, row: Row) -> int:
         """The row's own cadence, else its route's default, else the global default."""
-        self._fresh()
+        book = self._book
         cadence_s, _ = effective_cadence_s(
-            row.route, row.cadence_s, self._routes, self._default_cadence_s
+            row.route, row.cadence_s, book.routes, book.default_cadence_s
         )
         return cadence_s

@@ -177,6 +177,14 @@ class Subscription(Protocol):
 
 
 class ScheduleStore(Protocol):
+    @property
+    def remote(self) -> bool:
+        """True when every call is a round trip to a server, which a server or network gone
+        silent holds until the store's deadline (PostgreSQL); False when a call waits only
+        on this machine: its disk, and a writer's wait for the write lock, which
+        `complete(wait=False)` does not make (SQLite)."""
+        ...
+
     def write(self, upsert: Sequence[RowWrite] = (), delete: Sequence[str] = ()) -> None:
         """All or nothing, in one transaction; each written row's version increases."""
         ...

@@ -310,6 +310,7 @@ class ThreadNode:
         self.server.should_exit = True
         self._thread.join(30)
         self.sock.close()
+        self.node.lane.close(30)
         self.store.close()
         self.segments.close()
         self.segments.unlink()
@@ -496,20 +497,18 @@ def local_node(db: Path | str, *, marks: bool = False) -> Iterator[tuple[Any, An
         SegmentNames.for_instance(unique("tc")), ring_entries=64, lease_slots=1024
     )
     store = open_store(str(db))
+    node = Node(
+        settings=ApiSettings(node="t", instance="t"),
+        store=store,
+        ring=segments.ring,
+        leases=segments.leases,
+        state=segments.state,
+        marks=segments.marks if marks else None,
+    )
     try:
-        yield (
-            Node(
-                settings=ApiSettings(node="t", instance="t"),
-                store=store,
-                ring=segments.ring,
-                leases=segments.leases,
-                state=segments.state,
-                marks=segments.marks if marks else None,
-            ),
-            store,
-            segments,
-        )
+        yield node, store, segments
     finally:
+        node.lane.close(30)
         store.close()
         segments.close()
         segments.unlink()

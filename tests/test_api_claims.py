@@ -3,11 +3,12 @@ first publish, long polls, and eight processes racing through two workers."""
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import pytest
@@ -396,6 +397,46 @@ def test_a_result_landing_between_read_and_grant_is_not_granted_again(tmp_path: 
         store.close()
         segments.close()
         segments.unlink()
+
+
+@pytest.mark.parametrize("on_lane", [False, True], ids=["inline", "on_lane"])
+def test_a_claim_whose_store_read_fails_hands_back_every_lease_it_took(
+    tmp_path: Path, on_lane: bool
+) -> None:
+    """Leases are granted before the rows are read; a read that fails (the store
+    unavailable: the claim answers 503) hands them all back, since none was answered. They
+    are not left to run out unanswered, which would hold the keys back after."""
+    from api.claims import grant, grant_from_ring
+    from shm import key_hash
+    from store.errors import StoreUnavailable
+
+    db = node_db(tmp_path)
+    keys = seed_rows(db, 4)
+    with local_node(db) as (node, store, segments):  # no marks: every grant is read
+
+        class Unavailable:
+            def __getattr__(self, name: str) -> Any:
+                return getattr(store, name)
+
+            def get_many(self, keys: Any) -> Any:
+                raise StoreUnavailable("get_many: no answer from the server")
+
+        publish_with_cadence(node, keys, 3600)
+        node.store = cast(Any, Unavailable())
+        node.lane.hot_inline = not on_lane
+        with pytest.raises(StoreUnavailable):
+            if on_lane:
+                asyncio.run(grant(node, 10, 60_000))
+            else:
+                grant_from_ring(node, 10, 60_000)
+        assert node.lane.statistics().calls == (2 if on_lane else 0)  # routes, then rows
+        now = now_ms()
+        for key in keys:
+            state = segments.leases.state(key_hash(key.encode()), now)
+            assert not state.leased and not state.held, key
+        node.store = store
+        publish_with_cadence(node, keys, 3600)  # the failed claim took the ring's entries
+        assert sorted(lease.key for lease in grant_from_ring(node, 10, 60_000)) == keys
 
 
 def test_an_entry_rendered_since_its_publish_is_handed_back(tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ import pytest
 from node_harness import node_db, seed_rows, thread_node
 
 from api.completions import CompletionQueueStatistics
+from api.lane import StoreLane
 from api.node import Node
 from api.report import (
     MAX_REASON_CHARS,
@@ -124,7 +125,7 @@ def test_a_long_disk_error_is_cut_so_the_report_still_goes() -> None:
         def statistics(self) -> CompletionQueueStatistics:
             return a_report().completions
 
-    node = cast(Node, SimpleNamespace(store=Store(), completions=Completions()))
+    node = cast(Node, SimpleNamespace(store=Store(), completions=Completions(), lane=StoreLane()))
     report = worker_report(node)
     reason = report.store.writability.reason
     assert len(reason) == MAX_REASON_CHARS and reason.endswith("…")

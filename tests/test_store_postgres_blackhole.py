@@ -259,3 +259,124 @@ def test_a_node_answers_health_and_metrics_through_a_blackhole_and_claims_after(
         assert all(s < BOUND_S for s in slowest.values()), (slowest, statuses)
         assert noticed, "the node never gave up on a store connection in the blackhole"
         wait_for(claimed, 60, "a claim with leases after the heal", 0.2)
+
+
+class Pending:
+    """A POST sent on a connection of its own, answered in a thread: `done` is set the
+    moment its answer arrives."""
+
+    def __init__(self, node: Any, path: str, body: dict[str, Any]) -> None:
+        self.done = threading.Event()
+        self.response: Any = None
+        self.error: BaseException | None = None
+
+        def send() -> None:
+            try:
+                with node.client() as own:
+                    self.response = own.post(path, json=body)
+            except BaseException as exc:  # surfaced by the test's own asserts
+                self.error = exc
+            finally:
+                self.done.set()
+
+        self.thread = threading.Thread(target=send, daemon=True)
+        self.thread.start()
+
+    def answered(self) -> Any:
+        assert self.done.wait(BOUND_S + 30), "never answered"
+        assert self.error is None, self.error
+        return self.response
+
+
+def test_health_readiness_and_metrics_answer_while_a_claim_waits_on_a_blackholed_store(
+    tmp_path: Path, pg_url: str, proxy: TcpProxy
+) -> None:
+    """One worker, so every request is the same event loop's. A claim that must call the
+    store (its worker's route book has gone stale) waits on the blackholed store on the
+    worker's store lane, shown waiting by `/metrics`; `/healthz`, `/readyz`, `/metrics`
+    and a renewal (shared memory only) are answered while it still waits. The claim, and a
+    claim and a completion queued behind it, then answer 503 with Retry-After, and after
+    the heal the node grants again and takes the completion. Ordering, not timing: each
+    answer is checked to have arrived before the waiting claim's. The statement timeout is
+    raised through the URL (the store's deadline follows it) to 15 s, so the claim waits
+    long enough that a slow machine cannot blur the order."""
+    from node_harness import metric_samples, node_process, nodes_on, seed_rows, wait_for
+
+    seed_rows(pg_url, 2000, due_share=1.0)
+    url = with_params(through(proxy, pg_url), "-c statement_timeout=15000")
+    # A membership that outlives the blackhole: this test is of the worker's loop, not of
+    # the cluster's view (a lapsed one answers claims 503 `unready` without the store).
+    membership = ("--node-ttl-s", "90")
+    with (
+        nodes_on(lambda directory: url),
+        node_process(tmp_path, workers=1, extra_args=membership) as node,
+        node.client() as client,
+    ):
+
+        def claimed() -> list[dict[str, Any]]:
+            response = client.post("/v1/claims", json={"max": 5, "worker": "t"})
+            return response.json()["leases"] if response.status_code == 200 else []
+
+        def lane(name: str) -> float:
+            samples = metric_samples(client.get("/metrics").text)
+            return samples.get(f'renderqueue_store_lane_{name}{{worker="0"}}', 0.0)
+
+        held = wait_for(claimed, 60, "a claim with leases")[0]
+        done = {"items": [{"key": held["key"], "token": held["token"], "outcome": "rendered"}]}
+        proxy.blackhole()
+
+        # A claim answers from the ring without the store until its worker's route book
+        # (a second's cache) needs reading again: send claims until one waits on the store.
+        first: Pending | None = None
+        for attempt in range(20):
+            claim = Pending(node, "/v1/claims", {"max": 5, "worker": f"a{attempt}"})
+
+            def answered_or_waiting(claim: Pending = claim) -> bool:
+                return claim.done.is_set() or lane("running_seconds") > 0
+
+            wait_for(answered_or_waiting, BOUND_S, "the claim's answer or its store call", 0.02)
+            if not claim.done.is_set():
+                first = claim
+                break
+            response = claim.answered()
+            assert response.status_code == 200, (
+                f"a claim was answered ({response.status_code}) before /metrics showed it "
+                f"waiting on the store: {response.text}"
+            )
+            time.sleep(0.2)
+        assert first is not None, "no claim ever waited on the store"
+
+        # The claim waits; the worker's loop answers everything that needs no store.
+        answers: dict[str, int] = {}
+        for path in ("/healthz", "/readyz", "/metrics"):
+            answers[path] = client.get(path).status_code
+            assert not first.done.is_set(), f"{path} was answered only after the claim"
+        renew = {"items": [{"key": held["key"], "token": held["token"]}]}
+        renewed = client.post("/v1/leases/renew", json=renew)
+        assert not first.done.is_set(), "the renewal was answered only after the claim"
+        assert answers["/healthz"] == 200 and answers["/metrics"] == 200, answers
+        assert answers["/readyz"] in (200, 503), answers  # the keeper's feed waits too
+        assert renewed.status_code == 200 and renewed.json()["results"][0]["ok"], renewed.text
+
+        # A claim (its route book still stale) and a completion queue behind the first.
+        second = Pending(node, "/v1/claims", {"max": 5, "worker": "b"})
+        completion = Pending(node, "/v1/completions", done)
+        wait_for(
+            lambda: second.done.is_set() or completion.done.is_set() or lane("pending") >= 3,
+            BOUND_S,
+            "a claim and a completion queued on the lane",
+            0.02,
+        )
+        assert not first.done.is_set()
+
+        for request in (first, second, completion):
+            response = request.answered()
+            assert response.status_code == 503, response.text
+            assert response.headers["retry-after"] == "1"
+            assert response.json()["title"] == "Store unavailable"
+        assert lane("shed_total") >= 2, "the queued calls were tried one by one"
+
+        proxy.heal()
+        wait_for(claimed, 60, "a claim with leases after the heal", 0.2)
+        completed = client.post("/v1/completions", json=done)
+        assert completed.status_code == 200 and completed.json()["results"][0]["ok"]

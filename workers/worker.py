@@ -24,6 +24,7 @@ import msgspec
 import uvicorn
 
 from api.app import create_app
+from api.lane import StoreLane
 from api.node import ApiSettings, Node
 from api.report import encode_report_line, worker_report
 from keeper import heap
@@ -39,6 +40,10 @@ from workers.spec import WorkerSpec
 log = logs.get_logger("worker")
 PR_SET_PDEATHSIG = 1
 
+
+# At shutdown, how long the store lane may take to finish the calls queued on it (each is
+# bounded by the store's own deadline).
+LANE_STOP_S = 10.0
 
 # uvicorn's main loop ticks every 0.1 s: a report about once a second.
 REPORT_EVERY_TICKS = 10
@@ -182,7 +187,10 @@ def serve(spec: WorkerSpec) -> int:
     use_secret(spec.hash_secret)  # before the keeper or any request hashes a key
     sockets = [socket.socket(fileno=fd) for fd in spec.listen_fds]
     segments = Segments.attach(spec.segments)
-    store = open_store(settings.store_url())
+    # Opened on the lane that will make the API's store calls (api.lane): on PostgreSQL
+    # the connection it opens is the one those calls use, not an idle second one.
+    lane = StoreLane()
+    store = lane.call_blocking(lambda: open_store(settings.store_url()))
     keeper: KeeperHost | None = None
     keeping = keeper_config(settings)
     try:
@@ -217,6 +225,7 @@ def serve(spec: WorkerSpec) -> int:
             supervisor_state=segments.supervisor,
             keeper_statistics=segments.keeper,
             marks=segments.marks,
+            lane=lane,
         )
         config = uvicorn.Config(
             BodyLimit(create_app(node), settings.max_body_bytes),
@@ -242,7 +251,12 @@ def serve(spec: WorkerSpec) -> int:
     finally:
         if keeper is not None and not keeper.stop():
             logs.event(log, "keeper_stop_timeout", worker=spec.index)
-        store.close()
+        # A connection is never closed under a call still waiting on it in the lane: the
+        # process's exit closes it instead.
+        if lane.close(LANE_STOP_S):
+            store.close()
+        else:
+            logs.event(log, "store_lane_stop_timeout", worker=spec.index)
         segments.close()
         with contextlib.suppress(OSError):
             os.close(spec.status_fd)

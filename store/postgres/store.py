@@ -134,6 +134,8 @@ def redacted(url: str) -> str:
 class PostgresStore:
     """The PostgreSQL backend of `store.base.ScheduleStore`."""
 
+    remote = True  # every call is a round trip to the server (ScheduleStore.remote)
+
     def __init__(
         self,
         url: str,

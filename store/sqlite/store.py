@@ -110,6 +110,8 @@ class _ThreadState:
 class SqliteStore:
     """The SQLite backend of `store.base.ScheduleStore`."""
 
+    remote = False  # a call waits on this machine's disk only (ScheduleStore.remote)
+
     def __init__(
         self,
         path: str | os.PathLike[str],
