@@ -158,8 +158,12 @@ def test_every_scenario_has_its_rows_in_the_report() -> None:
         ),
     }
     assert list(figures) == [name for name, _ in faults.SCENARIOS]
-    rows = faults.figures_of([outcome(name, got) for name, got in figures.items()])
+    outcomes = [outcome(name, got) for name, got in figures.items()]
+    outcomes[3].unlanded = {"a": 2, "c": 1}  # refused by the others while a node restarted
+    rows = faults.figures_of(outcomes)
     keys = [row.key for row in rows]
+    by_key = {row.key: row.ours for row in rows}
+    assert by_key[f"{faults.TABLE}/rolling restart: completions that never landed"] == 3
     assert len(keys) == len(set(keys))
     for name in figures:
         assert f"{faults.TABLE}/{name}: keys granted twice" in keys
