@@ -25,6 +25,7 @@ from api.status import claim_status, lease_view, supervisor_statistics
 from keeper.classes import classify, rank
 from keeper.state import as_read, decode_queue_state, state_age_ms, vouches
 from shm import KeyLeaseState, key_hash
+from shm.keys import site_of
 from shm.segment import now_ms
 from store.rows import RowWrite
 
@@ -182,6 +183,7 @@ def explain(node: Node, key: str) -> Explain:
         held_for=_held_for(row.last_outcome) if held else None,
         attempts_in_a_row=lease.misses if lease.misses else None,
         row=row,
+        site=site_of(key.encode()).decode(errors="replace") or None,
         cadence_s=cls.cadence_s,
         route_paused=paused,
         render_class=builtins(cls),

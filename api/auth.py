@@ -3,8 +3,8 @@
 - the admin token opens everything;
 - the fleet token opens the fleet endpoints (claims, completions, renewals);
 - the read-only token (`metrics_token`) opens the reads an operator's tools make:
-  `/metrics`, queue-state (the node's and the cluster's), overview, explain, the routes
-  and a row; nothing that writes;
+  `/metrics`, queue-state (the node's and the cluster's), overview, explain, the routes,
+  a row and the sites listing; nothing that writes;
 - `GET /v1/cluster` (the live nodes and their URLs) opens to each of the three: the fleet
   finds the cluster with it, a console or an autoscaler watches it.
 
@@ -36,7 +36,7 @@ _FLEET_OPENS = (
 )
 _READ_OPENS = (
     "the read-only token opens only reads (/metrics, queue-state, cluster queue-state, "
-    "overview, explain, GET /v1/routes, GET /v1/schedule, GET /v1/cluster)"
+    "overview, explain, GET /v1/routes, GET /v1/schedule, GET /v1/sites, GET /v1/cluster)"
 )
 
 

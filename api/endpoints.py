@@ -14,9 +14,10 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from api import admin, claims, cluster, metrics, schedule, sitemaps
+from api import admin, claims, cluster, metrics, schedule, site_list, sitemaps
 from api.auth import Scope
 from api.node import Node
+from api.params import as_int
 from api.schemas import (
     ClaimRequest,
     ClaimResponse,
@@ -39,7 +40,10 @@ from api.schemas import (
     ScheduleRequest,
     ScheduleResult,
     SettingsUpdate,
+    SitesListing,
+    SitesTop,
 )
+from keeper.state import SITES_LISTED
 from sitemap.importer import ImportReport
 from store.rows import Route, Row
 from store.validate import check_key
@@ -63,6 +67,8 @@ class Param:
     schema: Any = str
     # A rule beyond the schema's own keywords, as the store checks it (raises ValueError).
     check: Callable[[str], object] | None = None
+    # The value when the request gives none; None makes the parameter required.
+    default: str | None = None
 
 
 # An uploaded sitemap: the body is the document itself (api.sitemaps), XML or its gzip,
@@ -237,6 +243,25 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         body=SettingsUpdate,
         response=NodeSettings,
         writes_store=True,
+    ),
+    Endpoint(
+        "GET",
+        "/v1/sites",
+        "read",
+        "This node's sites (a URL's host, without www.) by due rows, most first, as of the "
+        "keeper's last full report; 503 while the keeper cannot vouch for its counts.",
+        lambda call: site_list.sites(call.node, as_int(call.params["top"])),
+        response=SitesListing,
+        unavailable=NodeStatus,
+        query=(
+            Param(
+                "top",
+                f"how many sites to list (at most {SITES_LISTED})",
+                SitesTop,
+                default=str(site_list.DEFAULT_TOP),
+            ),
+        ),
+        uses_store=False,
     ),
     Endpoint(
         "GET",

@@ -67,6 +67,7 @@ class Node:
     state: StateBuffer
     supervisor_state: StateBuffer | None = None
     keeper_statistics: StateBuffer | None = None  # written by the keeper (worker 0's thread)
+    site_list: StateBuffer | None = None  # the keeper's sites listing (keeper.state.SiteList)
     # Without them every granted row is read back (tests that build a bare node).
     marks: WriteMarks | None = None
     # Where its store calls are made; a worker opens its store on it (api.lane).

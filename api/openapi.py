@@ -19,7 +19,7 @@ from api.problems import PROBLEM_TYPE, Problem
 from api.schemas import LEASE_CAP_KEYWORD
 
 if TYPE_CHECKING:
-    from api.endpoints import Endpoint
+    from api.endpoints import Endpoint, Param
     from api.node import ApiSettings
 
 REF = "#/components/schemas/{name}"
@@ -89,13 +89,20 @@ def _parameters(endpoint: Endpoint) -> list[dict[str, Any]]:
         {
             "name": param.name,
             "in": where,
-            "required": True,
+            "required": param.default is None,
             "description": param.description,
-            "schema": msgspec.json.schema(param.schema),
+            "schema": _param_schema(param),
         }
         for where, params in (("path", endpoint.path_params), ("query", endpoint.query))
         for param in params
     ]
+
+
+def _param_schema(param: Param) -> dict[str, Any]:
+    schema: dict[str, Any] = msgspec.json.schema(param.schema)
+    if param.default is not None:
+        schema["default"] = msgspec.convert(param.default, param.schema, strict=False)
+    return schema
 
 
 def _request_body(endpoint: Endpoint, refs: dict[type, Any], limit: int) -> dict[str, Any]:

@@ -21,9 +21,12 @@ if TYPE_CHECKING:
 
 def checked(param: Param, value: str | None) -> str:
     if value is None:
+        if param.default is not None:
+            return param.default
         raise invalid_query(param.name, f"required: {param.description}")
     try:
-        msgspec.convert(value, param.schema)
+        # Not strict: a query's value is text, and an integer parameter takes its digits.
+        msgspec.convert(value, param.schema, strict=False)
         if param.check is not None:
             param.check(value)
     except msgspec.ValidationError as exc:
@@ -31,6 +34,12 @@ def checked(param: Param, value: str | None) -> str:
     except ValueError as exc:  # the store's check says "what: why"
         raise invalid_query(param.name, str(exc).partition(": ")[2] or str(exc)) from None
     return value
+
+
+def as_int(value: str) -> int:
+    """A value `checked` against an integer schema, as the integer."""
+    number: int = msgspec.convert(value, int, strict=False)
+    return number
 
 
 def read_params(params: tuple[Param, ...], values: Mapping[str, str]) -> dict[str, str]:

@@ -17,6 +17,7 @@ import msgspec
 from msgspec import Meta
 
 from keeper.core import MAX_DUE_MS
+from keeper.state import SITES_LISTED
 from store.rows import MAX_KEY_BYTES, Route, Row
 from store.validate import ROUTE_NAME
 
@@ -47,6 +48,10 @@ LeaseToken = Annotated[str, Meta(pattern=LEASE_TOKEN_PATTERN, description=_LEASE
 # than the rest of a 100-item body's decoding.
 ItemToken = Annotated[
     str, Meta(description=_LEASE_TOKEN_TEXT, extra_json_schema={"pattern": LEASE_TOKEN_PATTERN})
+]
+SitesTop = Annotated[
+    int,
+    Meta(ge=1, le=SITES_LISTED, description=f"How many sites: 1 to {SITES_LISTED}."),
 ]
 RouteName = Annotated[
     str,
@@ -289,11 +294,34 @@ class Explain(Body, frozen=True):
     held_for: Literal["failed", "unanswered"] | None = None
     attempts_in_a_row: int | None = None
     row: Row | None = None
+    # The key's site: its URL's host, lower-cased, without www. (absent: no host).
+    site: str | None = None
     cadence_s: int | None = None
     route_paused: bool | None = None
     render_class: dict[str, Any] | None = None
     rank: float | None = None
     lease: dict[str, Any] | None = None
+
+
+class SiteEntry(Body, frozen=True):
+    site: str  # the host, lower-cased, without www., port or credentials
+    due: int  # its due rows held by this node (routes not paused)
+    held: int  # its rows held by this node
+    oldest_due_at: int  # the earliest due time among its due rows (epoch ms)
+    oldest_age_s: float  # how long that row has been due, now
+
+
+class SitesListing(Body, frozen=True):
+    """This node's sites by due rows, as of the keeper's last full report."""
+
+    node: str
+    generated_at: int  # when the keeper counted (epoch ms)
+    age_ms: int  # how old the counts are
+    sites_held: int  # sites with a row held by this node
+    sites_with_due: int  # of them, those with a due row
+    no_site_due: int  # due rows whose key names no host (paths): no site
+    truncated: bool  # more sites have due rows than are listed here
+    sites: list[SiteEntry]  # most due first; ties: the longest waiting first
 
 
 class Overview(Body, frozen=True):

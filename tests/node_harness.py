@@ -219,6 +219,7 @@ class ThreadNode:
             state=self.segments.state,
             supervisor_state=self.segments.supervisor,
             keeper_statistics=self.segments.keeper,
+            site_list=self.segments.site_list,
             marks=self.segments.marks,
         )
         self.sock = free_socket()
@@ -260,6 +261,7 @@ class ThreadNode:
                     config,
                     node="test",
                     statistics_buffer=self.segments.keeper,
+                    site_list_buffer=self.segments.site_list,
                     marks=self.segments.marks,
                 ).run(self._keeper_stop)
             except BaseException as exc:

@@ -31,6 +31,7 @@ READS = {
     ("GET", "/prerender_admin/explain"),
     ("GET", "/v1/routes"),
     ("GET", "/v1/schedule"),
+    ("GET", "/v1/sites"),
 }
 
 
@@ -95,6 +96,7 @@ def test_the_read_only_token_opens_the_reads(node: Any) -> None:
     explained = client.get("/prerender_admin/explain", params={"key": "/x"}, headers=headers)
     assert explained.status_code == 200 and explained.json()["exists"] is False
     assert client.get("/v1/schedule", params={"key": "/x"}, headers=headers).status_code == 404
+    assert client.get("/v1/sites", headers=headers).status_code == 503  # no keeper here
     # The fleet token does not open them, and says what it does open.
     refused = client.get("/metrics", headers={"Authorization": f"Bearer {FLEET}"})
     assert refused.status_code == 403 and "fleet token only opens" in refused.json()["detail"]

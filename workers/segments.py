@@ -25,6 +25,9 @@ SUPERVISOR_STATE_BYTES = 64 * 1024 + MAX_WORKERS * MAX_REPORT_BYTES
 # in shape; only its reason strings vary, and 16 KiB leaves them ample room. A record that
 # does not fit is refused whole and counted (statistics_write_failures), never truncated.
 KEEPER_STATE_BYTES = 16 * 1024
+# The keeper's sites listing (keeper.state.SiteList): SITES_LISTED sites of some 60 bytes
+# of msgpack each, names up to 253 bytes; one too large is cut in half until it fits.
+SITE_LIST_BYTES = 512 * 1024
 
 
 class SegmentNames(msgspec.Struct, frozen=True, kw_only=True):
@@ -34,6 +37,7 @@ class SegmentNames(msgspec.Struct, frozen=True, kw_only=True):
     supervisor: str
     keeper: str
     marks: str
+    site_list: str
 
     @classmethod
     def for_instance(cls, instance: str) -> SegmentNames:
@@ -44,6 +48,7 @@ class SegmentNames(msgspec.Struct, frozen=True, kw_only=True):
             supervisor=segment_name(instance, "supervisor"),
             keeper=segment_name(instance, "keeper"),
             marks=segment_name(instance, "marks"),
+            site_list=segment_name(instance, "sitelist"),
         )
 
     def remove(self) -> None:
@@ -62,6 +67,7 @@ class Segments:
     supervisor: StateBuffer
     keeper: StateBuffer
     marks: WriteMarks
+    site_list: StateBuffer
 
     @classmethod
     def create(
@@ -87,12 +93,14 @@ class Segments:
             keeper = StateBuffer.create(names.keeper, capacity=KEEPER_STATE_BYTES)
             created.append(keeper)
             marks = WriteMarks.create(names.marks)
+            created.append(marks)
+            site_list = StateBuffer.create(names.site_list, capacity=SITE_LIST_BYTES)
         except BaseException:
             for segment in created:
                 segment.close()
                 segment.unlink()
             raise
-        return cls(names, ring, leases, state, supervisor, keeper, marks)
+        return cls(names, ring, leases, state, supervisor, keeper, marks, site_list)
 
     @classmethod
     def attach(cls, names: SegmentNames) -> Segments:
@@ -104,10 +112,19 @@ class Segments:
             StateBuffer.attach(names.supervisor),
             StateBuffer.attach(names.keeper),
             WriteMarks.attach(names.marks),
+            StateBuffer.attach(names.site_list),
         )
 
     def _all(self) -> tuple[ReadyRing | LeaseTable | StateBuffer | WriteMarks, ...]:
-        return (self.ring, self.leases, self.state, self.supervisor, self.keeper, self.marks)
+        return (
+            self.ring,
+            self.leases,
+            self.state,
+            self.supervisor,
+            self.keeper,
+            self.marks,
+            self.site_list,
+        )
 
     def close(self) -> None:
         for segment in self._all():

@@ -165,6 +165,7 @@ def start_keeper(spec: WorkerSpec, segments: Segments) -> KeeperHost:
                 config,
                 node=spec.node,
                 statistics_buffer=segments.keeper,
+                site_list_buffer=segments.site_list,
                 marks=segments.marks,
                 cluster=cluster,
                 members=members,
@@ -224,6 +225,7 @@ def serve(spec: WorkerSpec) -> int:
             state=segments.state,
             supervisor_state=segments.supervisor,
             keeper_statistics=segments.keeper,
+            site_list=segments.site_list,
             marks=segments.marks,
             lane=lane,
         )
