@@ -21,7 +21,7 @@ from api.completions import CompletionQueue
 from api.lane import StoreLane
 from api.routebook import RouteBook
 from keeper.state import KeeperStatistics, decode_keeper_statistics
-from shm import LeaseTable, ReadyRing, StateBuffer, key_hashes
+from shm import LeaseTable, ReadyRing, SiteTable, StateBuffer, key_hashes
 from shm.marks import WriteMarks
 from store.base import ScheduleStore
 
@@ -72,6 +72,8 @@ class Node:
     marks: WriteMarks | None = None
     # Where its store calls are made; a worker opens its store on it (api.lane).
     lane: StoreLane = field(default_factory=StoreLane)
+    # Per-site caps, spacing and blocks (shm.sites); None: the lease table's, if it has one.
+    sites: SiteTable | None = None
     routes: RouteBook = field(init=False)
     completions: CompletionQueue = field(init=False)
     cluster: ClusterLink = field(init=False)  # the member list and the peers' client
@@ -80,6 +82,10 @@ class Node:
 
     def __post_init__(self) -> None:
         self.lane.hot_inline = not self.store.remote
+        if self.sites is None:
+            self.sites = self.leases.sites
+        elif self.leases.sites is not self.sites:
+            self.leases.use_sites(self.sites)
         self.routes = RouteBook(self.store)
         self.completions = CompletionQueue(self)
         self.cluster = ClusterLink(self)

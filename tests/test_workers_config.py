@@ -161,3 +161,27 @@ def test_sqlite_path_is_the_stores_file_and_none_for_postgresql(tmp_path: Path) 
     url = load_settings(flags={"db": f"sqlite:///{tmp_path}/b.sqlite"})
     assert url.sqlite_path() == tmp_path / "b.sqlite"
     assert load_settings(flags={"db": "postgresql://u@h/d"}).sqlite_path() is None
+
+
+def test_site_settings_are_validated_and_make_the_failure_policy() -> None:
+    settings = load_settings(
+        environ={"RENDERQUEUE_SITE_MAX_IN_FLIGHT": "4", "RENDERQUEUE_SITE_MIN_INTERVAL_MS": "250"}
+    )
+    assert (settings.site_max_in_flight, settings.site_min_interval_ms) == (4, 250)
+    policy = settings.site_failures()
+    assert (policy.streak, policy.window_ms, policy.block_ms, policy.block_max_ms) == (
+        5,
+        60_000,
+        60_000,
+        1_800_000,
+    )
+    with pytest.raises(ConfigError, match=r"site_max_in_flight.*over site_permits_max"):
+        load_settings(environ={}, flags={"site_max_in_flight": 100})
+    with pytest.raises(ConfigError, match="`site_max_in_flight`"):
+        load_settings(environ={}, flags={"site_max_in_flight": 0})
+    with pytest.raises(ConfigError, match="`site_min_interval_ms`"):
+        load_settings(environ={}, flags={"site_min_interval_ms": 86_400_001})
+    with pytest.raises(ConfigError, match="shorter than site_failure_block_s"):
+        load_settings(
+            environ={}, flags={"site_failure_block_s": 600, "site_failure_block_max_s": 60}
+        )

@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from keeper.config import KeeperConfig
+from shm.sites import MAX_IN_FLIGHT, MAX_INTERVAL_MS, FailurePolicy
 
 ENV_PREFIX = "RENDERQUEUE_"
 LOOPBACK_NAMES = frozenset({"localhost", "ip6-localhost", "ip6-loopback"})
@@ -103,6 +104,24 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     # the keeper can delay a claim in the same process (see bench/node.py).
     keeper_switch_interval_ms: Annotated[float, msgspec.Meta(ge=0.1, le=100)] = 1.0
     keeper: dict[str, Any] = {}  # passed to keeper.config.KeeperConfig
+    # Politeness per site (a key's site is its URL's host; shm/sites.py): at most this many
+    # leases live on one site's keys (none: no cap), and grants of one site at least this
+    # many ms apart. PUT /v1/sites/{site} overrides either for one site. In a cluster
+    # these, site_permits_max and the failure block's settings must agree on every node.
+    site_max_in_flight: Annotated[int, msgspec.Meta(ge=1, le=MAX_IN_FLIGHT)] | None = None
+    site_min_interval_ms: Annotated[int, msgspec.Meta(ge=0, le=MAX_INTERVAL_MS)] = 0
+    # The site table in shared memory: sites it can hold at once (those with a setting, a
+    # block, leases in flight under a cap or spacing), and the highest max_in_flight a
+    # site may be given (its permit words).
+    site_slots: Annotated[int, msgspec.Meta(ge=64, le=1 << 24)] = 1 << 13
+    site_permits_max: Annotated[int, msgspec.Meta(ge=1, le=MAX_IN_FLIGHT)] = 64
+    # This many `failed` renders in a row across a site's keys, within the window from the
+    # first, block the site for site_failure_block_s, doubled on each repeat up to the
+    # max, until a render of the site succeeds. 0: never.
+    site_failure_streak: Annotated[int, msgspec.Meta(ge=0, le=10_000)] = 5
+    site_failure_window_s: Annotated[int, msgspec.Meta(ge=1, le=86_400)] = 60
+    site_failure_block_s: Annotated[int, msgspec.Meta(ge=1, le=86_400)] = 60
+    site_failure_block_max_s: Annotated[int, msgspec.Meta(ge=1, le=7 * 86_400)] = 1_800
     # URL-pattern rules (TOML, as `import-sitemap --route-rules`) for POST /v1/sitemaps;
     # without them every uploaded URL goes to the route "page".
     sitemap_route_rules: str | None = None
@@ -129,6 +148,14 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     def clustered(self) -> bool:
         """On PostgreSQL a node joins the cluster that shares the database."""
         return self.store_url().startswith(("postgresql://", "postgres://"))
+
+    def site_failures(self) -> FailurePolicy:
+        return FailurePolicy(
+            streak=self.site_failure_streak,
+            window_ms=self.site_failure_window_s * 1000,
+            block_ms=self.site_failure_block_s * 1000,
+            block_max_ms=max(self.site_failure_block_max_s, self.site_failure_block_s) * 1000,
+        )
 
     def advertised(self, port: int) -> str:
         """The URL this node is reached at (advertise_url, else its listening address)."""
@@ -280,6 +307,23 @@ def _check_consistency(settings: Settings, sources: Mapping[str, str]) -> None:
             raise ConfigError(
                 "sitemap_route_rules", str(exc), sources.get("sitemap_route_rules")
             ) from exc
+    if (
+        settings.site_max_in_flight is not None
+        and settings.site_max_in_flight > settings.site_permits_max
+    ):
+        raise ConfigError(
+            "site_max_in_flight",
+            f"{settings.site_max_in_flight} is over site_permits_max "
+            f"({settings.site_permits_max}), the most permits a site has; raise that too",
+            sources.get("site_max_in_flight"),
+        )
+    if settings.site_failure_block_max_s < settings.site_failure_block_s:
+        raise ConfigError(
+            "site_failure_block_max_s",
+            f"{settings.site_failure_block_max_s} s is shorter than site_failure_block_s "
+            f"({settings.site_failure_block_s} s)",
+            sources.get("site_failure_block_max_s"),
+        )
     if config.best_k > settings.ring_entries:
         raise ConfigError(
             "keeper.best_k",

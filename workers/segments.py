@@ -13,10 +13,11 @@ from dataclasses import dataclass
 import msgspec
 
 from api.report import MAX_REPORT_BYTES
-from shm import LeaseTable, ReadyRing, StateBuffer, segment_name
+from shm import LeaseTable, ReadyRing, SiteTable, StateBuffer, segment_name
 from shm.marks import WriteMarks
 from shm.segment import remove as remove_segment
-from workers.config import MAX_WORKERS
+from shm.sites import FailurePolicy
+from workers.config import MAX_WORKERS, Settings
 
 # The supervisor's statistics: a worker's report (api.report) is one pipe write at most,
 # so the record of the most workers with the longest reports fits, with room for the rest.
@@ -38,6 +39,7 @@ class SegmentNames(msgspec.Struct, frozen=True, kw_only=True):
     keeper: str
     marks: str
     site_list: str
+    sites: str
 
     @classmethod
     def for_instance(cls, instance: str) -> SegmentNames:
@@ -49,6 +51,7 @@ class SegmentNames(msgspec.Struct, frozen=True, kw_only=True):
             keeper=segment_name(instance, "keeper"),
             marks=segment_name(instance, "marks"),
             site_list=segment_name(instance, "sitelist"),
+            sites=segment_name(instance, "sites"),
         )
 
     def remove(self) -> None:
@@ -56,6 +59,26 @@ class SegmentNames(msgspec.Struct, frozen=True, kw_only=True):
         left them, and a harness done with its instance cleans up after it."""
         for name in msgspec.structs.astuple(self):
             remove_segment(name)
+
+
+class SiteTableSettings(msgspec.Struct, frozen=True, kw_only=True):
+    """The site table's shape and the node's defaults (workers.config: site_*)."""
+
+    slots: int = 1 << 13
+    permits: int = 64
+    default_max_in_flight: int | None = None
+    default_min_interval_ms: int = 0
+    failures: FailurePolicy = FailurePolicy()
+
+    @classmethod
+    def of(cls, settings: Settings) -> SiteTableSettings:
+        return cls(
+            slots=settings.site_slots,
+            permits=settings.site_permits_max,
+            default_max_in_flight=settings.site_max_in_flight,
+            default_min_interval_ms=settings.site_min_interval_ms,
+            failures=settings.site_failures(),
+        )
 
 
 @dataclass(eq=False)
@@ -68,6 +91,11 @@ class Segments:
     keeper: StateBuffer
     marks: WriteMarks
     site_list: StateBuffer
+    sites: SiteTable
+
+    def __post_init__(self) -> None:
+        # Every lease this node grants takes and gives back its site's permits.
+        self.leases.use_sites(self.sites)
 
     @classmethod
     def create(
@@ -77,10 +105,12 @@ class Segments:
         ring_entries: int,
         lease_slots: int,
         hash_secret: bytes | None = None,
+        sites: SiteTableSettings | None = None,
     ) -> Segments:
         """`hash_secret`: the store's, which the lease table records by its fingerprint so
         that a start after a crash can adopt it (shm/lease_survivor.py)."""
-        created: list[ReadyRing | LeaseTable | StateBuffer | WriteMarks] = []
+        site_settings = sites or SiteTableSettings()
+        created: list[ReadyRing | LeaseTable | StateBuffer | WriteMarks | SiteTable] = []
         try:
             ring = ReadyRing.create(names.ring, capacity=ring_entries)
             created.append(ring)
@@ -95,12 +125,21 @@ class Segments:
             marks = WriteMarks.create(names.marks)
             created.append(marks)
             site_list = StateBuffer.create(names.site_list, capacity=SITE_LIST_BYTES)
+            created.append(site_list)
+            site_table = SiteTable.create(
+                names.sites,
+                capacity=site_settings.slots,
+                permits=site_settings.permits,
+                default_max_in_flight=site_settings.default_max_in_flight,
+                default_min_interval_ms=site_settings.default_min_interval_ms,
+                failures=site_settings.failures,
+            )
         except BaseException:
             for segment in created:
                 segment.close()
                 segment.unlink()
             raise
-        return cls(names, ring, leases, state, supervisor, keeper, marks, site_list)
+        return cls(names, ring, leases, state, supervisor, keeper, marks, site_list, site_table)
 
     @classmethod
     def attach(cls, names: SegmentNames) -> Segments:
@@ -113,9 +152,12 @@ class Segments:
             StateBuffer.attach(names.keeper),
             WriteMarks.attach(names.marks),
             StateBuffer.attach(names.site_list),
+            SiteTable.attach(names.sites),
         )
 
-    def _all(self) -> tuple[ReadyRing | LeaseTable | StateBuffer | WriteMarks, ...]:
+    def _all(
+        self,
+    ) -> tuple[ReadyRing | LeaseTable | StateBuffer | WriteMarks | SiteTable, ...]:
         return (
             self.ring,
             self.leases,
@@ -124,6 +166,7 @@ class Segments:
             self.keeper,
             self.marks,
             self.site_list,
+            self.sites,
         )
 
     def close(self) -> None:

@@ -48,7 +48,7 @@ from workers import logs
 from workers.config import Settings
 from workers.listeners import Listeners, ListenFailed
 from workers.membership import MembershipHeartbeat, MembershipStatistics
-from workers.segments import SegmentNames, Segments
+from workers.segments import SegmentNames, Segments, SiteTableSettings
 from workers.spec import WorkerSpec
 
 log = logs.get_logger("supervisor")
@@ -241,6 +241,7 @@ class Supervisor:
             ring_entries=settings.ring_entries,
             lease_slots=settings.lease_slots,
             hash_secret=self._hash_secret,
+            sites=SiteTableSettings.of(settings),
         )
         self._restore_leases(survivor)
         try:
@@ -428,6 +429,8 @@ class Supervisor:
         self._next_sweep = time.monotonic() + self.settings.lease_sweep_interval_s
         try:
             reclaimed = self._segments.leases.sweep(now_ms())
+            # Site entries idle for a minute (no setting, block, live permit or memory).
+            self._segments.sites.sweep(now_ms())
         except Exception as exc:
             logs.event(log, "lease_sweep_failed", logging.ERROR, error=str(exc))
             return

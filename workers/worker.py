@@ -167,6 +167,7 @@ def start_keeper(spec: WorkerSpec, segments: Segments) -> KeeperHost:
                 statistics_buffer=segments.keeper,
                 site_list_buffer=segments.site_list,
                 marks=segments.marks,
+                site_table=segments.sites,
                 cluster=cluster,
                 members=members,
                 acknowledge=acknowledge,
