@@ -30,7 +30,17 @@ from keeper.select import Allowances, BlockedMask, Selection
 from keeper.tallies import MINUTE_MS
 from keeper.walk import RepairTally, Walk, WalkReason
 from shm import key_hash, key_hashes
-from store.rows import MAX_KEY_BYTES, FeedEvent, Route, RouteEvent, Row, RowEvent, SettingsEvent
+from store.rows import (
+    MAX_KEY_BYTES,
+    FeedEvent,
+    Route,
+    RouteEvent,
+    Row,
+    RowEvent,
+    SettingsEvent,
+    SiteEvent,
+    SiteSettings,
+)
 
 log = logging.getLogger("renderqueue.keeper")
 
@@ -65,6 +75,7 @@ class CoreCounters(msgspec.Struct, kw_only=True):
     row_events: int = 0
     route_events: int = 0
     settings_events: int = 0
+    site_events: int = 0
     unreadable: int = 0  # rows skipped as unreadable (walks and events)
     collisions: int = 0  # walked keys whose 64-bit hash a different held key has
     unowned: int = 0  # row events for keys this node does not own
@@ -120,6 +131,9 @@ class KeeperCore:
         # how many are done (see drop_unowned).
         self._unowned: tuple[npt.NDArray[np.int32], npt.NDArray[np.uint64]] | None = None
         self._unowned_done = 0
+        # Sites' own settings to put in force (the site table is shared memory: the
+        # runner applies them, see take_site_settings).
+        self._site_settings: list[SiteSettings] = []
 
     # -- settings ------------------------------------------------------------------
 
@@ -135,6 +149,16 @@ class KeeperCore:
         self, routes: Sequence[Route], default_cadence_s: int = DEFAULT_CADENCE_S
     ) -> Reclassified:
         return self._resettle({r.route: r for r in routes}, default_cadence_s)
+
+    def load_sites(self, sites: Sequence[SiteSettings]) -> None:
+        """Every site's own settings, as the store holds them when the feed opens."""
+        self._site_settings.extend(sites)
+
+    def take_site_settings(self) -> list[SiteSettings]:
+        """Site settings loaded or delivered since the last take, in order: the runner puts
+        them in force in the node's site table."""
+        taken, self._site_settings = self._site_settings, []
+        return taken
 
     def apply_route(self, route: Route) -> Reclassified:
         routes = dict(self.classifier.routes)
@@ -205,6 +229,9 @@ class KeeperCore:
             elif isinstance(event, SettingsEvent):
                 self.counters.settings_events += 1
                 self.apply_default_cadence(event.default_cadence_s)
+            elif isinstance(event, SiteEvent):
+                self.counters.site_events += 1
+                self._site_settings.append(event.settings)
         self._apply_rows(events[run_start:], now_ms, tally)
         self.counters.events += len(events)
         self.flow.add(

@@ -83,6 +83,13 @@ class SiteTableLike(Protocol):
         """How many more grants each site can take at `now_ms`: -1 no limit, 0 none."""
         ...
 
+    def configure(
+        self, site_hash: int, max_in_flight: int | None, min_interval_ms: int | None
+    ) -> bool:
+        """Put a site's own settings in force (None: the node's default); False if the
+        table had no room for the site."""
+        ...
+
 
 class StateBufferLike(Protocol):
     def write(self, payload: bytes, now_ms: int) -> int: ...

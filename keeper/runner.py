@@ -98,6 +98,7 @@ from keeper.state import (
 )
 from keeper.topcheck import TopCheck
 from keeper.walk import Walk
+from shm.keys import site_hash
 from store.base import RowsRead, ScheduleStore
 from store.rows import Handover, MemberList
 from store.scheduling import ask_short_slice
@@ -218,8 +219,10 @@ class Keeper:
         self._walk: Walk | None = None
         self._walk_read: RowsRead | None = None  # a chunk read, waiting for the feed
         self._publisher = Publisher(self.core, ring, leases, config, marks)
+        self.site_table = site_table
         if site_table is not None:  # its allowances keep a capped site's share of the ring
             self._publisher.site_allowances = site_table.allowances
+        self._site_settings_unapplied = 0
         if self.cluster is not None:
             view = self.cluster
             self._publisher.fenced = lambda hashes, _now: view.blocked_mask(
@@ -374,9 +377,12 @@ class Keeper:
         try:
             self.feed.subscribe(now, resume=resume)
             self.core.load_settings(self.store.routes(), self.store.default_cadence_s())
+            if self.site_table is not None:
+                self.core.load_sites(self.store.sites())
         except Exception as exc:
             self._feed_failed(exc)
             return
+        self._apply_sites()
         self._tell(FeedOpened(), now)
 
     def _feed_failed(self, exc: BaseException) -> None:
@@ -391,6 +397,19 @@ class Keeper:
         except Exception as exc:
             self._feed_failed(exc)
             return True
+        finally:
+            self._apply_sites()
+
+    def _apply_sites(self) -> None:
+        """Put the sites' settings the core took in in force in the node's site table."""
+        changes = self.core.take_site_settings()
+        table = self.site_table
+        if table is None or not changes:
+            return
+        for settings in changes:
+            hashed = site_hash(settings.site.encode())
+            if not table.configure(hashed, settings.max_in_flight, settings.min_interval_ms):
+                self._site_settings_unapplied += 1
 
     # -- the cluster ---------------------------------------------------------------
 
@@ -737,6 +756,8 @@ class Keeper:
             events=counters.events,
             route_events=counters.route_events,
             settings_events=counters.settings_events,
+            site_events=counters.site_events,
+            site_settings_unapplied=self._site_settings_unapplied,
             reclassifications=counters.reclassifications,
             rows_reclassified=counters.rows_reclassified,
             unreadable=counters.unreadable,

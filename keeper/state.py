@@ -375,6 +375,8 @@ class KeeperStatistics(msgspec.Struct, frozen=True, kw_only=True):
     dropped_unowned: int = 0  # held rows dropped because their key moved to another node
     sites: int = 0  # sites with a row held here (keeper.sites)
     site_list_write_failures: int = 0  # sites listings that could not be written
+    site_events: int = 0  # sites' settings delivered by the feed
+    site_settings_unapplied: int = 0  # sites' settings the site table had no room for
 
 
 _statistics_decoder = msgspec.msgpack.Decoder(KeeperStatistics)

@@ -23,6 +23,8 @@ from store.rows import (
     RowEvent,
     RowWrite,
     SettingsEvent,
+    SiteEvent,
+    SiteSettings,
 )
 from store.url import open_store
 
@@ -42,6 +44,8 @@ __all__ = [
     "ScheduleStore",
     "SchemaTooNew",
     "SettingsEvent",
+    "SiteEvent",
+    "SiteSettings",
     "StoreBusy",
     "StoreError",
     "StoreFull",

@@ -7,7 +7,7 @@ from typing import Protocol
 
 import msgspec
 
-from store.rows import Completion, FeedEvent, Route, Row, RowWrite
+from store.rows import Completion, FeedEvent, Route, Row, RowWrite, SiteSettings
 
 # How long a write waits for the lock other writers hold before it raises StoreBusy, in
 # either backend; a caller that waits on its own (api.completions) keeps the same bound.
@@ -237,6 +237,17 @@ class ScheduleStore(Protocol):
     def default_cadence_s(self) -> int: ...
 
     def set_default_cadence_s(self, seconds: int) -> None: ...
+
+    def sites(self) -> list[SiteSettings]:
+        """Every site with settings of its own, by name."""
+        ...
+
+    def get_site(self, site: str) -> SiteSettings | None: ...
+
+    def set_site(self, settings: SiteSettings) -> SiteSettings | None:
+        """Store a site's settings (both None: remove its row); the feed delivers a
+        SiteEvent. Returns what is stored now. ValueError for a bad name or value."""
+        ...
 
     def hash_secret(self) -> bytes:
         """The database's key-hash secret (store/secret.py): made with the schema, the same

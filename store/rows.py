@@ -54,6 +54,12 @@ def route_from(values: tuple[Any, ...] | Any) -> Route:
     return Route(route=name, default_cadence_s=default_cadence_s, paused=bool(paused))
 
 
+def site_settings_from(values: tuple[Any, ...] | Any) -> SiteSettings:
+    """SiteSettings from (site, max_in_flight, min_interval_ms)."""
+    site, max_in_flight, min_interval_ms = values
+    return SiteSettings(site=site, max_in_flight=max_in_flight, min_interval_ms=min_interval_ms)
+
+
 class RowWrite(msgspec.Struct, frozen=True, kw_only=True):
     """An upsert of one row; the store assigns `version` and keeps render history."""
 
@@ -115,7 +121,26 @@ class SettingsEvent(msgspec.Struct, frozen=True, kw_only=True, tag="settings"):
     default_cadence_s: int
 
 
-FeedEvent = RowEvent | RouteEvent | SettingsEvent
+class SiteSettings(msgspec.Struct, frozen=True, kw_only=True):
+    """One site's own politeness settings (its name as `shm.keys.site_of` gives it); None:
+    the node's default. A site with neither set has no row."""
+
+    site: str
+    max_in_flight: int | None = None
+    min_interval_ms: int | None = None
+
+    @property
+    def empty(self) -> bool:
+        return self.max_in_flight is None and self.min_interval_ms is None
+
+
+class SiteEvent(msgspec.Struct, frozen=True, kw_only=True, tag="site"):
+    """A site's settings as they are now (both None: cleared, back to the defaults)."""
+
+    settings: SiteSettings
+
+
+FeedEvent = RowEvent | RouteEvent | SettingsEvent | SiteEvent
 
 
 class NodeRecord(msgspec.Struct, frozen=True, kw_only=True):

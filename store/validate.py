@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-from store.rows import MAX_KEY_BYTES, Completion, RowWrite
+from store.rows import MAX_KEY_BYTES, Completion, RowWrite, SiteSettings
 
 ROUTE_NAME = re.compile(r"[a-z0-9][a-z0-9_.-]{0,63}")
 OUTCOMES = frozenset(("rendered", "failed", "gone"))
@@ -16,6 +16,11 @@ OUTCOMES = frozenset(("rendered", "failed", "gone"))
 MAX_CADENCE_S = 2**31 - 1  # 68 years
 MAX_TIME_MS = 2**62
 MAX_CONSUMER_CHARS = 200
+# A site is a host name as shm.keys.site_of gives it: lower-case, no port, path or space.
+MAX_SITE_BYTES = 253
+SITE_NAME = re.compile(r"[^\sA-Z/?#@]+")
+MAX_SITE_IN_FLIGHT = 4096  # shm.sites.MAX_IN_FLIGHT: the most permits a site can have
+MAX_SITE_INTERVAL_MS = 86_400_000  # a day
 
 
 def _where(what: str, index: int | None, key: object) -> str:
@@ -189,3 +194,21 @@ def check_route_change(
     if clear_default_cadence and default_cadence_s is not None:
         raise ValueError("default_cadence_s: cannot both set and clear it")
     return default_cadence_s is not None or clear_default_cadence
+
+
+def check_site_settings(settings: SiteSettings) -> SiteSettings:
+    """A site's name in the form site_of gives, and its settings in range."""
+    site = settings.site
+    if not isinstance(site, str) or not site or not SITE_NAME.fullmatch(site):
+        raise ValueError(
+            f"site {site!r}: a host name, lower-case, with no port, path, credentials or space"
+        )
+    if len(site.encode("utf-8")) > MAX_SITE_BYTES:
+        raise ValueError(f"site {site[:40]!r}...: over {MAX_SITE_BYTES} bytes")
+    for name, value, top in (
+        ("max_in_flight", settings.max_in_flight, MAX_SITE_IN_FLIGHT),
+        ("min_interval_ms", settings.min_interval_ms, MAX_SITE_INTERVAL_MS),
+    ):
+        if value is not None and (type(value) is not int or not 0 <= value <= top):
+            raise ValueError(f"site {site}: {name} {value!r} is outside 0..{top}")
+    return settings

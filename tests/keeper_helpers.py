@@ -42,6 +42,8 @@ from store.rows import (
     RowEvent,
     RowWrite,
     SettingsEvent,
+    SiteEvent,
+    SiteSettings,
 )
 
 NOW = 1_800_000_000_000
@@ -157,6 +159,7 @@ class MemoryStore:
         self.rows: dict[str, Row] = {}
         self.route_table: dict[str, Route] = {}
         self.default_cadence = 86_400
+        self.site_table: dict[str, SiteSettings] = {}
         self.log: list[tuple[str, str]] = []  # (kind, key or route name)
         self.floor = 0  # entries below this were pruned
         self.seq = 0
@@ -232,6 +235,14 @@ class MemoryStore:
         self.default_cadence = seconds
         self.log.append(("settings", ""))
 
+    def set_site(self, settings: SiteSettings) -> SiteSettings | None:
+        if settings.empty:
+            self.site_table.pop(settings.site, None)
+        else:
+            self.site_table[settings.site] = settings
+        self.log.append(("site", settings.site))
+        return None if settings.empty else settings
+
     # -- reading ---------------------------------------------------------------------
 
     def current(self, entry: tuple[str, str]) -> FeedEvent:
@@ -240,6 +251,8 @@ class MemoryStore:
             return RowEvent(key=name, row=self.rows.get(name))
         if kind == "route":
             return RouteEvent(route=self.route_table[name])
+        if kind == "site":
+            return SiteEvent(settings=self.site_table.get(name) or SiteSettings(site=name))
         return SettingsEvent(default_cadence_s=self.default_cadence)
 
     def get(self, key: str) -> Row | None:
@@ -270,6 +283,12 @@ class MemoryStore:
 
     def default_cadence_s(self) -> int:
         return self.default_cadence
+
+    def sites(self) -> list[SiteSettings]:
+        return sorted(self.site_table.values(), key=lambda s: s.site)
+
+    def get_site(self, site: str) -> SiteSettings | None:
+        return self.site_table.get(site)
 
     def hash_secret(self) -> bytes:
         return b"memory-store-key"

@@ -33,7 +33,7 @@ from shm import key_hash, segment_name
 from shm.keys import site_hash
 from shm.sites import SiteTable
 from store.base import FeedStatistics
-from store.rows import Row
+from store.rows import Row, SiteSettings
 
 CONFIG = RIG_CONFIG
 
@@ -1143,6 +1143,33 @@ def test_with_a_real_site_table_a_publish_keeps_a_capped_site_to_its_permits() -
         rig.steps(1, advance_ms=1000)
         a_keys = [k for k in rig.ring.keys if k.startswith(b"https://a.example/")]
         assert len(a_keys) == 3 and len(rig.ring.keys) == 23
+    finally:
+        table.close()
+        table.unlink()
+
+
+def test_sites_settings_are_put_in_force_at_load_and_from_the_feed() -> None:
+    """The keeper's core takes the store's site settings in (at the feed's open, then each
+    SiteEvent) and the runner puts them in the node's site table, cleared ones too."""
+    tag = f"t{os.getpid()}x{uuid.uuid4().hex[:8]}"
+    table = SiteTable.create(segment_name(tag, "sites"), capacity=64, permits=8)
+    try:
+        rig = Rig(rows=0, site_table=table)
+        rig.store.set_site(SiteSettings(site="a.example", max_in_flight=3))
+        rig.store.set_site(SiteSettings(site="b.example", min_interval_ms=500))
+        rig.keeper.start()
+        rig.steps(10)
+        a, b = site_hash(b"a.example"), site_hash(b"b.example")
+        assert table.info(a, NOW).max_in_flight == 3
+        assert table.info(b, NOW).min_interval_ms == 500
+        rig.store.set_site(SiteSettings(site="a.example", max_in_flight=1, min_interval_ms=10))
+        rig.store.set_site(SiteSettings(site="b.example"))  # cleared: the default again
+        rig.steps(3, advance_ms=1000)
+        info = table.info(a, NOW)
+        assert (info.max_in_flight, info.min_interval_ms) == (1, 10)
+        assert not table.info(b, NOW).min_interval_set
+        stats = rig.keeper.statistics()
+        assert stats.site_events == 2 and stats.site_settings_unapplied == 0
     finally:
         table.close()
         table.unlink()

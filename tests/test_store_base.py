@@ -18,7 +18,7 @@ import pytest
 from store_helpers import ContractStore, close_all, is_postgres, keys_of, open_url, put, settle
 
 from store.errors import StoreBusy, StoreError
-from store.rows import Completion, Outcome, Route, Row, RowEvent
+from store.rows import Completion, Outcome, Route, Row, RowEvent, SiteSettings
 
 SPAWN = multiprocessing.get_context("spawn")
 
@@ -406,6 +406,35 @@ def test_routes_and_the_global_default(any_store: ContractStore) -> None:
     with pytest.raises(ValueError, match="paused"):
         store.set_route("product", paused=1)  # type: ignore[arg-type]
     assert store.default_cadence_s() == 3_600 and len(store.routes()) == 2
+
+
+def test_site_settings_are_stored_cleared_and_checked(any_store: ContractStore) -> None:
+    store = any_store
+    assert store.sites() == [] and store.get_site("example.com") is None
+    shop = SiteSettings(site="shop.example.com", max_in_flight=4)
+    assert store.set_site(shop) == shop
+    both = SiteSettings(site="example.com", max_in_flight=0, min_interval_ms=250)
+    store.set_site(both)
+    assert store.sites() == [both, shop] and store.get_site("example.com") == both
+    spaced = SiteSettings(site="shop.example.com", min_interval_ms=1_000)
+    store.set_site(spaced)  # every field is the new one: the cap is cleared
+    assert store.get_site("shop.example.com") == spaced
+    assert store.set_site(SiteSettings(site="shop.example.com")) is None  # both cleared
+    assert store.sites() == [both]
+    store.set_site(SiteSettings(site="nothing.example"))  # clearing what is not there
+    for bad, message in (
+        (SiteSettings(site="Example.com", max_in_flight=1), "lower-case"),
+        (SiteSettings(site="example.com/a", max_in_flight=1), "no port, path"),
+        (SiteSettings(site="", max_in_flight=1), "host name"),
+        (SiteSettings(site="a" * 254, max_in_flight=1), "over 253 bytes"),
+        (SiteSettings(site="example.com", max_in_flight=-1), "max_in_flight -1"),
+        (SiteSettings(site="example.com", max_in_flight=4097), "outside 0..4096"),
+        (SiteSettings(site="example.com", min_interval_ms=86_400_001), "min_interval_ms"),
+        (SiteSettings(site="example.com", max_in_flight=True), "max_in_flight True"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            store.set_site(bad)
+    assert store.sites() == [both]
 
 
 def test_threads_share_one_store(any_store: ContractStore) -> None:

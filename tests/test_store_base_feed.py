@@ -25,7 +25,15 @@ from store_helpers import (
 )
 
 from store.base import Cursor, CursorBelowFloor, FeedStatistics
-from store.rows import Completion, Route, RouteEvent, RowEvent, SettingsEvent
+from store.rows import (
+    Completion,
+    Route,
+    RouteEvent,
+    RowEvent,
+    SettingsEvent,
+    SiteEvent,
+    SiteSettings,
+)
 
 SPAWN = multiprocessing.get_context("spawn")
 
@@ -126,6 +134,24 @@ def test_route_and_settings_changes_come_through_the_same_feed(any_store: Contra
         RowEvent(key="/a", row=store.get("/a")),
         RouteEvent(route=Route(route="product", default_cadence_s=600, paused=True)),
         SettingsEvent(default_cadence_s=7_200),
+    ]
+    sub.close()
+
+
+def test_site_settings_come_through_the_feed_as_state(any_store: ContractStore) -> None:
+    store = any_store
+    sub = store.subscribe("keeper")
+    store.set_site(SiteSettings(site="example.com", max_in_flight=2))
+    store.set_site(SiteSettings(site="other.example", min_interval_ms=500))
+    store.set_site(SiteSettings(site="example.com", max_in_flight=3, min_interval_ms=100))
+    store.write([put("/a")])
+    store.set_site(SiteSettings(site="other.example"))  # cleared
+    settle(store)
+    batch = sub.poll()
+    assert batch.events == [
+        SiteEvent(settings=SiteSettings(site="example.com", max_in_flight=3, min_interval_ms=100)),
+        RowEvent(key="/a", row=store.get("/a")),
+        SiteEvent(settings=SiteSettings(site="other.example")),
     ]
     sub.close()
 

@@ -363,3 +363,23 @@ def test_urls_lose_their_passwords_in_statistics_and_errors(pg_url: str) -> None
     with pytest.raises(StoreError, match="closed") as closed:
         store.get("/a")
     assert "s3cret" not in str(closed.value)
+
+
+def test_a_node_with_another_site_policy_is_refused_at_join(pg_url: str) -> None:
+    """The site defaults are cluster settings: a cap enforced by some nodes only would not
+    be one."""
+    from store.postgres.membership import Membership, SettingsDiffer
+
+    PostgresStore(pg_url).close()  # the schema
+    common = {"instance": "i", "advertised_url": "http://127.0.0.1:1", "ttl_s": 30.0}
+    first = Membership(pg_url, "a", site_policy="max_in_flight=4", **common)  # type: ignore[arg-type]
+    second = Membership(pg_url, "b", site_policy="max_in_flight=none", **common)  # type: ignore[arg-type]
+    try:
+        first.join()
+        with pytest.raises(
+            SettingsDiffer, match=r"site settings.*max_in_flight=none.*max_in_flight=4"
+        ):
+            second.join()
+    finally:
+        first.close()
+        second.close()

@@ -157,6 +157,16 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
             block_max_ms=max(self.site_failure_block_max_s, self.site_failure_block_s) * 1000,
         )
 
+    def site_policy(self) -> str:
+        """The site settings every node of a cluster must share, as one value
+        (store.postgres.membership compares it at join)."""
+        return (
+            f"max_in_flight={self.site_max_in_flight or 'none'} "
+            f"min_interval_ms={self.site_min_interval_ms} permits={self.site_permits_max} "
+            f"failures={self.site_failure_streak}/{self.site_failure_window_s}s/"
+            f"{self.site_failure_block_s}s..{self.site_failure_block_max_s}s"
+        )
+
     def advertised(self, port: int) -> str:
         """The URL this node is reached at (advertise_url, else its listening address)."""
         if self.advertise_url:

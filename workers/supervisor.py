@@ -310,6 +310,7 @@ class Supervisor:
             max_lease_ms=settings.max_lease_s * 1000,
             heartbeat_s=settings.heartbeat_s,
             secret_fingerprint=fingerprint(self._hash_secret),
+            site_policy=settings.site_policy(),
         )
         self._membership = MembershipHeartbeat(membership, settings.heartbeat_s, self._wake)
         joined = self._membership.join()

@@ -41,9 +41,19 @@ from store.postgres.schema import (
     KIND_ROUTE,
     KIND_ROW,
     KIND_SETTINGS,
+    KIND_SITE,
     NOTIFY_CHANNEL,
 )
-from store.rows import FeedEvent, Route, RouteEvent, RowEvent, SettingsEvent, row_from
+from store.rows import (
+    FeedEvent,
+    Route,
+    RouteEvent,
+    RowEvent,
+    SettingsEvent,
+    SiteEvent,
+    SiteSettings,
+    row_from,
+)
 
 log = logging.getLogger("renderqueue.store")
 
@@ -249,6 +259,13 @@ class PostgresSubscription:
                 value = entry[13]
                 events[slot] = SettingsEvent(
                     default_cadence_s=DEFAULT_CADENCE_S if value is None else int(value)
+                )
+            elif kind == KIND_SITE:
+                found, most, interval = entry[14], entry[15], entry[16]
+                events[slot] = SiteEvent(
+                    settings=SiteSettings(site=key, max_in_flight=most, min_interval_ms=interval)
+                    if found
+                    else SiteSettings(site=key)
                 )
         self._entries += len(entries)
         self._events += len(events)

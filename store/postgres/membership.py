@@ -12,10 +12,12 @@ another took its name over changes nothing and learns it was superseded. A name 
 to one live incarnation at a time: a second process joining under a live name is
 refused, unless the holder is a dead process of this same host (a crash, restarted).
 
-The cluster's timing settings, the key-hash secret's fingerprint and the membership
-protocol are stored once (`cluster_settings`). A node whose values differ from the live
-cluster's is refused at join, with both values named; with no live node the joiner's
-values become the cluster's, so changing them means stopping every node first.
+The cluster's timing settings, the key-hash secret's fingerprint, the membership
+protocol and the site policy (the default per-site cap and spacing, the highest cap a
+site may be given, the failure block) are stored once (`cluster_settings`). A node whose
+values differ from the live cluster's is refused at join, with both values named; with
+no live node the joiner's values become the cluster's, so changing them means stopping
+every node first.
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ class ClusterSettingsRecord(msgspec.Struct, frozen=True, kw_only=True):
     max_lease_ms: int
     secret_fingerprint: int
     protocol: int = PROTOCOL
+    # workers.config: the site_* settings as one value (every node must enforce alike).
+    site_policy: str = ""
 
 
 class Joined(msgspec.Struct, frozen=True, kw_only=True):
@@ -77,15 +81,18 @@ _NODE_COLUMNS = """node, url, instance,
 _NODES = f"SELECT {_NODE_COLUMNS} FROM nodes ORDER BY node"
 _DB_NOW = "SELECT (extract(epoch FROM clock_timestamp()) * 1000)::bigint"
 
-_SETTINGS = """SELECT ttl_ms, heartbeat_ms, max_lease_ms, secret_fingerprint, protocol
+_SETTINGS = """SELECT ttl_ms, heartbeat_ms, max_lease_ms, secret_fingerprint, protocol,
+    site_policy
 FROM cluster_settings WHERE id = 1 FOR UPDATE"""
 _SET_SETTINGS = """INSERT INTO cluster_settings AS c
-    (id, ttl_ms, heartbeat_ms, max_lease_ms, secret_fingerprint, protocol, set_by)
+    (id, ttl_ms, heartbeat_ms, max_lease_ms, secret_fingerprint, protocol, site_policy,
+     set_by)
 VALUES (1, %(ttl_ms)s, %(heartbeat_ms)s, %(max_lease_ms)s, %(secret_fingerprint)s,
-        %(protocol)s, %(node)s)
+        %(protocol)s, %(site_policy)s, %(node)s)
 ON CONFLICT (id) DO UPDATE SET ttl_ms = excluded.ttl_ms, heartbeat_ms = excluded.heartbeat_ms,
     max_lease_ms = excluded.max_lease_ms, secret_fingerprint = excluded.secret_fingerprint,
-    protocol = excluded.protocol, set_by = excluded.set_by, set_at = now()"""
+    protocol = excluded.protocol, site_policy = excluded.site_policy,
+    set_by = excluded.set_by, set_at = now()"""
 _LIVE_OTHERS = """SELECT count(*) FROM nodes WHERE node <> %(node)s AND left_at IS NULL
     AND heartbeat_at > now() - make_interval(secs => %(ttl)s)"""
 _ROW = f"SELECT {_NODE_COLUMNS} FROM nodes WHERE node = %(node)s FOR UPDATE"
@@ -178,6 +185,7 @@ class Membership:
         max_lease_ms: int = 0,
         heartbeat_s: float = 2.0,
         secret_fingerprint: int = 0,
+        site_policy: str = "",
     ) -> None:
         self.store_url = url
         self.node = node
@@ -187,6 +195,7 @@ class Membership:
         self.max_lease_ms = max_lease_ms
         self.heartbeat_s = heartbeat_s
         self.secret_fingerprint = secret_fingerprint
+        self.site_policy = site_policy
         self.incarnation = 0
         self.host = socket.gethostname()
         self._conn: Conn | None = None
@@ -215,6 +224,7 @@ class Membership:
             heartbeat_ms=round(self.heartbeat_s * 1000),
             max_lease_ms=self.max_lease_ms,
             secret_fingerprint=_signed([self.secret_fingerprint])[0],
+            site_policy=self.site_policy,
         )
 
     def join(self) -> Joined:
@@ -234,6 +244,7 @@ class Membership:
                         max_lease_ms=found[2],
                         secret_fingerprint=found[3],
                         protocol=found[4],
+                        site_policy=found[5],
                     )
                     if theirs != mine:
                         raise SettingsDiffer(_differences(mine, theirs))
@@ -324,6 +335,11 @@ def _differences(mine: ClusterSettingsRecord, theirs: ClusterSettingsRecord) -> 
         if a != b:
             shown = (a / scale, b / scale) if scale else (a, b)
             parts.append(f"{name}: this node {shown[0]:g}, the cluster {shown[1]:g}")
+    if mine.site_policy != theirs.site_policy:
+        parts.append(
+            f"the site settings (site_*): this node {mine.site_policy or 'none'}, "
+            f"the cluster {theirs.site_policy or 'none'}"
+        )
     return (
         "this node's cluster settings differ from the live cluster's ("
         + "; ".join(parts)

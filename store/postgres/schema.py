@@ -30,6 +30,7 @@ from store.secret import new_secret
 KIND_ROW = 0
 KIND_ROUTE = 1
 KIND_SETTINGS = 2
+KIND_SITE = 3
 DEFAULT_CADENCE_SETTING = "default_cadence_s"
 DEFAULT_CADENCE_S = 86_400
 NOTIFY_CHANNEL = "renderqueue_feed"
@@ -179,8 +180,24 @@ _V4 = [
     )""",
 ]
 
+# Sites' own politeness settings (shm/sites.py); a site with neither set has no row. The
+# cluster's site defaults and failure policy are stored with its other settings, as one
+# value every node must match (store.postgres.membership).
+_V5 = [
+    """CREATE TABLE site_settings (
+        site text PRIMARY KEY COLLATE "C" CHECK (site <> ''),
+        max_in_flight integer CHECK (max_in_flight IS NULL OR max_in_flight >= 0),
+        min_interval_ms integer CHECK (min_interval_ms IS NULL OR min_interval_ms >= 0),
+        CHECK (max_in_flight IS NOT NULL OR min_interval_ms IS NOT NULL)
+    )""",
+    *_logged("site_settings", "INSERT", KIND_SITE, "site", "changed"),
+    *_logged("site_settings", "UPDATE", KIND_SITE, "site", "changed"),
+    *_logged("site_settings", "DELETE", KIND_SITE, "site", "changed"),
+    "ALTER TABLE cluster_settings ADD COLUMN site_policy text NOT NULL DEFAULT ''",
+]
+
 # Index i holds the statements that take a database from version i to i + 1.
-MIGRATIONS: list[list[str]] = [_V1, _V2, _V3, _V4]
+MIGRATIONS: list[list[str]] = [_V1, _V2, _V3, _V4, _V5]
 # What a version's tables start with that SQL cannot make (random bytes from Python's
 # `secrets`), run after that version's statements, in the same transaction.
 SEEDS: dict[int, Callable[[psycopg.Connection[tuple[object, ...]]], None]] = {3: _seed_secret}

@@ -125,6 +125,16 @@ ON CONFLICT (route) DO UPDATE SET
 RETURNING route, default_cadence_s, paused
 """
 
+SITES = "SELECT site, max_in_flight, min_interval_ms FROM site_settings ORDER BY site"
+SITE = "SELECT site, max_in_flight, min_interval_ms FROM site_settings WHERE site = %s"
+SET_SITE = """
+INSERT INTO site_settings (site, max_in_flight, min_interval_ms)
+VALUES (%(site)s, %(max_in_flight)s, %(min_interval_ms)s)
+ON CONFLICT (site) DO UPDATE SET
+    max_in_flight = excluded.max_in_flight, min_interval_ms = excluded.min_interval_ms
+"""
+DELETE_SITE = "DELETE FROM site_settings WHERE site = %s"
+
 GET_DEFAULT_CADENCE = f"SELECT {GLOBAL_CADENCE}"
 GET_HASH_SECRET = "SELECT secret FROM hash_secret WHERE id = 1"
 
@@ -156,7 +166,8 @@ SELECT h.xmin::text::bigint, h.xmax::text::bigint,
        l.xid::text::bigint, l.seq, l.kind, l.key,
        r.route, r.cadence_s, r.sitemap, r.next_render_at, r.last_rendered_at,
        r.last_outcome, r.version,
-       rt.default_cadence_s, rt.paused, st.value
+       rt.default_cadence_s, rt.paused, st.value,
+       ss.site IS NOT NULL, ss.max_in_flight, ss.min_interval_ms
 FROM h CROSS JOIN feed_state AS f
 LEFT JOIN LATERAL (
     SELECT * FROM change_log
@@ -172,6 +183,9 @@ LEFT JOIN LATERAL (
 LEFT JOIN LATERAL (
     SELECT * FROM settings WHERE l.kind = 2 AND name = l.key LIMIT 1
 ) AS st ON true
+LEFT JOIN LATERAL (
+    SELECT * FROM site_settings WHERE l.kind = 3 AND site = l.key LIMIT 1
+) AS ss ON true
 WHERE f.id = 1
 ORDER BY l.xid, l.seq
 """

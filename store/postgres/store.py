@@ -67,9 +67,11 @@ from store.rows import (
     Route,
     Row,
     RowWrite,
+    SiteSettings,
     completion_rounds,
     route_from,
     row_from,
+    site_settings_from,
 )
 from store.secret import checked
 from store.validate import (
@@ -80,6 +82,7 @@ from store.validate import (
     check_key,
     check_keys,
     check_route_change,
+    check_site_settings,
     check_upserts,
 )
 
@@ -462,6 +465,25 @@ class PostgresStore:
         found = self._read("default", lambda c: c.execute(sql.GET_DEFAULT_CADENCE).fetchone())
         assert found is not None
         return int(found[0])
+
+    def sites(self) -> list[SiteSettings]:
+        found = self._read("sites", lambda c: c.execute(sql.SITES).fetchall())
+        return [site_settings_from(values) for values in found]
+
+    def get_site(self, site: str) -> SiteSettings | None:
+        found = self._read("site", lambda c: c.execute(sql.SITE, (site,)).fetchone())
+        return None if found is None else site_settings_from(found)
+
+    def set_site(self, settings: SiteSettings) -> SiteSettings | None:
+        check_site_settings(settings)
+        if settings.empty:
+            self._write(
+                "set_site", lambda conn: conn.execute(sql.DELETE_SITE, (settings.site,)), rows=1
+            )
+            return None
+        params = msgspec.structs.asdict(settings)
+        self._write("set_site", lambda conn: conn.execute(sql.SET_SITE, params), rows=1)
+        return settings
 
     def hash_secret(self) -> bytes:
         found = self._read("hash_secret", lambda c: c.execute(sql.GET_HASH_SECRET).fetchone())

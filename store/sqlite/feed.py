@@ -24,7 +24,18 @@ from typing import Any, Literal
 import msgspec
 
 from store.base import Cursor, CursorAhead, CursorBelowFloor, FeedBatch, FeedStatistics
-from store.rows import FeedEvent, Route, RouteEvent, RowEvent, SettingsEvent, route_from, row_from
+from store.rows import (
+    FeedEvent,
+    Route,
+    RouteEvent,
+    RowEvent,
+    SettingsEvent,
+    SiteEvent,
+    SiteSettings,
+    route_from,
+    row_from,
+    site_settings_from,
+)
 from store.sqlite import sql
 from store.sqlite.conn import Retry, configure, connect
 from store.sqlite.feed_ring import (
@@ -34,7 +45,7 @@ from store.sqlite.feed_ring import (
     decode_record,
     remove_ring,
 )
-from store.sqlite.schema import DEFAULT_CADENCE_S, KIND_ROUTE, KIND_ROW, KIND_SETTINGS
+from store.sqlite.schema import DEFAULT_CADENCE_S, KIND_ROUTE, KIND_ROW, KIND_SETTINGS, KIND_SITE
 from store.sqlite.upkeep import WRITER_CHECKPOINT_PAGES
 from store.sqlite.wake import REFRESH_S, WakeWaiter, unlink
 
@@ -217,20 +228,21 @@ class SqliteSubscription:
             "poll", lambda: self._conn.execute(sql.POLL, (after, limit)).fetchall()
         )
         routes: dict[str, Route] = {}
+        sites: dict[str, SiteSettings] = {}
         default_cadence_s = DEFAULT_CADENCE_S
         # Committed seqs are contiguous, so only a gap after the cursor can mean pruning;
-        # route and settings entries need more reads from the same snapshot.
+        # route, settings and site entries need more reads from the same snapshot.
         if records and (records[0][0] != after + 1 or any(r[1] != KIND_ROW for r in records)):
             found = self._retry.transaction(
                 self._conn, "poll", lambda conn: self._read(conn, after, limit), write=False
             )
             if isinstance(found, str):
                 raise CursorBelowFloor(f"consumer {self.consumer!r}: {found}; resync (walk)")
-            records, routes, default_cadence_s = found
+            records, routes, default_cadence_s, sites = found
         self._polls += 1
         if len(records) < limit:
             self._ring_missed = missed  # caught up with the log's head as it was then
-        return self._deliver(records, routes, default_cadence_s, limit)
+        return self._deliver(records, routes, default_cadence_s, limit, sites)
 
     def _from_ring(self, ring: FeedRing, limit: int) -> list[LogRecord]:
         """The ring's entries that continue the cursor, up to `limit`."""
@@ -251,6 +263,7 @@ class SqliteSubscription:
         routes: dict[str, Route],
         default_cadence_s: int,
         limit: int,
+        sites: dict[str, SiteSettings] | None = None,
     ) -> FeedBatch:
         # A full batch may have left entries behind (coalescing can make the events fewer
         # than the limit all the same): the next wait() must not sleep on them.
@@ -272,6 +285,9 @@ class SqliteSubscription:
                 events[slot] = RouteEvent(route=routes.get(key) or Route(route=key))
             elif kind == KIND_SETTINGS:
                 events[slot] = SettingsEvent(default_cadence_s=default_cadence_s)
+            elif kind == KIND_SITE:
+                found = None if sites is None else sites.get(key)
+                events[slot] = SiteEvent(settings=found or SiteSettings(site=key))
         last = records[-1]
         self._seq, self._stamp = int(last[0]), int(last[3])
         self._entries += len(records)
@@ -280,7 +296,7 @@ class SqliteSubscription:
 
     def _read(
         self, conn: sqlite3.Connection, after: int, limit: int
-    ) -> str | tuple[list[Any], dict[str, Route], int]:
+    ) -> str | tuple[list[Any], dict[str, Route], int, dict[str, SiteSettings]]:
         floor = int(conn.execute(sql.FLOOR).fetchone()[0])
         if after < floor:
             return f"cursor seq {after} is below the change log's pruned floor {floor}"
@@ -295,7 +311,14 @@ class SqliteSubscription:
         default_cadence_s = DEFAULT_CADENCE_S
         if any(r[1] == KIND_SETTINGS for r in records):
             default_cadence_s = int(conn.execute(sql.GET_DEFAULT_CADENCE).fetchone()[0])
-        return records, routes, default_cadence_s
+        site_names = [r[2] for r in records if r[1] == KIND_SITE]
+        sites: dict[str, SiteSettings] = {}
+        if site_names:
+            names = msgspec.json.encode(sorted(set(site_names))).decode()
+            for values in conn.execute(sql.SITES_NAMED, (names,)):
+                settings = site_settings_from(values)
+                sites[settings.site] = settings
+        return records, routes, default_cadence_s, sites
 
     def wait(self, timeout_s: float) -> bool:
         if self._more:

@@ -25,6 +25,7 @@ from store.secret import new_secret
 KIND_ROW = 0
 KIND_ROUTE = 1
 KIND_SETTINGS = 2
+KIND_SITE = 3
 DEFAULT_CADENCE_SETTING = "default_cadence_s"
 DEFAULT_CADENCE_S = 86_400
 # Every TRIM_EVERY-th log entry's write removes up to TRIM_ENTRIES below the floor (about a
@@ -125,12 +126,32 @@ _V3 = [
 ]
 
 
+# Sites' own politeness settings (shm/sites.py); a site with neither set has no row.
+_V4 = [
+    """CREATE TABLE site_settings (
+        site TEXT PRIMARY KEY NOT NULL CHECK (site <> ''),
+        max_in_flight INTEGER CHECK (max_in_flight IS NULL OR max_in_flight >= 0),
+        min_interval_ms INTEGER CHECK (min_interval_ms IS NULL OR min_interval_ms >= 0),
+        CHECK (max_in_flight IS NOT NULL OR min_interval_ms IS NOT NULL)
+    ) WITHOUT ROWID""",
+    f"""CREATE TRIGGER site_settings_logged_insert AFTER INSERT ON site_settings BEGIN
+        INSERT INTO change_log (kind, key, stamp) VALUES ({KIND_SITE}, NEW.site, random());
+    END""",
+    f"""CREATE TRIGGER site_settings_logged_update AFTER UPDATE ON site_settings BEGIN
+        INSERT INTO change_log (kind, key, stamp) VALUES ({KIND_SITE}, NEW.site, random());
+    END""",
+    f"""CREATE TRIGGER site_settings_logged_delete AFTER DELETE ON site_settings BEGIN
+        INSERT INTO change_log (kind, key, stamp) VALUES ({KIND_SITE}, OLD.site, random());
+    END""",
+]
+
+
 def _seed_secret(conn: sqlite3.Connection) -> None:
     conn.execute("INSERT INTO hash_secret (id, secret) VALUES (1, ?)", (new_secret(),))
 
 
 # Index i holds the statements that take a database from version i to i + 1.
-MIGRATIONS: list[list[str]] = [_V1, _V2, _V3]
+MIGRATIONS: list[list[str]] = [_V1, _V2, _V3, _V4]
 # What a version's tables start with that SQL cannot make (random bytes from Python's
 # `secrets`), run after that version's statements, in the same transaction.
 SEEDS: dict[int, Callable[[sqlite3.Connection], None]] = {3: _seed_secret}

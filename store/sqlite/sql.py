@@ -107,6 +107,20 @@ ON CONFLICT (route) DO UPDATE SET
 RETURNING route, default_cadence_s, paused
 """
 
+SITES = "SELECT site, max_in_flight, min_interval_ms FROM site_settings ORDER BY site"
+SITE = "SELECT site, max_in_flight, min_interval_ms FROM site_settings WHERE site = ?"
+SITES_NAMED = (
+    "SELECT site, max_in_flight, min_interval_ms FROM site_settings "
+    "WHERE site IN (SELECT value FROM json_each(?))"
+)
+SET_SITE = """
+INSERT INTO site_settings (site, max_in_flight, min_interval_ms)
+VALUES (:site, :max_in_flight, :min_interval_ms)
+ON CONFLICT (site) DO UPDATE SET
+    max_in_flight = excluded.max_in_flight, min_interval_ms = excluded.min_interval_ms
+"""
+DELETE_SITE = "DELETE FROM site_settings WHERE site = ?"
+
 GET_DEFAULT_CADENCE = f"SELECT {GLOBAL_CADENCE}"
 GET_HASH_SECRET = "SELECT secret FROM hash_secret WHERE id = 1"
 

@@ -35,7 +35,17 @@ from store.base import (
     WriteHealth,
 )
 from store.errors import StoreError, StoreFull
-from store.rows import Completion, Route, Row, RowWrite, completion_rounds, route_from, row_from
+from store.rows import (
+    Completion,
+    Route,
+    Row,
+    RowWrite,
+    SiteSettings,
+    completion_rounds,
+    route_from,
+    row_from,
+    site_settings_from,
+)
 from store.secret import checked
 from store.sqlite import sql
 from store.sqlite.conn import PAGE_CACHE_KIB, Retry, configure, connect
@@ -68,6 +78,7 @@ from store.validate import (
     check_key,
     check_keys,
     check_route_change,
+    check_site_settings,
     check_upserts,
 )
 
@@ -454,6 +465,30 @@ class SqliteStore:
         return int(
             self._read("default", lambda c: c.execute(sql.GET_DEFAULT_CADENCE).fetchone()[0])
         )
+
+    def sites(self) -> list[SiteSettings]:
+        found = self._read("sites", lambda c: c.execute(sql.SITES).fetchall())
+        return [site_settings_from(values) for values in found]
+
+    def get_site(self, site: str) -> SiteSettings | None:
+        found = self._read("site", lambda c: c.execute(sql.SITE, (site,)).fetchone())
+        return None if found is None else site_settings_from(found)
+
+    def set_site(self, settings: SiteSettings) -> SiteSettings | None:
+        check_site_settings(settings)
+        if settings.empty:
+            self._write(
+                "set_site",
+                lambda conn: conn.execute(sql.DELETE_SITE, (settings.site,)),
+                rows=1,
+                logged=True,
+            )
+            return None
+        params = msgspec.structs.asdict(settings)
+        self._write(
+            "set_site", lambda conn: conn.execute(sql.SET_SITE, params), rows=1, logged=True
+        )
+        return settings
 
     def hash_secret(self) -> bytes:
         found = self._read("hash_secret", lambda c: c.execute(sql.GET_HASH_SECRET).fetchone())
