@@ -36,7 +36,8 @@ _FLEET_OPENS = (
 )
 _READ_OPENS = (
     "the read-only token opens only reads (/metrics, queue-state, cluster queue-state, "
-    "overview, explain, GET /v1/routes, GET /v1/schedule, GET /v1/sites, GET /v1/cluster)"
+    "overview, explain, GET /v1/routes, GET /v1/schedule, GET /v1/sites, GET "
+    "/v1/sites/{site}, GET /v1/cluster)"
 )
 
 

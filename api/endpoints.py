@@ -14,7 +14,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from api import admin, claims, cluster, metrics, schedule, site_list, sitemaps
+from api import admin, claims, cluster, metrics, schedule, site_list, sitemaps, sites
 from api.auth import Scope
 from api.node import Node
 from api.params import as_int
@@ -42,6 +42,9 @@ from api.schemas import (
     SettingsUpdate,
     SitesListing,
     SitesTop,
+    SiteName,
+    SiteState,
+    SiteUpdate,
 )
 from keeper.state import SITES_LISTED
 from sitemap.importer import ImportReport
@@ -262,6 +265,29 @@ ENDPOINTS: tuple[Endpoint, ...] = (
             ),
         ),
         uses_store=False,
+    ),
+    Endpoint(
+        "GET",
+        "/v1/sites/{site}",
+        "read",
+        "One site: its own settings (null: the node's default), what its grants follow now, "
+        "its leases in flight, whether it is blocked (until when, and why), its failure "
+        "streak and its due rows.",
+        lambda call: sites.get_site(call.node, call.params["site"]),
+        response=SiteState,
+        path_params=(Param("site", "the site's host name", SiteName),),
+    ),
+    Endpoint(
+        "PUT",
+        "/v1/sites/{site}",
+        "admin",
+        "Set a site's own `max_in_flight` and `min_interval_ms` (absent: unchanged; null: "
+        "the node's default again), for every node of the cluster; answers the site.",
+        lambda call: sites.set_site(call.node, call.params["site"], call.body),
+        body=SiteUpdate,
+        response=SiteState,
+        writes_store=True,
+        path_params=(Param("site", "the site's host name", SiteName),),
     ),
     Endpoint(
         "GET",

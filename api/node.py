@@ -53,6 +53,9 @@ class ApiSettings(msgspec.Struct, frozen=True, kw_only=True):
     # the member list's TTL: GET /v1/cluster lists the nodes live by it.
     advertised_url: str = ""
     node_ttl_s: float = 12.0
+    # The highest max_in_flight a site may be given here (workers.config; the site
+    # table's permit words a site).
+    site_permits_max: int = 64
     # A peer asked for its queue-state, or handed a completion another node granted, has
     # this long to answer; past it the peer is named as missing (never waited on).
     peer_timeout_s: float = 3.0

@@ -58,20 +58,23 @@ def _components(
         extra = getattr(type_, "json_schema_extra", None)
         if extra:
             components[ref["$ref"].rsplit("/", 1)[1]].update(extra)
-    _cap_leases(components, settings.max_lease_s)
+    caps = {"max_lease_s": settings.max_lease_s, "site_permits_max": settings.site_permits_max}
+    _cap_by_settings(components, caps)
     return refs, components
 
 
-def _cap_leases(schema: Any, cap: int) -> None:
-    """A lease length this node refuses past its max_lease_s is stated with that cap."""
+def _cap_by_settings(schema: Any, caps: dict[str, int]) -> None:
+    """A value this node refuses past one of its settings (max_lease_s for a lease's
+    length, site_permits_max for a site's max in flight) is stated with that cap."""
     if isinstance(schema, dict):
-        if LEASE_CAP_KEYWORD in schema and "maximum" in schema:
-            schema["maximum"] = min(schema["maximum"], cap)
+        setting = schema.get(LEASE_CAP_KEYWORD)
+        if setting in caps and "maximum" in schema:
+            schema["maximum"] = min(schema["maximum"], caps[setting])
         for value in schema.values():
-            _cap_leases(value, cap)
+            _cap_by_settings(value, caps)
     elif isinstance(schema, list):
         for value in schema:
-            _cap_leases(value, cap)
+            _cap_by_settings(value, caps)
 
 
 def _problem(description: str, problem: dict[str, Any], **headers: str) -> dict[str, Any]:

@@ -69,7 +69,8 @@ EpochMs = Annotated[
 MIN_LEASE_S = 5
 MAX_LEASE_S = 3600
 # Whole seconds. A node may cap leases lower (its max_lease_s, a cluster's setting): its
-# document states that node's cap (api.openapi, which finds this keyword).
+# document states that node's cap (api.openapi, which finds this keyword naming the
+# setting; a site's max in flight is capped the same way, by site_permits_max).
 LEASE_CAP_KEYWORD = "x-capByNodeSetting"
 LeaseS = Annotated[
     int,
@@ -253,6 +254,65 @@ class SettingsUpdate(Request, frozen=True):
 
 class NodeSettings(msgspec.Struct, frozen=True, kw_only=True):
     default_cadence_s: int
+
+
+# --- sites ---------------------------------------------------------------------------------
+
+SiteName = Annotated[
+    str,
+    Meta(
+        min_length=1,
+        max_length=259,
+        pattern=r"^[A-Za-z0-9_-][A-Za-z0-9_.-]*(?::[0-9]{1,5})?$",
+        description="A site: its host name (ASCII; an IDN in its xn-- form), as a key's URL "
+        "names it. Lower-cased, and a port, trailing dots and a leading `www.` are dropped, as "
+        "for a key's site; at most 253 characters after that.",
+    ),
+]
+SiteMaxInFlight = Annotated[
+    int,
+    Meta(
+        ge=0,
+        le=4096,
+        description="At most this many leases live at once on the site's keys (0: none "
+        "granted); at most this node's site_permits_max.",
+        extra_json_schema={LEASE_CAP_KEYWORD: "site_permits_max"},
+    ),
+]
+SiteIntervalMs = Annotated[
+    int, Meta(ge=0, le=86_400_000, description="At least this many ms between two grants.")
+]
+
+
+class SiteUpdate(Request, frozen=True):
+    """Absent fields stay as they are; null clears the site's own value (the node's
+    default applies again)."""
+
+    max_in_flight: SiteMaxInFlight | msgspec.UnsetType | None = msgspec.UNSET
+    min_interval_ms: SiteIntervalMs | msgspec.UnsetType | None = msgspec.UNSET
+
+
+class SiteLimits(msgspec.Struct, frozen=True, kw_only=True):
+    max_in_flight: int | None  # null: no cap
+    min_interval_ms: int | None  # null (own settings only): the node's default
+
+
+class SiteState(msgspec.Struct, frozen=True, kw_only=True):
+    """One site on this node: its own settings (stored, shared by every node), what grants
+    follow now (its own, else the node's defaults), and its state in shared memory."""
+
+    site: str
+    settings: SiteLimits  # the site's own; null fields: the node's default
+    in_force: SiteLimits
+    in_flight: int  # leases holding one of its permits now
+    blocked_until: int | None = None  # epoch ms, while blocked
+    blocked_reason: Literal["retry_after", "failures"] | None = None
+    last_grant_at: int | None = None  # the last grant that passed its spacing
+    failure_streak: int = 0  # failed renders in a row, within the window
+    failure_block_ms: int = 0  # the last failure block's length; the next doubles it
+    # Due rows of the site on this node, from the keeper's last sites listing; null when
+    # the listing is not available or does not reach the site.
+    due: int | None = None
 
 
 class RenderNow(Request, frozen=True):

@@ -263,6 +263,7 @@ class ThreadNode:
                     statistics_buffer=self.segments.keeper,
                     site_list_buffer=self.segments.site_list,
                     marks=self.segments.marks,
+                    site_table=self.segments.sites,
                 ).run(self._keeper_stop)
             except BaseException as exc:
                 self.keeper_error = exc

@@ -252,3 +252,39 @@ def test_the_document_states_this_nodes_lease_cap() -> None:
 
     assert lease_maxima(3600) == [3600, 3600]
     assert lease_maxima(120) == [120, 120]
+
+
+def test_a_site_in_the_path_is_refused_exactly_when_the_document_refuses_it(
+    document: dict[str, Any], client: httpx.Client
+) -> None:
+    for method in ("get", "put"):
+        schema = _parameter(document, method, "/v1/sites/{site}", "site")["schema"]
+        for site in (
+            "example.com",
+            "WWW.Example.com:8080",
+            "xn--bcher-kva.example",
+            "a_b-c",
+            ".lead",
+            "port:",
+            "x" * 259,
+            "x" * 260,
+            "sp ace",
+            "caf\u00e9.example",
+        ):
+            response = client.request(method.upper(), f"/v1/sites/{site}", json={})
+            takes = jsonschema.Draft202012Validator(schema).is_valid(site)
+            assert response.status_code == (200 if takes else 422), (site, response.text)
+
+
+def test_the_document_states_this_nodes_site_permits() -> None:
+    def maximum(permits: int) -> int:
+        settings = ApiSettings(node="n", instance="i", site_permits_max=permits)
+        schemas = openapi_document(ENDPOINTS, settings)["components"]["schemas"]
+        (integer,) = [
+            option
+            for option in schemas["SiteUpdate"]["properties"]["max_in_flight"]["anyOf"]
+            if option.get("type") == "integer"
+        ]
+        return int(integer["maximum"])
+
+    assert maximum(64) == 64 and maximum(4096) == 4096

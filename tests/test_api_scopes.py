@@ -32,6 +32,7 @@ READS = {
     ("GET", "/v1/routes"),
     ("GET", "/v1/schedule"),
     ("GET", "/v1/sites"),
+    ("GET", "/v1/sites/{site}"),
 }
 
 
@@ -51,7 +52,7 @@ def node(tmp_path: Path) -> Iterator[Any]:
 
 
 def path_of(path: str) -> str:
-    return path.replace("{route}", "product")
+    return path.replace("{route}", "product").replace("{site}", "example.com")
 
 
 def test_every_write_answers_403_to_the_read_only_token(node: Any) -> None:
@@ -61,6 +62,7 @@ def test_every_write_answers_403_to_the_read_only_token(node: Any) -> None:
         ("POST", "/v1/schedule"),
         ("PUT", "/v1/routes/{route}"),
         ("PUT", "/v1/settings"),
+        ("PUT", "/v1/sites/{site}"),
         ("POST", "/v1/sitemaps"),
         ("POST", "/prerender_admin/render-now"),
         ("POST", "/v1/claims"),

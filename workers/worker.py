@@ -219,6 +219,7 @@ def serve(spec: WorkerSpec) -> int:
                 # What GET /v1/cluster lists, as the supervisor registered it.
                 advertised_url=settings.advertised(sockets[0].getsockname()[1]),
                 node_ttl_s=settings.node_ttl_s,
+                site_permits_max=settings.site_permits_max,
             ),
             store=store,
             ring=segments.ring,
