@@ -1,10 +1,13 @@
 """The claim path, on any worker with no mutex, and the renewals that follow it
 (completions: api.completions).
 
-Claim: take ring entries in order -> grant an exclusive lease in the lease table, with
-the cadence the entry was published with as the hold cap -> answer from the entry each
-key nothing wrote through this node since the keeper's view (shm.marks); read the rest
-and hand back any gone, no longer due or on a paused route. A stale token changes nothing.
+Claim: take ring entries in order -> take the key's site permit and spacing (shm.sites;
+a key whose site is at its cap, inside its spacing or blocked is skipped: it keeps its
+place in the keeper's schedule, and the claim goes on down the ring) -> grant an
+exclusive lease in the lease table, with the cadence the entry was published with as
+the hold cap -> answer from the entry each key nothing wrote through this node since the
+keeper's view (shm.marks); read the rest and hand back any gone, no longer due or on a
+paused route. A stale token changes nothing.
 """
 
 from __future__ import annotations
@@ -230,7 +233,11 @@ def _granting(node: Node, want: int, lease_ms: int) -> Generator[StoreCall, Any,
                     cadence_s = routes.grant_cadence_s(row)
                     if cadence_s is None:
                         continue
-                outcome = leases.grant(entry.key_hash, now, lease_ms, cadence_s * 1000)
+                # The site's permit first (its spacing, its block), then the lease: a skipped
+                # key is only consumed from this generation of the ring, never rescheduled.
+                outcome = leases.grant(
+                    entry.key_hash, now, lease_ms, cadence_s * 1000, entry.site_hash
+                )
                 if type(outcome) is not Grant:
                     continue
                 named = (

@@ -1,7 +1,14 @@
 """Completions: the lease must still be held by the token -> apply the result to the store
--> release the lease. A stale token changes nothing. A `failed` result keeps the row due
-in the store but holds the key back in the lease table, growing with each failure in a
-row and capped at its cadence (`LeaseTable.fail`); `rendered` resets it.
+-> release the lease (and its site permit). A stale token changes nothing. A `failed`
+result keeps the row due in the store but holds the key back in the lease table, growing
+with each failure in a row and capped at its cadence (`LeaseTable.fail`); `rendered`
+resets it.
+
+Sites (shm.sites): an item with `site_retry_after_s` (the origin turned the render away)
+blocks its key's whole site for that long and hands the key back: nothing is written for
+it, its due time stays, and no miss or failure is counted. A `failed` result extends its
+site's streak of failures, and the streak's limit'th blocks the site (doubling on each
+repeat); a `rendered` one ends the streak.
 
 The store's write lock is shared by every worker (and the keeper's cursor saves). A
 completion that waited for it in the store's retry loop would hold the event loop's
@@ -55,16 +62,30 @@ def apply(node: Node, requests: Sequence[CompletionsRequest], *, wait: bool) -> 
     now = now_ms()
     results: list[list[ItemResult | None]] = [[None] * len(r.items) for r in requests]
     held: list[tuple[int, int, int, int]] = []  # (request, item, key hash, token)
+    site_of: dict[int, int] = {}  # a held key's site hash, by key hash
     completions: list[Completion] = []
     seen: set[str] = set()
+    leases, sites = node.leases, node.sites
     for number, request in enumerate(requests):
         for index, item in enumerate(request.items):
             hashed = key_hash(item.key.encode())
             token = parse_token(item.token, node.settings.node)
-            if token is None or item.key in seen or not node.leases.holds(hashed, token, now):
+            site = None if token is None else leases.lease_site(hashed, token, now)
+            if token is None or site is None or item.key in seen:
                 results[number][index] = ItemResult(key=item.key, ok=False, error=LEASE_NOT_HELD)
                 continue
             seen.add(item.key)
+            site_of[hashed] = site
+            if item.site_retry_after_s is not None:
+                # The origin said "not now": block the site first, so that the permit the
+                # hand-back frees lets no other key of it in, then end the lease unwritten.
+                until = now + round(item.site_retry_after_s * 1000)
+                blocked = sites.block(site, until, "retry_after") if sites and site else None
+                leases.complete(hashed, token, now)
+                results[number][index] = ItemResult(
+                    key=item.key, ok=True, site_blocked_until=blocked or None
+                )
+                continue
             held.append((number, index, hashed, token))
             completions.append(
                 Completion(
@@ -81,14 +102,21 @@ def apply(node: Node, requests: Sequence[CompletionsRequest], *, wait: bool) -> 
         for (number, index, hashed, token), completion, row in zip(
             held, completions, after, strict=True
         ):
+            site = site_of[hashed]
             if completion.outcome == "failed" and row is not None:
                 # Backs off: held from now as a missed lease would be (shm.leases).
-                held_until = node.leases.fail(hashed, token, now)
+                held_until = leases.fail(hashed, token, now)
+                blocked = sites.outcome(site, now, failed=True) if sites and site else 0
                 results[number][index] = ItemResult(
-                    key=completion.key, ok=True, held_until=held_until
+                    key=completion.key,
+                    ok=True,
+                    held_until=held_until,
+                    site_blocked_until=blocked or None,
                 )
                 continue
-            node.leases.complete(hashed, token, now)
+            leases.complete(hashed, token, now)
+            if completion.outcome == "rendered" and sites and site:
+                sites.outcome(site, now, failed=False)
             if row is None and completion.outcome != "gone":
                 results[number][index] = ItemResult(key=completion.key, ok=False, error=NOT_FOUND)
             else:

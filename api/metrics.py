@@ -174,6 +174,7 @@ def render(node: Node) -> str:
                 ({"answered": "after_read"}, marks.read_after_grant),
             ],
         )
+    _site_metrics(out, node)
     supervisor = supervisor_statistics(node)
     _supervisor_metrics(out, supervisor)
     _worker_metrics(out, worker_reports(node, supervisor), now)
@@ -227,6 +228,48 @@ def render(node: Node) -> str:
     if trusted:
         _count_metrics(out, state)
     return out.text()
+
+
+def _site_metrics(out: Exposition, node: Node) -> None:
+    if node.sites is None:
+        return
+    sites = node.sites.statistics()
+    out.metric(
+        "renderqueue_site_skips_total",
+        "counter",
+        "Keys a claim skipped for their site (they keep their place), by reason: capped "
+        "(every permit live), spacing (inside min_interval_ms), blocked (Retry-After or a "
+        "failure streak), table_full (no room in the site table for a site that needs it).",
+        [
+            ({"reason": "capped"}, sites.skips_capped),
+            ({"reason": "spacing"}, sites.skips_spacing),
+            ({"reason": "blocked"}, sites.skips_blocked),
+            ({"reason": "table_full"}, sites.skips_full),
+        ],
+    )
+    out.metric(
+        "renderqueue_site_blocks_total",
+        "counter",
+        "Sites blocked, by reason: retry_after (an origin's Retry-After on a completion), "
+        "failures (failed renders in a row).",
+        [
+            ({"reason": "retry_after"}, sites.blocks_retry_after),
+            ({"reason": "failures"}, sites.blocks_failures),
+        ],
+    )
+    out.metric(
+        "renderqueue_site_permits_taken_total",
+        "counter",
+        "Site permits taken by grants and renewals (capped sites).",
+        [({}, sites.permits_taken)],
+    )
+    out.gauge(
+        "renderqueue_site_entries",
+        "Sites with an entry in the site table (settings, a block, or leases under a cap or "
+        "spacing); renderqueue_site_table_capacity is its size.",
+        sites.entries,
+    )
+    out.gauge("renderqueue_site_table_capacity", "Entries the site table holds.", sites.capacity)
 
 
 def _supervisor_metrics(out: Exposition, stats: dict[str, Any] | None) -> None:

@@ -148,11 +148,27 @@ class NodeStatus(Body, frozen=True):
     retry_after_s: int | None = None
 
 
+# An origin's Retry-After, in seconds: at most a day.
+MAX_SITE_RETRY_AFTER_S = 86_400
+SiteRetryAfterS = Annotated[
+    float,
+    Meta(
+        gt=0,
+        le=MAX_SITE_RETRY_AFTER_S,
+        description="The origin turned the render away for this long (HTTP 429 or 503 with "
+        "Retry-After): its whole site is blocked until then, and the key is handed back "
+        "(its outcome is not applied: nothing written, due time unchanged, no failure "
+        "counted).",
+    ),
+]
+
+
 class CompletionItem(Request, frozen=True):
     key: Key
     token: ItemToken
     outcome: Outcome
     next_render_at: EpochMs | None = None
+    site_retry_after_s: SiteRetryAfterS | None = None
 
 
 class CompletionsRequest(Request, frozen=True):
@@ -166,6 +182,9 @@ class ItemResult(Body, frozen=True):
     # A `failed` result: the key is held back until then (epoch ms), 2 lease lengths after
     # a first failure, doubling with each one in a row, capped at its cadence.
     held_until: int | None = None
+    # The key's site is blocked until then (epoch ms): by this item's site_retry_after_s,
+    # or by the failure streak this item's failure completed (shm.sites).
+    site_blocked_until: int | None = None
     # In a cluster, why an item another node granted was not applied (which node, and what
     # it answered); `error` is then `lease_not_held` or `node_unavailable` (retry it).
     detail: str | None = None
