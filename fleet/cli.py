@@ -21,7 +21,13 @@ import msgspec
 from fleet.client import AsyncFleetClient
 from fleet.cluster import ClusterDirectory
 from fleet.progress import ProgressPrinter, progress_line
-from fleet.renderers import CommandRenderer, Renderer, SimulatedRenderer
+from fleet.renderers import (
+    DEFAULT_RETRY_AFTER_S,
+    RETRY_AFTER_EXIT,
+    CommandRenderer,
+    Renderer,
+    SimulatedRenderer,
+)
 from fleet.runner import FleetConfig, FleetRunner
 
 TOKEN_ENV = "RENDERQUEUE_FLEET_TOKEN"
@@ -56,6 +62,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--seed", type=int, default=None, help="simulation random seed")
     parser.add_argument("--gone-exit", type=int, default=10, help="exit status meaning gone (10)")
+    parser.add_argument(
+        "--retry-after-exit",
+        type=int,
+        default=RETRY_AFTER_EXIT,
+        help=f"exit status meaning the origin pushed back ({RETRY_AFTER_EXIT}); a stderr line "
+        "`RETRY-AFTER <seconds>` says so with any status",
+    )
+    parser.add_argument(
+        "--retry-after-s",
+        type=float,
+        default=DEFAULT_RETRY_AFTER_S,
+        help=f"how long the site waits after --retry-after-exit with no RETRY-AFTER line "
+        f"({DEFAULT_RETRY_AFTER_S:g})",
+    )
     parser.add_argument(
         "--render-timeout", type=float, default=120.0, help="kill a command after S seconds"
     )
@@ -101,7 +121,13 @@ def _renderer(args: argparse.Namespace) -> Renderer:
             failure_rate=args.failure_rate,
             rng=random.Random(args.seed),
         )
-    return CommandRenderer(args.command, timeout_s=args.render_timeout, gone_exit=args.gone_exit)
+    return CommandRenderer(
+        args.command,
+        timeout_s=args.render_timeout,
+        gone_exit=args.gone_exit,
+        retry_after_exit=args.retry_after_exit,
+        retry_after_s=args.retry_after_s,
+    )
 
 
 async def _run(args: argparse.Namespace, renderer: Renderer, printer: ProgressPrinter) -> int:

@@ -40,6 +40,9 @@ class CompletionItem(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     token: str
     outcome: Outcome
     next_render_at: int | None = None
+    # The origin turned the render away for this long (a 429 or 503's Retry-After): the
+    # node blocks the key's whole site until then and hands the key back.
+    site_retry_after_s: float | None = None
 
 
 class CompletionsRequest(msgspec.Struct, frozen=True, kw_only=True):

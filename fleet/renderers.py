@@ -3,6 +3,12 @@
 A renderer is `async (lease) -> RenderResult`. Cancelling it (a lost lease, the end
 of a stop's grace period) must stop the work: the command renderer kills its
 process group.
+
+A command tells the fleet its origin pushed back (HTTP 429 or 503, with or without
+Retry-After) by printing a line `RETRY-AFTER <seconds>` on stderr (any exit status), or by
+exiting with `retry_after_exit` (75, EX_TEMPFAIL: "try again later"), which asks for
+`retry_after_s` (60 s) unless such a line says how long. The completion then carries
+`site_retry_after_s`: the node blocks the key's site that long and hands the key back.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ import contextlib
 import math
 import os
 import random
+import re
 import shlex
 import signal
 from collections.abc import Awaitable, Callable
@@ -22,6 +29,19 @@ from fleet.messages import Lease, Outcome
 
 KILL_GRACE_S = 2.0
 STDERR_TAIL_BYTES = 2_000
+RETRY_AFTER_EXIT = 75  # sysexits.h EX_TEMPFAIL
+DEFAULT_RETRY_AFTER_S = 60.0
+MAX_RETRY_AFTER_S = 86_400.0  # what a node takes (api.schemas.MAX_SITE_RETRY_AFTER_S)
+_RETRY_AFTER_LINE = re.compile(rb"^\s*RETRY-AFTER[:\s]\s*([0-9]+(?:\.[0-9]+)?)\s*$", re.I | re.M)
+
+
+def retry_after_of(stderr: bytes) -> float | None:
+    """The last `RETRY-AFTER <seconds>` line's seconds, within (0, a day]; None if none."""
+    found = _RETRY_AFTER_LINE.findall(stderr)
+    if not found:
+        return None
+    seconds = float(found[-1])
+    return min(seconds, MAX_RETRY_AFTER_S) if seconds > 0 else None
 
 
 class RenderResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -29,6 +49,8 @@ class RenderResult(msgspec.Struct, frozen=True, kw_only=True):
     detail: str = ""  # for a failure: exit status, the tail of stderr, the exception
     # For `rendered`: when to render next (epoch ms); None leaves it to the row's cadence.
     next_render_at: int | None = None
+    # The origin pushed back: block the key's site this long and hand the key back.
+    site_retry_after_s: float | None = None
 
 
 Renderer = Callable[[Lease], Awaitable[RenderResult]]
@@ -80,10 +102,18 @@ def command_arguments(template: str, lease: Lease) -> list[str]:
 
 
 class CommandRenderer:
-    """Runs a command per key; exit 0 is rendered, `gone_exit` is gone, else failed."""
+    """Runs a command per key; exit 0 is rendered, `gone_exit` is gone, else failed; a
+    `RETRY-AFTER <seconds>` line on stderr, or exit `retry_after_exit`, is the origin
+    pushing back (module note)."""
 
     def __init__(
-        self, template: str, *, timeout_s: float = 120.0, gone_exit: int | None = 10
+        self,
+        template: str,
+        *,
+        timeout_s: float = 120.0,
+        gone_exit: int | None = 10,
+        retry_after_exit: int | None = RETRY_AFTER_EXIT,
+        retry_after_s: float = DEFAULT_RETRY_AFTER_S,
     ) -> None:
         if "{key}" not in template:
             raise ValueError('the --exec command must contain {key}, e.g. "render.sh {key}"')
@@ -91,6 +121,10 @@ class CommandRenderer:
         self.template = template
         self.timeout_s = timeout_s
         self.gone_exit = gone_exit
+        self.retry_after_exit = retry_after_exit
+        if not 0 < retry_after_s <= MAX_RETRY_AFTER_S:
+            raise ValueError(f"the retry-after default must be in (0, {MAX_RETRY_AFTER_S:g}] s")
+        self.retry_after_s = retry_after_s
 
     async def __call__(self, lease: Lease) -> RenderResult:
         process = await asyncio.create_subprocess_exec(
@@ -110,6 +144,15 @@ class CommandRenderer:
             await _kill(process)
             raise
         status = process.returncode
+        pushed_back = retry_after_of(stderr)
+        if pushed_back is None and status == self.retry_after_exit:
+            pushed_back = self.retry_after_s
+        if pushed_back is not None:
+            return RenderResult(
+                outcome="failed",
+                detail=f"the origin asked to wait {pushed_back:g} s (exit {status})",
+                site_retry_after_s=pushed_back,
+            )
         if status == 0:
             return RenderResult(outcome="rendered")
         if self.gone_exit is not None and status == self.gone_exit:

@@ -89,6 +89,8 @@ class FleetStatistics(msgspec.Struct, frozen=True, kw_only=True):
     failed: int
     gone: int
     aborted: int  # renders cut short by a stop, completed as failed
+    # Renders the origin turned away (Retry-After): handed back, their site blocked.
+    pushed_back: int = 0
     refused: int  # completions the node refused (lease_not_held): the lease had gone
     completions_lost: int  # completions that could not be delivered after retries
     leases_lost: int  # renewals refused: the render was abandoned
@@ -239,6 +241,7 @@ class FleetRunner:
             failed=counts["failed"],
             gone=counts["gone"],
             aborted=counts["aborted"],
+            pushed_back=counts["pushed_back"],
             refused=counts["refused"],
             completions_lost=counts["completions_lost"],
             leases_lost=counts["leases_lost"],
@@ -509,6 +512,7 @@ class FleetRunner:
                         token=lease.token,
                         outcome=result.outcome,
                         next_render_at=result.next_render_at,
+                        site_retry_after_s=result.site_retry_after_s,
                     ),
                 )
             )
@@ -675,7 +679,9 @@ class FleetRunner:
             self._counts["completions_lost"] += len(batch)
             self._log(f"{len(batch)} completion(s) not delivered: {exc}")
             return
-        outcomes = {item.key: item.outcome for item in batch}
+        outcomes = {
+            item.key: "pushed_back" if item.site_retry_after_s else item.outcome for item in batch
+        }
         refused: list[ItemResult] = []
         for result in results:
             if result.ok:
@@ -683,7 +689,7 @@ class FleetRunner:
                 self._counts[outcome] += 1
                 if own:
                     self._per_node[node]["completed"] += 1
-                if outcome == "failed":
+                if outcome in ("failed", "pushed_back"):
                     self._failed_rate.add()
                 else:
                     self._rendered_rate.add()

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from fleet.messages import Lease
-from fleet.renderers import CommandRenderer, SimulatedRenderer, command_arguments
+from fleet.renderers import CommandRenderer, SimulatedRenderer, command_arguments, retry_after_of
 
 
 def lease(key: str = "https://e.com/a?b=1&c=2", route: str = "product") -> Lease:
@@ -54,6 +54,33 @@ def test_exit_status_decides_the_outcome(tmp_path: Path) -> None:
     outcome, detail = asyncio.run(go("https://e.com/broken"))
     assert outcome == "failed"
     assert detail.startswith("exit 3") and "timeout waiting for selector" in detail
+
+
+def test_a_retry_after_line_or_exit_75_is_the_origin_pushing_back(tmp_path: Path) -> None:
+    script = tmp_path / "render.py"
+    script.write_text(
+        "import sys\n"
+        "name = sys.argv[1].rsplit('/', 1)[1]\n"
+        "if name == 'said': print('got 429\\nRETRY-AFTER 5', file=sys.stderr); sys.exit(1)\n"
+        "if name == 'said-ok': print('retry-after: 2.5', file=sys.stderr); sys.exit(0)\n"
+        "if name == 'tempfail': sys.exit(75)\n"
+        "print('RETRY-AFTER soon', file=sys.stderr); sys.exit(3)\n"
+    )
+    renderer = CommandRenderer(f"{PY} {script} {{key}}", retry_after_s=30)
+
+    def go(key: str) -> tuple[str, float | None]:
+        result = asyncio.run(renderer(lease(f"https://e.com/{key}")))
+        return result.outcome, result.site_retry_after_s
+
+    assert go("said") == ("failed", 5.0)
+    assert go("said-ok") == ("failed", 2.5)  # the line wins over any exit status
+    assert go("tempfail") == ("failed", 30.0)  # EX_TEMPFAIL: the default wait
+    assert go("garbled") == ("failed", None)  # no number: an ordinary failure
+    assert retry_after_of(b"RETRY-AFTER 1\nRETRY-AFTER 999999\n") == 86_400.0
+    assert retry_after_of(b"RETRY-AFTER 0\n") is None
+    assert retry_after_of(b"x RETRY-AFTER 5\n") is None  # a line of its own
+    with pytest.raises(ValueError, match="retry-after default"):
+        CommandRenderer("r {key}", retry_after_s=0)
 
 
 def test_a_hostile_key_runs_no_second_command(tmp_path: Path) -> None:

@@ -607,3 +607,84 @@ def test_simulated_fleet_drains_a_real_node(tmp_path: Path) -> None:
     # plain progress lines when stdout is not a TTY, with the node's numbers in them
     assert "rendered" in text and "node ready" in text
     assert msgspec.json.decode(text.strip().splitlines()[-1])["in_flight"] == 0
+
+
+def test_an_origin_that_answers_429_blocks_its_site_for_the_fleet(tmp_path: Path) -> None:
+    """A renderer whose origin answers 429 with Retry-After: 3 says so on stderr: the
+    fleet hands the key back with site_retry_after_s, the node renders no key of that site
+    for 3 s (every other site goes on), then its keys come back, the pushed-back one first,
+    in their order."""
+    from node_harness import node_db, thread_node
+
+    from fleet.renderers import CommandRenderer
+    from store import open_store
+    from store.rows import RowWrite
+
+    now = now_ms()
+    store = open_store(str(node_db(tmp_path)))
+    slow = [f"https://slow.example/p/{i}" for i in range(4)]
+    store.write(
+        [
+            RowWrite(key=key, route="product", cadence_s=3600, next_render_at=now - 9_000_000 + i)
+            for i, key in enumerate(slow)
+        ]
+        + [
+            RowWrite(
+                key=f"https://fill.example/p/{i}",
+                route="product",
+                cadence_s=3600,
+                next_render_at=now - 60_000 + i,
+            )
+            for i in range(30)
+        ]
+    )
+    store.close()
+    log_file, pushed = tmp_path / "renders.log", tmp_path / "pushed"
+    script = tmp_path / "origin.py"
+    script.write_text(
+        "import sys, time, pathlib\n"
+        "key, start = sys.argv[1], time.time()\n"
+        f"pushed = pathlib.Path({str(pushed)!r})\n"
+        "code = 0\n"
+        "if 'slow.example' in key and not pushed.exists():\n"
+        "    pushed.write_text(key)\n"
+        "    print('HTTP 429 Too Many Requests\\nRETRY-AFTER 3', file=sys.stderr)\n"
+        "    code = 1\n"
+        f"with open({str(log_file)!r}, 'a') as f:\n"
+        "    f.write(f'{key} {start} {time.time()}\\n')\n"
+        "sys.exit(code)\n"
+    )
+    renderer = CommandRenderer(f"{sys.executable} {script} {{key}}")
+
+    def rendered() -> list[tuple[str, float, float]]:
+        if not log_file.exists():
+            return []
+        return [
+            (key, float(start), float(end))
+            for key, start, end in (line.split() for line in log_file.read_text().splitlines())
+        ]
+
+    with thread_node(tmp_path) as node:
+        node.wait_published()
+        stats, _, _ = run_fleet_at(
+            node.url,
+            renderer,
+            FleetConfig(
+                concurrency=1, lease_s=30, wait_s=1, state_every_s=0, completion_linger_s=0
+            ),
+            stop_when=lambda runner: sum("slow" in r[0] for r in rendered()) >= 5,
+        )
+        with node.client() as client:
+            site = client.get("/v1/sites/slow.example").json()
+    renders = rendered()
+    first = renders[0]
+    assert first[0] == slow[0] and stats.pushed_back == 1
+    after = [r for r in renders[1:] if "slow" in r[0]]
+    # The block lands with the completion, which the fleet sends once the render ended: a
+    # claim made in between can still take one more key of the site, at once.
+    early = [r for r in after if r[1] < first[2] + 3.0 - 0.05]
+    assert all(start < first[2] + 0.3 for _, start, _ in early), early
+    late = [key for key, _, _ in after[len(early) :]]
+    assert late == [slow[0]] + [k for k in slow[1:] if k not in {r[0] for r in early}]
+    assert any("fill" in key and start < first[2] + 3.0 for key, start, _ in renders)
+    assert site["blocked_until"] is None and site["failure_streak"] == 0
