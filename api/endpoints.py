@@ -40,10 +40,10 @@ from api.schemas import (
     ScheduleRequest,
     ScheduleResult,
     SettingsUpdate,
-    SitesListing,
-    SitesTop,
     SiteName,
+    SitesListing,
     SiteState,
+    SitesTop,
     SiteUpdate,
 )
 from keeper.state import SITES_LISTED
