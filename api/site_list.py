@@ -54,6 +54,19 @@ def sites(node: Node, top: int) -> SitesListing | Response:
     )
 
 
+def due_of(node: Node, site: str, now: int) -> int | None:
+    """One site's due rows from the listing (GET /v1/sites/{site}): 0 when the listing
+    holds every site with due rows and not this one; None when it cannot say (no listing
+    served now, or the site is past the listed ones)."""
+    listing, _ = _listing(node, now)
+    if listing is None:
+        return None
+    for row in listing.sites.top:
+        if row.site == site:
+            return row.due
+    return None if listing.truncated else 0
+
+
 def _listing(node: Node, now: int) -> tuple[SiteList | None, str]:
     """The keeper's listing if it may be served now, else None and why not."""
     state = node.state.read()

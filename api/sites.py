@@ -16,6 +16,7 @@ import msgspec
 from api.problems import invalid_field
 from api.schedule import store_error
 from api.schemas import SiteLimits, SiteState, SiteUpdate
+from api.site_list import due_of
 from shm.keys import site_hash, site_of
 from shm.segment import now_ms
 from store.rows import SiteSettings
@@ -64,6 +65,8 @@ def get_site(node: Node, raw: str) -> SiteState:
 
 def _state(node: Node, settings: SiteSettings) -> SiteState:
     own = SiteLimits(max_in_flight=settings.max_in_flight, min_interval_ms=settings.min_interval_ms)
+    now = now_ms()
+    due = due_of(node, settings.site, now)
     if node.sites is None:
         return SiteState(
             site=settings.site,
@@ -73,8 +76,8 @@ def _state(node: Node, settings: SiteSettings) -> SiteState:
                 min_interval_ms=settings.min_interval_ms or 0,
             ),
             in_flight=0,
+            due=due,
         )
-    now = now_ms()
     info = node.sites.info(site_hash(settings.site.encode()), now)
     blocked = info.blocked_until > now
     return SiteState(
@@ -87,4 +90,5 @@ def _state(node: Node, settings: SiteSettings) -> SiteState:
         last_grant_at=info.last_grant_at or None,
         failure_streak=info.failure_streak,
         failure_block_ms=info.failure_block_ms,
+        due=due,
     )

@@ -6,10 +6,11 @@ taken as a key's URL names its site."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
-from node_harness import ThreadNode, thread_node, wait_for
+from node_harness import ThreadNode, node_db, seed_rows, thread_node, wait_for
 
 from shm.keys import site_hash
 from store.rows import SiteSettings
@@ -28,6 +29,7 @@ def node(tmp_path: Any, node_backend: str) -> Iterator[ThreadNode]:
 def test_a_sites_settings_are_set_read_and_cleared(node: ThreadNode) -> None:
     with node.client() as client:
         fresh = client.get("/v1/sites/example.com").json()
+        assert fresh.pop("due") in (None, 0)  # 0 once the keeper's listing is served
         assert fresh == {
             "site": "example.com",
             "settings": {"max_in_flight": None, "min_interval_ms": None},
@@ -38,7 +40,6 @@ def test_a_sites_settings_are_set_read_and_cleared(node: ThreadNode) -> None:
             "last_grant_at": None,
             "failure_streak": 0,
             "failure_block_ms": 0,
-            "due": None,
         }
         # Named as a key's URL would name it: www., case and port do not count.
         put = client.put("/v1/sites/WWW.Example.com:8443", json={"max_in_flight": 4})
@@ -107,3 +108,15 @@ def test_a_setting_another_node_stored_reaches_this_one_through_the_feed(
         30,
         "the keeper to clear the site's settings",
     )
+
+
+def test_a_site_says_its_due_rows_from_the_keepers_listing(tmp_path: Path) -> None:
+    seed_rows(node_db(tmp_path), 30, due_share=0.5, prefix="https://www.due.example/p/")
+    with thread_node(tmp_path) as node, node.client() as client:
+        node.wait_exact()
+
+        def due(site: str) -> Any:
+            return client.get(f"/v1/sites/{site}").json()["due"]
+
+        wait_for(lambda: due("due.example") == 15, 30, "the site's due rows")
+        assert due("other.example") == 0  # every site with due rows is listed
