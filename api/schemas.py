@@ -388,6 +388,13 @@ class SiteEntry(Body, frozen=True):
     held: int  # its rows held by this node
     oldest_due_at: int  # the earliest due time among its due rows (epoch ms)
     oldest_age_s: float  # how long that row has been due, now
+    # From this node's site table, now: for a capped site, its cap and the leases live on
+    # its keys (the site table counts permits only where there is a cap); for any site, a
+    # block in force (until when, and why: the origin's Retry-After or failed renders).
+    max_in_flight: int | None = None
+    in_flight: int | None = None
+    blocked_until: int | None = None
+    blocked_reason: Literal["retry_after", "failures"] | None = None
 
 
 class SitesListing(Body, frozen=True):

@@ -5,7 +5,9 @@ The keeper counts the due rows of every site at each full report (keeper.counts,
 any worker serves them from there, without the keeper. The counts are served under the
 rule queue-state's are (keeper.state.vouches): only while the keeper is live, exact and
 ready and its counts are fresh, and only the listing taken at the report queue-state's
-counts come from; otherwise 503, never stale or partial figures.
+counts come from; otherwise 503, never stale or partial figures. What is live per site
+(leases in flight, the cap in force, a block) is read from this node's site table
+(shm.sites) at the request, for the listed sites only.
 """
 
 from __future__ import annotations
@@ -16,8 +18,16 @@ from starlette.responses import Response
 from api.body import json_response
 from api.node import Node
 from api.schemas import NodeStatus, SiteEntry, SitesListing
-from keeper.state import SiteList, decode_queue_state, decode_site_list, liveness, vouches
+from keeper.state import (
+    SiteList,
+    SiteRow,
+    decode_queue_state,
+    decode_site_list,
+    liveness,
+    vouches,
+)
 from shm.segment import now_ms
+from shm.sites import SiteInfo
 
 DEFAULT_TOP = 20
 
@@ -33,6 +43,12 @@ def sites(node: Node, top: int) -> SitesListing | Response:
         )
     group = listing.sites
     shown = group.top[:top]
+    table = node.sites
+    infos = (
+        [None] * len(shown)
+        if table is None
+        else [table.info(h, now) for h in listing.site_hashes[: len(shown)]]
+    )
     return SitesListing(
         node=listing.node,
         generated_at=listing.generated_at,
@@ -41,16 +57,28 @@ def sites(node: Node, top: int) -> SitesListing | Response:
         sites_with_due=group.with_due,
         no_site_due=group.no_site_due,
         truncated=group.with_due > len(shown),
-        sites=[
-            SiteEntry(
-                site=row.site,
-                due=row.due,
-                held=row.held,
-                oldest_due_at=row.oldest_due_at,
-                oldest_age_s=max(0.0, (now - row.oldest_due_at) / 1000),
-            )
-            for row in shown
-        ],
+        sites=[_entry(row, info, now) for row, info in zip(shown, infos, strict=True)],
+    )
+
+
+def _entry(row: SiteRow, info: SiteInfo | None, now: int) -> SiteEntry:
+    entry = SiteEntry(
+        site=row.site,
+        due=row.due,
+        held=row.held,
+        oldest_due_at=row.oldest_due_at,
+        oldest_age_s=max(0.0, (now - row.oldest_due_at) / 1000),
+    )
+    if info is None:
+        return entry
+    blocked = info.blocked_until > now
+    capped = info.max_in_flight is not None
+    return msgspec.structs.replace(
+        entry,
+        in_flight=info.in_flight if capped else None,
+        max_in_flight=info.max_in_flight,
+        blocked_until=info.blocked_until if blocked else None,
+        blocked_reason=info.blocked_reason if blocked else None,
     )
 
 

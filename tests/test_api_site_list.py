@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from node_harness import ADMIN_TOKEN, node_db, now_ms, seed_rows, thread_node, wait_for
 
-from shm.keys import site_of
+from shm.keys import site_hash, site_of
 
 # Every node here runs on SQLite, then on PostgreSQL (conftest.node_backend).
 pytestmark = pytest.mark.usefixtures("node_backend")
@@ -115,3 +115,29 @@ def test_the_listing_is_503_until_the_keeper_vouches(tmp_path: Path) -> None:
         assert response.headers["retry-after"] == "1"
         assert response.json()["status"] == "unavailable"
         assert "not reported" in response.json()["detail"]
+
+
+def test_listed_sites_say_their_leases_in_flight_and_blocks(tmp_path: Path) -> None:
+    seed(tmp_path)
+    with thread_node(tmp_path) as node, node.client() as client:
+        node.wait_exact()
+        first = client.post("/v1/claims", json={"max": 30, "worker": "t"}).json()["leases"]
+        assert len(first) == 30
+        assert node.node.sites is not None
+        # a.example capped at 20: the table counts its permits from now on (the leases
+        # above were granted with no cap, so none).
+        assert node.node.sites.configure(site_hash(b"a.example"), 20, None)
+        more = client.post("/v1/claims", json={"max": 40, "worker": "t"}).json()["leases"]
+        capped = sum(1 for lease in more if site_of(lease["key"].encode()) == b"a.example")
+        assert 0 < capped <= 20
+        until = now_ms() + 600_000
+        assert node.node.sites.block(site_hash(b"c.example"), until, "retry_after") == until
+        body = client.get("/v1/sites").json()
+        by_site = {s["site"]: s for s in body["sites"]}
+        assert by_site["a.example"]["max_in_flight"] == 20
+        assert by_site["a.example"]["in_flight"] == capped
+        for site in ("b.example", "c.example"):  # no cap: no count of its own
+            assert "max_in_flight" not in by_site[site] and "in_flight" not in by_site[site]
+        assert by_site["c.example"]["blocked_until"] == until
+        assert by_site["c.example"]["blocked_reason"] == "retry_after"
+        assert "blocked_until" not in by_site["a.example"]
