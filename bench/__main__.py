@@ -26,6 +26,7 @@ SECTIONS = (
     "shm",
     "keeper",
     "node",
+    "sites",
     "stages",
     "sitemap",
     "single",

@@ -79,8 +79,12 @@ class LocalNode:
         directory: Path | None = None,
         keeper: dict[str, Any] | None = None,
         db: str | None = None,
+        site_table: bool = False,
     ) -> None:
-        """`db`: a store URL (postgresql://...); None: a SQLite file in `directory`."""
+        """`db`: a store URL (postgresql://...); None: a SQLite file in `directory`.
+        `site_table`: the keeper's publish reads the site table's allowances, as a node's
+        does (bench/sites.py)."""
+        self.site_table = site_table
         from workers.config import Settings
         from workers.segments import SegmentNames, Segments
 
@@ -133,6 +137,7 @@ class LocalNode:
                     config,
                     node="bench",
                     marks=self.segments.marks,
+                    site_table=self.segments.sites if self.site_table else None,
                 )
                 ready.set()
                 self.keeper.run(stop)

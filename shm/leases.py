@@ -94,11 +94,10 @@ from typing import TYPE_CHECKING, Literal
 import msgspec
 import numpy as np
 
-from shm._atomics import LEASE_LAYOUT, Leases, Words
+from shm._atomics import LEASE_LAYOUT, SITE_LAYOUT, Leases, Words
 from shm.keys import fingerprint
 from shm.segment import HEADER_BYTES, Segment, align
 from shm.segment import now_ms as wall_clock_ms
-from shm.sites import Acquired
 
 if TYPE_CHECKING:
     from shm.sites import SiteTable
@@ -127,11 +126,12 @@ _GRANTED = LEASE_LAYOUT["granted"]
 _SECRET_PRINT_WORD = _CTRL // 8 + LEASE_LAYOUT["secret_print"]
 _PHASE_LEASED = 1  # PH_LEASED in csrc/leases.c
 _HOLD_PERMIT = np.uint64(1 << LEASE_LAYOUT["hold_permit_bit"])
-_SITE_REFUSALS: dict[str, RefusalReason] = {
-    "capped": "site_capped",
-    "spacing": "site_spacing",
-    "blocked": "site_blocked",
-    "table_full": "site_full",
+_SITE_PERMIT = SITE_LAYOUT["permit"]
+_SITE_REFUSALS: dict[int, RefusalReason] = {
+    SITE_LAYOUT["capped"]: "site_capped",
+    SITE_LAYOUT["spacing"]: "site_spacing",
+    SITE_LAYOUT["blocked"]: "site_blocked",
+    SITE_LAYOUT["full"]: "site_full",
 }
 
 
@@ -277,14 +277,15 @@ class LeaseTable:
         with the site's reason) and are given back if the lease is refused."""
         sites = self._sites
         if site_hash and sites is not None:
-            taken = sites.acquire(site_hash, now_ms, lease_ms)
-            if not isinstance(taken, Acquired):
-                return Refusal(reason=_SITE_REFUSALS[taken.reason], until=taken.until)
+            taken, expires, previous = sites.acquire_codes(site_hash, now_ms, lease_ms, 0)
+            refused = _SITE_REFUSALS.get(taken)
+            if refused is not None:
+                return Refusal(reason=refused, until=expires)
             code, token, until = self._c.grant(
-                key_hash, now_ms, lease_ms, cadence_ms, site_hash, taken.expires_at != 0
+                key_hash, now_ms, lease_ms, cadence_ms, site_hash, taken == _SITE_PERMIT
             )
             if code != _GRANTED:
-                sites.undo(taken)
+                sites.undo_codes(site_hash, expires, now_ms, previous)
         else:
             code, token, until = self._c.grant(
                 key_hash, now_ms, lease_ms, cadence_ms, site_hash, False

@@ -38,7 +38,7 @@ never closer than the interval.
 **Blocks** only grow (a CAS to a later end). A completion's `site_retry_after_s` blocks
 the site for that long (`block`); `outcome` counts failed renders in a row across the
 site's keys and blocks it on the streak's limit'th, doubling the block each time until a
-success (docs/decisions/0010-sites-timed-permits.md says why the defaults).
+success (docs/decisions/0011-site-caps-by-timed-permits.md says why the defaults).
 
 **Entries.** A site needs an entry only when it has settings, a block, live permits, a
 spacing or failure memory (with a default cap every site that is granted does). A
@@ -181,6 +181,10 @@ class SiteTable:
         self.permits = segment.extra_size
         self._words = segment.register(Words(segment.mmap))
         self._c = segment.register(Sites(segment.mmap, _CTRL, _SLOTS, self.capacity, self.permits))
+        # The C calls themselves, for the lease table's grant (shm.leases): a Python frame
+        # and a Struct per key would be a third of a grant's cost.
+        self.acquire_codes = self._c.acquire
+        self.undo_codes = self._c.undo
 
     @classmethod
     def create(
