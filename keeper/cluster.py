@@ -175,7 +175,9 @@ class ClusterView:
             # only the keys of the nodes that went move here.
             before = tuple(sorted({n for n, _ in previous or ()}))
             movers = [n for n in before if n != self.me and n not in names]
-        self.gains = bool(movers) or not me_live
+        # A node that was not live (a join, or back after dropping out) held none of what
+        # it owns now, even when no other node's keys moved: it walks for all of it.
+        self.gains = bool(movers) or not (me_live and was_live)
         for name in movers:
             fence = self._fence_for(seen.get(name), name, before, handovers, now)
             if fence is not None:

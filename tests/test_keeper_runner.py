@@ -1173,3 +1173,54 @@ def test_sites_settings_are_put_in_force_at_load_and_from_the_feed() -> None:
     finally:
         table.close()
         table.unlink()
+
+
+def test_a_lone_clustered_keeper_whose_membership_lapsed_walks_its_rows_back() -> None:
+    """Its heartbeat went past the TTL (a database outage): the first read after shows it
+    not live, so it owns nothing and drops every row; when its heartbeat lands it owns
+    them all again, though no other node's keys moved to it, and must walk them back."""
+    import threading
+
+    from keeper_helpers import NOW, ManualClock, MemoryStore
+
+    from keeper.runner import ClusterSettings
+    from store.rows import MemberList
+
+    clock = ManualClock()
+    store = MemoryStore()
+    keys = [f"/k{i:03}" for i in range(100)]
+    for i, key in enumerate(keys):
+        store.put(key, NOW - 1000 * i)
+    members = [member_record("a")]
+    keeper = Keeper(
+        store,
+        MemoryRing(),
+        MemoryLeases(),
+        MemoryStateBuffer(),
+        CONFIG,
+        node="a",
+        clock=clock,
+        cluster=ClusterSettings(ttl_s=4, max_lease_s=10, poll_s=1),
+        members=lambda handovers: MemberList(records=members, db_now_ms=clock()),
+    )
+    assert keeper._await_members(threading.Event())
+    keeper.start()
+
+    def held() -> set[str]:
+        queue = keeper.core.queue
+        return {queue.held_slot(s).key for s in queue.slots.live_slots().tolist()}
+
+    def settle() -> None:
+        for _ in range(40):
+            clock.advance(100)
+            keeper.step()
+
+    settle()
+    assert held() == set(keys) and keeper.statistics().exact
+    members = [member_record("a", live=False, age=5_000)]
+    settle()
+    assert held() == set()
+    members = [member_record("a")]
+    settle()
+    stats = keeper.statistics()
+    assert held() == set(keys) and stats.exact and stats.phase == "live"
