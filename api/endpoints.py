@@ -14,11 +14,12 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from api import admin, claims, cluster, metrics, schedule, site_list, sitemaps, sites
+from api import admin, claims, cluster, metrics, schedule, site_history, site_list, sitemaps, sites
 from api.auth import Scope
 from api.node import Node
 from api.params import as_int
 from api.schemas import (
+    HISTORY_SITES,
     ClaimRequest,
     ClaimResponse,
     ClusterNodes,
@@ -41,6 +42,7 @@ from api.schemas import (
     ScheduleResult,
     SettingsUpdate,
     SiteName,
+    SitesInFlight,
     SitesListing,
     SiteState,
     SitesTop,
@@ -264,6 +266,19 @@ ENDPOINTS: tuple[Endpoint, ...] = (
                 default=str(site_list.DEFAULT_TOP),
             ),
         ),
+        uses_store=False,
+    ),
+    Endpoint(
+        "GET",
+        "/v1/sites-in-flight",
+        "read",
+        "Leases in flight per site over the last hour, each minute's highest count, as this "
+        "node's supervisor counts them every second (every live lease, capped site or not): "
+        f"the {HISTORY_SITES} sites with the highest peaks, the total, and the last count's "
+        "sites; a minute not counted (before the node started) is null.",
+        lambda call: site_history.sites_in_flight(call.node),
+        response=SitesInFlight,
+        unavailable=NodeStatus,
         uses_store=False,
     ),
     Endpoint(

@@ -71,6 +71,8 @@ class Node:
     supervisor_state: StateBuffer | None = None
     keeper_statistics: StateBuffer | None = None  # written by the keeper (worker 0's thread)
     site_list: StateBuffer | None = None  # the keeper's sites listing (keeper.state.SiteList)
+    # In flight per site over the last hour, the supervisor's (api.site_history).
+    site_history: StateBuffer | None = None
     # Without them every granted row is read back (tests that build a bare node).
     marks: WriteMarks | None = None
     # Where its store calls are made; a worker opens its store on it (api.lane).

@@ -334,6 +334,64 @@ class SiteState(msgspec.Struct, frozen=True, kw_only=True):
     due: int | None = None
 
 
+# In flight per site over the last hour (api.site_history): the supervisor counts every
+# live lease by its site each second and keeps each minute's peak.
+HISTORY_MINUTES = 60
+HISTORY_SITES = 16  # the sites with the highest peaks over the hour, each with its series
+HISTORY_LATEST = 64  # the sites with the most leases at the last count
+SiteHashHex = Annotated[
+    str,
+    Meta(
+        pattern="^[0-9a-f]{16}$",
+        description="The site's 64-bit hash under this cluster's secret, in hex: it names a "
+        "site the keeper's listing does not (a site with no due rows listed).",
+    ),
+]
+InFlightCount = Annotated[int, Meta(ge=0)]
+PeakPerMinute = Annotated[
+    list[InFlightCount | None], Meta(max_length=HISTORY_MINUTES)
+]  # null: not counted in that minute (the node was not running)
+HistorySiteName = Annotated[str, Meta(min_length=1, max_length=253)]
+
+
+class SiteSeries(Body, frozen=True):
+    site_hash: SiteHashHex
+    peak: InFlightCount  # its highest count over the hour
+    # Each minute's highest count, aligned with SitesInFlight.minutes; 0 also when the site
+    # was below the minute's kept sites (HISTORY_LATEST of each count).
+    in_flight: PeakPerMinute
+    site: HistorySiteName | None = None  # null: not among the keeper's listed sites
+
+
+class SiteCount(Body, frozen=True):
+    site_hash: SiteHashHex
+    in_flight: InFlightCount
+    site: HistorySiteName | None = None
+
+
+class SitesInFlight(Body, frozen=True):
+    """Leases in flight per site, each minute's peak over the last hour, as this node's
+    supervisor counted them (every live lease, capped site or not)."""
+
+    node: str
+    minutes: Annotated[list[int], Meta(max_length=HISTORY_MINUTES)]  # each minute's first ms
+    total: PeakPerMinute  # every lease in flight, sites or not: each minute's peak
+    sites: Annotated[list[SiteSeries], Meta(max_length=HISTORY_SITES)]  # highest peak first
+    latest: Annotated[list[SiteCount], Meta(max_length=HISTORY_LATEST)]  # at sampled_at
+    sampled_at: int | None = None  # the supervisor's last count (epoch ms); null: none yet
+    age_ms: int | None = None  # how old that count is, at the answer
+
+    def __post_init__(self) -> None:
+        # Read from shared memory: a record that does not hold together is refused whole.
+        steps = [b - a for a, b in zip(self.minutes, self.minutes[1:], strict=False)]
+        if any(step != 60_000 for step in steps) or any(m % 60_000 for m in self.minutes):
+            raise ValueError("minutes must be consecutive whole minutes")
+        if len(self.total) != len(self.minutes) or any(
+            len(s.in_flight) != len(self.minutes) for s in self.sites
+        ):
+            raise ValueError("every series must have a value per minute")
+
+
 class RenderNow(Request, frozen=True):
     key: Key
 

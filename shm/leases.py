@@ -107,7 +107,9 @@ PROBE_WINDOW = LEASE_LAYOUT["probe"]
 # "reserved" is the counted-hold word (SLOT_COUNTED in csrc/leases.c): which HELD state
 # word the live held counter includes. recount() rewrites it, so a copy may carry any.
 SLOT = np.dtype([("key_hash", "<u8"), ("state", "<u8"), ("hold", "<u8"), ("reserved", "<u8")])
-assert SLOT.itemsize == LEASE_LAYOUT["slot_words"] * 8
+SLOT_WORDS = LEASE_LAYOUT["slot_words"]
+assert SLOT.itemsize == SLOT_WORDS * 8
+_STATE_WORD = 1  # the state word's index in a slot (SLOT)
 # Misses of a hold that ended this long ago are forgotten (by a sweep, or by a grant
 # that needs the slot).
 KEEP_MISSES_MS = LEASE_LAYOUT["keep_misses_ms"]
@@ -447,6 +449,35 @@ class LeaseTable:
         phase = state & np.uint64(LEASE_LAYOUT["phase_mask"])
         live = (phase == _PHASE_LEASED) & (expiry > now_ms)
         return hashes[live], expiry[live]
+
+    def live_by_site(self, now_ms: int) -> tuple[np.ndarray, np.ndarray]:
+        """(site hashes, live leases of each) at `now_ms`, from a scan of the slots and
+        their site words, most leases first; site 0 (keys that name no host) included.
+        Every live lease counts, whether or not its site is capped (the site table counts
+        permits only where there is a cap). A slot changed during the scan is read as its
+        old or its new word, so the counts are those of some instant of each slot."""
+        words = np.frombuffer(
+            self._segment.mmap, dtype="<u8", count=self.capacity * SLOT_WORDS, offset=_SLOTS
+        )
+        site_words = np.frombuffer(
+            self._segment.mmap,
+            dtype="<u8",
+            count=self.capacity,
+            offset=_sites_offset(self.capacity),
+        )
+        try:
+            # A state word is its expiry shifted over the phase, misses and token: a live
+            # lease's is at least (now + 1) << shift.
+            state = words[_STATE_WORD::SLOT_WORDS]
+            live_from = np.uint64(now_ms + 1) << np.uint64(LEASE_LAYOUT["time_shift"])
+            phase = state & np.uint64(LEASE_LAYOUT["phase_mask"])
+            live = np.flatnonzero((phase == _PHASE_LEASED) & (state >= live_from))
+            sites = site_words[live]
+        finally:
+            del words, site_words, state
+        hashes, counts = np.unique(sites, return_counts=True)
+        order = np.argsort(-counts, kind="stable")
+        return hashes[order], counts[order].astype(np.int64)
 
     def recount(self, now_ms: int | None = None) -> None:
         """Rebuild the live counters and tag lanes from the slots: after slots were

@@ -220,6 +220,7 @@ class ThreadNode:
             supervisor_state=self.segments.supervisor,
             keeper_statistics=self.segments.keeper,
             site_list=self.segments.site_list,
+            site_history=self.segments.site_history,
             marks=self.segments.marks,
         )
         self.sock = free_socket()

@@ -33,6 +33,7 @@ READS = {
     ("GET", "/v1/schedule"),
     ("GET", "/v1/sites"),
     ("GET", "/v1/sites/{site}"),
+    ("GET", "/v1/sites-in-flight"),
 }
 
 
@@ -99,6 +100,9 @@ def test_the_read_only_token_opens_the_reads(node: Any) -> None:
     assert explained.status_code == 200 and explained.json()["exists"] is False
     assert client.get("/v1/schedule", params={"key": "/x"}, headers=headers).status_code == 404
     assert client.get("/v1/sites", headers=headers).status_code == 503  # no keeper here
+    # No supervisor here: nothing counts the leases by site, so no minute is counted.
+    hour = client.get("/v1/sites-in-flight", headers=headers)
+    assert hour.status_code == 200 and set(hour.json()["total"]) == {None}
     # The fleet token does not open them, and says what it does open.
     refused = client.get("/metrics", headers={"Authorization": f"Bearer {FLEET}"})
     assert refused.status_code == 403 and "fleet token only opens" in refused.json()["detail"]

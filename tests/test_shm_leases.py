@@ -338,6 +338,29 @@ def test_a_capped_site_grants_its_keys_up_to_the_cap(
     assert table.lease_site(K3, other.token, 1_090) == 0
 
 
+def test_live_leases_are_counted_by_site_capped_or_not(
+    sited: tuple[LeaseTable, SiteTable],
+) -> None:
+    table, sites = sited
+    sites.configure(SITE, 2, None)
+    other = SITE + 1
+    keys = [key_hash(b"/by-site/%d" % i) for i in range(6)]
+    capped = [_lease(table.grant(k, 1_000, 100, 10_000, SITE)) for k in keys[:2]]
+    uncapped = [
+        _lease(table.grant(k, 1_000, 100 + i, 10_000, other)) for i, k in enumerate(keys[2:5])
+    ]
+    _lease(table.grant(keys[5], 1_000, 100, 10_000))  # no site
+    hashes, counts = table.live_by_site(1_050)
+    assert dict(zip(hashes.tolist(), counts.tolist(), strict=True)) == {other: 3, SITE: 2, 0: 1}
+    assert hashes.tolist()[0] == other  # most first
+    assert table.complete(keys[0], capped[0].token, 1_050)
+    hashes, counts = table.live_by_site(1_100)  # expired leases are not in flight
+    assert dict(zip(hashes.tolist(), counts.tolist(), strict=True)) == {other: 2}
+    assert uncapped[0].expires_at == 1_100
+    hashes, counts = table.live_by_site(2_000)
+    assert hashes.size == 0 and counts.size == 0
+
+
 def test_a_spacing_or_a_block_refuses_with_the_sites_reason(
     sited: tuple[LeaseTable, SiteTable],
 ) -> None:

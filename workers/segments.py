@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import msgspec
 
 from api.report import MAX_REPORT_BYTES
+from api.site_history import HISTORY_BYTES
 from shm import LeaseTable, ReadyRing, SiteTable, StateBuffer, segment_name
 from shm.marks import WriteMarks
 from shm.segment import remove as remove_segment
@@ -40,6 +41,7 @@ class SegmentNames(msgspec.Struct, frozen=True, kw_only=True):
     marks: str
     site_list: str
     sites: str
+    site_history: str
 
     @classmethod
     def for_instance(cls, instance: str) -> SegmentNames:
@@ -52,6 +54,7 @@ class SegmentNames(msgspec.Struct, frozen=True, kw_only=True):
             marks=segment_name(instance, "marks"),
             site_list=segment_name(instance, "sitelist"),
             sites=segment_name(instance, "sites"),
+            site_history=segment_name(instance, "sitehist"),
         )
 
     def remove(self) -> None:
@@ -92,6 +95,7 @@ class Segments:
     marks: WriteMarks
     site_list: StateBuffer
     sites: SiteTable
+    site_history: StateBuffer
 
     def __post_init__(self) -> None:
         # Every lease this node grants takes and gives back its site's permits.
@@ -134,12 +138,25 @@ class Segments:
                 default_min_interval_ms=site_settings.default_min_interval_ms,
                 failures=site_settings.failures,
             )
+            created.append(site_table)
+            site_history = StateBuffer.create(names.site_history, capacity=HISTORY_BYTES)
         except BaseException:
             for segment in created:
                 segment.close()
                 segment.unlink()
             raise
-        return cls(names, ring, leases, state, supervisor, keeper, marks, site_list, site_table)
+        return cls(
+            names,
+            ring,
+            leases,
+            state,
+            supervisor,
+            keeper,
+            marks,
+            site_list,
+            site_table,
+            site_history,
+        )
 
     @classmethod
     def attach(cls, names: SegmentNames) -> Segments:
@@ -153,6 +170,7 @@ class Segments:
             WriteMarks.attach(names.marks),
             StateBuffer.attach(names.site_list),
             SiteTable.attach(names.sites),
+            StateBuffer.attach(names.site_history),
         )
 
     def _all(
@@ -167,6 +185,7 @@ class Segments:
             self.marks,
             self.site_list,
             self.sites,
+            self.site_history,
         )
 
     def close(self) -> None:

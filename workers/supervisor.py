@@ -37,7 +37,9 @@ from pathlib import Path
 
 import msgspec
 
+from api import site_history
 from api.report import MAX_REPORT_BYTES, REPORT_PREFIX, WorkerReport, decode_report_line
+from keeper.state import decode_site_list
 from shm import lease_snapshot, lease_survivor
 from shm.keys import fingerprint
 from shm.leases import LeaseCensus
@@ -194,6 +196,7 @@ class Supervisor:
     lease_slots_reclaimed: int = 0
     _next_census: float = 0.0
     _census: LeaseCensus | None = None
+    _in_flight: site_history.InFlightHistory | None = None  # per site, the last hour
     _snapshot_on_exit: bool = False  # the stop was graceful (SIGTERM) and not overridden
     _lease_recovery: LeaseRecovery | None = None
     _membership: MembershipHeartbeat | None = None
@@ -458,7 +461,37 @@ class Supervisor:
         except Exception as exc:
             logs.event(log, "lease_census_failed", logging.ERROR, error=str(exc))
             return
+        self._count_in_flight_by_site()
         self._publish()
+
+    def _count_in_flight_by_site(self) -> None:
+        """With the census: every live lease by its site, into the hour's history, which
+        goes into its buffer for the workers to serve (api.site_history)."""
+        segments = self._segments
+        if segments is None:
+            return
+        if self._in_flight is None:
+            self._in_flight = site_history.InFlightHistory(self.node)
+        history = self._in_flight
+        try:
+            now = now_ms()
+            history.record(now, *segments.leases.live_by_site(now))
+            history.name(now, lambda: self._listed_site_names(segments))
+            segments.site_history.write(site_history.encode(history.snapshot(now)), now)
+        except Exception as exc:
+            logs.event(log, "site_history_failed", logging.ERROR, error=str(exc))
+
+    @staticmethod
+    def _listed_site_names(segments: Segments) -> dict[int, str]:
+        """Site hash to name from the keeper's sites listing; none while it has none."""
+        snapshot = segments.site_list.read()
+        if snapshot is None:
+            return {}
+        try:
+            listing = decode_site_list(snapshot.payload)
+        except msgspec.DecodeError:
+            return {}
+        return {h: row.site for h, row in zip(listing.site_hashes, listing.sites.top, strict=False)}
 
     def _select_timeout(self) -> float:
         now = time.monotonic()

@@ -228,6 +228,7 @@ def serve(spec: WorkerSpec) -> int:
             supervisor_state=segments.supervisor,
             keeper_statistics=segments.keeper,
             site_list=segments.site_list,
+            site_history=segments.site_history,
             marks=segments.marks,
             lane=lane,
         )
