@@ -14,7 +14,8 @@ import re
 import shutil
 import signal
 import time
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ import pytest
 from conftest import IN_CI
 from node_harness import (
     ADMIN_TOKEN,
+    FLEET_TOKEN,
     NodeProcess,
     ThreadNode,
     node_db,
@@ -125,10 +127,15 @@ def node(tmp_path_factory: pytest.TempPathFactory, browser: Any) -> Iterator[Nod
 
 
 @contextlib.contextmanager
-def console(browser: Any, node: NodeProcess | ThreadNode, token: str | None) -> Iterator[Any]:
+def console(
+    browser: Any,
+    node: NodeProcess | ThreadNode,
+    token: str | None,
+    on_dialog: Callable[[Any], None] = lambda dialog: dialog.accept(),
+) -> Iterator[Any]:
     context = browser.new_context(viewport={"width": 1400, "height": 1900})
     page = context.new_page()
-    page.on("dialog", lambda dialog: dialog.accept())
+    page.on("dialog", on_dialog)
     try:
         page.goto(f"{node.url}/console")
         if token is not None:
@@ -532,3 +539,200 @@ def test_the_keeper_section_lists_the_fences(browser: Any, shots: Path, tmp_path
             assert rows["fence: c"].startswith("handed over (under leases it handed over")
             assert ": 3 due keys of 7 handed over, until " in rows["fence: c"]
             shot(page, shots, "10-keeper-fences")
+
+
+# --- the sites section: its own node, whose sites hold leases and one a block ----------
+
+SITE_ROWS = [
+    ("https://busy.example/p/", 30),
+    ("https://calm.example/q/", 6),
+    ("https://slow.example/x/", 4),
+]
+
+
+class SitesNode(NodeProcess):
+    leases_by_site: Counter[str]
+    blocked_until: int
+
+
+@pytest.fixture(scope="module")
+def sites_node(tmp_path_factory: pytest.TempPathFactory, browser: Any) -> Iterator[SitesNode]:
+    """Every row due; every key leased for 15 min and left open, but one of slow.example's,
+    whose origin answered Retry-After an hour: the site blocked, that key handed back."""
+    directory = tmp_path_factory.mktemp("console-sites")
+    now = now_ms()
+    for prefix, rows in SITE_ROWS:
+        seed_rows(node_db(directory), rows, prefix=prefix, now=now)
+    process = SitesNode(directory, workers=1, tokens=True)
+    process.start()
+    try:
+        with process.client(ADMIN_TOKEN) as admin, process.client(FLEET_TOKEN) as fleet:
+            wait_for(
+                lambda: admin.get("/v1/sites").status_code == 200, 60, "the sites listing", 0.2
+            )
+            claimed = fleet.post(
+                "/v1/claims", json={"max": 100, "worker": "console", "lease_s": 900}
+            )
+            assert claimed.status_code == 200, claimed.text
+            leases = claimed.json()["leases"]
+            assert len(leases) == sum(rows for _, rows in SITE_ROWS)
+            slow = next(lease for lease in leases if "slow.example" in lease["key"])
+            item = {
+                "key": slow["key"],
+                "token": slow["token"],
+                "outcome": "failed",
+                "site_retry_after_s": 3600,
+            }
+            done = fleet.post("/v1/completions", json={"items": [item]})
+            assert done.status_code == 200, done.text
+            process.blocked_until = done.json()["results"][0]["site_blocked_until"]
+            process.leases_by_site = Counter(
+                lease["key"].split("/")[2] for lease in leases if lease is not slow
+            )
+        yield process
+    finally:
+        process.stop()
+
+
+def site_cells(page: Any, table: str, site: str) -> list[str]:
+    """A site's row in a table of the sites section ([] while it is being redrawn)."""
+    return [str(c) for c in page.locator(f'#{table} tr[data-site="{site}"] td').all_inner_texts()]
+
+
+def test_the_sites_section_shows_in_flight_blocks_and_the_hour(
+    browser: Any, sites_node: SitesNode, shots: Path
+) -> None:
+    counted = sites_node.leases_by_site
+    with console(browser, sites_node, ADMIN_TOKEN) as page:
+        # The top sites: due, and in flight from the supervisor's count (none is capped).
+        wait_for(
+            lambda: site_cells(page, "sites", "busy.example")[1:4] == ["30", "30", "30"],
+            30,
+            "busy.example's due, held and in flight",
+            0.1,
+        )
+        assert site_cells(page, "sites", "slow.example")[3] == str(counted["slow.example"])
+        listed = admin_get(sites_node, "/v1/sites").json()["sites"]
+        assert [
+            r.locator("td").first.inner_text() for r in page.locator("#sites tr[data-site]").all()
+        ] == [s["site"] for s in listed]
+        # The blocked site, until when and why, as GET /v1/sites/{site} says.
+        state = admin_get(sites_node, "/v1/sites/slow.example").json()
+        assert (state["blocked_until"], state["blocked_reason"]) == (
+            sites_node.blocked_until,
+            "retry_after",
+        )
+        blocked = site_cells(page, "sites-blocked", "slow.example")
+        assert blocked[1] == page.evaluate(f"new Date({sites_node.blocked_until}).toLocaleString()")
+        assert "Retry-After" in blocked[3]
+        assert page.locator("#sites-blocked tr[data-site]").count() == 1
+        # The chart: a line per site, loaded with the page from the node's own history.
+        chart = '#site-chart g[data-site="busy.example"]'
+        wait_for(lambda: page.locator(chart).count() == 1, 30, "busy.example's line", 0.1)
+        assert page.get_attribute(chart, "data-peak") == "30"
+        assert page.locator(f"{chart} polyline, {chart} circle").count() >= 1
+        assert page.get_attribute('#site-chart g[data-series="total"]', "data-peak") == str(
+            sum(counted.values())
+        )
+        assert "busy.example (peak 30)" in page.inner_text("#site-chart-legend")
+        # Sorted by lateness: the site whose oldest due row waited longest first.
+        page.click('.sites-sort button[data-sort="lateness"]')
+        oldest = max(listed, key=lambda s: s["oldest_age_s"])["site"]
+        wait_for(
+            lambda: page.locator("#sites tr[data-site]").first.get_attribute("data-site") == oldest,
+            30,
+            "the sites sorted by lateness",
+            0.1,
+        )
+        shot(page, shots, "11-sites")
+
+
+def test_set_a_sites_cap_from_the_page(browser: Any, sites_node: SitesNode, shots: Path) -> None:
+    asked: list[str] = []
+    answer = {"confirm": False}
+
+    def on_dialog(dialog: Any) -> None:
+        asked.append(dialog.message)
+        if answer["confirm"]:
+            dialog.accept()
+        else:
+            dialog.dismiss()
+
+    def set_site(site: str, cap: str, interval: str) -> str:
+        page.evaluate('document.getElementById("sites-msg").textContent = ""')
+        page.fill("#site-name", site)
+        page.fill("#site-cap", cap)
+        page.fill("#site-interval", interval)
+        page.click("#site-set")
+        return str(
+            wait_for(
+                lambda: (
+                    (text := page.inner_text("#sites-msg"))
+                    and any(
+                        w in text for w in ("done", "not sent", "not a whole", "Failed", "Refused")
+                    )
+                    and text
+                ),
+                60,
+                f"the console to report setting {site}",
+            )
+        )
+
+    with console(browser, sites_node, ADMIN_TOKEN, on_dialog) as page:
+        wait_for(lambda: site_cells(page, "sites", "calm.example"), 30, "calm.example listed")
+        # Not confirmed: nothing is sent.
+        message = set_site("calm.example", "2", "250")
+        assert "not sent" in message, message
+        assert asked == ["Set calm.example: max in flight 2, min interval 250 ms, on every node?"]
+        assert admin_get(sites_node, "/v1/sites/calm.example").json()["settings"] == {
+            "max_in_flight": None,
+            "min_interval_ms": None,
+        }
+        # Confirmed: set, on the page and in GET /v1/sites/{site}.
+        answer["confirm"] = True
+        message = set_site("calm.example", "2", "250")
+        assert "done" in message and "at most 2 at once, 250 ms apart" in message, message
+        assert len(asked) == 2
+        wait_for(
+            lambda: site_cells(page, "sites", "calm.example")[5:6] == ["2"],
+            30,
+            "calm.example's cap on the page",
+            0.1,
+        )
+        state = admin_get(sites_node, "/v1/sites/calm.example").json()
+        assert state["settings"] == {"max_in_flight": 2, "min_interval_ms": 250}
+        assert state["in_force"] == {"max_in_flight": 2, "min_interval_ms": 250}
+        shot(page, shots, "12-site-capped")
+        # A bad value is refused by the page, before any question.
+        message = set_site("calm.example", "two", "")
+        assert "not a whole number: two" in message and len(asked) == 2
+        # "none" gives it the node's default again.
+        message = set_site("calm.example", "none", "none")
+        assert "done" in message, message
+        wait_for(
+            lambda: site_cells(page, "sites", "calm.example")[5:6] == ["none"],
+            30,
+            "calm.example's cap cleared on the page",
+            0.1,
+        )
+        assert admin_get(sites_node, "/v1/sites/calm.example").json()["settings"] == {
+            "max_in_flight": None,
+            "min_interval_ms": None,
+        }
+
+
+def test_a_poll_keeps_the_site_buttons_it_shows(browser: Any, sites_node: SitesNode) -> None:
+    """As for the routes: the poll writes the counts in place and redraws the rows only
+    when a site, its cap or its block changes, so an edit button is never replaced under
+    a click."""
+    edit = 'button[data-site="busy.example"][data-action="edit"]'
+    with console(browser, sites_node, ADMIN_TOKEN) as page:
+        wait_for(lambda: page.locator(edit).count() == 1, 30, "busy.example's edit button")
+        page.evaluate(f"document.querySelector('{edit}').dataset.mark = 'kept'")
+        due_cell = '#sites tr[data-site="busy.example"] td:nth-child(2)'
+        page.evaluate(f"document.querySelector('{due_cell}').textContent = 'stale'")
+        wait_ticks(page, 3)
+        assert page.get_attribute(edit, "data-mark") == "kept"
+        assert page.inner_text(due_cell) == "30"
+        page.click(edit)
+        assert page.input_value("#site-name") == "busy.example"
