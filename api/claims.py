@@ -35,8 +35,9 @@ from api.schemas import (
     RenewResults,
 )
 from api.status import NodeClaimStatus, claim_status, membership_lapsed, read_fences
-from keeper.ownership import winners
+from keeper.ownership import placements, winners
 from shm import Grant, key_hash
+from shm.keys import key_site_hash
 from shm.segment import now_ms
 from store.rows import Row
 
@@ -107,38 +108,50 @@ def check_lease_s(node: Node, lease_s: int | None) -> None:
         )
 
 
-def owners_now(node: Node, hashes: list[int]) -> list[str | None] | None:
+def owners_now(node: Node, hashes: list[int], sites: list[int]) -> list[str | None] | None:
     """Each key's owner in the keeper's current view, read after the lease CASes (None:
-    this node owns every key, not being clustered). An owner of None: no view, or this
-    node is not live in it, so it owns nothing. The read's fence pairs with the keeper's
-    (shm.marks): a key this reports as owned here was owned when the keeper's next
-    hand-over scan ran, which then saw its lease."""
-    if not node.settings.clustered:
+    this node owns every key, not being clustered); `sites`: the keys' site hashes, what
+    ownership by site is judged on (keeper.ownership.placements). An owner of None: no
+    view, or this node is not live in it, so it owns nothing. The read's fence pairs with
+    the keeper's (shm.marks): a key this reports as owned here was owned when the
+    keeper's next hand-over scan ran, which then saw its lease."""
+    settings = node.settings
+    if not settings.clustered:
         return None
     view = None if node.marks is None else node.marks.owners()
-    if view is None or node.settings.node not in view.nodes:
+    if view is None or settings.node not in view.nodes:
         return [None] * len(hashes)
     if len(view.nodes) == 1:
         return [view.nodes[0]] * len(hashes)
-    picked = winners(np.asarray(hashes, dtype=np.uint64), view.nodes)
+    placed = placements(
+        np.asarray(hashes, dtype=np.uint64),
+        np.asarray(sites, dtype=np.uint64),
+        settings.ownership == "site",
+    )
+    picked = winners(placed, view.nodes)
     return [view.nodes[i] for i in picked.tolist()]
 
 
-def _keep_owned(node: Node, granted: list[tuple[Lease, int, int]], now: int) -> list[Lease]:
+def _keep_owned(node: Node, granted: list[Granted], now: int) -> list[Lease]:
     """Hand back any granted key this node no longer owns (its view moved on during the
     claim): never answered, so no one holds it but the lease table, briefly."""
-    owners = owners_now(node, [hashed for _, hashed, _ in granted])
+    owners = owners_now(
+        node, [hashed for _, hashed, _, _ in granted], [site for _, _, _, site in granted]
+    )
     if owners is None:
-        return [lease for lease, _, _ in granted]
+        return [lease for lease, _, _, _ in granted]
     me = node.settings.node
     kept: list[Lease] = []
-    for (lease, hashed, token), owner in zip(granted, owners, strict=True):
+    for (lease, hashed, token, _), owner in zip(granted, owners, strict=True):
         if owner == me:
             kept.append(lease)
         else:
             node.leases.complete(hashed, token, now)
     return kept
 
+
+# A lease granted by a claim: (the lease, its key hash, its token, its site hash).
+Granted = tuple[Lease, int, int, int]
 
 # A store call the claim path needs made: a read, or the route book's refresh. The driver
 # makes it where the worker makes its store calls (api.lane) and sends back its value.
@@ -200,9 +213,9 @@ def _granting(node: Node, want: int, lease_ms: int) -> Generator[StoreCall, Any,
     lease the claim took before it is raised: none was answered, so nobody renders them.
     """
     ring, store, leases, routes, marks = node.ring, node.store, node.leases, node.routes, node.marks
-    # (lease, key hash, token): a cluster's node checks ownership after its CASes.
-    granted: list[tuple[Lease, int, int]] = []
-    held: list[tuple[str, int, int, int]] = []  # key, key hash, token, lease expiry
+    # A cluster's node checks ownership after its CASes.
+    granted: list[Granted] = []
+    held: list[tuple[str, int, int, int, int]] = []  # key, key hash, token, expiry, site
     clustered = node.settings.clustered
     try:
         while len(granted) < want:
@@ -260,18 +273,20 @@ def _granting(node: Node, want: int, lease_ms: int) -> Generator[StoreCall, Any,
                         node=node.settings.node if clustered else None,
                         lease_ms=outcome.expires_at - now,
                     )
-                    granted.append((lease, entry.key_hash, outcome.token))
+                    granted.append((lease, entry.key_hash, outcome.token, entry.site_hash))
                     continue
-                held.append((key, entry.key_hash, outcome.token, outcome.expires_at))
+                held.append(
+                    (key, entry.key_hash, outcome.token, outcome.expires_at, entry.site_hash)
+                )
             if marks is not None:
                 marks.count_claimed(answered, len(held))
             if not held:
                 continue
             rows: dict[str, Row] = yield functools.partial(
-                store.get_many, [key for key, _, _, _ in held]
+                store.get_many, [key for key, _, _, _, _ in held]
             )
             reading, held = held, []
-            for key, hashed, token, expires_at in reading:
+            for key, hashed, token, expires_at, site in reading:
                 row = rows.get(key)
                 cadence_s = None if row is None else routes.grant_cadence_s(row)
                 if row is None or row.next_render_at > now or cadence_s is None:
@@ -289,10 +304,11 @@ def _granting(node: Node, want: int, lease_ms: int) -> Generator[StoreCall, Any,
                     node=node.settings.node if clustered else None,
                     lease_ms=expires_at - now,
                 )
-                granted.append((lease, hashed, token))
+                granted.append((lease, hashed, token, site))
     except BaseException:
         now = now_ms()
-        for hashed, token in [(h, t) for _, h, t in granted] + [(h, t) for _, h, t, _ in held]:
+        taken = [(h, t) for _, h, t, _ in granted] + [(h, t) for _, h, t, _, _ in held]
+        for hashed, token in taken:
             leases.complete(hashed, token, now)
         raise
     return _keep_owned(node, granted, now_ms()) if granted else []
@@ -351,7 +367,11 @@ def renew(node: Node, request: RenewRequest) -> RenewResults:
     now = now_ms()
     for item in request.items:
         check_lease_s(node, item.lease_s)
-    hashes = [key_hash(item.key.encode()) for item in request.items]
+    encoded = [item.key.encode() for item in request.items]
+    hashes = [key_hash(key) for key in encoded]
+    # The site the keeper holds each key's row under (owned by site, what owns it).
+    by_site = node.settings.ownership == "site"
+    sites = [key_site_hash(key) if by_site else 0 for key in encoded]
     lapsed = membership_lapsed(node)
     if lapsed is not None:
         return RenewResults(
@@ -361,14 +381,14 @@ def renew(node: Node, request: RenewRequest) -> RenewResults:
             ]
         )
     me = node.settings.node
-    before = owners_now(node, hashes)
+    before = owners_now(node, hashes, sites)
     results = [
         _renewed(node, item, hashes[index], now)
         if before is None or before[index] == me
         else _not_owner(item.key, before[index])
         for index, item in enumerate(request.items)
     ]
-    after = owners_now(node, hashes)
+    after = owners_now(node, hashes, sites)
     if after is not None:
         results = [
             result if not result.ok or after[index] == me else _not_owner(result.key, after[index])

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -49,6 +49,7 @@ class ApiSettings(msgspec.Struct, frozen=True, kw_only=True):
     # at once (no draining: its last set may hold keys that have moved since).
     clustered: bool = False
     max_lease_s: int = 3600
+    ownership: Literal["key", "site"] = "key"  # what divides a cluster's keys (workers.config)
     # Where the fleet and the other nodes reach this node (workers.config advertised), and
     # the member list's TTL: GET /v1/cluster lists the nodes live by it.
     advertised_url: str = ""

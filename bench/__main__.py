@@ -27,6 +27,7 @@ SECTIONS = (
     "keeper",
     "node",
     "sites",
+    "site_owners",
     "stages",
     "sitemap",
     "single",

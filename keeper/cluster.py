@@ -29,7 +29,7 @@ Identity is (name, incarnation): a node restarted under its name is a change of 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import msgspec
 import numpy as np
@@ -40,6 +40,9 @@ from keeper.state import ClusterStatistics, Fence, FenceCount, FencedGroup
 from store.rows import Handover, MemberList, NodeRecord
 
 Member = tuple[str, int]  # (name, incarnation)
+# Key hashes to what ownership is judged on (keeper.ownership.placements); None: the keys'
+# own hashes.
+Place = Callable[[npt.NDArray[np.uint64]], npt.NDArray[np.uint64]]
 
 
 class _ShareFence:
@@ -52,8 +55,10 @@ class _ShareFence:
         self.node, self.view, self.until_ms, self.reason = node, view, until_ms, reason
         self.awaiting = awaiting
 
-    def blocks(self, hashes: npt.NDArray[np.uint64], now: int) -> npt.NDArray[np.bool_]:
-        owners = winners(hashes, self.view)
+    def blocks(
+        self, hashes: npt.NDArray[np.uint64], placed: npt.NDArray[np.uint64], now: int
+    ) -> npt.NDArray[np.bool_]:
+        owners = winners(placed, self.view)
         blocked: npt.NDArray[np.bool_] = owners == self.view.index(self.node)
         return blocked
 
@@ -70,7 +75,9 @@ class _KeyFence:
         self.until_ms = int(until.max(initial=0))
         self.reason = "handed over"
 
-    def blocks(self, hashes: npt.NDArray[np.uint64], now: int) -> npt.NDArray[np.bool_]:
+    def blocks(
+        self, hashes: npt.NDArray[np.uint64], placed: npt.NDArray[np.uint64], now: int
+    ) -> npt.NDArray[np.bool_]:
         at = np.searchsorted(self.hashes, hashes)
         at[at >= len(self.hashes)] = 0
         found: npt.NDArray[np.bool_] = (self.hashes[at] == hashes) & (self.until[at] > now)
@@ -96,16 +103,23 @@ class ClusterView:
         max_lease_ms: int,
         incarnation: int = 0,
         predecessor_until_ms: int = 0,
+        by_site: bool = False,
     ) -> None:
         """`predecessor_until_ms`: until when the leases of the incarnation this start
-        replaced may live, when its lease table was not taken over (0: none may)."""
+        replaced may live, when its lease table was not taken over (0: none may).
+        `by_site`: keys are owned by their site's hash (keeper.ownership)."""
         self.me = me
         self.incarnation = incarnation
         self.ttl_ms = ttl_ms
         self.grant_window_ms = grant_window_ms
         self.max_lease_ms = max_lease_ms
         self.predecessor_until_ms = predecessor_until_ms
-        self.ownership = Rendezvous(me)
+        self.ownership = Rendezvous(me, by_site=by_site)
+        self.by_site = by_site
+        # Owned by site, the live leases other nodes handed over on sites now this node's:
+        # (site hashes, ends on `now`'s clock), for the runner to take a permit for each
+        # in the site table, so a site's cap counts the old owner's leases until they end.
+        self.handed_permits: list[tuple[npt.NDArray[np.uint64], npt.NDArray[np.int64]]] = []
         self.view: tuple[str, ...] | None = None  # names; None: never read
         self.members: tuple[Member, ...] | None = None
         self.fences: list[_ShareFence | _KeyFence] = []
@@ -237,6 +251,13 @@ class ClusterView:
                 until = np.asarray(handover.expires_at_ms, dtype=np.int64) - self.offset_ms
                 hashes = np.asarray(handover.key_hashes, dtype=np.uint64)
                 live = until > now
+                if self.by_site and len(handover.site_hashes) == len(hashes):
+                    # Every site's, not only the ones gained here: ownership may not be
+                    # this view's yet, and a permit on a site owned elsewhere only expires.
+                    sites = np.asarray(handover.site_hashes, dtype=np.uint64)
+                    taken = live & (sites != np.uint64(0))
+                    if taken.any():
+                        self.handed_permits.append((sites[taken], until[taken]))
                 if live.any():
                     return _KeyFence(record.node, hashes[live], until[live])
         return None
@@ -282,9 +303,10 @@ class ClusterView:
         return self.confirmed_at + self.grant_window_ms if self.confirmed_at else 0
 
     def blocked_mask(
-        self, key_hashes: npt.NDArray[np.uint64], now: int
+        self, key_hashes: npt.NDArray[np.uint64], now: int, place: Place | None = None
     ) -> npt.NDArray[np.bool_] | None:
-        """Keys this node may not grant now; None when it may grant every one it owns."""
+        """Keys this node may not grant now; None when it may grant every one it owns.
+        `place`: the keys' placements, asked only while a fence is up (owned by site)."""
         if not self.confirmed(now):
             return np.ones(len(key_hashes), dtype=np.bool_)
         active = [f for f in self.fences if f.until_ms > now]
@@ -292,16 +314,19 @@ class ClusterView:
             self.fences = active
         if not active or len(key_hashes) == 0:
             return None
+        placed = key_hashes if place is None else place(key_hashes)
         blocked = np.zeros(len(key_hashes), dtype=np.bool_)
         for fence in active:
-            blocked |= fence.blocks(key_hashes, now)
+            blocked |= fence.blocks(key_hashes, placed, now)
         return blocked
 
     def fencing(self, now: int) -> bool:
         """Whether any key may be held back now: without, a count has nothing to find."""
         return not self.confirmed(now) or any(f.until_ms > now for f in self.fences)
 
-    def count_fenced(self, key_hashes: npt.NDArray[np.uint64], now: int) -> FencedGroup:
+    def count_fenced(
+        self, key_hashes: npt.NDArray[np.uint64], now: int, place: Place | None = None
+    ) -> FencedGroup:
         """How many of `key_hashes` (the due rows) `blocked_mask` holds back now, and by
         which fence: each fence's mask taken once, their union the total."""
         active = [f for f in self.fences if f.until_ms > now]
@@ -312,8 +337,9 @@ class ClusterView:
                 FenceCount(node=self.me, reason="unconfirmed", due=len(key_hashes), until_ms=0)
             )
         blocked = np.zeros(len(key_hashes), dtype=np.bool_)
+        placed = key_hashes if place is None or not active else place(key_hashes)
         for fence in active:
-            mask = fence.blocks(key_hashes, now) if len(key_hashes) else blocked
+            mask = fence.blocks(key_hashes, placed, now) if len(key_hashes) else blocked
             blocked |= mask
             record = self._on_wall(fence.record(now))
             counted.append(

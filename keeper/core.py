@@ -18,7 +18,7 @@ from keeper._native import FeedShape
 from keeper.classes import DEFAULT_CADENCE_S, Classifier, ClassTable, Reclassified
 from keeper.config import KeeperConfig
 from keeper.flow import FlowLog
-from keeper.ownership import Ownership, OwnEverything
+from keeper.ownership import Ownership, OwnEverything, placement, placements
 from keeper.queue import (
     ADDED,
     REMOVED,
@@ -30,6 +30,7 @@ from keeper.select import Allowances, BlockedMask, Selection
 from keeper.tallies import MINUTE_MS
 from keeper.walk import RepairTally, Walk, WalkReason
 from shm import key_hash, key_hashes
+from shm.keys import key_site_hash, key_site_hashes
 from store.rows import (
     MAX_KEY_BYTES,
     FeedEvent,
@@ -250,6 +251,7 @@ class KeeperCore:
         # Ownership is judged for the whole batch at once; only a batch whose keys could
         # not be hashed together (-1) is judged key by key, below.
         owns = None
+        by_site = self.ownership.by_site
         if not self.ownership.owns_all:
             if hashes and hashes[0] < 0:
                 owns = self.ownership.owns
@@ -292,7 +294,7 @@ class KeeperCore:
             if row is None:
                 tally[queue.remove(h)] += 1
                 continue
-            if owns is not None and not owns(h):
+            if owns is not None and not owns(placement(h, key_site_hash(key), by_site)):
                 self.counters.unowned += 1
                 tally[queue.remove(h)] += 1
                 continue
@@ -333,7 +335,11 @@ class KeeperCore:
         """The batch's events for keys this node owns, judged at once; events for other
         nodes' keys remove the key if it is held, and are counted. A key's events all
         go the same way, so each key's order is kept."""
-        owned = self.ownership.owns_many(np.array(hashes, dtype=np.uint64))
+        ownership = self.ownership
+        sites = key_site_hashes(keys) if ownership.by_site else None
+        owned = ownership.owns_many(
+            placements(np.array(hashes, dtype=np.uint64), sites, ownership.by_site)
+        )
         if owned.all():
             return events, keys, hashes
         queue, touched, epoch = self.queue, self._touched, self._epoch
@@ -383,8 +389,10 @@ class KeeperCore:
             return
         hashes = key_hashes(keys)
         keep = np.ones(count, dtype=np.bool_)
-        if not self.ownership.owns_all:
-            keep &= self.ownership.owns_many(hashes)
+        ownership = self.ownership
+        if not ownership.owns_all:
+            sites = key_site_hashes(keys) if ownership.by_site else None
+            keep &= ownership.owns_many(placements(hashes, sites, ownership.by_site))
         touched = self._touched
         if touched:
             token = walk.token
@@ -612,10 +620,25 @@ class KeeperCore:
             return 0
         live = self.queue.slots.live_slots()
         hashes = self.queue.slots.hashes()[live]
-        gone = ~self.ownership.owns_many(hashes)
+        gone = ~self.ownership.owns_many(self.placements_of(hashes, live))
         if gone.any():
             self._unowned = (live[gone], hashes[gone])
         return int(np.count_nonzero(gone))
+
+    def placements_of(
+        self, hashes: npt.NDArray[np.uint64], slots: npt.NDArray[np.int32] | None = None
+    ) -> npt.NDArray[np.uint64]:
+        """What ownership is judged on for held rows (keeper.ownership.placements): their
+        key hashes, or by site their sites' hashes. `slots`: the rows' slots, when known;
+        else found from the hashes (a hash not held is placed as a key with no site)."""
+        if not self.ownership.by_site:
+            return hashes
+        if slots is None:
+            slots = self.queue.slots.find_many(hashes)
+        held = slots >= 0
+        sites = np.zeros(len(hashes), dtype=np.uint64)
+        sites[held] = self.queue.site_hashes_of(slots[held])
+        return placements(hashes, sites, True)
 
     @property
     def dropping(self) -> bool:

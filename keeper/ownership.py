@@ -6,6 +6,12 @@ the key's stored 64-bit hash with the node's, and the highest score owns the key
 join moves to the newcomer only the keys it now wins; a leave moves only the leaver's
 keys, about 1/N of them. A change of `generation` tells the keeper to drop rows it no
 longer owns and run a verification walk that adds rows gained.
+
+What is hashed is a key's *placement*: its own hash, or, when the cluster owns keys by
+site (the `ownership = "site"` setting), its site's hash, so every key of a site has
+one owner, whose site table then enforces the site's cap, spacing and blocks exactly
+(docs/decisions/0012-sites-owned-whole.md). A key that names no site is placed by its
+own hash either way.
 """
 
 from __future__ import annotations
@@ -18,10 +24,17 @@ from typing import Protocol
 import numpy as np
 import numpy.typing as npt
 
+from shm.keys import NO_SITE
+
 
 class Ownership(Protocol):
     @property
     def generation(self) -> int: ...
+
+    @property
+    def by_site(self) -> bool:
+        """True when keys are placed by their site's hash (`placements`)."""
+        ...
 
     @property
     def owns_all(self) -> bool:
@@ -38,6 +51,7 @@ class OwnEverything:
 
     generation = 0
     owns_all = True
+    by_site = False
 
     def owns(self, key_hash: int) -> bool:
         return True
@@ -72,6 +86,26 @@ def mix_one(value: int) -> int:
     return z ^ (z >> 31)
 
 
+def placements(
+    key_hashes: npt.NDArray[np.uint64], site_hashes: npt.NDArray[np.uint64] | None, by_site: bool
+) -> npt.NDArray[np.uint64]:
+    """The hashes ownership is decided on: the keys' own, or by site each key's site hash
+    (a key with no site: its own). `site_hashes` may be None only when not by site."""
+    if not by_site:
+        return key_hashes
+    if site_hashes is None:
+        raise ValueError("placements: owned by site, but no site hashes given")
+    placed: npt.NDArray[np.uint64] = np.where(
+        site_hashes != np.uint64(NO_SITE), site_hashes, key_hashes
+    ).astype(np.uint64, copy=False)
+    return placed
+
+
+def placement(key_hash: int, site_hash: int, by_site: bool) -> int:
+    """`placements` of one key."""
+    return site_hash if by_site and site_hash != NO_SITE else key_hash
+
+
 def winners(key_hashes: npt.NDArray[np.uint64], nodes: Sequence[str]) -> npt.NDArray[np.intp]:
     """For each key, the index in `nodes` of its owner: the highest score wins."""
     if not nodes:
@@ -92,10 +126,12 @@ def winners(key_hashes: npt.NDArray[np.uint64], nodes: Sequence[str]) -> npt.NDA
 
 class Rendezvous:
     """This node's share of the keys: those whose highest-scoring node, over the live
-    node list, is this one. `set_nodes` bumps the generation when the list changes."""
+    node list, is this one. `set_nodes` bumps the generation when the list changes.
+    Its methods take placements (`placements`); `by_site` says which the callers make."""
 
-    def __init__(self, me: str, nodes: Sequence[str] = ()) -> None:
+    def __init__(self, me: str, nodes: Sequence[str] = (), *, by_site: bool = False) -> None:
         self.me = me
+        self.by_site = by_site
         self.generation = 0
         self.nodes: tuple[str, ...] = ()
         self._me_index = -1
@@ -116,12 +152,12 @@ class Rendezvous:
     def owns_all(self) -> bool:
         return self.nodes == (self.me,)
 
-    def owns(self, key_hash: int) -> bool:
+    def owns(self, placed: int) -> bool:
         if self._me_index < 0:
             return False
         best_index, best = 0, -1
         for index, node in enumerate(self._hashes):
-            score = mix_one(key_hash ^ node)
+            score = mix_one(placed ^ node)
             if score > best:
                 best_index, best = index, score
         return best_index == self._me_index

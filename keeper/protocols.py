@@ -71,8 +71,10 @@ class LeaseTableLike(Protocol):
 
     def statistics(self, now_ms: int | None = None) -> LeaseStatisticsLike: ...
 
-    def live_leases(self, now_ms: int) -> tuple[npt.NDArray[Any], npt.NDArray[Any]]:
-        """(key hashes, expiries) of the leases live at `now_ms`."""
+    def live_leases(
+        self, now_ms: int
+    ) -> tuple[npt.NDArray[Any], npt.NDArray[Any], npt.NDArray[Any]]:
+        """(key hashes, expiries, site hashes) of the leases live at `now_ms`."""
         ...
 
 
@@ -88,6 +90,11 @@ class SiteTableLike(Protocol):
     ) -> bool:
         """Put a site's own settings in force (None: the node's default); False if the
         table had no room for the site."""
+        ...
+
+    def take_permit(self, site_hash: int, now_ms: int, lease_ms: int) -> int:
+        """A permit until now + lease_ms under the site's cap; its end, 0 when none was
+        taken (the site is full, or has no cap)."""
         ...
 
 

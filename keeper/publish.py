@@ -77,7 +77,12 @@ class Publisher:
         (in a cluster) fenced, or still held though another node owns them now (the
         keeper drops those in chunks after an ownership change)."""
         leases, fenced = self.leases, self.fenced
-        unowned = self.core.ownership.owns_many if self.core.dropping else None
+        core = self.core
+        unowned = (
+            (lambda hashes: core.ownership.owns_many(core.placements_of(hashes)))
+            if core.dropping
+            else None
+        )
 
         def blocked(hashes: npt.NDArray[np.uint64]) -> npt.NDArray[np.bool_]:
             mask = leases.blocked_mask(hashes, now)

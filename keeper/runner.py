@@ -29,6 +29,8 @@ import time
 from collections.abc import Callable, Sequence
 
 import msgspec
+import numpy as np
+import numpy.typing as npt
 
 from keeper import heap
 from keeper.cluster import ClusterView
@@ -72,7 +74,7 @@ from keeper.lifecycle import (
     WalkFinished,
     WriteState,
 )
-from keeper.ownership import Ownership
+from keeper.ownership import Ownership, placements
 from keeper.protocols import (
     LeaseTableLike,
     ReadyRingLike,
@@ -126,6 +128,9 @@ class ClusterSettings(msgspec.Struct, frozen=True, kw_only=True):
     # Until when leases of the incarnation this start replaced may live, if its lease
     # table was not taken over (this node's clock; 0: none may).
     predecessor_until_ms: int = 0
+    # Keys are owned by their site's hash, not their own (keeper.ownership): one node
+    # holds every key of a site and its site table enforces the site's cap exactly.
+    by_site: bool = False
 
     @property
     def grant_window_ms(self) -> int:
@@ -199,6 +204,7 @@ class Keeper:
                 incarnation=cluster.incarnation,
                 predecessor_until_ms=cluster.predecessor_until_ms
                 and self.monotonic() + cluster.predecessor_until_ms - clock(),
+                by_site=cluster.by_site,
             )
             ownership = self.cluster.ownership
         self.core = KeeperCore(config, ownership)
@@ -225,8 +231,9 @@ class Keeper:
         self._site_settings_unapplied = 0
         if self.cluster is not None:
             view = self.cluster
+            place = self.core.placements_of if view.by_site else None
             self._publisher.fenced = lambda hashes, _now: view.blocked_mask(
-                hashes, self.monotonic()
+                hashes, self.monotonic(), place
             )
         self._top = TopCheck(self.core, store, self.feed, config, clock)
         self._published_keys: list[bytes] = []  # the last publish's, for the top check
@@ -435,6 +442,7 @@ class Keeper:
         assert self.cluster is not None
         mono = self.monotonic()
         changed = self.cluster.observe(read, mono, wall_now=now)
+        self._take_handed_permits(now)
         if self.marks is not None:
             # The workers judge it on the machine's monotonic clock, shared by its
             # processes: a step of the wall clock neither extends nor cuts it.
@@ -463,14 +471,15 @@ class Keeper:
         if self.acknowledge is None:
             cluster.acknowledged()
             return
-        hashes, expiries = self.leases.live_leases(now)
-        lost = ~cluster.ownership.owns_many(hashes) if len(hashes) else hashes.astype(bool)
+        hashes, expiries, sites = self.leases.live_leases(now)
+        lost, sites = self._lost(hashes, sites)
         handover = Handover(
             node=self.node,
             incarnation=cluster.incarnation,
             key_hashes=hashes[lost].tolist(),
             # The lease table's ends are in the wall clock: to the database's.
             expires_at_ms=(expiries[lost] + cluster.offset_ms - cluster.to_wall_ms).tolist(),
+            site_hashes=sites[lost].tolist(),
         )
         try:
             if self.acknowledge(cluster.incarnation, cluster.live_incarnations(), handover):
@@ -484,6 +493,45 @@ class Keeper:
                 log.warning("keeper: this incarnation was superseded; it acknowledges nothing")
         except Exception as exc:  # the next read tries again
             log.warning("keeper: acknowledging the view failed (%s)", exc)
+
+    def _lost(
+        self, hashes: npt.NDArray[np.uint64], sites: npt.NDArray[np.uint64]
+    ) -> tuple[npt.NDArray[np.bool_], npt.NDArray[np.uint64]]:
+        """Which live leases are on keys this node no longer owns (the hand-over), and
+        each lease's site.
+
+        Owned by site, a lease's site is the one its row is held under here, and where
+        the row is gone the lease table's site word. A site word is written just after
+        its lease's CAS, so while the scan reads it it may still name the slot's previous
+        site: a lease lost under either is handed over (one too many only fences a key
+        that needed no fence)."""
+        ownership = self.core.ownership
+        if not len(hashes):
+            return np.zeros(0, dtype=np.bool_), sites
+        if not ownership.by_site:
+            return ~ownership.owns_many(hashes), sites
+        slots = self.core.queue.slots.find_many(hashes)
+        held = slots >= 0
+        rows = sites.copy()
+        rows[held] = self.core.queue.site_hashes_of(slots[held])
+        lost = ~ownership.owns_many(placements(hashes, rows, True))
+        lost |= ~ownership.owns_many(placements(hashes, sites, True))
+        return lost, rows
+
+    def _take_handed_permits(self, now: int) -> None:
+        """Owned by site: a permit in the site table for each lease another node handed
+        over on a site (until the lease's end), so a gained site's cap counts them."""
+        cluster, table = self.cluster, self.site_table
+        if cluster is None or not cluster.handed_permits:
+            return
+        handed, cluster.handed_permits = cluster.handed_permits, []
+        if table is None:
+            return
+        mono = self.monotonic()
+        for sites, ends in handed:
+            for site, end in zip(sites.tolist(), ends.tolist(), strict=True):
+                if end > mono:
+                    table.take_permit(site, now, end - mono)
 
     def _mark_unowned(self) -> None:
         self._top.drop()
@@ -673,7 +721,8 @@ class Keeper:
             return None
         mono = self.monotonic()
         if cluster.fencing(mono):
-            fenced = cluster.count_fenced(due_key_hashes(self.core.queue, now), mono)
+            place = self.core.placements_of if cluster.by_site else None
+            fenced = cluster.count_fenced(due_key_hashes(self.core.queue, now), mono, place)
         else:
             fenced = FencedGroup()
         self._fenced = (fenced, max(0, due - fenced.due), now)

@@ -435,20 +435,27 @@ class LeaseTable:
             removing=removing,
         )
 
-    def live_leases(self, now_ms: int) -> tuple[np.ndarray, np.ndarray]:
-        """(key hashes, expiries) of every lease live at `now_ms`, from a scan of the
-        slots: what a node hands over when it loses keys or leaves. A slot changed during
-        the scan is read as either its old or its new word, each a whole 64-bit load."""
-        view = np.frombuffer(self._segment.mmap, dtype=SLOT, count=self.capacity, offset=_SLOTS)
+    def live_leases(self, now_ms: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(key hashes, expiries, site hashes) of every lease live at `now_ms`, from a
+        scan of the slots: what a node hands over when it loses keys or leaves. A slot
+        changed during the scan is read as either its old or its new word, each a whole
+        64-bit load; a slot's site word is written just after its lease's CAS, so a lease
+        granted during the scan may show the slot's previous site (or 0)."""
+        mmap = self._segment.mmap
+        view = np.frombuffer(mmap, dtype=SLOT, count=self.capacity, offset=_SLOTS)
+        words = np.frombuffer(
+            mmap, dtype=np.uint64, count=self.capacity, offset=_sites_offset(self.capacity)
+        )
         try:
             state = view["state"].copy()
             hashes = view["key_hash"].copy()
+            sites = words.copy()
         finally:
-            del view
+            del view, words
         expiry = (state >> np.uint64(LEASE_LAYOUT["time_shift"])).astype(np.int64)
         phase = state & np.uint64(LEASE_LAYOUT["phase_mask"])
         live = (phase == _PHASE_LEASED) & (expiry > now_ms)
-        return hashes[live], expiry[live]
+        return hashes[live], expiry[live], sites[live]
 
     def live_by_site(self, now_ms: int) -> tuple[np.ndarray, np.ndarray]:
         """(site hashes, live leases of each) at `now_ms`, from a scan of the slots and

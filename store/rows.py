@@ -169,6 +169,9 @@ class Handover(msgspec.Struct, frozen=True, kw_only=True):
     incarnation: int
     key_hashes: list[int]  # as the lease table keeps them (unsigned 64-bit)
     expires_at_ms: list[int]  # the database's clock
+    # Each lease's site hash (unsigned 64-bit, 0: none): a cluster that owns keys by site
+    # counts the leases of a site it gains against the site's cap until they end.
+    site_hashes: list[int] = []
 
 
 class MemberList(msgspec.Struct, frozen=True, kw_only=True):

@@ -411,10 +411,14 @@ class MemoryLeases:
     def statistics(self, now_ms: int | None = None) -> LeaseStats:
         return LeaseStats(live_leases=len(self.blocked))
 
-    def live_leases(self, now_ms: int) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.int64]]:
-        """Every blocked hash as a lease that ends in a minute (what a hand-over sends)."""
+    def live_leases(
+        self, now_ms: int
+    ) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.int64], npt.NDArray[np.uint64]]:
+        """Every blocked hash as a lease that ends in a minute (what a hand-over sends),
+        of no site."""
         hashes = np.array(sorted(self.blocked), dtype=np.uint64)
-        return hashes, np.full(len(hashes), now_ms + 60_000, dtype=np.int64)
+        ends = np.full(len(hashes), now_ms + 60_000, dtype=np.int64)
+        return hashes, ends, np.zeros(len(hashes), dtype=np.uint64)
 
 
 class MemoryStateBuffer:

@@ -10,7 +10,7 @@ import msgspec
 import numpy as np
 
 from keeper.cluster import ClusterView
-from keeper.ownership import winners
+from keeper.ownership import placements, winners
 from store.rows import Handover, MemberList, NodeRecord
 
 TTL, WINDOW, LEASE = 12_000, 6_000, 30_000
@@ -343,3 +343,52 @@ def test_an_unconfirmed_membership_fences_every_due_key() -> None:
     ]
     empty = cluster.count_fenced(KEYS[:0], later)
     assert empty.due == 0 and [r.due for r in empty.reasons] == [0]
+
+
+SITES = np.random.default_rng(5).integers(1, 2**63, 40, dtype=np.int64).astype(np.uint64)
+
+
+def test_owned_by_site_a_dead_nodes_sites_are_fenced_whole_and_handed_leases_count() -> None:
+    """Keys placed by their site: 20,000 keys over 40 sites (and a few with none). A site
+    has one owner; a dead node's fence holds back every key of its sites, wherever they
+    went; a hand-over's leases on a site come back as permits to take."""
+    sites = SITES[np.arange(len(KEYS)) % len(SITES)]
+    sites[:50] = 0  # no site: placed by the key's own hash
+    placed = placements(KEYS, sites, True)
+    cluster = ClusterView(
+        "a",
+        ttl_ms=TTL,
+        grant_window_ms=WINDOW,
+        max_lease_ms=LEASE,
+        incarnation=1,
+        by_site=True,
+    )
+    acked = everyone_acked(["a", "b", "c"])
+    everyone = [record(n, acked=acked) for n in ("a", "b", "c")]
+    cluster.observe(members(everyone, T0 - 10 * LEASE), T0 - 10 * LEASE)
+    stay(cluster, everyone, T0 - 10 * LEASE, T0)
+    before = np.array(["a", "b", "c"])[winners(placed, ["a", "b", "c"])]
+    for site in SITES.tolist():  # one owner per site
+        assert len(set(before[sites == np.uint64(site)].tolist())) == 1
+    now = T0 + 1_000
+    dead = [record("a", acked=acked), record("b", acked=acked), record("c", live=False, age=13_000)]
+    assert cluster.observe(members(dead, now), now)
+    blocked = cluster.blocked_mask(KEYS, now, lambda hashes: placements(hashes, sites, True))
+    assert blocked is not None and (blocked == (before == "c")).all()
+    # b leaves cleanly, handing over two leases of one of its sites and one of a key with
+    # none: a permit to take for each of the site's, until its lease ends (this clock).
+    of_b = [s for s in SITES.tolist() if before[sites == np.uint64(s)][0] == "b"]
+    site = of_b[0]
+    keys = [*KEYS[sites == np.uint64(site)][:2].tolist(), int(KEYS[0])]
+    handover = Handover(
+        node="b",
+        incarnation=2,
+        key_hashes=keys,
+        expires_at_ms=[now + 4_000, now + 6_000, now + 5_000],
+        site_hashes=[site, site, 0],
+    )
+    later = now + 500
+    gone = [record("a"), record("b", live=False, left=True, horizon=now + 6_000), dead[2]]
+    cluster.observe(members(gone, later, [handover]), later)
+    [(permit_sites, ends)] = cluster.handed_permits
+    assert permit_sites.tolist() == [site, site] and ends.tolist() == [now + 4_000, now + 6_000]

@@ -256,6 +256,7 @@ class Halves:
         self.bit = 0
         self.generation = 0
         self.owns_all = False
+        self.by_site = False
 
     def owns(self, key_hash: int) -> bool:
         return key_hash & 1 == self.bit

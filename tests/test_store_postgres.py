@@ -383,3 +383,20 @@ def test_a_node_with_another_site_policy_is_refused_at_join(pg_url: str) -> None
     finally:
         first.close()
         second.close()
+
+
+def test_a_node_that_divides_keys_otherwise_is_refused_at_join(pg_url: str) -> None:
+    """Ownership by key on one node and by site on another would give a key two owners."""
+    from store.postgres.membership import Membership, SettingsDiffer
+
+    PostgresStore(pg_url).close()  # the schema
+    common = {"instance": "i", "advertised_url": "http://127.0.0.1:1", "ttl_s": 30.0}
+    first = Membership(pg_url, "a", ownership="site", **common)  # type: ignore[arg-type]
+    second = Membership(pg_url, "b", **common)  # type: ignore[arg-type]
+    try:
+        first.join()
+        with pytest.raises(SettingsDiffer, match="ownership: this node key, the cluster site"):
+            second.join()
+    finally:
+        first.close()
+        second.close()

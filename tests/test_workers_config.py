@@ -49,6 +49,7 @@ def test_config_file_named_by_the_environment(tmp_path: Path) -> None:
         ({"RENDERQUEUE_ADMIN_TOKEN": "short"}, {}, "admin_token", "RENDERQUEUE_ADMIN_TOKEN"),
         ({"RENDERQUEUE_LOG_LEVEL": "loud"}, {}, "log_level", "RENDERQUEUE_LOG_LEVEL"),
         ({"RENDERQUEUE_HTTP": "lean"}, {}, "http", "RENDERQUEUE_HTTP"),
+        ({}, {"ownership": "host"}, "ownership", "--ownership"),
     ],
 )
 def test_a_bad_value_names_its_setting_and_source(

@@ -85,6 +85,12 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     # The longest lease a clustered node grants: a node that takes over another's keys
     # waits up to this long for the other's leases to end.
     max_lease_s: Annotated[int, msgspec.Meta(ge=5, le=3600)] = 300
+    # What divides a cluster's keys among its nodes: each key by its own hash ("key"), or
+    # every key of a site by the site's hash ("site"), so one node holds a whole site and
+    # its site table enforces the site's cap, spacing and blocks for the whole cluster
+    # (with "key" each node enforces them for its own share). Stored with the cluster's
+    # settings: every node must run with the same.
+    ownership: Literal["key", "site"] = "key"
     graceful_timeout_s: Annotated[float, msgspec.Meta(ge=0, le=3600)] = 30.0
     log_level: Literal["debug", "info", "warning", "error"] = "info"
     access_log: bool = False

@@ -123,12 +123,13 @@ class MembershipHeartbeat:
         if not self._joined_at or self.superseded:
             return
         try:
-            hashes, expiries = leases.live_leases(now_ms())
+            hashes, expiries, sites = leases.live_leases(now_ms())
             handover = Handover(
                 node=self.membership.node,
                 incarnation=self.membership.incarnation,
                 key_hashes=hashes.tolist(),
                 expires_at_ms=(expiries + self.offset_ms).tolist(),
+                site_hashes=sites.tolist(),
             )
             self.membership.leave(handover)
             self._left = True

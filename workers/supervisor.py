@@ -314,6 +314,7 @@ class Supervisor:
             heartbeat_s=settings.heartbeat_s,
             secret_fingerprint=fingerprint(self._hash_secret),
             site_policy=settings.site_policy(),
+            ownership=settings.ownership,
         )
         self._membership = MembershipHeartbeat(membership, settings.heartbeat_s, self._wake)
         joined = self._membership.join()

@@ -141,6 +141,7 @@ def start_keeper(spec: WorkerSpec, segments: Segments) -> KeeperHost:
             peer_wait_s=settings.peer_wait_s,
             incarnation=spec.incarnation,
             predecessor_until_ms=spec.predecessor_until_ms,
+            by_site=settings.ownership == "site",
         )
         if settings.clustered
         else None
@@ -216,6 +217,7 @@ def serve(spec: WorkerSpec) -> int:
                 sitemap_route_rules=settings.sitemap_route_rules,
                 clustered=settings.clustered,
                 max_lease_s=settings.max_lease_s if settings.clustered else 3600,
+                ownership=settings.ownership,
                 # What GET /v1/cluster lists, as the supervisor registered it.
                 advertised_url=settings.advertised(sockets[0].getsockname()[1]),
                 node_ttl_s=settings.node_ttl_s,

@@ -13,8 +13,9 @@ to one live incarnation at a time: a second process joining under a live name is
 refused, unless the holder is a dead process of this same host (a crash, restarted).
 
 The cluster's timing settings, the key-hash secret's fingerprint, the membership
-protocol and the site policy (the default per-site cap and spacing, the highest cap a
-site may be given, the failure block) are stored once (`cluster_settings`). A node whose
+protocol, the site policy (the default per-site cap and spacing, the highest cap a
+site may be given, the failure block) and what divides the keys among the nodes (their
+own hash or their site's) are stored once (`cluster_settings`). A node whose
 values differ from the live cluster's is refused at join, with both values named; with
 no live node the joiner's values become the cluster's, so changing them means stopping
 every node first.
@@ -56,6 +57,7 @@ class ClusterSettingsRecord(msgspec.Struct, frozen=True, kw_only=True):
     protocol: int = PROTOCOL
     # workers.config: the site_* settings as one value (every node must enforce alike).
     site_policy: str = ""
+    ownership: str = "key"  # workers.config: "key" or "site"
 
 
 class Joined(msgspec.Struct, frozen=True, kw_only=True):
@@ -82,16 +84,17 @@ _NODES = f"SELECT {_NODE_COLUMNS} FROM nodes ORDER BY node"
 _DB_NOW = "SELECT (extract(epoch FROM clock_timestamp()) * 1000)::bigint"
 
 _SETTINGS = """SELECT ttl_ms, heartbeat_ms, max_lease_ms, secret_fingerprint, protocol,
-    site_policy
+    site_policy, ownership
 FROM cluster_settings WHERE id = 1 FOR UPDATE"""
 _SET_SETTINGS = """INSERT INTO cluster_settings AS c
     (id, ttl_ms, heartbeat_ms, max_lease_ms, secret_fingerprint, protocol, site_policy,
-     set_by)
+     ownership, set_by)
 VALUES (1, %(ttl_ms)s, %(heartbeat_ms)s, %(max_lease_ms)s, %(secret_fingerprint)s,
-        %(protocol)s, %(site_policy)s, %(node)s)
+        %(protocol)s, %(site_policy)s, %(ownership)s, %(node)s)
 ON CONFLICT (id) DO UPDATE SET ttl_ms = excluded.ttl_ms, heartbeat_ms = excluded.heartbeat_ms,
     max_lease_ms = excluded.max_lease_ms, secret_fingerprint = excluded.secret_fingerprint,
     protocol = excluded.protocol, site_policy = excluded.site_policy,
+    ownership = excluded.ownership,
     set_by = excluded.set_by, set_at = now()"""
 _LIVE_OTHERS = """SELECT count(*) FROM nodes WHERE node <> %(node)s AND left_at IS NULL
     AND heartbeat_at > now() - make_interval(secs => %(ttl)s)"""
@@ -130,10 +133,11 @@ RETURNING node
 _CLEAR_HANDOVER = (
     "DELETE FROM lease_handover WHERE node = %(node)s AND incarnation = %(incarnation)s"
 )
-_HANDOVER = """INSERT INTO lease_handover (node, incarnation, key_hash, expires_at_ms)
-SELECT %(node)s, %(incarnation)s, h, e FROM unnest(%(hashes)s::bigint[], %(expires)s::bigint[])
-    AS t(h, e)"""
-_READ_HANDOVERS = """SELECT node, incarnation, key_hash, expires_at_ms FROM lease_handover
+_HANDOVER = """INSERT INTO lease_handover (node, incarnation, key_hash, expires_at_ms, site_hash)
+SELECT %(node)s, %(incarnation)s, h, e, s
+FROM unnest(%(hashes)s::bigint[], %(expires)s::bigint[], %(sites)s::bigint[]) AS t(h, e, s)"""
+_READ_HANDOVERS = """SELECT node, incarnation, key_hash, expires_at_ms, site_hash
+FROM lease_handover
 WHERE expires_at_ms > (extract(epoch FROM clock_timestamp()) * 1000)::bigint"""
 
 # Rows of nodes gone this long are of no use to anyone: the keys they leased are free.
@@ -186,6 +190,7 @@ class Membership:
         heartbeat_s: float = 2.0,
         secret_fingerprint: int = 0,
         site_policy: str = "",
+        ownership: str = "key",
     ) -> None:
         self.store_url = url
         self.node = node
@@ -196,6 +201,7 @@ class Membership:
         self.heartbeat_s = heartbeat_s
         self.secret_fingerprint = secret_fingerprint
         self.site_policy = site_policy
+        self.ownership = ownership
         self.incarnation = 0
         self.host = socket.gethostname()
         self._conn: Conn | None = None
@@ -225,6 +231,7 @@ class Membership:
             max_lease_ms=self.max_lease_ms,
             secret_fingerprint=_signed([self.secret_fingerprint])[0],
             site_policy=self.site_policy,
+            ownership=self.ownership,
         )
 
     def join(self) -> Joined:
@@ -245,6 +252,7 @@ class Membership:
                         secret_fingerprint=found[3],
                         protocol=found[4],
                         site_policy=found[5],
+                        ownership=found[6],
                     )
                     if theirs != mine:
                         raise SettingsDiffer(_differences(mine, theirs))
@@ -335,6 +343,8 @@ def _differences(mine: ClusterSettingsRecord, theirs: ClusterSettingsRecord) -> 
         if a != b:
             shown = (a / scale, b / scale) if scale else (a, b)
             parts.append(f"{name}: this node {shown[0]:g}, the cluster {shown[1]:g}")
+    if mine.ownership != theirs.ownership:
+        parts.append(f"ownership: this node {mine.ownership}, the cluster {theirs.ownership}")
     if mine.site_policy != theirs.site_policy:
         parts.append(
             f"the site settings (site_*): this node {mine.site_policy or 'none'}, "
@@ -392,18 +402,25 @@ def read_members(conn: Conn, ttl_s: float, handovers: bool = False) -> MemberLis
         records = _records(conn.execute(_NODES, {"ttl": ttl_s}).fetchall())
         db_now = int(conn.execute(_DB_NOW).fetchone()[0])  # type: ignore[index]
         found = conn.execute(_READ_HANDOVERS).fetchall() if handovers else []
-    by_owner: dict[tuple[str, int], tuple[list[int], list[int]]] = {}
-    for node, incarnation, hashed, expires in found:
-        hashes, ends = by_owner.setdefault((str(node), int(incarnation)), ([], []))
+    by_owner: dict[tuple[str, int], tuple[list[int], list[int], list[int]]] = {}
+    for node, incarnation, hashed, expires, site in found:
+        hashes, ends, sites = by_owner.setdefault((str(node), int(incarnation)), ([], [], []))
         hashes.append(int(hashed))
         ends.append(int(expires))
+        sites.append(int(site))
     return MemberList(
         records=records,
         db_now_ms=db_now,
         with_handovers=handovers,
         handovers=[
-            Handover(node=n, incarnation=i, key_hashes=_unsigned(h), expires_at_ms=e)
-            for (n, i), (h, e) in by_owner.items()
+            Handover(
+                node=n,
+                incarnation=i,
+                key_hashes=_unsigned(h),
+                expires_at_ms=e,
+                site_hashes=_unsigned(s),
+            )
+            for (n, i), (h, e, s) in by_owner.items()
         ],
     )
 
@@ -422,6 +439,8 @@ def write_handover(conn: Conn, node: str, incarnation: int, handover: Handover) 
                 "incarnation": incarnation,
                 "hashes": _signed(handover.key_hashes),
                 "expires": list(handover.expires_at_ms),
+                # A hand-over made without its sites (none known) says 0: no site.
+                "sites": _signed(handover.site_hashes or [0] * len(handover.key_hashes)),
             },
         )
 

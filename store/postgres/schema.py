@@ -196,8 +196,17 @@ _V5 = [
     "ALTER TABLE cluster_settings ADD COLUMN site_policy text NOT NULL DEFAULT ''",
 ]
 
+# What divides the cluster's keys (the `ownership` setting: "key" or "site"), stored with
+# its other settings; and each handed-over lease's site, so a node that gains a site
+# whole counts the leases it was handed against the site's cap until they end.
+_V6 = [
+    """ALTER TABLE cluster_settings ADD COLUMN ownership text NOT NULL DEFAULT 'key'
+        CHECK (ownership IN ('key', 'site'))""",
+    "ALTER TABLE lease_handover ADD COLUMN site_hash bigint NOT NULL DEFAULT 0",
+]
+
 # Index i holds the statements that take a database from version i to i + 1.
-MIGRATIONS: list[list[str]] = [_V1, _V2, _V3, _V4, _V5]
+MIGRATIONS: list[list[str]] = [_V1, _V2, _V3, _V4, _V5, _V6]
 # What a version's tables start with that SQL cannot make (random bytes from Python's
 # `secrets`), run after that version's statements, in the same transaction.
 SEEDS: dict[int, Callable[[psycopg.Connection[tuple[object, ...]]], None]] = {3: _seed_secret}
