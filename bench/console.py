@@ -6,11 +6,13 @@ drains) through keep-alive connections to both workers, and:
 
 1. Claim latency with no console open, then with five consoles open, interleaved round by
    round in the same run. A console is what `api/console.html` asks every 2 s: queue-state,
-   overview, the routes, /healthz and /readyz (the cluster view asks once; a single node
-   answers 404), each kind on a keep-alive connection of its own, as a browser keeps them.
-2. Requests per second one worker serves for queue-state and for overview, flat out from
-   client processes, with that worker's CPU per request (psutil, the worker's own process
-   time): worker 1, and worker 0, which also runs the keeper.
+   overview, the routes, /healthz, /readyz, the 100 sites with the most due rows and the
+   hour of leases in flight per site (the cluster view asks once; a single node answers
+   404), each kind on a keep-alive connection of its own, as a browser keeps them.
+2. Requests per second one worker serves for queue-state, overview, the sites and the
+   in-flight hour, flat out from client processes, with that worker's CPU per request
+   (psutil, the worker's own process time): worker 1, and worker 0, which also runs the
+   keeper.
 
 Not a `make bench` section: it takes a minute or two. Results in
 bench/results/console.json and bench/results/console.png. The clients share the two
@@ -45,6 +47,14 @@ CONSOLE_READS = (
     "/v1/routes",
     "/healthz",
     "/readyz",
+    "/v1/sites?top=100",
+    "/v1/sites-in-flight",
+)
+SERVED = (
+    "/prerender_admin/queue-state",
+    "/prerender_admin/overview",
+    "/v1/sites?top=100",
+    "/v1/sites-in-flight",
 )
 
 
@@ -294,8 +304,7 @@ def run(config: Config) -> dict[str, Any]:
         served: dict[str, dict[str, dict[str, float]]] = {}
         for index in sorted(by_index, reverse=True):
             served[f"worker {index}"] = {
-                path: throughput(port, by_index[index], path, config)
-                for path in ("/prerender_admin/queue-state", "/prerender_admin/overview")
+                path: throughput(port, by_index[index], path, config) for path in SERVED
             }
         state = node.admin().call("GET", "/prerender_admin/queue-state")[1]
         return {
@@ -348,10 +357,10 @@ def chart(result: dict[str, Any], path: Path) -> None:
     labels, values = [], []
     for worker, paths in result["served"].items():
         for p, figures in paths.items():
-            labels.append(f"{worker}\n{p.rsplit('/', 1)[-1]}")
+            labels.append(f"{worker}\n{p.rsplit('/', 1)[-1].split('?')[0]}")
             values.append(figures["requests_per_s"])
     right.bar(range(len(values)), values, color="#bc8cff")
-    right.set_xticks(range(len(values)), labels, fontsize=8)
+    right.set_xticks(range(len(values)), labels, fontsize=7, rotation=30, ha="right")
     right.set_ylabel("requests/s one worker served")
     right.set_title("flat out, clients on the same 2 cores")
     fig.tight_layout()
