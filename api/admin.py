@@ -27,6 +27,7 @@ from keeper.state import as_read, decode_queue_state, state_age_ms, vouches
 from shm import KeyLeaseState, key_hash
 from shm.keys import site_of
 from shm.segment import now_ms
+from store.cadence import history_of, ladder, rung_of
 from store.rows import RowWrite
 
 
@@ -172,6 +173,10 @@ def explain(node: Node, key: str) -> Explain:
     paused = node.routes.paused(row.route)
     state, reason = _why(row.next_render_at, now, paused, lease, row.last_outcome)
     held = lease.held and lease.held_until > now
+    route_settings = routes.get(row.route)
+    adapt = None if route_settings is None else route_settings.adapt
+    steps = None if adapt is None else ladder(adapt.min_s, adapt.max_s)
+    learned = row.learned_cadence_s
     return Explain(
         key=key,
         exists=True,
@@ -185,6 +190,10 @@ def explain(node: Node, key: str) -> Explain:
         row=row,
         site=site_of(key.encode()).decode(errors="replace") or None,
         cadence_s=cls.cadence_s,
+        learned_cadence_s=learned,
+        ladder_step=None if steps is None or learned is None else rung_of(steps, learned),
+        ladder_steps=None if steps is None else len(steps),
+        recent_changes=history_of(row.change_history) if row.change_history else None,
         route_paused=paused,
         render_class=builtins(cls),
         rank=rank(row.next_render_at, now, cls, node.settings.sitemap_boost),

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from api.claims import LEASE_NOT_HELD, NOT_FOUND, parse_token
-from api.problems import ApiError
+from api.problems import ApiError, invalid_field
 from api.schedule import check_items
 from api.schemas import CompletionsRequest, ItemResult, ItemResults
 from shm import key_hash
@@ -89,7 +89,11 @@ def apply(node: Node, requests: Sequence[CompletionsRequest], *, wait: bool) -> 
             held.append((number, index, hashed, token))
             completions.append(
                 Completion(
-                    key=item.key, outcome=item.outcome, now=now, next_render_at=item.next_render_at
+                    key=item.key,
+                    outcome=item.outcome,
+                    now=now,
+                    next_render_at=item.next_render_at,
+                    changed=item.changed,
                 )
             )
     if completions:
@@ -129,6 +133,12 @@ def check(request: CompletionsRequest) -> None:
     bytes, a token against its pattern): 422 before anything waits, so a request that joins
     a shared transaction never makes it fail."""
     check_items(request.items)
+    for index, item in enumerate(request.items):
+        if item.changed is not None and item.outcome != "rendered":
+            raise invalid_field(
+                f"$.items[{index}].changed",
+                f"said of a rendered page only, not of outcome {item.outcome!r}",
+            )
 
 
 class CompletionQueueStatistics(msgspec.Struct, frozen=True, kw_only=True):

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from api import schemas as api_schemas
 from api.problems import PROBLEM_TYPE, Problem
 from api.schemas import LEASE_CAP_KEYWORD
 
@@ -53,11 +54,12 @@ def _components(
                 types.append(type_)
     schemas, components = msgspec.json.schema_components(types, ref_template=REF)
     refs = dict(zip(types, schemas, strict=True))
-    for type_, ref in refs.items():
-        # A rule across fields, stated on the Struct itself (api.schemas.ScheduleRequest).
-        extra = getattr(type_, "json_schema_extra", None)
+    # A rule across fields, stated on the Struct itself (api.schemas.ScheduleRequest), on
+    # a body's type or on one it holds (api.schemas.CompletionItem).
+    for name, component in components.items():
+        extra = getattr(getattr(api_schemas, name, None), "json_schema_extra", None)
         if extra:
-            components[ref["$ref"].rsplit("/", 1)[1]].update(extra)
+            component.update(extra)
     caps = {"max_lease_s": settings.max_lease_s, "site_permits_max": settings.site_permits_max}
     _cap_by_settings(components, caps)
     return refs, components

@@ -83,8 +83,9 @@ class RouteBook:
         route = book.routes.get(row.route)
         if route is not None and route.paused:
             return None
-        if row.cadence_s is not None:
-            return row.cadence_s
+        own = row.scheduled_cadence_s
+        if own is not None:
+            return own
         if route is not None and route.default_cadence_s is not None:
             return route.default_cadence_s
         return book.default_cadence_s
@@ -93,6 +94,6 @@ class RouteBook:
         """The row's own cadence, else its route's default, else the global default."""
         book = self._book
         cadence_s, _ = effective_cadence_s(
-            row.route, row.cadence_s, book.routes, book.default_cadence_s
+            row.route, row.scheduled_cadence_s, book.routes, book.default_cadence_s
         )
         return cadence_s

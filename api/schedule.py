@@ -24,6 +24,7 @@ from api.schemas import (
     SettingsUpdate,
 )
 from store import validate
+from store.cadence import Adaptation
 from store.rows import Route, Row, RowWrite
 
 if TYPE_CHECKING:
@@ -106,16 +107,27 @@ def routes(node: Node) -> Routes:
 
 
 def set_route(node: Node, route: str, update: RouteUpdate) -> Route:
-    """`default_cadence_s`: absent leaves it, a number sets it, null clears it."""
-    clear = update.default_cadence_s is None
+    """`default_cadence_s` and `adapt`: absent leaves it, a value sets it, null clears it."""
     cadence = update.default_cadence_s
     if isinstance(cadence, msgspec.UnsetType):
         cadence = None
+    given = update.adapt
+    adapt = None
+    if given is not None and not isinstance(given, msgspec.UnsetType):
+        adapt = Adaptation(min_s=given.min_s, max_s=given.max_s, inc=given.inc, dec=given.dec)
+        if adapt.min_s > adapt.max_s:
+            raise invalid_field(
+                "$.adapt.min_s", f"{adapt.min_s} is above max_s {adapt.max_s}: nothing changed"
+            )
     try:
-        if clear:
-            result = node.store.set_route(route, paused=update.paused, clear_default_cadence=True)
-        else:
-            result = node.store.set_route(route, default_cadence_s=cadence, paused=update.paused)
+        result = node.store.set_route(
+            route,
+            default_cadence_s=cadence,
+            paused=update.paused,
+            clear_default_cadence=update.default_cadence_s is None,
+            adapt=adapt,
+            clear_adapt=update.adapt is None,
+        )
     except ValueError as exc:
         raise store_error(exc) from None
     node.routes.invalidate()

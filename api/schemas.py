@@ -18,6 +18,7 @@ from msgspec import Meta
 
 from keeper.core import MAX_DUE_MS
 from keeper.state import SITES_LISTED
+from store.cadence import DEFAULT_DEC, DEFAULT_INC, MAX_INC
 from store.rows import MAX_KEY_BYTES, Route, Row
 from store.validate import ROUTE_NAME
 
@@ -86,6 +87,7 @@ Outcome = Literal["rendered", "failed", "gone"]
 MAX_ITEMS = 1000
 MAX_WAIT_S = 30  # a claim's longest poll
 MAX_SCHEDULE_ITEMS = 10_000
+MAX_ADAPT_INC = MAX_INC
 
 
 class Request(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -163,12 +165,32 @@ SiteRetryAfterS = Annotated[
 ]
 
 
+Changed = Annotated[
+    bool,
+    Meta(
+        description="A `rendered` item only: whether the render differed from the last one "
+        "(the fleet decides, by a content hash for example). The row records it, and where "
+        "its route adapts (`adapt`) its cadence follows: unchanged lengthens it, changed "
+        "shortens it. Absent: not known, nothing recorded.",
+    ),
+]
+
+
 class CompletionItem(Request, frozen=True):
+    # api.openapi merges this into the component: `changed` is said of a rendered page only.
+    json_schema_extra: ClassVar[dict[str, Any]] = {
+        "anyOf": [
+            {"not": {"required": ["changed"]}},
+            {"properties": {"outcome": {"const": "rendered"}}},
+        ]
+    }
+
     key: Key
     token: ItemToken
     outcome: Outcome
     next_render_at: EpochMs | None = None
     site_retry_after_s: SiteRetryAfterS | None = None
+    changed: Changed | None = None
 
 
 class CompletionsRequest(Request, frozen=True):
@@ -254,12 +276,34 @@ class ScheduleResult(msgspec.Struct, frozen=True, kw_only=True):
     deleted: int
 
 
+# `min_s` is at most `max_s`: a rule across two fields that JSON Schema cannot say, stated
+# beside it as this keyword (tests/schemathesis.toml counts the 422 that enforces it).
+NOT_ABOVE_KEYWORD = "x-notAbove"
+
+
+class AdaptUpdate(Request, frozen=True):
+    """Adaptive cadence for a route's rows (store.cadence): each render that says `changed`
+    moves the row's cadence along a ladder from `min_s` to `max_s` in steps of sqrt(2):
+    unchanged x(1 + inc), changed x(1 - dec), to the nearest step and at least one. The
+    defaults are Apache Nutch's AdaptiveFetchSchedule's."""
+
+    json_schema_extra: ClassVar[dict[str, Any]] = {NOT_ABOVE_KEYWORD: ["min_s", "max_s"]}
+
+    min_s: CadenceS
+    max_s: CadenceS
+    inc: Annotated[float, Meta(gt=0, le=MAX_ADAPT_INC)] = DEFAULT_INC
+    dec: Annotated[float, Meta(gt=0, lt=1)] = DEFAULT_DEC
+
+
 class RouteUpdate(Request, frozen=True):
     """Absent fields stay as they are; `default_cadence_s: null` clears the route's default
-    (its rows then follow the global default)."""
+    (its rows then follow the global default); `adapt: null` turns adaptive cadence off.
+    Turning it off, or moving its `min_s` or `max_s`, forgets what the route's rows learned
+    (their learned cadences were steps of the old ladder)."""
 
     default_cadence_s: CadenceS | msgspec.UnsetType | None = msgspec.UNSET
     paused: bool | None = None
+    adapt: AdaptUpdate | msgspec.UnsetType | None = msgspec.UNSET
 
 
 class Routes(msgspec.Struct, frozen=True, kw_only=True):
@@ -434,6 +478,13 @@ class Explain(Body, frozen=True):
     # The key's site: its URL's host, lower-cased, without www. (absent: no host).
     site: str | None = None
     cadence_s: int | None = None
+    # Where the row's route adapts, or its renders said whether the page changed: its
+    # learned cadence, its step on the route's ladder (0: min_s) out of how many, and its
+    # recent renders, oldest first (true: changed).
+    learned_cadence_s: int | None = None
+    ladder_step: int | None = None
+    ladder_steps: int | None = None
+    recent_changes: list[bool] | None = None
     route_paused: bool | None = None
     render_class: dict[str, Any] | None = None
     rank: float | None = None

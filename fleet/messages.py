@@ -43,6 +43,8 @@ class CompletionItem(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tr
     # The origin turned the render away for this long (a 429 or 503's Retry-After): the
     # node blocks the key's whole site until then and hands the key back.
     site_retry_after_s: float | None = None
+    # A rendered page differed from its last render, or not (None: not known).
+    changed: bool | None = None
 
 
 class CompletionsRequest(msgspec.Struct, frozen=True, kw_only=True):

@@ -9,6 +9,12 @@ Retry-After) by printing a line `RETRY-AFTER <seconds>` on stderr (any exit stat
 exiting with `retry_after_exit` (75, EX_TEMPFAIL: "try again later"), which asks for
 `retry_after_s` (60 s) unless such a line says how long. The completion then carries
 `site_retry_after_s`: the node blocks the key's site that long and hands the key back.
+
+A command that rendered (exit 0) says whether the page changed since its last render by
+printing a line `CHANGED yes` or `CHANGED no` on stderr (also `true`/`false`, `1`/`0`; the
+last such line counts). The completion then carries `changed`, which the node records and,
+where the key's route adapts, learns the key's cadence from. Without the line nothing is
+said, and nothing is learned.
 """
 
 from __future__ import annotations
@@ -35,6 +41,17 @@ MAX_RETRY_AFTER_S = 86_400.0  # what a node takes (api.schemas.MAX_SITE_RETRY_AF
 _RETRY_AFTER_LINE = re.compile(rb"^\s*RETRY-AFTER[:\s]\s*([0-9]+(?:\.[0-9]+)?)\s*$", re.I | re.M)
 
 
+_CHANGED_LINE = re.compile(rb"^\s*CHANGED[:\s]\s*(yes|no|true|false|1|0)\s*$", re.I | re.M)
+
+
+def changed_of(stderr: bytes) -> bool | None:
+    """The last `CHANGED yes|no` line's answer; None if none."""
+    found = _CHANGED_LINE.findall(stderr)
+    if not found:
+        return None
+    return found[-1].lower() in (b"yes", b"true", b"1")
+
+
 def retry_after_of(stderr: bytes) -> float | None:
     """The last `RETRY-AFTER <seconds>` line's seconds, within (0, a day]; None if none."""
     found = _RETRY_AFTER_LINE.findall(stderr)
@@ -51,6 +68,8 @@ class RenderResult(msgspec.Struct, frozen=True, kw_only=True):
     next_render_at: int | None = None
     # The origin pushed back: block the key's site this long and hand the key back.
     site_retry_after_s: float | None = None
+    # For `rendered`: whether the page differed from its last render (None: not known).
+    changed: bool | None = None
 
 
 Renderer = Callable[[Lease], Awaitable[RenderResult]]
@@ -104,7 +123,8 @@ def command_arguments(template: str, lease: Lease) -> list[str]:
 class CommandRenderer:
     """Runs a command per key; exit 0 is rendered, `gone_exit` is gone, else failed; a
     `RETRY-AFTER <seconds>` line on stderr, or exit `retry_after_exit`, is the origin
-    pushing back (module note)."""
+    pushing back; a `CHANGED yes|no` line on a rendered one says whether the page changed
+    (module note)."""
 
     def __init__(
         self,
@@ -154,7 +174,7 @@ class CommandRenderer:
                 site_retry_after_s=pushed_back,
             )
         if status == 0:
-            return RenderResult(outcome="rendered")
+            return RenderResult(outcome="rendered", changed=changed_of(stderr))
         if self.gone_exit is not None and status == self.gone_exit:
             return RenderResult(outcome="gone")
         tail = stderr[-STDERR_TAIL_BYTES:].decode("utf-8", "replace").strip()

@@ -513,6 +513,7 @@ class FleetRunner:
                         outcome=result.outcome,
                         next_render_at=result.next_render_at,
                         site_retry_after_s=result.site_retry_after_s,
+                        changed=result.changed if result.outcome == "rendered" else None,
                     ),
                 )
             )

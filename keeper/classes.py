@@ -1,6 +1,9 @@
 """Classes and rank: the order the queue serves rows in, without ever rescoring.
 
-A class is route x cadence x (cadence came off the row or not) x sitemap flag.
+A class is route x cadence x (cadence came off the row or not) x sitemap flag. A row's
+own cadence is what it learned where its route adapts (store.cadence), else its
+`cadence_s`: learned cadences are rungs of the route's ladder, so they add at most a
+ladder's rungs to a route's classes.
 Every row of one class shares its cadence and boost, so within a class an
 earlier due time always ranks higher and the best K is a merge over class heads.
 """
@@ -38,7 +41,9 @@ def effective_cadence_s(
 
 
 def classify(row: Row, routes: Mapping[str, Route], default_cadence_s: int) -> RenderClass:
-    cadence_s, from_row = effective_cadence_s(row.route, row.cadence_s, routes, default_cadence_s)
+    cadence_s, from_row = effective_cadence_s(
+        row.route, row.scheduled_cadence_s, routes, default_cadence_s
+    )
     return RenderClass(row.route, cadence_s, from_row, row.sitemap)
 
 
@@ -168,7 +173,7 @@ class Classifier:
         return self.cache.get(shape)
 
     def class_of_row(self, row: Row) -> int:
-        return self.class_id(row.route, row.cadence_s, row.sitemap)
+        return self.class_id(row.route, row.scheduled_cadence_s, row.sitemap)
 
     def set_settings(self, routes: Mapping[str, Route], default_cadence_s: int) -> None:
         self.routes = dict(routes)

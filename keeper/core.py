@@ -103,6 +103,9 @@ def row_problem(row: Row) -> str | None:
         return f"route is {row.route!r}"
     if row.cadence_s is not None and (not _is_int(row.cadence_s) or row.cadence_s <= 0):
         return f"cadence_s is {row.cadence_s!r}"
+    learned = row.learned_cadence_s
+    if learned is not None and (not _is_int(learned) or learned <= 0):
+        return f"learned_cadence_s is {learned!r}"
     if not _is_int(row.next_render_at) or not 0 <= row.next_render_at < MAX_DUE_MS:
         return f"next_render_at is {row.next_render_at!r}"
     if not _is_int(row.version) or row.version < 0:
@@ -298,7 +301,7 @@ class KeeperCore:
                 self.counters.unowned += 1
                 tally[queue.remove(h)] += 1
                 continue
-            cadence = row.cadence_s
+            cadence = row.scheduled_cadence_s
             due = row.next_render_at
             version = row.version
             # The checks a feed row must pass before anything changes (a bad field must
@@ -457,7 +460,7 @@ class KeeperCore:
         keys_text = [r.key for r in rows]
         due_list = [r.next_render_at for r in rows]
         version_list = [r.version for r in rows]
-        cadences = [r.cadence_s for r in rows]
+        cadences = [r.scheduled_cadence_s for r in rows]
         routes = [r.route for r in rows]
         sitemaps = [r.sitemap for r in rows]
         if not (
@@ -507,7 +510,7 @@ class KeeperCore:
                 continue
             keys.append(row.key.encode())
             good.append(row)
-            classes.append(self.classifier.class_id(row.route, row.cadence_s, row.sitemap))
+            classes.append(self.classifier.class_of_row(row))
         return (
             keys,
             good,
@@ -527,7 +530,7 @@ class KeeperCore:
             if queue.slots.key(slot) != key:
                 self.counters.collisions += 1
                 continue
-            wanted = class_id(row.route, row.cadence_s, row.sitemap)
+            wanted = class_id(row.route, row.scheduled_cadence_s, row.sitemap)
             held_version = queue.version_of(slot)
             if (
                 queue.due_of(slot) == row.next_render_at

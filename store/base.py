@@ -7,6 +7,7 @@ from typing import Protocol
 
 import msgspec
 
+from store.cadence import Adaptation
 from store.rows import Completion, FeedEvent, Route, Row, RowWrite, SiteSettings
 
 # How long a write waits for the lock other writers hold before it raises StoreBusy, in
@@ -229,9 +230,14 @@ class ScheduleStore(Protocol):
         default_cadence_s: int | None = None,
         paused: bool | None = None,
         clear_default_cadence: bool = False,
+        adapt: Adaptation | None = None,
+        clear_adapt: bool = False,
     ) -> Route:
         """Create or change a route; None leaves a field as it is. `clear_default_cadence`
-        sends the route back to the global default."""
+        sends the route back to the global default. `adapt` turns adaptive cadence on (or
+        changes its settings), `clear_adapt` off; turning it off, or moving its ladder's
+        ends, forgets what the route's rows learned (in the same transaction: the feed
+        delivers each such row), since a learned cadence is a rung of the old ladder."""
         ...
 
     def default_cadence_s(self) -> int: ...

@@ -151,3 +151,11 @@ def learn(
 def rung_index(adapt: Adaptation, cadence_s: int) -> int:
     """Where a learned cadence stands on its route's ladder (0: min_s)."""
     return rung_of(ladder(adapt.min_s, adapt.max_s), cadence_s)
+
+
+def forgets_learned(before: Adaptation | None, after: Adaptation | None) -> bool:
+    """Whether a route's change must forget what its rows learned: their learned cadences
+    are rungs of its ladder, which went, or moved its ends (new rates keep them)."""
+    if before is None:
+        return False
+    return after is None or (after.min_s, after.max_s) != (before.min_s, before.max_s)

@@ -10,6 +10,8 @@ from typing import Any, Literal
 
 import msgspec
 
+from store.cadence import Adaptation, Learned, learn
+
 MAX_KEY_BYTES = 2048
 Outcome = Literal["rendered", "failed", "gone"]
 
@@ -25,17 +27,39 @@ class Row(msgspec.Struct, frozen=True, kw_only=True):
     last_rendered_at: int | None = None
     last_outcome: str | None = None
     version: int = 0
+    # Where its route adapts (store.cadence): the rung its renders have led it to, which it
+    # renders at in place of its fixed cadence; None: nothing learned.
+    learned_cadence_s: int | None = None
+    # Its renders' last observations, changed or not (store.cadence.history_of reads it).
+    change_history: int = 0
+
+    @property
+    def scheduled_cadence_s(self) -> int | None:
+        """The cadence the row's own fields give, learned first (None: its route's)."""
+        return self.cadence_s if self.learned_cadence_s is None else self.learned_cadence_s
 
 
 # The columns of render_schedule in Row's order, for both backends' statements.
 ROW_COLUMNS = (
-    "key, route, cadence_s, sitemap, next_render_at, last_rendered_at, last_outcome, version"
+    "key, route, cadence_s, sitemap, next_render_at, last_rendered_at, last_outcome, version, "
+    "learned_cadence_s, change_history"
 )
 
 
 def row_from(values: tuple[Any, ...] | Any) -> Row:
     """A Row from ROW_COLUMNS' values, as either backend returns them."""
-    key, route, cadence_s, sitemap, next_render_at, last_rendered_at, last_outcome, version = values
+    (
+        key,
+        route,
+        cadence_s,
+        sitemap,
+        next_render_at,
+        last_rendered_at,
+        last_outcome,
+        version,
+        learned_cadence_s,
+        change_history,
+    ) = values
     return Row(
         key=key,
         route=route,
@@ -45,13 +69,37 @@ def row_from(values: tuple[Any, ...] | Any) -> Row:
         last_rendered_at=last_rendered_at,
         last_outcome=last_outcome,
         version=version,
+        learned_cadence_s=learned_cadence_s,
+        change_history=change_history or 0,
     )
 
 
+# The columns of `routes` in route_from's order, for both backends' statements.
+ROUTE_COLUMNS = "route, default_cadence_s, paused, adapt_min_s, adapt_max_s, adapt_inc, adapt_dec"
+
+
 def route_from(values: tuple[Any, ...] | Any) -> Route:
-    """A Route from (route, default_cadence_s, paused)."""
-    name, default_cadence_s, paused = values
-    return Route(route=name, default_cadence_s=default_cadence_s, paused=bool(paused))
+    """A Route from ROUTE_COLUMNS' values."""
+    name, default_cadence_s, paused, min_s, max_s, inc, dec = values
+    adapt = None if min_s is None else Adaptation(min_s=min_s, max_s=max_s, inc=inc, dec=dec)
+    return Route(route=name, default_cadence_s=default_cadence_s, paused=bool(paused), adapt=adapt)
+
+
+# What a completion that observed a change reads of its row and route, in the order
+# learned_from takes: the row's key, its fixed cadence's parts, what it learned so far,
+# and its route's adaptation.
+LEARNING_COLUMNS = (
+    "r.key, r.cadence_s, rt.default_cadence_s, r.learned_cadence_s, r.change_history, "
+    "rt.adapt_min_s, rt.adapt_max_s, rt.adapt_inc, rt.adapt_dec"
+)
+
+
+def learned_from(values: tuple[Any, ...] | Any, global_cadence_s: int, changed: bool) -> Learned:
+    """One observation applied to a row read as LEARNING_COLUMNS (store.cadence.learn)."""
+    _, own_s, route_s, learned_s, history, min_s, max_s, inc, dec = values
+    adapt = None if min_s is None else Adaptation(min_s=min_s, max_s=max_s, inc=inc, dec=dec)
+    fixed_s = own_s if own_s is not None else route_s if route_s is not None else global_cadence_s
+    return learn(adapt, learned_s, fixed_s, history or 0, changed)
 
 
 def site_settings_from(values: tuple[Any, ...] | Any) -> SiteSettings:
@@ -74,19 +122,23 @@ class Route(msgspec.Struct, frozen=True, kw_only=True):
     route: str
     default_cadence_s: int | None = None
     paused: bool = False
+    adapt: Adaptation | None = None  # None: its rows' cadences are fixed
 
 
 class Completion(msgspec.Struct, frozen=True, kw_only=True):
     """A render's result for one key, applied by `ScheduleStore.complete`.
 
     `rendered` sets next_render_at to `next_render_at` if given, else now + the
-    row's effective cadence; `failed` keeps the row due; `gone` deletes it.
+    row's effective cadence; `failed` keeps the row due; `gone` deletes it. A `rendered`
+    one may say whether the page `changed` since its last render: the row records it, and
+    where its route adapts, learns its cadence from it first (store.cadence).
     """
 
     key: str
     outcome: Outcome
     now: int
     next_render_at: int | None = None
+    changed: bool | None = None  # None: not known, nothing recorded
 
 
 def completion_rounds(items: Sequence[Completion]) -> list[list[int]]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
+from store.cadence import Adaptation, check_adaptation
 from store.rows import MAX_KEY_BYTES, Completion, RowWrite, SiteSettings
 
 ROUTE_NAME = re.compile(r"[a-z0-9][a-z0-9_.-]{0,63}")
@@ -153,12 +154,13 @@ def check_completions(items: Sequence[Completion]) -> None:
         if not isinstance(item, Completion):
             raise ValueError(f"completion[{index}]: expected a Completion, got {type(item)}")
         check_key(item.key, what="completion", index=index)
-        at, now = item.next_render_at, item.now
+        at, now, changed = item.next_render_at, item.now, item.changed
         if (
             item.outcome in OUTCOMES
             and type(now) is int
             and -MAX_TIME_MS <= now <= MAX_TIME_MS
             and (at is None or (type(at) is int and -MAX_TIME_MS <= at <= MAX_TIME_MS))
+            and (changed is None or (type(changed) is bool and item.outcome == "rendered"))
         ):
             continue  # the common case, without building the error prefix
         where = _where("completion", index, item.key)
@@ -168,6 +170,11 @@ def check_completions(items: Sequence[Completion]) -> None:
             )
         check_time(item.now, where=f"{where}: now")
         check_time(item.next_render_at, where=f"{where}: next_render_at", optional=True)
+        if type(changed) is not bool:
+            raise ValueError(f"{where}: changed must be true, false or absent, got {changed!r}")
+        raise ValueError(
+            f"{where}: changed is said of a rendered page only, not of outcome {item.outcome!r}"
+        )
 
 
 def check_consumer(name: object) -> str:
@@ -184,16 +191,27 @@ def check_route_change(
     default_cadence_s: object,
     paused: object,
     clear_default_cadence: bool,
-) -> bool:
+    adapt: object = None,
+    clear_adapt: bool = False,
+) -> tuple[bool, bool]:
     """A `set_route` call's arguments; returns whether the default cadence is written (set,
-    or cleared back to the global default)."""
+    or cleared back to the global default) and whether the adaptation is (set or cleared)."""
     check_route_name(route)
     check_cadence(default_cadence_s, where="default_cadence_s", optional=True)
     if paused is not None and not isinstance(paused, bool):
         raise ValueError(f"paused: must be true or false, got {paused!r}")
     if clear_default_cadence and default_cadence_s is not None:
         raise ValueError("default_cadence_s: cannot both set and clear it")
-    return default_cadence_s is not None or clear_default_cadence
+    if adapt is not None:
+        if not isinstance(adapt, Adaptation):
+            raise ValueError(f"adapt: expected an Adaptation, got {type(adapt).__name__}")
+        check_adaptation(adapt)
+        if clear_adapt:
+            raise ValueError("adapt: cannot both set and clear it")
+    return (
+        default_cadence_s is not None or clear_default_cadence,
+        adapt is not None or clear_adapt,
+    )
 
 
 def check_site_settings(settings: SiteSettings) -> SiteSettings:

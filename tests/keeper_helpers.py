@@ -32,6 +32,7 @@ from store.base import (
     StoreCounters,
     Writability,
 )
+from store.cadence import Adaptation
 from store.rows import (
     Completion,
     FeedEvent,
@@ -216,6 +217,8 @@ class MemoryStore:
         default_cadence_s: int | None = None,
         paused: bool | None = None,
         clear_default_cadence: bool = False,
+        adapt: Adaptation | None = None,
+        clear_adapt: bool = False,
     ) -> Route:
         old = self.route_table.get(route, Route(route=route))
         new = Route(
@@ -226,6 +229,7 @@ class MemoryStore:
             if default_cadence_s is not None
             else old.default_cadence_s,
             paused=paused if paused is not None else old.paused,
+            adapt=None if clear_adapt else adapt if adapt is not None else old.adapt,
         )
         self.route_table[route] = new
         self.log.append(("route", route))

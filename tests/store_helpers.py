@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from store.base import Cursor, ScheduleStore, Subscription
+from store.cadence import Adaptation
 from store.postgres import PostgresStore
 from store.rows import Route, RowEvent, RowWrite
 from store.sqlite import SqliteStore
@@ -25,6 +26,8 @@ class ContractStore(ScheduleStore, Protocol):
         default_cadence_s: int | None = None,
         paused: bool | None = None,
         clear_default_cadence: bool = False,
+        adapt: Adaptation | None = None,
+        clear_adapt: bool = False,
     ) -> Route: ...
 
     def consumers(self) -> dict[str, Cursor]: ...

@@ -92,15 +92,27 @@ def test_get_needs_a_key(node: ThreadNode) -> None:
 def test_routes_and_settings(node: ThreadNode) -> None:
     with node.client() as client:
         route = client.put("/v1/routes/product", json={"default_cadence_s": 900})
-        assert route.json() == {"route": "product", "default_cadence_s": 900, "paused": False}
+        assert route.json() == {
+            "route": "product",
+            "default_cadence_s": 900,
+            "paused": False,
+            "adapt": None,
+        }
         route = client.put("/v1/routes/product", json={"paused": True})
-        assert route.json() == {"route": "product", "default_cadence_s": 900, "paused": True}
+        assert route.json() == {
+            "route": "product",
+            "default_cadence_s": 900,
+            "paused": True,
+            "adapt": None,
+        }
         assert client.put("/v1/settings", json={"default_cadence_s": 7200}).json() == {
             "default_cadence_s": 7200
         }
         listing = client.get("/v1/routes").json()
     assert listing["default_cadence_s"] == 7200
-    assert {"route": "product", "default_cadence_s": 900, "paused": True} in listing["routes"]
+    assert {"route": "product", "default_cadence_s": 900, "paused": True, "adapt": None} in listing[
+        "routes"
+    ]
 
 
 def test_a_bad_route_name_in_the_path_is_422(node: ThreadNode) -> None:

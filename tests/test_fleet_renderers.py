@@ -14,7 +14,13 @@ from pathlib import Path
 import pytest
 
 from fleet.messages import Lease
-from fleet.renderers import CommandRenderer, SimulatedRenderer, command_arguments, retry_after_of
+from fleet.renderers import (
+    CommandRenderer,
+    SimulatedRenderer,
+    changed_of,
+    command_arguments,
+    retry_after_of,
+)
 
 
 def lease(key: str = "https://e.com/a?b=1&c=2", route: str = "product") -> Lease:
@@ -81,6 +87,31 @@ def test_a_retry_after_line_or_exit_75_is_the_origin_pushing_back(tmp_path: Path
     assert retry_after_of(b"x RETRY-AFTER 5\n") is None  # a line of its own
     with pytest.raises(ValueError, match="retry-after default"):
         CommandRenderer("r {key}", retry_after_s=0)
+
+
+def test_a_changed_line_says_whether_a_rendered_page_changed(tmp_path: Path) -> None:
+    script = tmp_path / "render.py"
+    script.write_text(
+        "import sys\n"
+        "name = sys.argv[1].rsplit('/', 1)[1]\n"
+        "if name == 'same': print('hash ok\\nCHANGED no', file=sys.stderr)\n"
+        "if name == 'new': print('CHANGED: Yes', file=sys.stderr)\n"
+        "if name == 'twice': print('CHANGED yes\\nCHANGED 0', file=sys.stderr)\n"
+        "if name == 'broken': print('CHANGED yes', file=sys.stderr); sys.exit(2)\n"
+    )
+    renderer = CommandRenderer(f"{PY} {script} {{key}}")
+
+    def go(key: str) -> tuple[str, bool | None]:
+        result = asyncio.run(renderer(lease(f"https://e.com/{key}")))
+        return result.outcome, result.changed
+
+    assert go("same") == ("rendered", False)
+    assert go("new") == ("rendered", True)
+    assert go("twice") == ("rendered", False)  # the last line counts
+    assert go("silent") == ("rendered", None)  # nothing said: nothing learned
+    assert go("broken") == ("failed", None)  # said of a rendered page only
+    assert changed_of(b"x CHANGED yes\n") is None  # a line of its own
+    assert changed_of(b"CHANGED maybe\n") is None
 
 
 def test_a_hostile_key_runs_no_second_command(tmp_path: Path) -> None:

@@ -688,3 +688,52 @@ def test_an_origin_that_answers_429_blocks_its_site_for_the_fleet(tmp_path: Path
     assert late == [slow[0]] + [k for k in slow[1:] if k not in {r[0] for r in early}]
     assert any("fill" in key and start < first[2] + 3.0 for key, start, _ in renders)
     assert site["blocked_until"] is None and site["failure_streak"] == 0
+
+
+def test_a_renderer_that_says_changed_teaches_an_adaptive_route(tmp_path: Path) -> None:
+    """`fleet --exec` with a renderer printing `CHANGED no` or `CHANGED yes`: each
+    completion carries `changed`, and the node's adaptive route moves each row's cadence
+    one step of its ladder, up or down; a renderer that says nothing teaches nothing."""
+    from node_harness import node_db, thread_node
+
+    from fleet.renderers import CommandRenderer
+    from store import open_store
+    from store.cadence import Adaptation, history_of, ladder
+    from store.rows import RowWrite
+
+    adapt = Adaptation(min_s=600, max_s=86_400)
+    rungs = ladder(adapt.min_s, adapt.max_s)
+    now = now_ms()
+    keys = ["https://a.example/same", "https://a.example/new", "https://a.example/quiet"]
+    store = open_store(str(node_db(tmp_path)))
+    store.set_route("product", adapt=adapt)
+    store.write(
+        [RowWrite(key=k, route="product", cadence_s=2400, next_render_at=now - 1000) for k in keys]
+    )
+    store.close()
+    log_file = tmp_path / "renders.log"
+    script = tmp_path / "render.py"
+    script.write_text(
+        "import sys\n"
+        "key = sys.argv[1]\n"
+        "if key.endswith('same'): print('hash unchanged\\nCHANGED no', file=sys.stderr)\n"
+        "if key.endswith('new'): print('CHANGED yes', file=sys.stderr)\n"
+        f"with open({str(log_file)!r}, 'a') as f:\n"
+        "    f.write(key + '\\n')\n"
+    )
+    renderer = CommandRenderer(f"{sys.executable} {script} {{key}}")
+    with thread_node(tmp_path) as node:
+        node.wait_published()
+        stats, _, _ = run_fleet_at(
+            node.url,
+            renderer,
+            FleetConfig(concurrency=3, lease_s=30, wait_s=1, state_every_s=0),
+            stop_when=lambda runner: runner.statistics().rendered >= 3,
+        )
+        rows = node.store.get_many(keys)
+    assert stats.rendered == 3
+    start = rungs.index(2400)
+    same, new, quiet = (rows[k] for k in keys)
+    assert same.learned_cadence_s == rungs[start + 1] and history_of(same.change_history) == [False]
+    assert new.learned_cadence_s == rungs[start - 1] and history_of(new.change_history) == [True]
+    assert quiet.learned_cadence_s is None and quiet.change_history == 0

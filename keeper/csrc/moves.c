@@ -298,8 +298,11 @@ QueueView_apply_moves(QueueViewObject *self, PyObject *const *args, Py_ssize_t n
                                          "a tally list, touched a dict or None");
         return NULL;
     }
-    static PyObject *s_row, *s_key, *s_route, *s_cadence, *s_sitemap, *s_due, *s_version;
+    static PyObject *s_row, *s_key, *s_route, *s_cadence, *s_sitemap, *s_due, *s_version,
+        *s_learned;
     if (s_row == NULL) {
+        s_learned = PyUnicode_InternFromString("learned_cadence_s");
+        if (!s_learned) return NULL;
         s_row = PyUnicode_InternFromString("row");
         s_key = PyUnicode_InternFromString("key");
         s_route = PyUnicode_InternFromString("route");
@@ -352,7 +355,12 @@ QueueView_apply_moves(QueueViewObject *self, PyObject *const *args, Py_ssize_t n
         if (row == Py_None) goto next;
         f[0] = PyObject_GetAttr(row, s_due);
         f[1] = f[0] ? PyObject_GetAttr(row, s_version) : NULL;
-        f[2] = f[1] ? PyObject_GetAttr(row, s_cadence) : NULL;
+        /* The row's scheduled cadence: what it learned (store.cadence), else its own. */
+        f[2] = f[1] ? PyObject_GetAttr(row, s_learned) : NULL;
+        if (f[2] == Py_None) {
+            Py_DECREF(f[2]);
+            f[2] = PyObject_GetAttr(row, s_cadence);
+        }
         f[3] = f[2] ? PyObject_GetAttr(row, s_key) : NULL;
         f[4] = f[3] ? PyObject_GetAttr(event, s_key) : NULL;
         f[5] = f[4] ? PyObject_GetAttr(row, s_route) : NULL;

@@ -52,6 +52,7 @@ from store.rows import (
     SettingsEvent,
     SiteEvent,
     SiteSettings,
+    route_from,
     row_from,
 )
 
@@ -245,14 +246,14 @@ class PostgresSubscription:
                 del events[slot]  # re-inserted below: the event sits at its key's last entry
                 self._coalesced += 1
             if kind == KIND_ROW:
-                row = None if entry[4] is None else row_from((key, *entry[4:11]))
+                row = None if entry[4] is None else row_from((key, *entry[4:11], *entry[17:19]))
                 events[slot] = RowEvent(key=key, row=row)
             elif kind == KIND_ROUTE:
                 cadence, paused = entry[11], entry[12]
                 route = (
                     Route(route=key)
                     if paused is None
-                    else Route(route=key, default_cadence_s=cadence, paused=bool(paused))
+                    else route_from((key, cadence, paused, *entry[19:23]))
                 )
                 events[slot] = RouteEvent(route=route)
             elif kind == KIND_SETTINGS:

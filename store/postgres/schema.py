@@ -205,8 +205,22 @@ _V6 = [
     "ALTER TABLE lease_handover ADD COLUMN site_hash bigint NOT NULL DEFAULT 0",
 ]
 
+# Adaptive cadence (store.cadence): a row's learned cadence and recent history, and a
+# route's adaptation (all four set, or none). A constant default adds no row rewrite.
+_V7 = [
+    """ALTER TABLE render_schedule
+        ADD COLUMN learned_cadence_s integer
+            CHECK (learned_cadence_s IS NULL OR learned_cadence_s > 0),
+        ADD COLUMN change_history integer NOT NULL DEFAULT 0""",
+    """ALTER TABLE routes
+        ADD COLUMN adapt_min_s integer,
+        ADD COLUMN adapt_max_s integer,
+        ADD COLUMN adapt_inc double precision,
+        ADD COLUMN adapt_dec double precision""",
+]
+
 # Index i holds the statements that take a database from version i to i + 1.
-MIGRATIONS: list[list[str]] = [_V1, _V2, _V3, _V4, _V5, _V6]
+MIGRATIONS: list[list[str]] = [_V1, _V2, _V3, _V4, _V5, _V6, _V7]
 # What a version's tables start with that SQL cannot make (random bytes from Python's
 # `secrets`), run after that version's statements, in the same transaction.
 SEEDS: dict[int, Callable[[psycopg.Connection[tuple[object, ...]]], None]] = {3: _seed_secret}

@@ -12,7 +12,7 @@ become Python ints here.
 from __future__ import annotations
 
 from store.postgres.schema import DEFAULT_CADENCE_S, DEFAULT_CADENCE_SETTING
-from store.rows import ROW_COLUMNS
+from store.rows import LEARNING_COLUMNS, ROUTE_COLUMNS, ROW_COLUMNS
 
 _R_COLUMNS = ", ".join(f"r.{c}" for c in ROW_COLUMNS.split(", "))
 
@@ -35,7 +35,8 @@ ON CONFLICT (key) DO UPDATE SET
     cadence_s = excluded.cadence_s,
     sitemap = excluded.sitemap,
     next_render_at = excluded.next_render_at,
-    version = excluded.version
+    version = excluded.version,
+    learned_cadence_s = CASE WHEN r.route = excluded.route THEN r.learned_cadence_s END
 """
 _DELETE = "DELETE FROM render_schedule WHERE key = ANY(%(deletes)b::text[])"
 
@@ -81,13 +82,18 @@ GLOBAL_CADENCE = (
 COMPLETE = f"""
 WITH c AS (
     SELECT * FROM unnest(%(keys)b::text[], %(outcomes)b::text[], %(nows)b::bigint[],
-                         %(nexts)b::bigint[]) AS c(key, outcome, now, next_at)
+                         %(nexts)b::bigint[], %(observed)b::boolean[], %(learned)b::integer[],
+                         %(histories)b::integer[])
+        AS c(key, outcome, now, next_at, observed, learned, history)
     ORDER BY key
 ),
 rendered AS (
     UPDATE render_schedule AS r SET
         last_rendered_at = c.now,
+        learned_cadence_s = CASE WHEN c.observed THEN c.learned ELSE r.learned_cadence_s END,
+        change_history = CASE WHEN c.observed THEN c.history ELSE r.change_history END,
         next_render_at = coalesce(c.next_at, c.now + 1000::bigint * coalesce(
+            CASE WHEN c.observed THEN c.learned ELSE r.learned_cadence_s END,
             r.cadence_s,
             (SELECT default_cadence_s FROM routes WHERE routes.route = r.route),
             {GLOBAL_CADENCE})),
@@ -109,20 +115,46 @@ gone AS (
 )
 SELECT * FROM rendered UNION ALL SELECT * FROM failed
 UNION ALL SELECT NULL::text, NULL::text, NULL::integer, NULL::boolean, NULL::bigint,
-    NULL::bigint, NULL::text, {XID}
+    NULL::bigint, NULL::text, {XID}, NULL::integer, NULL::integer
+"""
+
+# What store.cadence needs of each observed key's row and route, the rows locked in key
+# order (as COMPLETE locks them) until the round's COMPLETE writes what it decided.
+LEARNING = f"""
+SELECT {LEARNING_COLUMNS}
+FROM render_schedule AS r LEFT JOIN routes AS rt ON rt.route = r.route
+WHERE r.key = ANY(%b::text[])
+ORDER BY r.key
+FOR UPDATE OF r
 """
 
 COUNT = "SELECT count(*) FROM render_schedule"
 
-ROUTES = "SELECT route, default_cadence_s, paused FROM routes ORDER BY route"
+ROUTES = f"SELECT {ROUTE_COLUMNS} FROM routes ORDER BY route"
+# The route as it was, locked until the change commits: two changes of its ladder cannot
+# cross between the read and FORGET_LEARNED.
+ROUTE_FOR_UPDATE = f"SELECT {ROUTE_COLUMNS} FROM routes WHERE route = %s FOR UPDATE"
 
-SET_ROUTE = """
-INSERT INTO routes AS r (route, default_cadence_s, paused)
-VALUES (%(route)s, %(cadence)s, coalesce(%(paused)s, false))
+SET_ROUTE = f"""
+INSERT INTO routes AS r (route, default_cadence_s, paused, adapt_min_s, adapt_max_s,
+                         adapt_inc, adapt_dec)
+VALUES (%(route)s, %(cadence)s, coalesce(%(paused)s, false), %(min_s)s, %(max_s)s, %(inc)s,
+        %(dec)s)
 ON CONFLICT (route) DO UPDATE SET
     default_cadence_s = CASE WHEN %(set_cadence)s THEN %(cadence)s ELSE r.default_cadence_s END,
-    paused = coalesce(%(paused)s, r.paused)
-RETURNING route, default_cadence_s, paused
+    paused = coalesce(%(paused)s, r.paused),
+    adapt_min_s = CASE WHEN %(set_adapt)s THEN %(min_s)s ELSE r.adapt_min_s END,
+    adapt_max_s = CASE WHEN %(set_adapt)s THEN %(max_s)s ELSE r.adapt_max_s END,
+    adapt_inc = CASE WHEN %(set_adapt)s THEN %(inc)s ELSE r.adapt_inc END,
+    adapt_dec = CASE WHEN %(set_adapt)s THEN %(dec)s ELSE r.adapt_dec END
+RETURNING {ROUTE_COLUMNS}
+"""
+
+# A route's ladder moved or went: its rows' learned cadences were rungs of the old one.
+FORGET_LEARNED = """
+UPDATE render_schedule SET learned_cadence_s = NULL,
+    version = nextval('render_schedule_version')
+WHERE route = %s AND learned_cadence_s IS NOT NULL
 """
 
 SITES = "SELECT site, max_in_flight, min_interval_ms FROM site_settings ORDER BY site"
@@ -167,7 +199,9 @@ SELECT h.xmin::text::bigint, h.xmax::text::bigint,
        r.route, r.cadence_s, r.sitemap, r.next_render_at, r.last_rendered_at,
        r.last_outcome, r.version,
        rt.default_cadence_s, rt.paused, st.value,
-       ss.site IS NOT NULL, ss.max_in_flight, ss.min_interval_ms
+       ss.site IS NOT NULL, ss.max_in_flight, ss.min_interval_ms,
+       r.learned_cadence_s, r.change_history,
+       rt.adapt_min_s, rt.adapt_max_s, rt.adapt_inc, rt.adapt_dec
 FROM h CROSS JOIN feed_state AS f
 LEFT JOIN LATERAL (
     SELECT * FROM change_log

@@ -37,6 +37,7 @@ from store.base import (
     Writability,
     WriteHealth,
 )
+from store.cadence import Adaptation, forgets_learned
 from store.errors import StoreBusy, StoreError, StoreFull, StoreUnavailable
 from store.postgres import sql
 from store.postgres.conn import (
@@ -69,6 +70,7 @@ from store.rows import (
     RowWrite,
     SiteSettings,
     completion_rounds,
+    learned_from,
     route_from,
     row_from,
     site_settings_from,
@@ -351,20 +353,41 @@ class PostgresStore:
             return []
         rounds = completion_rounds(items)
 
+        # Rendered items that say whether the page changed: their rows are read, locked, in
+        # the same transaction, and store.cadence decides what each learns.
+        observes = any(item.changed is not None for item in items)
+
         def apply_round(conn: Conn, indices: list[int], out: list[Row | None]) -> int:
             """The round's rows into `out`; returns the transaction's xid."""
             staged = [items[i] for i in indices]
+            learned: list[int | None] = [None] * len(staged)
+            histories: list[int | None] = [None] * len(staged)
+            observed = [c.changed is not None for c in staged]
+            if any(observed):
+                keys = [c.key for c in staged if c.changed is not None]
+                found_rows = {v[0]: v for v in conn.execute(sql.LEARNING, (keys,)).fetchall()}
+                default = conn.execute(sql.GET_DEFAULT_CADENCE).fetchone()
+                assert default is not None
+                for n, item in enumerate(staged):
+                    values = found_rows.get(item.key)
+                    if values is None or item.changed is None:
+                        continue
+                    decided = learned_from(values, int(default[0]), item.changed)
+                    learned[n], histories[n] = decided.cadence_s, decided.history
             params = {
                 "keys": [c.key for c in staged],
                 "outcomes": [c.outcome for c in staged],
                 "nows": [c.now for c in staged],
                 "nexts": [c.next_render_at for c in staged],
+                "observed": observed,
+                "learned": learned,
+                "histories": histories,
             }
             found: dict[str, Row] = {}
             xid = 0
             for values in conn.execute(sql.COMPLETE, params).fetchall():
                 if values[0] is None:
-                    xid = values[-1]
+                    xid = values[7]  # the version column carries it
                 else:
                     row = row_from(values)
                     found[row.key] = row
@@ -374,7 +397,7 @@ class PostgresStore:
 
         def body(conn: Conn) -> list[Row | None]:
             out: list[Row | None] = [None] * len(items)
-            if len(rounds) == 1:
+            if len(rounds) == 1 and not observes:
                 xid = apply_round(conn, rounds[0], out)
             else:
                 with conn.transaction():
@@ -445,21 +468,37 @@ class PostgresStore:
         default_cadence_s: int | None = None,
         paused: bool | None = None,
         clear_default_cadence: bool = False,
+        adapt: Adaptation | None = None,
+        clear_adapt: bool = False,
     ) -> Route:
         """Create or change a route. None leaves a field as it is (a new route: no default
-        cadence, not paused); `clear_default_cadence` sends the route back to the global default.
+        cadence, not paused, fixed cadences); `clear_default_cadence` sends the route back to
+        the global default; `adapt`/`clear_adapt` as ScheduleStore.set_route says.
         """
-        set_cadence = check_route_change(route, default_cadence_s, paused, clear_default_cadence)
+        set_cadence, set_adapt = check_route_change(
+            route, default_cadence_s, paused, clear_default_cadence, adapt, clear_adapt
+        )
         params = {
             "route": route,
             "cadence": default_cadence_s,
             "set_cadence": set_cadence,
             "paused": paused,
+            "set_adapt": set_adapt,
+            "min_s": None if adapt is None else adapt.min_s,
+            "max_s": None if adapt is None else adapt.max_s,
+            "inc": None if adapt is None else float(adapt.inc),
+            "dec": None if adapt is None else float(adapt.dec),
         }
-        found = self._write(
-            "set_route", lambda conn: conn.execute(sql.SET_ROUTE, params).fetchone(), rows=1
-        )
-        return route_from(found)
+
+        def body(conn: Conn) -> Route:
+            with conn.transaction():
+                before = conn.execute(sql.ROUTE_FOR_UPDATE, (route,)).fetchone()
+                after = route_from(conn.execute(sql.SET_ROUTE, params).fetchone())
+                if before is not None and forgets_learned(route_from(before).adapt, after.adapt):
+                    conn.execute(sql.FORGET_LEARNED, (route,))
+            return after
+
+        return self._write("set_route", body, rows=1)
 
     def default_cadence_s(self) -> int:
         found = self._read("default", lambda c: c.execute(sql.GET_DEFAULT_CADENCE).fetchone())

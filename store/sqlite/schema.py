@@ -146,12 +146,25 @@ _V4 = [
 ]
 
 
+# Adaptive cadence (store.cadence): a row's learned cadence and recent history, and a
+# route's adaptation (all four set, or none).
+_V5 = [
+    """ALTER TABLE render_schedule ADD COLUMN learned_cadence_s INTEGER
+        CHECK (learned_cadence_s IS NULL OR learned_cadence_s > 0)""",
+    "ALTER TABLE render_schedule ADD COLUMN change_history INTEGER NOT NULL DEFAULT 0",
+    "ALTER TABLE routes ADD COLUMN adapt_min_s INTEGER",
+    "ALTER TABLE routes ADD COLUMN adapt_max_s INTEGER",
+    "ALTER TABLE routes ADD COLUMN adapt_inc REAL",
+    "ALTER TABLE routes ADD COLUMN adapt_dec REAL",
+]
+
+
 def _seed_secret(conn: sqlite3.Connection) -> None:
     conn.execute("INSERT INTO hash_secret (id, secret) VALUES (1, ?)", (new_secret(),))
 
 
 # Index i holds the statements that take a database from version i to i + 1.
-MIGRATIONS: list[list[str]] = [_V1, _V2, _V3, _V4]
+MIGRATIONS: list[list[str]] = [_V1, _V2, _V3, _V4, _V5]
 # What a version's tables start with that SQL cannot make (random bytes from Python's
 # `secrets`), run after that version's statements, in the same transaction.
 SEEDS: dict[int, Callable[[sqlite3.Connection], None]] = {3: _seed_secret}

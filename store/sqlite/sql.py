@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from store.rows import ROW_COLUMNS
+from store.rows import LEARNING_COLUMNS, ROUTE_COLUMNS, ROW_COLUMNS
 from store.sqlite.schema import DEFAULT_CADENCE_S, DEFAULT_CADENCE_SETTING, NEXT_SEQ
 
 UPSERT = f"""
@@ -13,7 +13,9 @@ ON CONFLICT (key) DO UPDATE SET
     cadence_s = excluded.cadence_s,
     sitemap = excluded.sitemap,
     next_render_at = excluded.next_render_at,
-    version = excluded.version
+    version = excluded.version,
+    learned_cadence_s = CASE WHEN render_schedule.route = excluded.route
+        THEN render_schedule.learned_cadence_s END
 """
 
 DELETE = "DELETE FROM render_schedule WHERE key = ?"
@@ -51,6 +53,7 @@ _NEXT_SEQ_PER_ROW = (
 )
 
 _CADENCE_MS = f"""1000 * coalesce(
+    render_schedule.learned_cadence_s,
     render_schedule.cadence_s,
     (SELECT default_cadence_s FROM routes WHERE routes.route = render_schedule.route),
     {GLOBAL_CADENCE})"""
@@ -83,6 +86,38 @@ WHERE render_schedule.key = c.key
 RETURNING {", ".join(f"render_schedule.{c}" for c in ROW_COLUMNS.split(", "))}
 """
 
+# Rendered keys whose completions said whether the page changed: each key's [key, now,
+# next_render_at, learned cadence, history], as store.cadence decided from LEARNING's read
+# in the same transaction.
+COMPLETE_OBSERVED = f"""
+UPDATE render_schedule SET
+    last_rendered_at = c.now,
+    next_render_at = coalesce(c.next_render_at, c.now + 1000 * coalesce(
+        c.learned,
+        render_schedule.cadence_s,
+        (SELECT default_cadence_s FROM routes WHERE routes.route = render_schedule.route),
+        {GLOBAL_CADENCE})),
+    learned_cadence_s = c.learned,
+    change_history = c.history,
+    last_outcome = 'rendered',
+    version = {_NEXT_SEQ_PER_ROW}
+FROM (
+    SELECT json_extract(value, '$[0]') AS key, json_extract(value, '$[1]') AS now,
+           json_extract(value, '$[2]') AS next_render_at, json_extract(value, '$[3]') AS learned,
+           json_extract(value, '$[4]') AS history
+    FROM json_each(:items)
+) AS c
+WHERE render_schedule.key = c.key
+RETURNING {", ".join(f"render_schedule.{c}" for c in ROW_COLUMNS.split(", "))}
+"""
+
+# What store.cadence needs of each observed key's row and route, and the global default.
+LEARNING = f"""
+SELECT {LEARNING_COLUMNS}
+FROM json_each(?) AS j CROSS JOIN render_schedule AS r ON r.key = j.value
+LEFT JOIN routes AS rt ON rt.route = r.route
+"""
+
 # A failure keeps the row due: next_render_at and last_rendered_at stay as they were.
 COMPLETE_FAILED = f"""
 UPDATE render_schedule SET last_outcome = 'failed', version = {_NEXT_SEQ_PER_ROW}
@@ -92,20 +127,29 @@ RETURNING {ROW_COLUMNS}
 
 COMPLETE_GONE = "DELETE FROM render_schedule WHERE key IN (SELECT value FROM json_each(:keys))"
 
-ROUTES = "SELECT route, default_cadence_s, paused FROM routes ORDER BY route"
-ROUTES_NAMED = (
-    "SELECT route, default_cadence_s, paused FROM routes "
-    "WHERE route IN (SELECT value FROM json_each(?))"
-)
+ROUTES = f"SELECT {ROUTE_COLUMNS} FROM routes ORDER BY route"
+ROUTES_NAMED = f"SELECT {ROUTE_COLUMNS} FROM routes WHERE route IN (SELECT value FROM json_each(?))"
+ROUTE = f"SELECT {ROUTE_COLUMNS} FROM routes WHERE route = ?"
 
-SET_ROUTE = """
-INSERT INTO routes (route, default_cadence_s, paused)
-VALUES (:route, :cadence, coalesce(:paused, 0))
+SET_ROUTE = f"""
+INSERT INTO routes (route, default_cadence_s, paused, adapt_min_s, adapt_max_s, adapt_inc,
+                    adapt_dec)
+VALUES (:route, :cadence, coalesce(:paused, 0), :min_s, :max_s, :inc, :dec)
 ON CONFLICT (route) DO UPDATE SET
     default_cadence_s = CASE WHEN :set_cadence THEN :cadence ELSE default_cadence_s END,
-    paused = coalesce(:paused, paused)
-RETURNING route, default_cadence_s, paused
+    paused = coalesce(:paused, paused),
+    adapt_min_s = CASE WHEN :set_adapt THEN :min_s ELSE adapt_min_s END,
+    adapt_max_s = CASE WHEN :set_adapt THEN :max_s ELSE adapt_max_s END,
+    adapt_inc = CASE WHEN :set_adapt THEN :inc ELSE adapt_inc END,
+    adapt_dec = CASE WHEN :set_adapt THEN :dec ELSE adapt_dec END
+RETURNING {ROUTE_COLUMNS}
 """
+
+# A route's ladder moved or went: its rows' learned cadences were rungs of the old one.
+FORGET_LEARNED = (
+    f"UPDATE render_schedule SET learned_cadence_s = NULL, version = {_NEXT_SEQ_PER_ROW} "
+    "WHERE route = ? AND learned_cadence_s IS NOT NULL"
+)
 
 SITES = "SELECT site, max_in_flight, min_interval_ms FROM site_settings ORDER BY site"
 SITE = "SELECT site, max_in_flight, min_interval_ms FROM site_settings WHERE site = ?"
@@ -141,7 +185,7 @@ STAMP_AT = "SELECT stamp FROM change_log WHERE seq = ?"
 POLL = """
 SELECT l.seq, l.kind, l.key, l.stamp,
        r.route, r.cadence_s, r.sitemap, r.next_render_at, r.last_rendered_at,
-       r.last_outcome, r.version
+       r.last_outcome, r.version, r.learned_cadence_s, r.change_history
 FROM change_log AS l
 LEFT JOIN render_schedule AS r ON l.kind = 0 AND r.key = l.key
 WHERE l.seq > ?

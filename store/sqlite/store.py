@@ -34,6 +34,7 @@ from store.base import (
     Writability,
     WriteHealth,
 )
+from store.cadence import Adaptation, forgets_learned
 from store.errors import StoreError, StoreFull
 from store.rows import (
     Completion,
@@ -42,6 +43,7 @@ from store.rows import (
     RowWrite,
     SiteSettings,
     completion_rounds,
+    learned_from,
     route_from,
     row_from,
     site_settings_from,
@@ -335,6 +337,11 @@ class SqliteStore:
         # and the Rows after it is released: other writers wait only for SQLite's work.
         rounds = completion_rounds(items)
         statements = [_round_statements([items[i] for i in indices]) for indices in rounds]
+        # Rendered items that say whether the page changed: decided inside the transaction,
+        # from the row as it stands there (store.cadence).
+        observed = [
+            [items[i] for i in indices if items[i].changed is not None] for indices in rounds
+        ]
         # Each changed key's row as the transaction leaves it (ROW_COLUMNS after the key;
         # None: deleted), for the log records the consumers' rings take.
         left: dict[str, tuple[object, ...] | None] = {}
@@ -343,9 +350,9 @@ class SqliteStore:
         def body(conn: sqlite3.Connection) -> None:
             left.clear()  # a retried transaction starts again
             found.clear()
-            for indices, round_statements in zip(rounds, statements, strict=True):
+            for indices, round_statements, seen in zip(rounds, statements, observed, strict=True):
                 changed: dict[str, tuple[Any, ...]] = {}
-                for values in _apply_round(conn, round_statements):
+                for values in [*_apply_observed(conn, seen), *_apply_round(conn, round_statements)]:
                     changed[values[0]] = values
                     left[values[0]] = values[1:]
                 for index in indices:
@@ -442,24 +449,36 @@ class SqliteStore:
         default_cadence_s: int | None = None,
         paused: bool | None = None,
         clear_default_cadence: bool = False,
+        adapt: Adaptation | None = None,
+        clear_adapt: bool = False,
     ) -> Route:
         """Create or change a route. None leaves a field as it is (a new route: no default
-        cadence, not paused); `clear_default_cadence` sends the route back to the global default.
+        cadence, not paused, fixed cadences); `clear_default_cadence` sends the route back to
+        the global default; `adapt`/`clear_adapt` as ScheduleStore.set_route says.
         """
-        set_cadence = check_route_change(route, default_cadence_s, paused, clear_default_cadence)
+        set_cadence, set_adapt = check_route_change(
+            route, default_cadence_s, paused, clear_default_cadence, adapt, clear_adapt
+        )
         params = {
             "route": route,
             "cadence": default_cadence_s,
             "set_cadence": 1 if set_cadence else 0,
             "paused": None if paused is None else int(paused),
+            "set_adapt": 1 if set_adapt else 0,
+            "min_s": None if adapt is None else adapt.min_s,
+            "max_s": None if adapt is None else adapt.max_s,
+            "inc": None if adapt is None else float(adapt.inc),
+            "dec": None if adapt is None else float(adapt.dec),
         }
-        found = self._write(
-            "set_route",
-            lambda conn: conn.execute(sql.SET_ROUTE, params).fetchall(),
-            rows=1,
-            logged=True,
-        )
-        return route_from(found[0])
+
+        def body(conn: sqlite3.Connection) -> Route:
+            before = conn.execute(sql.ROUTE, (route,)).fetchone()
+            after = route_from(conn.execute(sql.SET_ROUTE, params).fetchone())
+            if before is not None and forgets_learned(route_from(before).adapt, after.adapt):
+                conn.execute(sql.FORGET_LEARNED, (route,))
+            return after
+
+        return self._write("set_route", body, rows=1, logged=True)
 
     def default_cadence_s(self) -> int:
         return int(
@@ -729,14 +748,14 @@ class SqliteStore:
 
 
 # A log record's row columns for a key whose row is gone, as POLL's LEFT JOIN reads them.
-_NO_ROW = (None,) * 7
+_NO_ROW = (None,) * 9
 
 
 def _round_statements(round_items: list[Completion]) -> list[tuple[str, dict[str, object]]]:
     """One round's statements (no key twice): the rendered, then the failed, then the gone,
     one statement each, with their parameters; the first two return the rows they updated
     (ROW_COLUMNS), the last nothing."""
-    rendered = [c for c in round_items if c.outcome == "rendered"]
+    rendered = [c for c in round_items if c.outcome == "rendered" and c.changed is None]
     failed = [c.key for c in round_items if c.outcome == "failed"]
     gone = [c.key for c in round_items if c.outcome == "gone"]
     out: list[tuple[str, dict[str, object]]] = []
@@ -757,6 +776,27 @@ def _round_statements(round_items: list[Completion]) -> list[tuple[str, dict[str
     if gone:
         out.append((sql.COMPLETE_GONE, {"keys": _json(gone)}))
     return out
+
+
+def _apply_observed(conn: sqlite3.Connection, items: list[Completion]) -> list[tuple[Any, ...]]:
+    """One round's rendered items that said whether the page changed (no key twice): each
+    row's learned cadence and history from store.cadence, then one statement; the rows it
+    updated (ROW_COLUMNS)."""
+    if not items:
+        return []
+    read = conn.execute(sql.LEARNING, (_json([c.key for c in items]),)).fetchall()
+    found = {values[0]: values for values in read}
+    global_cadence_s = int(conn.execute(sql.GET_DEFAULT_CADENCE).fetchone()[0])
+    each = []
+    for item in items:
+        values = found.get(item.key)
+        if values is None or item.changed is None:
+            continue  # no such row: nothing to update
+        learned = learned_from(values, global_cadence_s, item.changed)
+        each.append([item.key, item.now, item.next_render_at, learned.cadence_s, learned.history])
+    if not each:
+        return []
+    return conn.execute(sql.COMPLETE_OBSERVED, {"items": _json(each)}).fetchall()
 
 
 def _apply_round(
