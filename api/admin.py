@@ -170,6 +170,8 @@ def explain(node: Node, key: str) -> Explain:
     node.routes.refresh()
     routes = node.routes.routes()
     cls = classify(row, routes, node.routes.default_cadence_s)
+    route = routes.get(row.route)
+    pattern = b"" if route is None or route.site_pattern is None else route.site_pattern.encode()
     paused = node.routes.paused(row.route)
     state, reason = _why(row.next_render_at, now, paused, lease, row.last_outcome)
     held = lease.held and lease.held_until > now
@@ -188,7 +190,7 @@ def explain(node: Node, key: str) -> Explain:
         held_for=_held_for(row.last_outcome) if held else None,
         attempts_in_a_row=lease.misses if lease.misses else None,
         row=row,
-        site=site_of(key.encode()).decode(errors="replace") or None,
+        site=site_of(key.encode(), pattern).decode(errors="replace") or None,
         cadence_s=cls.cadence_s,
         learned_cadence_s=learned,
         ladder_step=None if steps is None or learned is None else rung_of(steps, learned),

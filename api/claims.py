@@ -135,8 +135,16 @@ def owners_now(node: Node, hashes: list[int], sites: list[int]) -> list[str | No
 def _keep_owned(node: Node, granted: list[Granted], now: int) -> list[Lease]:
     """Hand back any granted key this node no longer owns (its view moved on during the
     claim): never answered, so no one holds it but the lease table, briefly."""
+    settings = node.settings
+    if not settings.clustered:
+        return [lease for lease, _, _, _ in granted]
+    # Placed by the host's site, not the entry's (a route's site pattern moves no key
+    # between nodes: keeper.core.KeeperCore.placements_of).
+    by_site = settings.ownership == "site"
     owners = owners_now(
-        node, [hashed for _, hashed, _, _ in granted], [site for _, _, _, site in granted]
+        node,
+        [hashed for _, hashed, _, _ in granted],
+        [key_site_hash(lease.key.encode()) if by_site else 0 for lease, _, _, _ in granted],
     )
     if owners is None:
         return [lease for lease, _, _, _ in granted]
@@ -369,7 +377,7 @@ def renew(node: Node, request: RenewRequest) -> RenewResults:
         check_lease_s(node, item.lease_s)
     encoded = [item.key.encode() for item in request.items]
     hashes = [key_hash(key) for key in encoded]
-    # The site the keeper holds each key's row under (owned by site, what owns it).
+    # Each key's host's site (owned by site, what places it: keeper.ownership).
     by_site = node.settings.ownership == "site"
     sites = [key_site_hash(key) if by_site else 0 for key in encoded]
     lapsed = membership_lapsed(node)

@@ -107,10 +107,12 @@ def routes(node: Node) -> Routes:
 
 
 def set_route(node: Node, route: str, update: RouteUpdate) -> Route:
-    """`default_cadence_s` and `adapt`: absent leaves it, a value sets it, null clears it."""
+    """`default_cadence_s`, `adapt` and `site_pattern`: absent leaves it, a value sets it,
+    null clears it."""
     cadence = update.default_cadence_s
     if isinstance(cadence, msgspec.UnsetType):
         cadence = None
+    pattern = update.site_pattern
     given = update.adapt
     adapt = None
     if given is not None and not isinstance(given, msgspec.UnsetType):
@@ -127,6 +129,8 @@ def set_route(node: Node, route: str, update: RouteUpdate) -> Route:
             clear_default_cadence=update.default_cadence_s is None,
             adapt=adapt,
             clear_adapt=update.adapt is None,
+            site_pattern=None if isinstance(pattern, msgspec.UnsetType) else pattern,
+            clear_site_pattern=pattern is None,
         )
     except ValueError as exc:
         raise store_error(exc) from None

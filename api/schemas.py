@@ -295,15 +295,33 @@ class AdaptUpdate(Request, frozen=True):
     dec: Annotated[float, Meta(gt=0, lt=1)] = DEFAULT_DEC
 
 
+# shm.keys.site_pattern's rules, all of them: a pattern the document allows is stored.
+SitePattern = Annotated[
+    str,
+    Meta(
+        min_length=1,
+        max_length=253,
+        pattern=r"^(?!(\*\.)?www\.)(\*\.[a-z0-9_-]+(\.[a-z0-9_-]+)+|[a-z0-9_-]+(\.[a-z0-9_-]+)*)$",
+        description="The site of the route's keys. `*.example.com`: `example.com` for "
+        "example.com and every host under it (other hosts keep their own site); "
+        "`example.com` (no `*.`): that one site for every key of the route. A name is "
+        "written as a key's site is named: lower-case, no port, trailing dot or leading "
+        "`www.`.",
+    ),
+]
+
+
 class RouteUpdate(Request, frozen=True):
     """Absent fields stay as they are; `default_cadence_s: null` clears the route's default
     (its rows then follow the global default); `adapt: null` turns adaptive cadence off.
     Turning it off, or moving its `min_s` or `max_s`, forgets what the route's rows learned
-    (their learned cadences were steps of the old ladder)."""
+    (their learned cadences were steps of the old ladder). `site_pattern: null` clears the
+    route's site pattern (its keys' sites are then their hosts)."""
 
     default_cadence_s: CadenceS | msgspec.UnsetType | None = msgspec.UNSET
     paused: bool | None = None
     adapt: AdaptUpdate | msgspec.UnsetType | None = msgspec.UNSET
+    site_pattern: SitePattern | msgspec.UnsetType | None = msgspec.UNSET
 
 
 class Routes(msgspec.Struct, frozen=True, kw_only=True):
@@ -328,8 +346,9 @@ SiteName = Annotated[
         max_length=259,
         pattern=r"^[A-Za-z0-9_-][A-Za-z0-9_.-]*(?::[0-9]{1,5})?$",
         description="A site: its host name (ASCII; an IDN in its xn-- form), as a key's URL "
-        "names it. Lower-cased, and a port, trailing dots and a leading `www.` are dropped, as "
-        "for a key's site; at most 253 characters after that.",
+        "names it, or the name a route's `site_pattern` gives its keys. Lower-cased, and a "
+        "port, trailing dots and a leading `www.` are dropped, as for a key's site; at most 253 "
+        "characters after that.",
     ),
 ]
 SiteMaxInFlight = Annotated[
@@ -475,7 +494,8 @@ class Explain(Body, frozen=True):
     held_for: Literal["failed", "unanswered"] | None = None
     attempts_in_a_row: int | None = None
     row: Row | None = None
-    # The key's site: its URL's host, lower-cased, without www. (absent: no host).
+    # The key's site: its URL's host, lower-cased, without www., or what its route's site
+    # pattern names (absent: none).
     site: str | None = None
     cadence_s: int | None = None
     # Where the row's route adapts, or its renders said whether the page changed: its
@@ -492,7 +512,7 @@ class Explain(Body, frozen=True):
 
 
 class SiteEntry(Body, frozen=True):
-    site: str  # the host, lower-cased, without www., port or credentials
+    site: str  # the host, lower-cased, without www., port or credentials; or its route's pattern's
     due: int  # its due rows held by this node (routes not paused)
     held: int  # its rows held by this node
     oldest_due_at: int  # the earliest due time among its due rows (epoch ms)

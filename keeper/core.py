@@ -82,6 +82,7 @@ class CoreCounters(msgspec.Struct, kw_only=True):
     unowned: int = 0  # row events for keys this node does not own
     reclassifications: int = 0  # settings changes that moved at least one class
     rows_reclassified: int = 0
+    rows_resited: int = 0  # held rows whose site was taken again (a route's site pattern)
     dropped_unowned: int = 0  # rows dropped after an ownership change
 
 
@@ -173,7 +174,15 @@ class KeeperCore:
         return self._resettle(dict(self.classifier.routes), seconds)
 
     def _resettle(self, routes: dict[str, Route], default_cadence_s: int) -> Reclassified:
-        """Reclassify held rows in memory: a relabel per class, never a reload."""
+        """Reclassify held rows in memory: a relabel per class, never a reload; and re-site
+        the rows of each route whose site pattern changed."""
+        before = self.classifier.routes
+        for name in before.keys() | routes.keys():
+            old, new = before.get(name), routes.get(name)
+            pattern = None if new is None else new.site_pattern
+            if (None if old is None else old.site_pattern) != pattern:
+                resited = self.queue.set_site_pattern(name, (pattern or "").encode())
+                self.counters.rows_resited += resited
         self.classifier.set_settings(routes, default_cadence_s)
         plan = self.classifier.plan()
         if not plan:
@@ -632,15 +641,17 @@ class KeeperCore:
         self, hashes: npt.NDArray[np.uint64], slots: npt.NDArray[np.int32] | None = None
     ) -> npt.NDArray[np.uint64]:
         """What ownership is judged on for held rows (keeper.ownership.placements): their
-        key hashes, or by site their sites' hashes. `slots`: the rows' slots, when known;
-        else found from the hashes (a hash not held is placed as a key with no site)."""
+        key hashes, or by site their hosts' sites' hashes (as an event or a walked row is
+        placed: a route's site pattern does not move keys between nodes). `slots`: the
+        rows' slots, when known; else found from the hashes (a hash not held is placed as
+        a key with no site)."""
         if not self.ownership.by_site:
             return hashes
         if slots is None:
             slots = self.queue.slots.find_many(hashes)
         held = slots >= 0
         sites = np.zeros(len(hashes), dtype=np.uint64)
-        sites[held] = self.queue.site_hashes_of(slots[held])
+        sites[held] = self.queue.host_site_hashes(slots[held])
         return placements(hashes, sites, True)
 
     @property

@@ -218,7 +218,7 @@ def due_key_hashes(queue: HeldQueue, now_ms: int) -> npt.NDArray[np.uint64]:
 
 
 class SiteCount(msgspec.Struct, frozen=True, kw_only=True):
-    site: str  # its name: shm.keys.site_of of one of its keys
+    site: str  # its name: shm.keys.site_of of one of its keys, under its route's pattern
     site_hash: int
     due: int  # its due rows (routes not paused)
     held: int  # its rows held
@@ -254,7 +254,9 @@ def count_sites(queue: HeldQueue, now_ms: int, top: int) -> SiteCounts:
     order = np.lexsort((hashes, earliest[sited], -per_site[sited]))[: max(0, top)]
     rows = [
         SiteCount(
-            site=site_of(queue.slots.key(int(one_key[site]))).decode(errors="replace"),
+            site=site_of(
+                queue.slots.key(int(one_key[site])), queue.site_pattern_of(int(one_key[site]))
+            ).decode(errors="replace"),
             site_hash=int(hashes[i]),
             due=int(per_site[site]),
             held=queue.sites.held_rows(site),

@@ -2,7 +2,8 @@
 
 Per row the queue keeps a slot (`keeper.slots`): the key's bytes and a record
 of hash, due ms, version and place in its bucket; and the id of its site
-(`keeper.sites`), taken when the row enters.
+(`keeper.sites`), taken when the row enters under its route's site pattern, and taken
+again when the row moves to another route or its route's pattern changes.
 Two structures are kept per class, both exact at all times: buckets of about a
 hundred rows in due order (`keeper.buckets`), which give the class list in
 priority order because within a class an earlier due always ranks higher;
@@ -55,6 +56,8 @@ class HeldQueue:
         self.sites = HeldSites()
         # Each slot's site id, parallel to the slot records (a free slot's is stale).
         self.site_ids: array[int] = array("i")
+        # The site pattern of each route that has one (shm.keys.site_of): set_site_pattern.
+        self.site_patterns: dict[str, bytes] = {}
         self.buckets = Buckets(self.slots)
         self.tallies = MinuteTallies()
         buckets = self.buckets
@@ -123,7 +126,12 @@ class HeldQueue:
             i = (i + 1) & mask
         if slot < 0:
             slot = slots.add(key_hash, key)
-            site = self.sites.intern(key_site_hash(key))
+            patterns = self.site_patterns
+            site = self.sites.intern(
+                key_site_hash(key, patterns.get(self.classes.get(class_id).route, b""))
+                if patterns
+                else key_site_hash(key)
+            )
             if slot == len(self.site_ids):
                 self.site_ids.append(site)
             else:
@@ -143,10 +151,14 @@ class HeldQueue:
         if due_at == old_due:
             if old_class != class_id:
                 self._move(slot, old_bucket, old_class, old_due, class_id, due_at)
+                if self.site_patterns:
+                    self._resite(slot, key, old_class, class_id)
             return UNCHANGED
         rec[base + DUE] = due_at
         if class_id != old_class:
             self._move(slot, old_bucket, old_class, old_due, class_id, due_at)
+            if self.site_patterns:
+                self._resite(slot, key, old_class, class_id)
         else:
             minute = due_at // MINUTE_MS
             old_minute = old_due // MINUTE_MS
@@ -206,6 +218,52 @@ class HeldQueue:
         elif due_at < buckets.b_start[old_bucket]:
             buckets.lower_first(class_id, due_at)
 
+    def _resite(self, slot: int, key: bytes, old_class: int, class_id: int) -> None:
+        """A row moved to another class: under another route's pattern, another site."""
+        patterns, classes = self.site_patterns, self.classes
+        old = patterns.get(classes.get(old_class).route, b"")
+        new = patterns.get(classes.get(class_id).route, b"")
+        if old == new:
+            return
+        site = self.sites.intern(key_site_hash(key, new))
+        self.sites.release(self.site_ids[slot])
+        self.site_ids[slot] = site
+
+    def set_site_pattern(self, route: str, pattern: bytes) -> int:
+        """The route's site pattern is now `pattern` (b"": none): its held rows take their
+        sites again under it, in one C call; returns how many rows were re-sited."""
+        if self.site_patterns.get(route, b"") == pattern:
+            return 0
+        if pattern:
+            self.site_patterns[route] = pattern
+        else:
+            self.site_patterns.pop(route, None)
+        classes = [c for c in range(len(self.classes)) if self.classes.get(c).route == route]
+        if not classes or not len(self.slots):
+            return 0
+        place = self.slots.items()["place"].view(np.uint64)
+        live = np.flatnonzero(place != np.uint64(NO_PLACE))
+        class_of = np.frombuffer(self.buckets.b_class, dtype=np.intc)
+        in_route = np.isin(class_of[(place[live] >> np.uint64(32)).astype(np.intp)], classes)
+        slots = live[in_route].astype(np.int32)
+        del place, class_of  # live views would stop the records from growing
+        if len(slots) == 0:
+            return 0
+        keys = self.slots.keys(slots)
+        hashes = (
+            key_site_hashes(keys, (pattern,), np.zeros(len(keys), np.int32))
+            if pattern
+            else key_site_hashes(keys)
+        )
+        old_ids = np.frombuffer(self.site_ids, dtype=np.int32)[slots]  # a copy
+        # The new sites first: a site a row keeps keeps its id.
+        new_ids = self.sites.intern_many(hashes)
+        self.sites.release_many(old_ids)
+        column = np.frombuffer(self.site_ids, dtype=np.int32)
+        column[slots] = new_ids
+        del column  # a live view would stop the column from growing
+        return len(slots)
+
     def remove(self, key_hash: int) -> int:
         slot = self.slots.find(key_hash)
         if slot < 0:
@@ -239,7 +297,7 @@ class HeldQueue:
         if count == 0:
             return np.empty(0, dtype=np.int32)
         slots = self.slots.add_many(key_hashes, keys)
-        site_ids = self.sites.intern_many(key_site_hashes(keys))
+        site_ids = self.sites.intern_many(self._site_hashes(keys, class_ids))
         grow = self.slots.slots - len(self.site_ids)
         if grow > 0:
             self.site_ids.frombytes(bytes(4 * grow))
@@ -261,6 +319,21 @@ class HeldQueue:
             self.buckets.push_many(class_id, due_at[rows], slots[rows])
         return slots
 
+    def _site_hashes(
+        self, keys: Sequence[bytes], class_ids: npt.NDArray[np.int32]
+    ) -> npt.NDArray[np.uint64]:
+        """Each key's site hash under its class's route's pattern: one C call."""
+        patterns = self.site_patterns
+        if not patterns:
+            return key_site_hashes(keys)
+        table = (b"", *patterns.values())
+        index = {pattern: i for i, pattern in enumerate(table)}
+        of_class = np.array(
+            [index[patterns.get(self.classes.get(c).route, b"")] for c in range(len(self.classes))],
+            dtype=np.int32,
+        )
+        return key_site_hashes(keys, table, of_class.take(class_ids))
+
     # -- reading -------------------------------------------------------------------
 
     def slot_of(self, key_hash: int) -> int:
@@ -281,6 +354,18 @@ class HeldQueue:
     def site_of(self, slot: int) -> int:
         """The row's site id (keeper.sites)."""
         return self.site_ids[slot]
+
+    def host_site_hashes(self, slots: npt.NDArray[np.int32]) -> npt.NDArray[np.uint64]:
+        """The site hash of each slot's key's host, whatever its route's pattern: what a
+        cluster that owns keys by site places it by (keeper.ownership)."""
+        if not self.site_patterns:
+            return self.site_hashes_of(slots)
+        return key_site_hashes(self.slots.keys(slots))
+
+    def site_pattern_of(self, slot: int) -> bytes:
+        """The site pattern the row's site was taken under (b"": its host's)."""
+        patterns = self.site_patterns
+        return patterns.get(self.classes.get(self.class_of(slot)).route, b"") if patterns else b""
 
     def site_hashes_of(self, slots: npt.NDArray[np.int32]) -> npt.NDArray[np.uint64]:
         """The site hash of each slot's row (NO_SITE for a key with no host)."""

@@ -504,7 +504,8 @@ class Keeper:
         the row is gone the lease table's site word. A site word is written just after
         its lease's CAS, so while the scan reads it it may still name the slot's previous
         site: a lease lost under either is handed over (one too many only fences a key
-        that needed no fence)."""
+        that needed no fence). A held row is placed by its host's site, which its route's
+        site pattern does not change (HeldQueue.host_site_hashes)."""
         ownership = self.core.ownership
         if not len(hashes):
             return np.zeros(0, dtype=np.bool_), sites
@@ -514,7 +515,9 @@ class Keeper:
         held = slots >= 0
         rows = sites.copy()
         rows[held] = self.core.queue.site_hashes_of(slots[held])
-        lost = ~ownership.owns_many(placements(hashes, rows, True))
+        hosts = sites.copy()
+        hosts[held] = self.core.queue.host_site_hashes(slots[held])
+        lost = ~ownership.owns_many(placements(hashes, hosts, True))
         lost |= ~ownership.owns_many(placements(hashes, sites, True))
         return lost, rows
 

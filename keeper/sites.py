@@ -1,10 +1,12 @@
 """The held rows' sites: a 4-byte site id per row, and a table of the sites held.
 
-A row's site (shm.keys: its URL's host, without `www.`) is what politeness is counted
-by: per-site counts, the listing of sites by due, and the publish's per-site allowances
-(keeper/select.py). It is computed once, with the key hash, when a row enters the queue
-(an event or a walked row): the key never changes while its slot lives, so neither does
-its site, and a row's moves never touch it.
+A row's site (shm.keys: its URL's host, without `www.`, or what its route's site pattern
+names) is what politeness is counted by: per-site counts, the listing of sites by due,
+and the publish's per-site allowances (keeper/select.py). It is computed once, with the
+key hash, when a row enters the queue (an event or a walked row): the key never changes
+while its slot lives, so its site changes only with its route's pattern (a move to
+another route, or a new pattern: HeldQueue.set_site_pattern re-sites the route's rows),
+and a row's other moves never touch it.
 
 Per row the queue keeps the site's id (`HeldQueue.site_ids`, an int32 column parallel to
 the slot records) rather than its 64-bit hash: half the bytes, and a dense id makes the
@@ -83,6 +85,16 @@ class HeldSites:
         self.rows[site] = left
         if left == 0 and site != NO_SITE_ID:
             self.table.remove(site)
+
+    def release_many(self, ids: npt.NDArray[np.int32]) -> None:
+        """`release` for many rows at once (a route re-sited)."""
+        rows = np.frombuffer(self.rows, dtype=np.int64)
+        np.subtract.at(rows, ids, 1)
+        emptied = [site for site in np.unique(ids).tolist() if rows[site] == 0]
+        del rows  # a live view would stop the array from growing
+        for site in emptied:
+            if site != NO_SITE_ID:
+                self.table.remove(site)
 
     def hashes(self) -> npt.NDArray[np.uint64]:
         """The site hash of each id (a free id's is 0): a view, drop it before sites are

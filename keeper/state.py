@@ -223,7 +223,7 @@ class FencedGroup(msgspec.Struct, frozen=True, kw_only=True):
 class SiteRow(msgspec.Struct, frozen=True, kw_only=True):
     """One site's due rows, as of the keeper's last full report (this node's rows only)."""
 
-    site: str  # its host, lower-cased, without www. (shm.keys.site_of)
+    site: str  # its host, lower-cased, without www., or its route's pattern's (site_of)
     due: int  # due rows (routes not paused), fenced ones included
     held: int  # rows held
     oldest_due_at: int  # the earliest due time among its due rows

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import re
 from collections.abc import Sequence
 
 import numpy as np
@@ -40,10 +41,13 @@ _FINGERPRINT_PERSON = b"rq-secret-print"
 _SITE_PERSON = b"rq-site-hash"
 NO_SITE = 0  # the site hash of a key that names no host: no site's settings apply
 SITE_MAX_BYTES = 253  # the longest DNS name
+# A site pattern's name: dot-separated labels (site_pattern).
+_SITE_NAME = re.compile(r"[a-z0-9_-]+(?:\.[a-z0-9_-]+)*")
 
 key_hash = _atomics.key_hash  # the C function itself: no Python frame on the event path
-# site_hash(site_of(key)) in one C call (the rules of site_of, in C beside the hash): the
-# keeper takes each new row's site with its key hash, on every event and walked row.
+# site_hash(site_of(key[, pattern])) in one C call (the rules of site_of, in C beside the
+# hash): the keeper takes each new row's site with its key hash, on every event and
+# walked row, under its route's site pattern.
 key_site_hash = _atomics.key_site_hash
 
 _secret: bytes | None = None
@@ -123,10 +127,18 @@ def key_hashes(keys: Sequence[bytes]) -> npt.NDArray[np.uint64]:
     return hashes
 
 
-def key_site_hashes(keys: Sequence[bytes]) -> npt.NDArray[np.uint64]:
-    """`key_site_hash` of each key, as a uint64 array (one C call)."""
+def key_site_hashes(
+    keys: Sequence[bytes],
+    patterns: tuple[bytes, ...] = (),
+    which: npt.NDArray[np.int32] | None = None,
+) -> npt.NDArray[np.uint64]:
+    """`key_site_hash` of each key, as a uint64 array (one C call); with `patterns`, each
+    key under `patterns[which[i]]`."""
     hashes = np.empty(len(keys), dtype=np.uint64)
-    _atomics.key_site_hashes_into(keys, hashes)
+    if which is None:
+        _atomics.key_site_hashes_into(keys, hashes)
+    else:
+        _atomics.key_site_hashes_into(keys, hashes, patterns, np.ascontiguousarray(which, np.int32))
     return hashes
 
 
@@ -134,13 +146,61 @@ def _derive_site_secret(secret: bytes) -> bytes:
     return hashlib.blake2b(secret, digest_size=SECRET_BYTES, person=_SITE_PERSON).digest()
 
 
-def site_of(key: bytes) -> bytes:
+def site_of(key: bytes, pattern: bytes = b"") -> bytes:
     """The site a key belongs to: its URL's host, lower-cased, without a trailing dot, a
     port, credentials or a leading `www.`; b"" when the key names no host (no `scheme://`).
 
     Politeness is owed to an origin, and `www.example.com` and `example.com` are one
-    origin's two names far more often than two origins. `key_site_hash` follows the same
-    rules in C (shm/csrc/hash.c): a change here is made there too."""
+    origin's two names far more often than two origins. A route may name its keys' site
+    instead (`pattern`, as `site_pattern` checks it): `*.NAME` makes NAME the site of
+    every host under NAME and of NAME itself (other hosts keep their own), and a plain
+    NAME is the site of every key of the route. `key_site_hash` follows the same rules in
+    C (shm/csrc/hash.c): a change here is made there too."""
+    if pattern and not pattern.startswith(b"*."):
+        return pattern
+    host = _host_of(key)
+    if pattern and host:
+        name = pattern[2:]
+        if host == name or host.endswith(b"." + name):
+            return name
+    return host
+
+
+def site_pattern(pattern: str) -> bytes:
+    """A route's site pattern checked, as `site_of` takes it; ValueError saying why not.
+
+    `*.NAME` or `NAME`, at most SITE_MAX_BYTES in all, where NAME is a host name as
+    `site_of` names a site (lower-case letters, digits, `-`, `_` and dots; no port,
+    trailing dot or leading `www.`), so that `PUT /v1/sites/NAME` reaches the site the
+    pattern makes. A wildcard's NAME has a dot in it: one site for a whole top-level
+    domain is refused as a mistake. api.schemas.SitePattern says the same as a regex."""
+    if not isinstance(pattern, str) or not pattern:
+        raise ValueError(f"site_pattern {pattern!r}: *.NAME or NAME, NAME a host name")
+    wildcard = pattern.startswith("*.")
+    name = pattern[2:] if wildcard else pattern
+    if len(pattern) > SITE_MAX_BYTES or not _SITE_NAME.fullmatch(name):
+        raise ValueError(
+            f"site_pattern {pattern[:80]!r}: *.NAME or NAME, at most {SITE_MAX_BYTES} "
+            f"characters, NAME a host name: labels of lower-case letters, digits, '-' and "
+            f"'_' joined by single dots"
+        )
+    raw = name.encode()
+    named = site_of(b"x://" + raw)
+    if named != raw:
+        suggested = ("*." if wildcard else "") + named.decode()
+        raise ValueError(
+            f"site_pattern {pattern!r}: a key's URL names that site {named.decode()!r} (no "
+            f"trailing dot or leading www.); use {suggested!r}"
+        )
+    if wildcard and "." not in name:
+        raise ValueError(
+            f"site_pattern {pattern!r}: a wildcard names a domain with a dot in it, not a "
+            f"top-level domain"
+        )
+    return raw if not wildcard else pattern.encode()
+
+
+def _host_of(key: bytes) -> bytes:
     start = key.find(b"://")
     if start < 0:
         return b""

@@ -232,12 +232,15 @@ class ScheduleStore(Protocol):
         clear_default_cadence: bool = False,
         adapt: Adaptation | None = None,
         clear_adapt: bool = False,
+        site_pattern: str | None = None,
+        clear_site_pattern: bool = False,
     ) -> Route:
         """Create or change a route; None leaves a field as it is. `clear_default_cadence`
         sends the route back to the global default. `adapt` turns adaptive cadence on (or
         changes its settings), `clear_adapt` off; turning it off, or moving its ladder's
         ends, forgets what the route's rows learned (in the same transaction: the feed
-        delivers each such row), since a learned cadence is a rung of the old ladder."""
+        delivers each such row), since a learned cadence is a rung of the old ladder.
+        `clear_site_pattern` sends the route's keys back to their own hosts' sites."""
         ...
 
     def default_cadence_s(self) -> int: ...

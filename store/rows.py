@@ -75,14 +75,22 @@ def row_from(values: tuple[Any, ...] | Any) -> Row:
 
 
 # The columns of `routes` in route_from's order, for both backends' statements.
-ROUTE_COLUMNS = "route, default_cadence_s, paused, adapt_min_s, adapt_max_s, adapt_inc, adapt_dec"
+ROUTE_COLUMNS = (
+    "route, default_cadence_s, paused, adapt_min_s, adapt_max_s, adapt_inc, adapt_dec, site_pattern"
+)
 
 
 def route_from(values: tuple[Any, ...] | Any) -> Route:
     """A Route from ROUTE_COLUMNS' values."""
-    name, default_cadence_s, paused, min_s, max_s, inc, dec = values
+    name, default_cadence_s, paused, min_s, max_s, inc, dec, site_pattern = values
     adapt = None if min_s is None else Adaptation(min_s=min_s, max_s=max_s, inc=inc, dec=dec)
-    return Route(route=name, default_cadence_s=default_cadence_s, paused=bool(paused), adapt=adapt)
+    return Route(
+        route=name,
+        default_cadence_s=default_cadence_s,
+        paused=bool(paused),
+        adapt=adapt,
+        site_pattern=site_pattern,
+    )
 
 
 # What a completion that observed a change reads of its row and route, in the order
@@ -123,6 +131,9 @@ class Route(msgspec.Struct, frozen=True, kw_only=True):
     default_cadence_s: int | None = None
     paused: bool = False
     adapt: Adaptation | None = None  # None: its rows' cadences are fixed
+    # The site of the route's keys (shm.keys.site_of): `*.NAME` for NAME and every host
+    # under it, or one NAME for all; None, each key's own host.
+    site_pattern: str | None = None
 
 
 class Completion(msgspec.Struct, frozen=True, kw_only=True):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
+from shm import keys
 from store.cadence import Adaptation, check_adaptation
 from store.rows import MAX_KEY_BYTES, Completion, RowWrite, SiteSettings
 
@@ -212,6 +213,17 @@ def check_route_change(
         default_cadence_s is not None or clear_default_cadence,
         adapt is not None or clear_adapt,
     )
+
+
+def check_site_pattern_change(site_pattern: object, clear_site_pattern: bool) -> bool:
+    """A `set_route` call's site pattern; returns whether it is written (set or cleared)."""
+    if site_pattern is not None:
+        if clear_site_pattern:
+            raise ValueError("site_pattern: cannot both set and clear it")
+        if not isinstance(site_pattern, str):
+            raise ValueError(f"site_pattern: a string, got {type(site_pattern).__name__}")
+        keys.site_pattern(site_pattern)
+    return site_pattern is not None or clear_site_pattern
 
 
 def check_site_settings(settings: SiteSettings) -> SiteSettings:

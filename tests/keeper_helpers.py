@@ -219,6 +219,8 @@ class MemoryStore:
         clear_default_cadence: bool = False,
         adapt: Adaptation | None = None,
         clear_adapt: bool = False,
+        site_pattern: str | None = None,
+        clear_site_pattern: bool = False,
     ) -> Route:
         old = self.route_table.get(route, Route(route=route))
         new = Route(
@@ -230,6 +232,11 @@ class MemoryStore:
             else old.default_cadence_s,
             paused=paused if paused is not None else old.paused,
             adapt=None if clear_adapt else adapt if adapt is not None else old.adapt,
+            site_pattern=None
+            if clear_site_pattern
+            else site_pattern
+            if site_pattern is not None
+            else old.site_pattern,
         )
         self.route_table[route] = new
         self.log.append(("route", route))

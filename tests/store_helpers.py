@@ -28,6 +28,8 @@ class ContractStore(ScheduleStore, Protocol):
         clear_default_cadence: bool = False,
         adapt: Adaptation | None = None,
         clear_adapt: bool = False,
+        site_pattern: str | None = None,
+        clear_site_pattern: bool = False,
     ) -> Route: ...
 
     def consumers(self) -> dict[str, Cursor]: ...

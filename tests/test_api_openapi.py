@@ -156,6 +156,43 @@ def test_a_route_in_the_path_is_refused_exactly_when_the_document_refuses_it(
         assert response.status_code == (200 if takes else 422), (route, response.text)
 
 
+def test_a_site_pattern_is_refused_exactly_when_the_document_refuses_it(
+    document: dict[str, Any], client: httpx.Client
+) -> None:
+    body = document["components"]["schemas"]["RouteUpdate"]
+    schema = {**body["properties"]["site_pattern"], "components": document["components"]}
+    patterns = [
+        "*.example.com",
+        "example.com",
+        "customer-a",
+        "*.co.uk",
+        "www",
+        "wwwx.example",
+        "*.wwwx.example",
+        "x" * 253,
+        "*." + "x" * 249 + ".io",
+        "x" * 254,
+        "*.com",
+        "*",
+        "*.",
+        "**.a.com",
+        "a.*.example",
+        "Example.com",
+        "example.com.",
+        "a..b",
+        ".a",
+        "www.example.com",
+        "*.www.example.com",
+        "a:80",
+        "a b",
+        "",
+    ]
+    for pattern in patterns:
+        response = client.put("/v1/routes/patterned", json={"site_pattern": pattern})
+        takes = jsonschema.Draft202012Validator(schema).is_valid(pattern)
+        assert response.status_code == (200 if takes else 422), (pattern, response.text)
+
+
 def test_integer_valued_numbers_are_taken_as_integers_on_every_endpoint(
     client: httpx.Client,
 ) -> None:

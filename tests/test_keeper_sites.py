@@ -1,6 +1,6 @@
 """keeper/sites.py and the queue's site column: every held row's site id names its key's
-site (hash and name) whatever events and walks did, each site counts exactly its held
-rows, and a site goes with its last row."""
+site (hash and name, under its route's site pattern) whatever events, walks and pattern
+changes did, each site counts exactly its held rows, and a site goes with its last row."""
 
 from __future__ import annotations
 
@@ -15,9 +15,11 @@ from test_keeper_core import load
 from keeper.config import KeeperConfig
 from keeper.core import KeeperCore
 from keeper.counts import count_sites
+from keeper.ownership import Rendezvous, placements
 from keeper.queue import HeldQueue
 from keeper.sites import NO_SITE_ID, HeldSites
-from shm.keys import NO_SITE, key_site_hash, site_hash, site_of
+from shm import key_hashes
+from shm.keys import NO_SITE, key_site_hash, key_site_hashes, site_hash, site_of
 from store.rows import Route, Row, RowEvent, RowWrite
 
 HOSTS = [
@@ -33,17 +35,25 @@ def key_of(n: int) -> str:
     return f"{HOSTS[n % len(HOSTS)]}p/{n}"
 
 
-def check_sites(queue: HeldQueue) -> None:
-    """The site column and the site table agree with the held keys, exactly."""
+def pattern_of(core: KeeperCore, slot: int) -> bytes:
+    """The site pattern of the row's route, as the core's routes say."""
+    route = core.routes.get(core.classes.get(core.queue.class_of(slot)).route)
+    return b"" if route is None or route.site_pattern is None else route.site_pattern.encode()
+
+
+def check_sites(queue: HeldQueue, core: KeeperCore | None = None) -> None:
+    """The site column and the site table agree with the held keys (under their routes'
+    site patterns, where `core` says them), exactly."""
     sites = queue.sites
     live = queue.slots.live_slots().tolist()
     want: Counter[int] = Counter()
     hashes = sites.hashes()
     for slot in live:
         key = queue.slots.key(slot)
+        pattern = b"" if core is None else pattern_of(core, slot)
         site = queue.site_of(slot)
-        assert int(hashes[site]) == key_site_hash(key) == site_hash(site_of(key))
-        assert (site == NO_SITE_ID) == (site_of(key) == b"")
+        assert int(hashes[site]) == key_site_hash(key, pattern) == site_hash(site_of(key, pattern))
+        assert (site == NO_SITE_ID) == (site_of(key, pattern) == b"")
         want[site] += 1
     held = {s: sites.held_rows(s) for s in sites.table.live_slots().tolist()}
     assert held.pop(NO_SITE_ID) == want.pop(NO_SITE_ID, 0)  # always there, maybe empty
@@ -51,7 +61,7 @@ def check_sites(queue: HeldQueue) -> None:
     assert len(sites) == len(want)
     if live:
         site_hashes = queue.site_hashes_of(np.array(live, dtype=np.int32))
-        assert site_hashes.tolist() == [key_site_hash(queue.slots.key(s)) for s in live]
+        assert site_hashes.tolist() == [int(hashes[queue.site_of(s)]) for s in live]
     del hashes
 
 
@@ -175,7 +185,7 @@ def brute_site_counts(core: KeeperCore, now: int) -> tuple[dict[str, tuple[int, 
     no_site = 0
     for slot in queue.slots.live_slots().tolist():
         row = queue.held_slot(slot)
-        site = site_of(queue.slots.key(slot)).decode()
+        site = site_of(queue.slots.key(slot), pattern_of(core, slot)).decode()
         due = row.due_at <= now and not paused[row.class_id]
         if not site:
             no_site += due
@@ -204,7 +214,7 @@ def check_site_counts(core: KeeperCore, now: int, top: int) -> None:
 
 
 counted_write = st.tuples(
-    st.sampled_from(["put", "put", "delete", "walk", "pause"]),
+    st.sampled_from(["put", "put", "delete", "walk", "pause", "pattern"]),
     st.integers(0, 40),
     st.integers(-3_600_000, 3_600_000),
 )
@@ -228,6 +238,9 @@ def test_due_rows_per_site_are_exact_after_events_and_walks(
             store.write(delete=[key])
         elif what == "pause":
             store.set_route(routes[n % 2], paused=offset > 0)
+        elif what == "pattern":
+            pattern = PATTERNS[n % len(PATTERNS)]
+            store.set_route(routes[n % 2], site_pattern=pattern, clear_site_pattern=not pattern)
         else:
             core.apply_events(sub.poll(10_000).events, NOW)
             walk = core.begin_walk("verify", NOW)
@@ -243,3 +256,99 @@ def test_due_rows_per_site_are_exact_after_events_and_walks(
     core.apply_events(sub.poll(10_000).events, NOW)
     check_site_counts(core, NOW + at, top)
     check_site_counts(core, NOW + at, 1000)
+    check_sites(core.queue, core)
+
+
+# A fixed site, and a wildcard that takes in every host of HOSTS (shop, blog, news).
+PATTERNS = [None, "shop.example", "*.example"]
+
+
+def test_a_routes_site_pattern_names_its_rows_sites_and_re_sites_them() -> None:
+    keys = {
+        "https://a.cust.example/1": "shop",
+        "https://B.Cust.Example:8443/2": "shop",
+        "https://www.cust.example/3": "shop",
+        "https://other.example/4": "shop",
+        "/no-host": "shop",
+        "https://a.cust.example/5": "blog",
+    }
+    store = MemoryStore()
+    for n, (key, route) in enumerate(keys.items()):
+        store.put(key, NOW - n, route=route)
+    core = KeeperCore(KeeperConfig())
+    load(core, store)
+    sub = store.subscribe("keeper", store.feed_head())
+
+    def held_by_site() -> dict[str, int]:
+        return {c.site: c.held for c in count_sites(core.queue, NOW, 100).top}
+
+    assert held_by_site() == {
+        "a.cust.example": 2,
+        "b.cust.example": 1,
+        "cust.example": 1,
+        "other.example": 1,
+    }
+    # A wildcard: the route's rows under cust.example take it as their site; the blog
+    # route's row keeps its host.
+    store.set_route("shop", site_pattern="*.cust.example")
+    core.apply_events(sub.poll().events, NOW)
+    check_sites(core.queue, core)
+    assert core.counters.rows_resited == 5
+    assert held_by_site() == {"cust.example": 3, "a.cust.example": 1, "other.example": 1}
+    # A new row of the route, and a row moving into it and out again.
+    store.put("https://c.cust.example/6", NOW, route="shop")
+    store.put("https://a.cust.example/5", NOW, route="shop")
+    core.apply_events(sub.poll().events, NOW)
+    check_sites(core.queue, core)
+    assert held_by_site() == {"cust.example": 5, "other.example": 1}
+    store.put("https://a.cust.example/5", NOW - 5, route="blog")
+    core.apply_events(sub.poll().events, NOW)
+    assert held_by_site() == {"cust.example": 4, "a.cust.example": 1, "other.example": 1}
+    # A fixed name: every row of the route, hosts or none.
+    store.set_route("shop", site_pattern="customer-a")
+    core.apply_events(sub.poll().events, NOW)
+    check_sites(core.queue, core)
+    assert held_by_site() == {"customer-a": 6, "a.cust.example": 1}
+    assert count_sites(core.queue, NOW, 100).no_site_due == 0
+    # A load under the pattern (the walk's batch path) holds what the re-site held.
+    loaded = KeeperCore(KeeperConfig())
+    load(loaded, store)  # the routes first, then the walk
+    check_sites(loaded.queue, loaded)
+    assert {c.site: c.held for c in count_sites(loaded.queue, NOW, 100).top} == held_by_site()
+    # Cleared: each key's own host again, and the pattern's sites are gone.
+    store.set_route("shop", clear_site_pattern=True)
+    core.apply_events(sub.poll().events, NOW)
+    check_sites(core.queue, core)
+    assert "customer-a" not in held_by_site() and len(core.queue.sites) == 5
+
+
+def test_owned_by_site_a_key_is_placed_by_its_host_whatever_its_routes_pattern() -> None:
+    """A cluster that owns keys by site places each key by its host's site, so a route's
+    pattern (set at the load, or changed later) moves no key between nodes: the keeper
+    holds, and places, exactly the keys whose hosts this node owns."""
+    keys = [f"https://h{n}.cust.example/p/{i}".encode() for n in range(12) for i in range(3)]
+    store = MemoryStore()
+    store.set_route("shop", site_pattern="*.cust.example")
+    for n, key in enumerate(keys):
+        store.put(key.decode(), NOW - n, route="shop")
+    hosts = key_site_hashes(keys)
+    mine = Rendezvous("a", ["a", "b", "c"], by_site=True)
+    owned = mine.owns_many(placements(key_hashes(keys), hosts, True))
+    assert 0 < owned.sum() < len(keys)  # the pattern's site is split by host
+    core = KeeperCore(KeeperConfig(), ownership=mine)
+    sub = store.subscribe("keeper", store.feed_head())
+    load(core, store)
+    held = sorted(core.queue.slots.key(s) for s in core.queue.slots.live_slots().tolist())
+    assert held == sorted(k for k, own in zip(keys, owned.tolist(), strict=True) if own)
+    check_sites(core.queue, core)
+    assert {c.site for c in count_sites(core.queue, NOW, 10).top} == {"cust.example"}
+    hashed = key_hashes(held)
+    assert core.placements_of(hashed).tolist() == key_site_hashes(held).tolist()
+    # Events place by host too, and a pattern cleared moves nothing.
+    store.set_route("shop", clear_site_pattern=True)
+    for key in keys:
+        store.put(key.decode(), NOW + 1, route="shop")
+    core.apply_events(sub.poll(10_000).events, NOW)
+    again = sorted(core.queue.slots.key(s) for s in core.queue.slots.live_slots().tolist())
+    assert again == held
+    check_sites(core.queue, core)

@@ -15,6 +15,7 @@ before any secret, or under another one, runs in a child process.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from typing import Any
@@ -38,6 +39,7 @@ from shm.keys import (
     secret_in_use,
     site_hash,
     site_of,
+    site_pattern,
     use_secret,
 )
 
@@ -401,6 +403,113 @@ def test_key_site_hashes_into_checks_its_output() -> None:
         key_site_hashes_into([b"a", not_a_key], np.empty(2, dtype=np.uint64))
     assert key_site_hash(bytearray(b"https://x.example/")) == site_hash(b"x.example")
     assert key_site_hash(memoryview(b"https://x.example/")) == site_hash(b"x.example")
+
+
+# A route's site pattern: `*.NAME` names NAME for NAME and every host under it (after
+# site_of's own rules), any other host its own; a plain NAME names every key of the route.
+@pytest.mark.parametrize(
+    ("key", "pattern", "site"),
+    [
+        (b"https://a.example.com/x", b"*.example.com", b"example.com"),
+        (b"https://b.a.Example.COM:8080/x", b"*.example.com", b"example.com"),
+        (b"https://example.com/", b"*.example.com", b"example.com"),
+        (b"https://www.example.com/", b"*.example.com", b"example.com"),
+        (b"https://user@x.example.com./", b"*.example.com", b"example.com"),
+        (b"https://badexample.com/", b"*.example.com", b"badexample.com"),
+        (b"https://example.com.evil.org/", b"*.example.com", b"example.com.evil.org"),
+        (b"https://xample.com/", b"*.example.com", b"xample.com"),
+        (b"https://other.org/", b"*.example.com", b"other.org"),
+        (b"/relative/path", b"*.example.com", b""),
+        (b"https://a.example.com/x", b"customer-a", b"customer-a"),
+        (b"/relative/path", b"customer-a", b"customer-a"),
+        (b"https://a.example.com/x", b"", b"a.example.com"),
+    ],
+)
+def test_a_route_pattern_names_the_site(key: bytes, pattern: bytes, site: bytes) -> None:
+    assert site_of(key, pattern) == site
+    assert key_site_hash(key, pattern) == site_hash(site)
+
+
+_PATTERNS = (b"", b"*.example.com", b"*.a.example", b"example.com", b"c.example")
+
+
+def test_the_c_site_hash_follows_each_pattern_as_site_of_does() -> None:
+    corpus = [
+        *SITE_CORPUS,
+        b"https://A.Example.com/",
+        b"https://a.example/",
+        b"https://x.a.example/",
+        b"https://.example.com/",
+        b"https://example.com/",
+    ]
+    for pattern in _PATTERNS:
+        want = [site_hash(site_of(k, pattern)) for k in corpus]
+        assert [key_site_hash(k, pattern) for k in corpus] == want, pattern
+    # A batch, each key under its own pattern: one C call.
+    which = np.arange(len(corpus), dtype=np.int32) % len(_PATTERNS)
+    want = [site_hash(site_of(k, _PATTERNS[w])) for k, w in zip(corpus, which, strict=True)]
+    assert key_site_hashes(corpus, _PATTERNS, which).tolist() == want
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.one_of(_URL_PIECES, st.binary(max_size=6)), max_size=14),
+    st.sampled_from(_PATTERNS),
+)
+def test_the_c_site_hash_agrees_under_patterns(pieces: list[bytes], pattern: bytes) -> None:
+    key = b"".join(pieces)
+    assert key_site_hash(key, pattern) == site_hash(site_of(key, pattern)), key
+
+
+def test_key_site_hashes_into_checks_its_patterns() -> None:
+    out = np.empty(2, dtype=np.uint64)
+    with pytest.raises(ValueError, match="out of range"):
+        key_site_hashes_into([b"a", b"b"], out, (b"",), np.array([0, 1], np.int32))
+    with pytest.raises(ValueError, match="int32"):
+        key_site_hashes_into([b"a", b"b"], out, (b"",), np.zeros(2, np.int64))
+    not_a_pattern: Any = "x.example"
+    with pytest.raises(TypeError):
+        key_site_hashes_into([b"a", b"b"], out, (not_a_pattern,), np.zeros(2, np.int32))
+    with pytest.raises(TypeError):
+        key_site_hash(b"https://a.example/", not_a_pattern)
+
+
+@pytest.mark.parametrize(
+    "pattern", ["*.example.com", "example.com", "customer-a", "*.co.uk", "a_b.example", "x"]
+)
+def test_a_valid_site_pattern_is_taken_as_written(pattern: str) -> None:
+    assert site_pattern(pattern) == pattern.encode()
+
+
+@pytest.mark.parametrize(
+    ("pattern", "why"),
+    [
+        ("", "NAME a host name"),
+        ("*", "NAME a host name"),
+        ("*.", "NAME a host name"),
+        ("**.example.com", "NAME a host name"),
+        ("*.*.example.com", "NAME a host name"),
+        ("a.*.example.com", "NAME a host name"),
+        ("*example.com", "NAME a host name"),
+        ("Example.com", "lower-case"),
+        ("example.com.", "single dots"),
+        ("a..example.com", "single dots"),
+        (".example.com", "single dots"),
+        ("example.com:8080", "NAME a host name"),
+        ("example.com/path", "NAME a host name"),
+        ("user@example.com", "NAME a host name"),
+        ("exa mple.com", "NAME a host name"),
+        ("[::1]", "NAME a host name"),
+        ("éxample.com", "NAME a host name"),
+        ("x" * 254, "at most 253"),
+        ("www.example.com", "use 'example.com'"),
+        ("*.www.example.com", "use '*.example.com'"),
+        ("*.com", "not a top-level domain"),
+    ],
+)
+def test_a_bad_site_pattern_is_refused_saying_why(pattern: str, why: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(why)):
+        site_pattern(pattern)
 
 
 _SITE_CHILD = """

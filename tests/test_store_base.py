@@ -408,6 +408,26 @@ def test_routes_and_the_global_default(any_store: ContractStore) -> None:
     assert store.default_cadence_s() == 3_600 and len(store.routes()) == 2
 
 
+def test_a_routes_site_pattern_is_stored_kept_cleared_and_checked(
+    any_store: ContractStore,
+) -> None:
+    store = any_store
+    assert store.set_route("shop", site_pattern="*.example.com") == Route(
+        route="shop", site_pattern="*.example.com"
+    )
+    # Other changes keep it; a new value replaces it; clearing ends it.
+    assert store.set_route("shop", default_cadence_s=600).site_pattern == "*.example.com"
+    assert store.set_route("shop", site_pattern="customer-a").site_pattern == "customer-a"
+    assert store.routes() == [Route(route="shop", default_cadence_s=600, site_pattern="customer-a")]
+    for bad in ("*.com", "Example.com", "www.example.com", "a/b", "*"):
+        with pytest.raises(ValueError, match="site_pattern"):
+            store.set_route("shop", site_pattern=bad)
+    with pytest.raises(ValueError, match="both set and clear"):
+        store.set_route("shop", site_pattern="a.example", clear_site_pattern=True)
+    assert store.routes()[0].site_pattern == "customer-a"  # nothing changed
+    assert store.set_route("shop", clear_site_pattern=True).site_pattern is None
+
+
 def test_site_settings_are_stored_cleared_and_checked(any_store: ContractStore) -> None:
     store = any_store
     assert store.sites() == [] and store.get_site("example.com") is None

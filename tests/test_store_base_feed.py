@@ -126,13 +126,17 @@ def test_route_and_settings_changes_come_through_the_same_feed(any_store: Contra
     sub = store.subscribe("keeper")
     store.set_route("product", default_cadence_s=600)
     store.write([put("/a")])
-    store.set_route("product", paused=True)
+    store.set_route("product", paused=True, site_pattern="*.example.com")
     store.set_default_cadence_s(7_200)
     settle(store)
     batch = sub.poll()
     assert batch.events == [
         RowEvent(key="/a", row=store.get("/a")),
-        RouteEvent(route=Route(route="product", default_cadence_s=600, paused=True)),
+        RouteEvent(
+            route=Route(
+                route="product", default_cadence_s=600, paused=True, site_pattern="*.example.com"
+            )
+        ),
         SettingsEvent(default_cadence_s=7_200),
     ]
     sub.close()

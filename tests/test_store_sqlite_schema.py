@@ -93,7 +93,7 @@ def test_a_version_1_database_is_migrated_in_place(tmp_path: Path) -> None:
     assert row is not None and row.next_render_at == 5
     store.close()
     conn = sqlite3.connect(path)
-    assert schema_version(conn) == LATEST == 5
+    assert schema_version(conn) == LATEST == 6
     triggers = {n for (n,) in conn.execute("SELECT name FROM sqlite_master WHERE type='trigger'")}
     assert "change_log_trimmed" in triggers
     conn.close()

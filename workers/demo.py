@@ -37,6 +37,7 @@ class ExampleRoute(msgspec.Struct, frozen=True, kw_only=True):
     route: str
     default_cadence_s: int | None = None
     paused: bool = False
+    site_pattern: str | None = None
 
 
 class ExampleRoutes(msgspec.Struct, frozen=True, kw_only=True):
@@ -71,7 +72,12 @@ def load_example(store: ScheduleStore, directory: Path, now_ms: int) -> Loaded:
     settings = msgspec.json.decode((directory / "routes.json").read_bytes(), type=ExampleRoutes)
     store.set_default_cadence_s(settings.default_cadence_s)
     for route in settings.routes:
-        store.set_route(route.route, default_cadence_s=route.default_cadence_s, paused=route.paused)
+        store.set_route(
+            route.route,
+            default_cadence_s=route.default_cadence_s,
+            paused=route.paused,
+            site_pattern=route.site_pattern,
+        )
     rows = due = 0
     batch: list[RowWrite] = []
     for example in read_rows(directory / "schedule.jsonl"):

@@ -161,14 +161,42 @@ site_of_key(const unsigned char *key, size_t len, unsigned char *out)
     return n;
 }
 
+/* The hash of a site name's bytes (not empty). */
+static inline uint64_t
+site_name_hash(const unsigned char *site, size_t n)
+{
+    uint64_t h = siphash24(site_init, site, n);
+    return h ? h : 1;
+}
+
 static inline uint64_t
 key_site_hash_of(const unsigned char *p, size_t len)
 {
     unsigned char site[SITE_MAX_BYTES];
     size_t n = site_of_key(p, len, site);
     if (n == 0) return 0; /* NO_SITE */
-    uint64_t h = siphash24(site_init, site, n);
-    return h ? h : 1;
+    return site_name_hash(site, n);
+}
+
+/* The key's site under a route's site pattern (shm/keys.py: site_of with a pattern, which
+ * checked it): none (empty), the key's host; "*.NAME", NAME for NAME and every host under
+ * it, else the host; any other NAME, NAME for every key. */
+static inline uint64_t
+key_site_hash_under(const unsigned char *key, size_t len, const unsigned char *pattern,
+                    size_t plen)
+{
+    if (plen == 0) return key_site_hash_of(key, len);
+    if (plen < 2 || pattern[0] != '*' || pattern[1] != '.') return site_name_hash(pattern, plen);
+    const unsigned char *name = pattern + 2;
+    size_t nlen = plen - 2;
+    unsigned char site[SITE_MAX_BYTES];
+    size_t n = site_of_key(key, len, site);
+    if (n == 0) return 0; /* NO_SITE */
+    if (n >= nlen && memcmp(site + (n - nlen), name, nlen) == 0 &&
+        (n == nlen || site[n - nlen - 1] == '.')) {
+        return site_name_hash(name, nlen);
+    }
+    return site_name_hash(site, n);
 }
 
 static int
@@ -214,19 +242,33 @@ hash_object(PyObject *key, uint64_t *out)
     return 0;
 }
 
-/* The site hash of one key's site (bytes fast, any contiguous buffer otherwise). */
+/* The site hash of one key's site under a site pattern (empty: none), bytes fast, any
+ * contiguous buffer otherwise. */
 static int
-site_hash_object(PyObject *key, uint64_t *out)
+site_hash_object(PyObject *key, const unsigned char *pattern, size_t plen, uint64_t *out)
 {
     if (PyBytes_CheckExact(key)) {
-        *out = key_site_hash_of((const unsigned char *)PyBytes_AS_STRING(key),
-                                (size_t)PyBytes_GET_SIZE(key));
+        *out = key_site_hash_under((const unsigned char *)PyBytes_AS_STRING(key),
+                                   (size_t)PyBytes_GET_SIZE(key), pattern, plen);
         return 0;
     }
     Py_buffer view;
     if (PyObject_GetBuffer(key, &view, PyBUF_C_CONTIGUOUS) < 0) return -1;
-    *out = key_site_hash_of((const unsigned char *)view.buf, (size_t)view.len);
+    *out = key_site_hash_under((const unsigned char *)view.buf, (size_t)view.len, pattern, plen);
     PyBuffer_Release(&view);
+    return 0;
+}
+
+/* A site pattern's bytes: exactly bytes (shm.keys checked it), at most "*." and a name. */
+static int
+read_pattern(PyObject *pattern, const unsigned char **out, size_t *len)
+{
+    if (!PyBytes_CheckExact(pattern) || PyBytes_GET_SIZE(pattern) > SITE_MAX_BYTES + 2) {
+        PyErr_SetString(PyExc_TypeError, "a site pattern is bytes of at most 255");
+        return -1;
+    }
+    *out = (const unsigned char *)PyBytes_AS_STRING(pattern);
+    *len = (size_t)PyBytes_GET_SIZE(pattern);
     return 0;
 }
 
@@ -285,46 +327,98 @@ module_key_hashes_into(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ss
     Py_RETURN_NONE;
 }
 
-/* key_site_hash(key) -> site_hash(site_of(key)): 0 when the key names no host. */
+/* key_site_hash(key[, pattern]) -> site_hash(site_of(key, pattern)): 0 when the key has
+ * no site. */
 static PyObject *
-module_key_site_hash(PyObject *Py_UNUSED(module), PyObject *key)
+module_key_site_hash(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 {
+    if (nargs != 1 && nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "key_site_hash takes 1 or 2 arguments, got %zd", nargs);
+        return NULL;
+    }
+    const unsigned char *pattern = (const unsigned char *)"";
+    size_t plen = 0;
+    if (nargs == 2 && read_pattern(args[1], &pattern, &plen) < 0) return NULL;
     uint64_t h;
-    if (need_site_secret() < 0 || site_hash_object(key, &h) < 0) return NULL;
+    if (need_site_secret() < 0 || site_hash_object(args[0], pattern, plen, &h) < 0) return NULL;
     return PyLong_FromUnsignedLongLong(h);
 }
 
-/* key_site_hashes_into(keys, out) -> None: key_site_hash of each key of a list or tuple
- * into the aligned uint64 buffer `out` (one word per key). */
+/* key_site_hashes_into(keys, out[, patterns, which]) -> None: key_site_hash of each key
+ * of a list or tuple into the aligned uint64 buffer `out` (one word per key); with
+ * `patterns` (a tuple of site patterns) and `which` (an aligned int32 buffer, one index
+ * into it per key), each key under its own. */
 static PyObject *
 module_key_site_hashes_into(PyObject *Py_UNUSED(module), PyObject *const *args,
                             Py_ssize_t nargs)
 {
-    if (check_nargs("key_site_hashes_into", nargs, 2) < 0 || need_site_secret() < 0) return NULL;
+    if (nargs != 2 && nargs != 4) {
+        PyErr_Format(PyExc_TypeError, "key_site_hashes_into takes 2 or 4 arguments, got %zd",
+                     nargs);
+        return NULL;
+    }
+    if (need_site_secret() < 0) return NULL;
+    Py_ssize_t n_patterns = 0;
+    if (nargs == 4) {
+        if (!PyTuple_CheckExact(args[2])) {
+            PyErr_SetString(PyExc_TypeError, "key_site_hashes_into wants a tuple of patterns");
+            return NULL;
+        }
+        n_patterns = PyTuple_GET_SIZE(args[2]);
+        const unsigned char *unused;
+        size_t unused_len;
+        for (Py_ssize_t p = 0; p < n_patterns; p++) {
+            if (read_pattern(PyTuple_GET_ITEM(args[2], p), &unused, &unused_len) < 0) return NULL;
+        }
+    }
     PyObject *seq = PySequence_Fast(args[0], "key_site_hashes_into wants a sequence of keys");
     if (seq == NULL) return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    Py_buffer out;
+    Py_buffer out, which = {0};
     if (PyObject_GetBuffer(args[1], &out, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
         Py_DECREF(seq);
         return NULL;
     }
-    if (out.len != n * 8 || ((uintptr_t)out.buf & 7u)) {
+    if (nargs == 4 && PyObject_GetBuffer(args[3], &which, PyBUF_C_CONTIGUOUS) < 0) {
         PyBuffer_Release(&out);
         Py_DECREF(seq);
-        PyErr_SetString(PyExc_ValueError,
-                        "key_site_hashes_into wants an aligned uint64 buffer of one word per key");
+        return NULL;
+    }
+    const char *bad = NULL;
+    if (out.len != n * 8 || ((uintptr_t)out.buf & 7u)) {
+        bad = "key_site_hashes_into wants an aligned uint64 buffer of one word per key";
+    } else if (nargs == 4 && (which.len != n * 4 || ((uintptr_t)which.buf & 3u))) {
+        bad = "key_site_hashes_into wants an aligned int32 buffer of one index per key";
+    } else if (nargs == 4) {
+        const int32_t *w = which.buf;
+        for (Py_ssize_t i = 0; i < n && bad == NULL; i++) {
+            if (w[i] < 0 || w[i] >= n_patterns) bad = "a pattern index is out of range";
+        }
+    }
+    if (bad != NULL) {
+        if (nargs == 4) PyBuffer_Release(&which);
+        PyBuffer_Release(&out);
+        Py_DECREF(seq);
+        PyErr_SetString(PyExc_ValueError, bad);
         return NULL;
     }
     PyObject **items = PySequence_Fast_ITEMS(seq);
     uint64_t *o = out.buf;
     int failed = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
-        if (site_hash_object(items[i], &o[i]) < 0) {
+        const unsigned char *pattern = (const unsigned char *)"";
+        size_t plen = 0;
+        if (nargs == 4) {
+            PyObject *chosen = PyTuple_GET_ITEM(args[2], ((const int32_t *)which.buf)[i]);
+            pattern = (const unsigned char *)PyBytes_AS_STRING(chosen);
+            plen = (size_t)PyBytes_GET_SIZE(chosen);
+        }
+        if (site_hash_object(items[i], pattern, plen, &o[i]) < 0) {
             failed = 1;
             break;
         }
     }
+    if (nargs == 4) PyBuffer_Release(&which);
     PyBuffer_Release(&out);
     Py_DECREF(seq);
     if (failed) return NULL;
@@ -390,10 +484,10 @@ static PyMethodDef hash_methods[] = {
      "key_hash($module, key, /)\n--\n\nkey_hash(key) -> SipHash-2-4 of the key's bytes under the process's secret, 0 mapped to 1."},
     {"key_hashes_into", (PyCFunction)(void (*)(void))module_key_hashes_into, METH_FASTCALL,
      "key_hashes_into($module, keys, out, /)\n--\n\nkey_hashes_into(keys, out_u64) -> None: key_hash of each key into out."},
-    {"key_site_hash", (PyCFunction)module_key_site_hash, METH_O,
-     "key_site_hash($module, key, /)\n--\n\nkey_site_hash(key) -> site_hash(site_of(key)): the key's site's hash, 0 for no host."},
+    {"key_site_hash", (PyCFunction)(void (*)(void))module_key_site_hash, METH_FASTCALL,
+     "key_site_hash($module, key, pattern=b'', /)\n--\n\nkey_site_hash(key[, pattern]) -> site_hash(site_of(key, pattern)): the key's site's hash, 0 for none."},
     {"key_site_hashes_into", (PyCFunction)(void (*)(void))module_key_site_hashes_into, METH_FASTCALL,
-     "key_site_hashes_into($module, keys, out, /)\n--\n\nkey_site_hashes_into(keys, out_u64) -> None: key_site_hash of each key into out."},
+     "key_site_hashes_into($module, keys, out, patterns=(), which=None, /)\n--\n\nkey_site_hashes_into(keys, out_u64[, patterns, which_i32]) -> None: key_site_hash of each key (under patterns[which[i]]) into out."},
     {"set_site_secret", (PyCFunction)module_set_site_secret, METH_O,
      "set_site_secret($module, secret, /)\n--\n\nset_site_secret(secret) -> None: key every later key_site_hash with these 16 bytes."},
     {"set_hash_secret", (PyCFunction)module_set_hash_secret, METH_O,

@@ -253,7 +253,7 @@ class PostgresSubscription:
                 route = (
                     Route(route=key)
                     if paused is None
-                    else route_from((key, cadence, paused, *entry[19:23]))
+                    else route_from((key, cadence, paused, *entry[19:24]))
                 )
                 events[slot] = RouteEvent(route=route)
             elif kind == KIND_SETTINGS:

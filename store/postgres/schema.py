@@ -219,8 +219,11 @@ _V7 = [
         ADD COLUMN adapt_dec double precision""",
 ]
 
+# A route's site pattern (shm.keys.site_pattern checks it; None: each key's own host).
+_V8 = ["ALTER TABLE routes ADD COLUMN site_pattern text"]
+
 # Index i holds the statements that take a database from version i to i + 1.
-MIGRATIONS: list[list[str]] = [_V1, _V2, _V3, _V4, _V5, _V6, _V7]
+MIGRATIONS: list[list[str]] = [_V1, _V2, _V3, _V4, _V5, _V6, _V7, _V8]
 # What a version's tables start with that SQL cannot make (random bytes from Python's
 # `secrets`), run after that version's statements, in the same transaction.
 SEEDS: dict[int, Callable[[psycopg.Connection[tuple[object, ...]]], None]] = {3: _seed_secret}

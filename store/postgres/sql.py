@@ -137,16 +137,17 @@ ROUTE_FOR_UPDATE = f"SELECT {ROUTE_COLUMNS} FROM routes WHERE route = %s FOR UPD
 
 SET_ROUTE = f"""
 INSERT INTO routes AS r (route, default_cadence_s, paused, adapt_min_s, adapt_max_s,
-                         adapt_inc, adapt_dec)
+                         adapt_inc, adapt_dec, site_pattern)
 VALUES (%(route)s, %(cadence)s, coalesce(%(paused)s, false), %(min_s)s, %(max_s)s, %(inc)s,
-        %(dec)s)
+        %(dec)s, %(site_pattern)s)
 ON CONFLICT (route) DO UPDATE SET
     default_cadence_s = CASE WHEN %(set_cadence)s THEN %(cadence)s ELSE r.default_cadence_s END,
     paused = coalesce(%(paused)s, r.paused),
     adapt_min_s = CASE WHEN %(set_adapt)s THEN %(min_s)s ELSE r.adapt_min_s END,
     adapt_max_s = CASE WHEN %(set_adapt)s THEN %(max_s)s ELSE r.adapt_max_s END,
     adapt_inc = CASE WHEN %(set_adapt)s THEN %(inc)s ELSE r.adapt_inc END,
-    adapt_dec = CASE WHEN %(set_adapt)s THEN %(dec)s ELSE r.adapt_dec END
+    adapt_dec = CASE WHEN %(set_adapt)s THEN %(dec)s ELSE r.adapt_dec END,
+    site_pattern = CASE WHEN %(set_site_pattern)s THEN %(site_pattern)s ELSE r.site_pattern END
 RETURNING {ROUTE_COLUMNS}
 """
 
@@ -201,7 +202,7 @@ SELECT h.xmin::text::bigint, h.xmax::text::bigint,
        rt.default_cadence_s, rt.paused, st.value,
        ss.site IS NOT NULL, ss.max_in_flight, ss.min_interval_ms,
        r.learned_cadence_s, r.change_history,
-       rt.adapt_min_s, rt.adapt_max_s, rt.adapt_inc, rt.adapt_dec
+       rt.adapt_min_s, rt.adapt_max_s, rt.adapt_inc, rt.adapt_dec, rt.site_pattern
 FROM h CROSS JOIN feed_state AS f
 LEFT JOIN LATERAL (
     SELECT * FROM change_log

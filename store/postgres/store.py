@@ -84,6 +84,7 @@ from store.validate import (
     check_key,
     check_keys,
     check_route_change,
+    check_site_pattern_change,
     check_site_settings,
     check_upserts,
 )
@@ -470,14 +471,18 @@ class PostgresStore:
         clear_default_cadence: bool = False,
         adapt: Adaptation | None = None,
         clear_adapt: bool = False,
+        site_pattern: str | None = None,
+        clear_site_pattern: bool = False,
     ) -> Route:
         """Create or change a route. None leaves a field as it is (a new route: no default
         cadence, not paused, fixed cadences); `clear_default_cadence` sends the route back to
-        the global default; `adapt`/`clear_adapt` as ScheduleStore.set_route says.
+        the global default; `adapt`/`clear_adapt` as ScheduleStore.set_route says;
+        `clear_site_pattern` sends its keys back to their hosts' sites.
         """
         set_cadence, set_adapt = check_route_change(
             route, default_cadence_s, paused, clear_default_cadence, adapt, clear_adapt
         )
+        set_pattern = check_site_pattern_change(site_pattern, clear_site_pattern)
         params = {
             "route": route,
             "cadence": default_cadence_s,
@@ -488,6 +493,8 @@ class PostgresStore:
             "max_s": None if adapt is None else adapt.max_s,
             "inc": None if adapt is None else float(adapt.inc),
             "dec": None if adapt is None else float(adapt.dec),
+            "site_pattern": site_pattern,
+            "set_site_pattern": set_pattern,
         }
 
         def body(conn: Conn) -> Route:

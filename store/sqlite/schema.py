@@ -163,8 +163,11 @@ def _seed_secret(conn: sqlite3.Connection) -> None:
     conn.execute("INSERT INTO hash_secret (id, secret) VALUES (1, ?)", (new_secret(),))
 
 
+# A route's site pattern (shm.keys.site_pattern checks it; NULL: each key's own host).
+_V6 = ["ALTER TABLE routes ADD COLUMN site_pattern TEXT"]
+
 # Index i holds the statements that take a database from version i to i + 1.
-MIGRATIONS: list[list[str]] = [_V1, _V2, _V3, _V4, _V5]
+MIGRATIONS: list[list[str]] = [_V1, _V2, _V3, _V4, _V5, _V6]
 # What a version's tables start with that SQL cannot make (random bytes from Python's
 # `secrets`), run after that version's statements, in the same transaction.
 SEEDS: dict[int, Callable[[sqlite3.Connection], None]] = {3: _seed_secret}

@@ -133,15 +133,16 @@ ROUTE = f"SELECT {ROUTE_COLUMNS} FROM routes WHERE route = ?"
 
 SET_ROUTE = f"""
 INSERT INTO routes (route, default_cadence_s, paused, adapt_min_s, adapt_max_s, adapt_inc,
-                    adapt_dec)
-VALUES (:route, :cadence, coalesce(:paused, 0), :min_s, :max_s, :inc, :dec)
+                    adapt_dec, site_pattern)
+VALUES (:route, :cadence, coalesce(:paused, 0), :min_s, :max_s, :inc, :dec, :site_pattern)
 ON CONFLICT (route) DO UPDATE SET
     default_cadence_s = CASE WHEN :set_cadence THEN :cadence ELSE default_cadence_s END,
     paused = coalesce(:paused, paused),
     adapt_min_s = CASE WHEN :set_adapt THEN :min_s ELSE adapt_min_s END,
     adapt_max_s = CASE WHEN :set_adapt THEN :max_s ELSE adapt_max_s END,
     adapt_inc = CASE WHEN :set_adapt THEN :inc ELSE adapt_inc END,
-    adapt_dec = CASE WHEN :set_adapt THEN :dec ELSE adapt_dec END
+    adapt_dec = CASE WHEN :set_adapt THEN :dec ELSE adapt_dec END,
+    site_pattern = CASE WHEN :set_site_pattern THEN :site_pattern ELSE site_pattern END
 RETURNING {ROUTE_COLUMNS}
 """
 
