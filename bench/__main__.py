@@ -28,6 +28,7 @@ SECTIONS = (
     "node",
     "sites",
     "site_owners",
+    "cadence",
     "stages",
     "sitemap",
     "single",

@@ -17,7 +17,8 @@ cadence per class, so a route's learned cadences must be few: at most
 rung (in ratio), and a move that would round back to the rung it left takes one rung in
 its direction instead, so a rate smaller than half a rung still moves the row. With the
 defaults every observation moves exactly one rung: x1.4 is nearest to x1.414, x0.8 to
-x0.707.
+x0.707. Why a ladder, why the store decides, why a moved ladder forgets:
+docs/decisions/0013-adaptive-cadence-on-a-ladder.md.
 """
 
 from __future__ import annotations
