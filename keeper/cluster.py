@@ -43,6 +43,10 @@ Member = tuple[str, int]  # (name, incarnation)
 # Key hashes to what ownership is judged on (keeper.ownership.placements); None: the keys'
 # own hashes.
 Place = Callable[[npt.NDArray[np.uint64]], npt.NDArray[np.uint64]]
+# A block handed over is put in force this much past its end: its end crossed two clocks
+# (the old owner's to the database's, the database's to this node's), each offset taken
+# over a round trip, and a block may end late but never early.
+HANDED_BLOCK_MARGIN_MS = 1_000
 
 
 class _ShareFence:
@@ -120,6 +124,9 @@ class ClusterView:
         # (site hashes, ends on `now`'s clock), for the runner to take a permit for each
         # in the site table, so a site's cap counts the old owner's leases until they end.
         self.handed_permits: list[tuple[npt.NDArray[np.uint64], npt.NDArray[np.int64]]] = []
+        # And the blocks handed over with those sites: (site hash, end on `now`'s clock,
+        # reason), for the runner to put in the site table.
+        self.handed_blocks: list[tuple[int, int, str]] = []
         self.view: tuple[str, ...] | None = None  # names; None: never read
         self.members: tuple[Member, ...] | None = None
         self.fences: list[_ShareFence | _KeyFence] = []
@@ -237,6 +244,11 @@ class ClusterView:
                 if record.left
                 else now + self.grant_window_ms + max_lease
             )
+            if self.by_site:
+                # Its word also carries the blocks of its sites, which must be in force
+                # here before any key of them is granted: held until read (the next
+                # read, a second away), even when no lease of its outlives this one.
+                until = max(until, now + self.grant_window_ms)
             return _ShareFence(name, before, until, "awaiting", awaiting=record.incarnation)
         # Dead: it stopped granting at most TTL + the grant window after its last
         # heartbeat, as old as the record says.
@@ -251,6 +263,16 @@ class ClusterView:
                 until = np.asarray(handover.expires_at_ms, dtype=np.int64) - self.offset_ms
                 hashes = np.asarray(handover.key_hashes, dtype=np.uint64)
                 live = until > now
+                if self.by_site:
+                    self.handed_blocks.extend(
+                        (
+                            block.site_hash,
+                            block.until_ms - self.offset_ms + HANDED_BLOCK_MARGIN_MS,
+                            block.reason,
+                        )
+                        for block in handover.blocks
+                        if block.until_ms - self.offset_ms > now
+                    )
                 if self.by_site and len(handover.site_hashes) == len(hashes):
                     # Every site's, not only the ones gained here: ownership may not be
                     # this view's yet, and a permit on a site owned elsewhere only expires.

@@ -8,10 +8,13 @@ in-memory stand-ins the tests use.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
+
+if TYPE_CHECKING:
+    from shm.sites import BlockReason, SiteBlock
 
 
 class ReadyRingLike(Protocol):
@@ -90,6 +93,14 @@ class SiteTableLike(Protocol):
     ) -> bool:
         """Put a site's own settings in force (None: the node's default); False if the
         table had no room for the site."""
+        ...
+
+    def block(self, site_hash: int, until_ms: int, reason: BlockReason) -> int:
+        """Block the site until `until_ms` (a longer block stays)."""
+        ...
+
+    def blocks(self, now_ms: int) -> list[SiteBlock]:
+        """Every site blocked past `now_ms`."""
         ...
 
     def take_permit(self, site_hash: int, now_ms: int, lease_ms: int) -> int:

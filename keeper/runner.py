@@ -101,8 +101,9 @@ from keeper.state import (
 from keeper.topcheck import TopCheck
 from keeper.walk import Walk
 from shm.keys import site_hash
+from shm.sites import BlockReason
 from store.base import RowsRead, ScheduleStore
-from store.rows import Handover, MemberList
+from store.rows import HandedBlock, Handover, MemberList
 from store.scheduling import ask_short_slice
 
 log = logging.getLogger("renderqueue.keeper")
@@ -114,6 +115,8 @@ Members = Callable[[bool], MemberList]
 # its live leases on keys it lost; False when it has been superseded.
 Acknowledge = Callable[[int, Sequence[int], Handover], bool]
 MAX_WAIT_S = 0.25  # an idle keeper still looks at the clock this often
+# A handed-over block's reason, as another node's site table named it.
+_BLOCK_REASONS: dict[str, BlockReason] = {"retry_after": "retry_after", "failures": "failures"}
 
 
 class ClusterSettings(msgspec.Struct, frozen=True, kw_only=True):
@@ -442,7 +445,7 @@ class Keeper:
         assert self.cluster is not None
         mono = self.monotonic()
         changed = self.cluster.observe(read, mono, wall_now=now)
-        self._take_handed_permits(now)
+        self._take_handed_over(now)
         if self.marks is not None:
             # The workers judge it on the machine's monotonic clock, shared by its
             # processes: a step of the wall clock neither extends nor cuts it.
@@ -473,13 +476,14 @@ class Keeper:
             return
         hashes, expiries, sites = self.leases.live_leases(now)
         lost, sites = self._lost(hashes, sites)
+        to_db = cluster.offset_ms - cluster.to_wall_ms  # the wall clock to the database's
         handover = Handover(
             node=self.node,
             incarnation=cluster.incarnation,
             key_hashes=hashes[lost].tolist(),
-            # The lease table's ends are in the wall clock: to the database's.
-            expires_at_ms=(expiries[lost] + cluster.offset_ms - cluster.to_wall_ms).tolist(),
+            expires_at_ms=(expiries[lost] + to_db).tolist(),
             site_hashes=sites[lost].tolist(),
+            blocks=self._handed_blocks(now, to_db),
         )
         try:
             if self.acknowledge(cluster.incarnation, cluster.live_incarnations(), handover):
@@ -521,13 +525,28 @@ class Keeper:
         lost |= ~ownership.owns_many(placements(hashes, sites, True))
         return lost, rows
 
-    def _take_handed_permits(self, now: int) -> None:
+    def _handed_blocks(self, now: int, to_db: int) -> list[HandedBlock]:
+        """Owned by site: every block in force here, to go with the sites this node lost
+        (the others' site tables cannot see this one's). All of them, not only the lost
+        sites': a site named by a route's pattern is not where its keys are placed (their
+        hosts are), and a block at a node that does not own its site only stays unused."""
+        table = self.site_table
+        if table is None or not self.core.ownership.by_site:
+            return []
+        return [
+            HandedBlock(block.site_hash, block.until + to_db, block.reason)
+            for block in table.blocks(now)
+        ]
+
+    def _take_handed_over(self, now: int) -> None:
         """Owned by site: a permit in the site table for each lease another node handed
-        over on a site (until the lease's end), so a gained site's cap counts them."""
+        over on a site (until the lease's end), so a gained site's cap counts them; and
+        the sites' blocks handed over with them."""
         cluster, table = self.cluster, self.site_table
-        if cluster is None or not cluster.handed_permits:
+        if cluster is None or not (cluster.handed_permits or cluster.handed_blocks):
             return
         handed, cluster.handed_permits = cluster.handed_permits, []
+        blocks, cluster.handed_blocks = cluster.handed_blocks, []
         if table is None:
             return
         mono = self.monotonic()
@@ -535,6 +554,12 @@ class Keeper:
             for site, end in zip(sites.tolist(), ends.tolist(), strict=True):
                 if end > mono:
                     table.take_permit(site, now, end - mono)
+        for site, end, reason in blocks:
+            named = _BLOCK_REASONS.get(reason)
+            if end > mono and named is not None:
+                table.block(site, now + end - mono, named)
+        if blocks:
+            log.info("keeper: took %d site blocks handed over with their sites", len(blocks))
 
     def _mark_unowned(self) -> None:
         self._top.drop()

@@ -148,6 +148,14 @@ class SiteInfo(msgspec.Struct, frozen=True, kw_only=True):
     skips: int
 
 
+class SiteBlock(msgspec.Struct, frozen=True):
+    """A site blocked until `until` (ms) for `reason`."""
+
+    site_hash: int
+    until: int
+    reason: BlockReason
+
+
 class SiteStatistics(msgspec.Struct, frozen=True, kw_only=True):
     capacity: int
     permits_per_site: int
@@ -334,6 +342,25 @@ class SiteTable:
             grants=grants,
             skips=skips,
         )
+
+    def blocks(self, now_ms: int) -> list[SiteBlock]:
+        """Every site blocked past `now_ms`: a scan of the entries' site hashes, then each
+        site read as `info` reads it (every entry of it). What a node hands over with the
+        sites it no longer owns."""
+        keys = np.frombuffer(
+            self._segment.mmap, dtype=np.uint64, count=self.capacity, offset=_SLOTS
+        )
+        try:
+            sites = np.unique(keys[keys != 0]).tolist()
+        finally:
+            del keys
+        found: list[SiteBlock] = []
+        for site in sites:
+            until, reason = self._c.info(site, now_ms)[7:9]
+            named = _BLOCK_REASONS.get(reason)
+            if until > now_ms and named is not None:
+                found.append(SiteBlock(site, until, named))
+        return found
 
     def sweep(self, now_ms: int, keep_ms: int = 60_000) -> int:
         """Empty entries idle for `keep_ms` (nothing set, blocked, live or remembered); 0 if

@@ -225,6 +225,14 @@ class NodeRecord(msgspec.Struct, frozen=True, kw_only=True):
     pid: int = 0
 
 
+class HandedBlock(msgspec.Struct, frozen=True):
+    """A site's block, handed over with the site (the database's clock)."""
+
+    site_hash: int  # unsigned 64-bit
+    until_ms: int
+    reason: str  # shm.sites.BlockReason
+
+
 class Handover(msgspec.Struct, frozen=True, kw_only=True):
     """A node's live leases on keys it no longer owns (or all of them, once it left)."""
 
@@ -235,6 +243,8 @@ class Handover(msgspec.Struct, frozen=True, kw_only=True):
     # Each lease's site hash (unsigned 64-bit, 0: none): a cluster that owns keys by site
     # counts the leases of a site it gains against the site's cap until they end.
     site_hashes: list[int] = []
+    # Owned by site: the blocks of the sites it no longer owns, which go with them.
+    blocks: list[HandedBlock] = []
 
 
 class MemberList(msgspec.Struct, frozen=True, kw_only=True):

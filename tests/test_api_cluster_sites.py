@@ -3,7 +3,8 @@ three real node processes on one real PostgreSQL and a claimant process racing e
 node: a site capped at 3 never has more than 3 live leases cluster-wide (a tally over
 every grant of every node), also while the node that owns it is SIGKILLed and the site
 moves whole to another node; an origin's Retry-After sent to any node blocks its site at
-every node until then.
+every node until then, also after the node that owns it leaves and the site moves with its
+block.
 """
 
 from __future__ import annotations
@@ -39,16 +40,19 @@ CLUSTER_ARGS = (
 )
 LEASE_S = 5
 BIG, SLOW = "https://big.example/p/", "https://slow.example/p/"
+MOVING = "https://moving.example/p/"
 CAP = 3
 # A grant as the claimants report it: (key, granting node, granted at, lease end), in the
 # nodes' own clock (one host: one clock).
 Grant = tuple[str, str, int, int]
 
 
-def _claimant(url: str, grants: Any, stop: Any) -> None:
-    """Claim without completing until told to stop; every grant goes to the parent."""
+def _claimant(url: str, grants: Any, ready: Any, go: Any, stop: Any) -> None:
+    """Claim without completing from `go` until `stop`; every grant goes to the parent."""
     headers = {"Authorization": f"Bearer {FLEET_TOKEN}"}
     with httpx.Client(base_url=url, headers=headers, timeout=10) as client:
+        ready.release()
+        go.wait()
         while not stop.is_set():
             try:
                 response = client.post(
@@ -72,20 +76,28 @@ def _race(
     nodes: dict[str, NodeProcess],
     until: Callable[[list[Grant]], bool],
     on_grants: Callable[[list[Grant]], None] | None = None,
+    prepare: Callable[[], None] | None = None,
     timeout_s: float = 90,
 ) -> list[Grant]:
-    """A claimant process per node until `until(grants)` holds; every grant they saw."""
+    """A claimant process per node until `until(grants)` holds; every grant they saw.
+    `prepare` runs once every claimant is started and ready, just before they claim."""
     ctx = multiprocessing.get_context("spawn")
     grants: Any = ctx.Queue()
-    stop = ctx.Event()
+    ready, go, stop = ctx.Semaphore(0), ctx.Event(), ctx.Event()
     claimants = [
-        ctx.Process(target=_claimant, args=(node.url, grants, stop)) for node in nodes.values()
+        ctx.Process(target=_claimant, args=(node.url, grants, ready, go, stop))
+        for node in nodes.values()
     ]
     for process in claimants:
         process.start()
     seen: list[Grant] = []
     deadline = time.monotonic() + timeout_s
     try:
+        for _ in claimants:
+            assert ready.acquire(timeout=60), "a claimant process never started"
+        if prepare is not None:
+            prepare()
+        go.set()
         while not until(seen):
             assert time.monotonic() < deadline, f"{len(seen)} grants, condition not met"
             try:
@@ -96,6 +108,7 @@ def _race(
                 on_grants(seen)
     finally:
         stop.set()
+        go.set()
         for process in claimants:
             process.join(30)
             if process.is_alive():
@@ -164,10 +177,11 @@ def _capped_everywhere(nodes: dict[str, NodeProcess]) -> bool:
     return True
 
 
+Trio = tuple[str, dict[str, NodeProcess]]  # the store's URL, the nodes live
+
+
 @pytest.fixture(scope="module")
-def trio(
-    pg_database: str, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[dict[str, NodeProcess]]:
+def trio(pg_database: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Trio]:
     """Three nodes owning keys by site: 300 keys of big.example (capped at 3 once the
     nodes are up), 12 of slow.example (the most overdue), 12 sites of 15 keys."""
     import psycopg
@@ -186,7 +200,7 @@ def trio(
             put = client.put("/v1/sites/big.example", json={"max_in_flight": CAP})
             assert put.is_success, put.text
         wait_for(lambda: _capped_everywhere(nodes), 30, "the cap in force on every node", 0.2)
-        yield nodes
+        yield url, nodes
 
 
 def _assert_capped(grants: list[Grant]) -> None:
@@ -198,14 +212,12 @@ def _assert_capped(grants: list[Grant]) -> None:
     assert all(_most_live(leases) == 1 for leases in by_key.values())
 
 
-def test_a_retry_after_sent_to_any_node_blocks_its_site_at_every_node(
-    trio: dict[str, NodeProcess],
-) -> None:
-    nodes = trio
-    taken: list[Grant] = []  # this test's own grants, tallied with the claimants'
+def _first_of(site: str, nodes: dict[str, NodeProcess], taken: list[Grant]) -> dict[str, Any]:
+    """One key at a time from each node until a key of `site` is granted (its keys are
+    the most overdue, so its owner's next grant is one); every grant goes to `taken`."""
     first: dict[str, Any] = {}
 
-    def slow_granted() -> bool:
+    def granted() -> bool:
         for node in nodes.values():
             with _client(node, FLEET_TOKEN) as client:
                 response = client.post(
@@ -214,22 +226,40 @@ def test_a_retry_after_sent_to_any_node_blocks_its_site_at_every_node(
             assert response.status_code == 200, response.text
             for lease in response.json()["leases"]:
                 taken.append(_grant(lease))
-                if lease["key"].startswith(SLOW) and not first:
+                if lease["key"].startswith(site) and not first:
                     first.update(lease)
         return bool(first)
 
-    wait_for(slow_granted, 30, "a key of slow.example granted", 0.1)
-    owner = first["node"]
-    elsewhere = next(node for name, node in nodes.items() if name != owner)
-    with _client(elsewhere, FLEET_TOKEN) as client:  # forwarded to the granting node
-        item = {"key": first["key"], "token": first["token"], "outcome": "failed"}
-        item["site_retry_after_s"] = 4
+    wait_for(granted, 30, f"a key of {site} granted", 0.1)
+    return first
+
+
+def _retry_after(node: NodeProcess, lease: dict[str, Any], seconds: int) -> int:
+    """Complete `lease` at `node` as the origin refusing it for `seconds`; the block's end."""
+    item = {"key": lease["key"], "token": lease["token"], "outcome": "failed"}
+    item["site_retry_after_s"] = seconds
+    with _client(node, FLEET_TOKEN) as client:
         response = client.post("/v1/completions", json={"items": [item]})
     assert response.status_code == 200, response.text
     (done,) = response.json()["results"]
     assert done["ok"], done
-    until = done["site_blocked_until"]
-    seen = _race(nodes, lambda s: len({g[0] for g in _of(SLOW, s)}) >= 3)
+    until: int = done["site_blocked_until"]
+    return until
+
+
+def test_a_retry_after_sent_to_any_node_blocks_its_site_at_every_node(trio: Trio) -> None:
+    _, nodes = trio
+    taken: list[Grant] = []  # this test's own grants, tallied with the claimants'
+    first = _first_of(SLOW, nodes, taken)
+    owner = first["node"]
+    elsewhere = next(node for name, node in nodes.items() if name != owner)
+    block: list[int] = []
+
+    def blocked() -> None:  # sent to another node than the owner: forwarded there
+        block.append(_retry_after(elsewhere, first, 4))
+
+    seen = _race(nodes, lambda s: len({g[0] for g in _of(SLOW, s)}) >= 3, prepare=blocked)
+    (until,) = block
     slow = _of(SLOW, seen)
     assert all(at >= until for _, _, at, _ in slow), (until, slow[:3])
     assert {name for _, name, _, _ in slow} == {owner}  # its keys are all one node's
@@ -237,10 +267,37 @@ def test_a_retry_after_sent_to_any_node_blocks_its_site_at_every_node(
     _assert_capped(taken + seen)
 
 
+def test_a_block_moves_with_its_site_when_the_owner_leaves(trio: Trio) -> None:
+    """The owner of a blocked site stops cleanly: the node that gains the site takes the
+    block with it, and grants none of its keys before the block ends."""
+    url, nodes = trio
+    seed_rows(url, 10, prefix=MOVING, now=now_ms() - 10_800_000)
+    taken: list[Grant] = []
+    first = _first_of(MOVING, nodes, taken)
+    owner = first["node"]
+    leaver = nodes.pop(owner)
+    block: list[int] = []
+
+    def blocked_and_left() -> None:
+        block.append(_retry_after(leaver, first, 10))
+        leaver.stop()  # a clean leave: its leases and its blocks handed over
+        block.append(now_ms())
+
+    seen = _race(
+        nodes, lambda s: len({g[0] for g in _of(MOVING, s)}) >= 2, prepare=blocked_and_left
+    )
+    until, left_at = block
+    moving = _of(MOVING, seen)
+    assert all(at >= until for _, _, at, _ in moving), (until, left_at, moving[:3])
+    assert len({name for _, name, _, _ in moving}) == 1 and owner not in {g[1] for g in moving}
+    assert [g for g in seen if left_at <= g[2] < until]  # the others were granted meanwhile
+    _assert_capped(taken + seen)
+
+
 def test_a_capped_site_holds_its_cap_across_nodes_and_a_sigkill_of_its_owner(
-    trio: dict[str, NodeProcess],
+    trio: Trio,
 ) -> None:
-    nodes = dict(trio)
+    nodes = dict(trio[1])
     killed: dict[str, int] = {}
 
     def kill_the_owner(seen: list[Grant]) -> None:

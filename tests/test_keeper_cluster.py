@@ -9,9 +9,9 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from keeper.cluster import ClusterView
+from keeper.cluster import HANDED_BLOCK_MARGIN_MS, ClusterView
 from keeper.ownership import placements, winners
-from store.rows import Handover, MemberList, NodeRecord
+from store.rows import HandedBlock, Handover, MemberList, NodeRecord
 
 TTL, WINDOW, LEASE = 12_000, 6_000, 30_000
 T0 = 1_000_000
@@ -351,7 +351,8 @@ SITES = np.random.default_rng(5).integers(1, 2**63, 40, dtype=np.int64).astype(n
 def test_owned_by_site_a_dead_nodes_sites_are_fenced_whole_and_handed_leases_count() -> None:
     """Keys placed by their site: 20,000 keys over 40 sites (and a few with none). A site
     has one owner; a dead node's fence holds back every key of its sites, wherever they
-    went; a hand-over's leases on a site come back as permits to take."""
+    went; a hand-over's leases on a site come back as permits to take, its blocks as
+    blocks."""
     sites = SITES[np.arange(len(KEYS)) % len(SITES)]
     sites[:50] = 0  # no site: placed by the key's own hash
     placed = placements(KEYS, sites, True)
@@ -386,9 +387,12 @@ def test_owned_by_site_a_dead_nodes_sites_are_fenced_whole_and_handed_leases_cou
         key_hashes=keys,
         expires_at_ms=[now + 4_000, now + 6_000, now + 5_000],
         site_hashes=[site, site, 0],
+        blocks=[HandedBlock(site, now + 7_000, "retry_after")],
     )
     later = now + 500
     gone = [record("a"), record("b", live=False, left=True, horizon=now + 6_000), dead[2]]
     cluster.observe(members(gone, later, [handover]), later)
     [(permit_sites, ends)] = cluster.handed_permits
     assert permit_sites.tolist() == [site, site] and ends.tolist() == [now + 4_000, now + 6_000]
+    # Its block goes with it, put in force a little past its end (never early).
+    assert cluster.handed_blocks == [(site, now + 7_000 + HANDED_BLOCK_MARGIN_MS, "retry_after")]

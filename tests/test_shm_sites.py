@@ -22,6 +22,7 @@ from shm.sites import (
     BODY_HEAD_WORDS,
     Acquired,
     FailurePolicy,
+    SiteBlock,
     SiteTable,
     Skipped,
 )
@@ -369,3 +370,14 @@ def test_racing_processes_never_pass_a_cap_and_a_killed_holder_leaks_nothing(
         shm.close()
         remove(tally)
         sites.close()
+
+
+def test_blocks_lists_the_sites_blocked_now_with_their_reasons(table: SiteTable) -> None:
+    assert table.block(A, NOW + 5_000, "retry_after") == NOW + 5_000
+    assert table.block(B, NOW + 1_000, "failures") == NOW + 1_000
+    assert table.configure(C, 2, None)  # an entry, never blocked
+    assert sorted(table.blocks(NOW), key=lambda block: block.site_hash) == [
+        SiteBlock(A, NOW + 5_000, "retry_after"),
+        SiteBlock(B, NOW + 1_000, "failures"),
+    ]
+    assert table.blocks(NOW + 1_000) == [SiteBlock(A, NOW + 5_000, "retry_after")]

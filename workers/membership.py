@@ -23,7 +23,7 @@ from shm.leases import LeaseTable
 from shm.segment import now_ms
 from store.errors import StoreError
 from store.postgres.membership import Joined, Membership
-from store.rows import Handover
+from store.rows import HandedBlock, Handover
 from workers import logs
 
 log = logs.get_logger("membership")
@@ -123,13 +123,20 @@ class MembershipHeartbeat:
         if not self._joined_at or self.superseded:
             return
         try:
-            hashes, expiries, sites = leases.live_leases(now_ms())
+            now = now_ms()
+            hashes, expiries, sites = leases.live_leases(now)
+            # Owned by site, the sites' blocks go with them (each is this node's alone).
+            table = leases.sites if self.membership.ownership == "site" else None
             handover = Handover(
                 node=self.membership.node,
                 incarnation=self.membership.incarnation,
                 key_hashes=hashes.tolist(),
                 expires_at_ms=(expiries + self.offset_ms).tolist(),
                 site_hashes=sites.tolist(),
+                blocks=[
+                    HandedBlock(block.site_hash, block.until + self.offset_ms, block.reason)
+                    for block in (table.blocks(now) if table is not None else [])
+                ],
             )
             self.membership.leave(handover)
             self._left = True
@@ -138,6 +145,7 @@ class MembershipHeartbeat:
                 "cluster_left",
                 node=self.membership.node,
                 handed_over=len(handover.key_hashes),
+                site_blocks=len(handover.blocks),
                 lease_horizon_ms=max(handover.expires_at_ms, default=0),
             )
         except StoreError as exc:

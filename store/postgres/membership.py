@@ -33,7 +33,7 @@ import numpy as np
 
 from store.errors import StoreError
 from store.postgres.conn import Conn, connect, translated
-from store.rows import Handover, MemberList, NodeRecord
+from store.rows import HandedBlock, Handover, MemberList, NodeRecord
 
 DEFAULT_TTL_S = 12.0  # a node whose last heartbeat is older than this is dead
 # Bumped on any change to what nodes promise each other (fences, hand-over, tokens): a
@@ -136,7 +136,11 @@ _CLEAR_HANDOVER = (
 _HANDOVER = """INSERT INTO lease_handover (node, incarnation, key_hash, expires_at_ms, site_hash)
 SELECT %(node)s, %(incarnation)s, h, e, s
 FROM unnest(%(hashes)s::bigint[], %(expires)s::bigint[], %(sites)s::bigint[]) AS t(h, e, s)"""
-_READ_HANDOVERS = """SELECT node, incarnation, key_hash, expires_at_ms, site_hash
+_HANDOVER_BLOCKS = """INSERT INTO lease_handover
+    (node, incarnation, key_hash, expires_at_ms, site_hash, block_reason)
+SELECT %(node)s, %(incarnation)s, 0, e, s, r
+FROM unnest(%(ends)s::bigint[], %(sites)s::bigint[], %(reasons)s::text[]) AS t(e, s, r)"""
+_READ_HANDOVERS = """SELECT node, incarnation, key_hash, expires_at_ms, site_hash, block_reason
 FROM lease_handover
 WHERE expires_at_ms > (extract(epoch FROM clock_timestamp()) * 1000)::bigint"""
 
@@ -403,8 +407,14 @@ def read_members(conn: Conn, ttl_s: float, handovers: bool = False) -> MemberLis
         db_now = int(conn.execute(_DB_NOW).fetchone()[0])  # type: ignore[index]
         found = conn.execute(_READ_HANDOVERS).fetchall() if handovers else []
     by_owner: dict[tuple[str, int], tuple[list[int], list[int], list[int]]] = {}
-    for node, incarnation, hashed, expires, site in found:
-        hashes, ends, sites = by_owner.setdefault((str(node), int(incarnation)), ([], [], []))
+    blocks: dict[tuple[str, int], list[HandedBlock]] = {}
+    for node, incarnation, hashed, expires, site, reason in found:
+        owner = (str(node), int(incarnation))
+        hashes, ends, sites = by_owner.setdefault(owner, ([], [], []))
+        if reason is not None:
+            unsigned = _unsigned([int(site)])[0]
+            blocks.setdefault(owner, []).append(HandedBlock(unsigned, int(expires), str(reason)))
+            continue
         hashes.append(int(hashed))
         ends.append(int(expires))
         sites.append(int(site))
@@ -419,6 +429,7 @@ def read_members(conn: Conn, ttl_s: float, handovers: bool = False) -> MemberLis
                 key_hashes=_unsigned(h),
                 expires_at_ms=e,
                 site_hashes=_unsigned(s),
+                blocks=blocks.get((n, i), []),
             )
             for (n, i), (h, e, s) in by_owner.items()
         ],
@@ -441,6 +452,17 @@ def write_handover(conn: Conn, node: str, incarnation: int, handover: Handover) 
                 "expires": list(handover.expires_at_ms),
                 # A hand-over made without its sites (none known) says 0: no site.
                 "sites": _signed(handover.site_hashes or [0] * len(handover.key_hashes)),
+            },
+        )
+    if handover.blocks:
+        conn.execute(
+            _HANDOVER_BLOCKS,
+            {
+                "node": node,
+                "incarnation": incarnation,
+                "ends": [block.until_ms for block in handover.blocks],
+                "sites": _signed([block.site_hash for block in handover.blocks]),
+                "reasons": [block.reason for block in handover.blocks],
             },
         )
 

@@ -222,8 +222,15 @@ _V7 = [
 # A route's site pattern (shm.keys.site_pattern checks it; None: each key's own host).
 _V8 = ["ALTER TABLE routes ADD COLUMN site_pattern text"]
 
+# A site's block handed over with the site (ownership by site): a row with no key (key
+# hash 0, which no key has) whose block_reason is set, until expires_at_ms.
+_V9 = [
+    """ALTER TABLE lease_handover ADD COLUMN block_reason text
+        CHECK (block_reason IN ('retry_after', 'failures'))""",
+]
+
 # Index i holds the statements that take a database from version i to i + 1.
-MIGRATIONS: list[list[str]] = [_V1, _V2, _V3, _V4, _V5, _V6, _V7, _V8]
+MIGRATIONS: list[list[str]] = [_V1, _V2, _V3, _V4, _V5, _V6, _V7, _V8, _V9]
 # What a version's tables start with that SQL cannot make (random bytes from Python's
 # `secrets`), run after that version's statements, in the same transaction.
 SEEDS: dict[int, Callable[[psycopg.Connection[tuple[object, ...]]], None]] = {3: _seed_secret}
