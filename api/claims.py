@@ -34,7 +34,14 @@ from api.schemas import (
     RenewResult,
     RenewResults,
 )
-from api.status import NodeClaimStatus, claim_status, membership_lapsed, read_fences
+from api.status import (
+    MIN_TERM_MS,
+    NodeClaimStatus,
+    claim_status,
+    membership_lapsed,
+    read_fences,
+)
+from keeper.ceiling import capped_term_ms
 from keeper.ownership import placements, winners
 from shm import Grant, key_hash
 from shm.keys import key_site_hash
@@ -50,6 +57,9 @@ NOT_FOUND = "not_found"
 
 
 MAX_TOKEN = 2**64 - 1
+# How long a claim waits for its node's keeper to raise the lease ceiling to its ask (it
+# reads the member list every second), and how often it looks meanwhile.
+CEILING_WAIT_S, CEILING_POLL_S = 3.0, 0.05
 
 
 def split_token(token: str) -> tuple[str | None, str]:
@@ -91,8 +101,31 @@ def unready(node: Node, status: NodeClaimStatus) -> Response:
 
 
 def lease_ms_of(node: Node, lease_s: int | None) -> int:
-    """The lease asked for, or the default: 300 s, or the node's cap when that is shorter."""
-    return (lease_s or min(DEFAULT_LEASE_S, node.settings.max_lease_s)) * 1000
+    """The lease asked for, or the default: 300 s, or the node's cap when that is shorter.
+    A clustered node tells its keeper, which keeps the lease ceiling that far ahead."""
+    asked = (lease_s or min(DEFAULT_LEASE_S, node.settings.max_lease_s)) * 1000
+    if node.settings.clustered and node.marks is not None:
+        node.marks.note_lease_asked(asked)
+    return asked
+
+
+def lease_term_ms(node: Node, asked_ms: int, now: int) -> int:
+    """The term a lease asked for now gets: on a clustered node, no later than its lease
+    ceiling allows (keeper.ceiling; below MIN_TERM_MS: none is granted)."""
+    if not node.settings.clustered or node.marks is None:
+        return asked_ms
+    return capped_term_ms(asked_ms, node.marks.lease_ceiling(), now)
+
+
+async def ceiling_covers(node: Node, lease_ms: int) -> None:
+    """Wait, a few member reads at most, until a clustered node's lease ceiling covers a
+    lease this long: its keeper raises it at its next read once it sees the ask (a
+    node's first claims, or a longer ask than lately). Only then is a term cut short."""
+    if not node.settings.clustered or node.marks is None:
+        return
+    deadline = time.monotonic() + CEILING_WAIT_S
+    while lease_term_ms(node, lease_ms, now_ms()) < lease_ms and time.monotonic() < deadline:
+        await asyncio.sleep(CEILING_POLL_S)
 
 
 def check_lease_s(node: Node, lease_s: int | None) -> None:
@@ -232,12 +265,17 @@ def _granting(node: Node, want: int, lease_ms: int) -> Generator[StoreCall, Any,
             # Read before the claim: the entries come from this generation or a later one,
             # whose view is no older (so the check below can only be too careful).
             view = 0 if marks is None else marks.view_of(ring.generation)
+            if lease_term_ms(node, lease_ms, now_ms()) < MIN_TERM_MS:
+                break  # the lease ceiling has run out (api.status.membership_lapsed)
             entries = ring.claim(want - len(granted))
             if not entries:
                 break
             if view and marks is not None:
                 marks.refresh_classes()
             now = now_ms()
+            term_ms = lease_term_ms(node, lease_ms, now)
+            if term_ms < MIN_TERM_MS:
+                break  # ran out since the check: these entries are in the next publish
             unknown = [entry.key.decode() for entry in entries if not entry.cadence_s]
             before: dict[str, Row] = (
                 (yield functools.partial(store.get_many, unknown)) if unknown else {}
@@ -257,7 +295,7 @@ def _granting(node: Node, want: int, lease_ms: int) -> Generator[StoreCall, Any,
                 # The site's permit first (its spacing, its block), then the lease: a skipped
                 # key is only consumed from this generation of the ring, never rescheduled.
                 outcome = leases.grant(
-                    entry.key_hash, now, lease_ms, cadence_s * 1000, entry.site_hash
+                    entry.key_hash, now, term_ms, cadence_s * 1000, entry.site_hash
                 )
                 if type(outcome) is not Grant:
                     continue
@@ -339,6 +377,7 @@ async def claim(node: Node, request: ClaimRequest) -> ClaimResponse | Response:
         return unready(node, status)
     check_lease_s(node, request.lease_s)
     lease_ms = lease_ms_of(node, request.lease_s)
+    await ceiling_covers(node, lease_ms)
     deadline = time.monotonic() + request.wait_s
     leases = await grant(node, request.max, lease_ms)
     # Long poll: nothing was claimable, so wait for the keeper's next publish (a new ring
@@ -407,8 +446,12 @@ def renew(node: Node, request: RenewRequest) -> RenewResults:
 
 def _renewed(node: Node, item: RenewItem, hashed: int, now: int) -> RenewResult:
     token = parse_token(item.token, node.settings.node)
-    lease_ms = lease_ms_of(node, item.lease_s)
-    expires_at = None if token is None else node.leases.renew(hashed, token, now, lease_ms)
+    term_ms = lease_term_ms(node, lease_ms_of(node, item.lease_s), now)
+    expires_at = (
+        None
+        if token is None or term_ms < MIN_TERM_MS
+        else node.leases.renew(hashed, token, now, term_ms)
+    )
     if expires_at is None:
         return RenewResult(key=item.key, ok=False, error=LEASE_NOT_HELD)
     return RenewResult(

@@ -502,6 +502,18 @@ def _keeper_metrics(out: Exposition, node: Node, now: int) -> None:
             "When this node's last fence ends (epoch seconds; 0: no fence).",
             stats.cluster.fenced_until / 1000,
         )
+        out.gauge(
+            "renderqueue_cluster_lease_ceiling_seconds",
+            "No lease this node grants or renews ends after this (epoch seconds, published "
+            "in its row; 0: none yet): the others wait a silent death out until then.",
+            stats.cluster.lease_ceiling / 1000,
+        )
+        out.metric(
+            "renderqueue_cluster_lease_ceiling_failures_total",
+            "counter",
+            "Raises of the lease ceiling that failed or that the node's row refused.",
+            [({}, stats.cluster.lease_ceiling_failures)],
+        )
     for name, help_text, value in (
         ("feed_events", "Change-feed events the keeper applied.", stats.events),
         (

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import msgspec
 
+from keeper.ceiling import capped_term_ms
 from keeper.state import ClusterStatistics, FenceCount
 from shm.segment import now_ms
 
@@ -45,6 +46,9 @@ ClaimStatus = Literal["unready", "ready", "draining", "stalled", "fenced"]
 # A census older than this is not served; the supervisor writes one every second.
 CENSUS_MAX_AGE_MS = 3000
 OWN_CENSUS_EVERY_MS = 1000
+# The shortest lease a clustered node grants or renews under its lease ceiling: a term
+# shorter than this is no use to a renderer.
+MIN_TERM_MS = 1000
 
 
 class NodeClaimStatus(msgspec.Struct, frozen=True, kw_only=True):
@@ -139,13 +143,18 @@ def fences_of(cluster: ClusterStatistics | None, now: int) -> Fences | None:
 def membership_lapsed(node: Node) -> str | None:
     """Why a clustered node may not grant or renew now (None: it may): its keeper has not
     confirmed within the grant window that this incarnation is a live member, so the
-    others may soon take its keys."""
+    others may soon take its keys, or its lease ceiling (keeper.ceiling) leaves no term."""
     marks = node.marks
     if not node.settings.clustered or marks is None:
         return None
     until = marks.confirmed_until()
     if until and time.monotonic() * 1000 < until:
-        return None
+        if capped_term_ms(MIN_TERM_MS, marks.lease_ceiling(), now_ms()) >= MIN_TERM_MS:
+            return None
+        return (
+            "this node's published lease ceiling has run out (its keeper could not raise "
+            "it in the database); it grants and renews nothing until it does"
+        )
     if not until:
         return "this node is not (yet) confirmed as a live member of the cluster"
     return (

@@ -110,6 +110,7 @@ class FleetStatistics(msgspec.Struct, frozen=True, kw_only=True):
 
 ABANDONED = ("lease_lost", "lease_expired")  # cancel reasons that never complete
 MIN_MARGIN_MS = 1000
+MIN_RENEW_EVERY_MS = 250  # the renew loop looks no more often than this
 
 
 class _Job:
@@ -525,19 +526,22 @@ class FleetRunner:
 
     async def _renew_loop(self) -> None:
         config = self.config
-        interval = config.renew_every_s or max(1.0, config.lease_s / 6)
+        every_ms = int((config.renew_every_s or max(1.0, config.lease_s / 6)) * 1000)
         # Requests are not awaited here: one that hangs (a node stopped, not down) must
         # not hold up the next round, for its own node's other leases or anyone's.
         requests: set[asyncio.Task[None]] = set()
         try:
             while True:
-                await asyncio.sleep(interval)
-                threshold = _now_ms() + config.lease_s * 500
+                # A node may grant a shorter term than asked (a cluster's lease ceiling):
+                # such a lease is renewed at half its term too, so look that often.
+                shortest = min((job.term_ms for job in self._jobs.values()), default=every_ms)
+                await asyncio.sleep(max(MIN_RENEW_EVERY_MS, min(every_ms, shortest // 4)) / 1000)
+                now = _now_ms()
                 by_node: dict[str, list[_Job]] = collections.defaultdict(list)
                 for job in self._jobs.values():
                     if job.renewing or job.cancel_reason in ABANDONED:
                         continue
-                    if job.expires_at <= threshold:
+                    if job.expires_at <= now + job.term_ms // 2:
                         by_node[job.node].append(job)
                 for node, jobs in by_node.items():
                     for job in jobs:

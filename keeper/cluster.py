@@ -17,7 +17,8 @@ evidence says, and for the worst case only when a node died without saying more:
   until each lease ends, the rest are granted at once.
 - X died (its heartbeat is older than the TTL): X granted nothing after its last
   heartbeat + TTL + the grant window, and no lease of its lasts past that plus its
-  longest lease: its whole share is fenced until then.
+  longest lease, nor past the lease ceiling it published (keeper.ceiling): its whole
+  share is fenced until the earlier of the two.
 - This node's own predecessor (the incarnation it replaced, under the same name): its
   leases are in this node's own lease table when the node took it over (a snapshot, or
   the surviving shared memory); otherwise the node's whole share is fenced until the
@@ -218,8 +219,18 @@ class ClusterView:
         """Whether a node no longer live may still have a lease alive."""
         if record.left:
             return record.lease_horizon_ms - self.offset_ms > now
+        return self._dead_until(record, now) > now
+
+    def _dead_until(self, record: NodeRecord, now: int) -> int:
+        """Until when a lease of a node that died silent may live: it stopped granting at
+        most TTL + the grant window after its last heartbeat, as old as the record says,
+        and no lease of its ends past its longest after that, nor past the lease ceiling
+        it published (keeper.ceiling), which can no longer rise once it is dead."""
         max_lease = record.max_lease_ms or self.max_lease_ms
-        return record.heartbeat_age_ms < self.ttl_ms + self.grant_window_ms + max_lease
+        worst = now - record.heartbeat_age_ms + self.ttl_ms + self.grant_window_ms + max_lease
+        if record.lease_horizon_ms > 0:
+            return min(worst, record.lease_horizon_ms - self.offset_ms)
+        return worst
 
     def _fence_for(
         self,
@@ -250,9 +261,7 @@ class ClusterView:
                 # read, a second away), even when no lease of its outlives this one.
                 until = max(until, now + self.grant_window_ms)
             return _ShareFence(name, before, until, "awaiting", awaiting=record.incarnation)
-        # Dead: it stopped granting at most TTL + the grant window after its last
-        # heartbeat, as old as the record says.
-        until = now - record.heartbeat_age_ms + self.ttl_ms + self.grant_window_ms + max_lease
+        until = self._dead_until(record, now)
         return _ShareFence(name, before, until, "dead") if until > now else None
 
     def _handed_over(
@@ -299,15 +308,8 @@ class ClusterView:
             if record.left or (record.live and self.incarnation in record.acked_view):
                 self.fences[index] = self._handed_over(record, handovers, now) or _ended(fence)
             elif not record.live:
-                fence.awaiting = 0  # died before acknowledging: the worst case stands
-                dead_end = (
-                    now
-                    - record.heartbeat_age_ms
-                    + self.ttl_ms
-                    + self.grant_window_ms
-                    + (record.max_lease_ms or self.max_lease_ms)
-                )
-                fence.until_ms = min(fence.until_ms, dead_end)
+                fence.awaiting = 0  # died before acknowledging: its leases end by then
+                fence.until_ms = min(fence.until_ms, self._dead_until(record, now))
                 fence.reason = "dead"
         self.fences = [f for f in self.fences if f.until_ms > now]
 

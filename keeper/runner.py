@@ -33,6 +33,7 @@ import numpy as np
 import numpy.typing as npt
 
 from keeper import heap
+from keeper.ceiling import LeaseCeiling
 from keeper.cluster import ClusterView
 from keeper.config import KeeperConfig
 from keeper.core import KeeperCore
@@ -114,6 +115,9 @@ Members = Callable[[bool], MemberList]
 # Tell the cluster this incarnation enforces the view of these incarnations, handing over
 # its live leases on keys it lost; False when it has been superseded.
 Acknowledge = Callable[[int, Sequence[int], Handover], bool]
+# Raise this incarnation's published lease ceiling to at least this instant (the
+# database's clock); False when the row did not take it (superseded, or not live).
+RaiseLeaseCeiling = Callable[[int, int], bool]
 MAX_WAIT_S = 0.25  # an idle keeper still looks at the clock this often
 # A handed-over block's reason, as another node's site table named it.
 _BLOCK_REASONS: dict[str, BlockReason] = {"retry_after": "retry_after", "failures": "failures"}
@@ -170,12 +174,15 @@ class Keeper:
         members: Members | None = None,
         marks: WriteMarksLike | None = None,
         acknowledge: Acknowledge | None = None,
+        raise_lease_ceiling: RaiseLeaseCeiling | None = None,
     ) -> None:
         """`cluster` and `members` (a read of the member list) make this keeper one of a
         cluster's: it holds and publishes only the rows it owns, and fences what it gains.
         `marks`: where each publish says how far its view had read (shm.marks), so claims
         can skip reading rows nothing wrote since. `site_table`: the node's (shm.sites),
-        whose allowances keep each capped site's keys in a publish to what it can take."""
+        whose allowances keep each capped site's keys in a publish to what it can take.
+        `raise_lease_ceiling`: publishes the node's lease ceiling (keeper.ceiling), which
+        the keeper then puts in force in `marks`."""
         self.store = store
         self.ring = ring
         self.leases = leases
@@ -194,8 +201,10 @@ class Keeper:
         self.cluster_settings = cluster
         self.members = members
         self.acknowledge = acknowledge
+        self.raise_lease_ceiling = raise_lease_ceiling
         self.marks = marks
         self.cluster: ClusterView | None = None
+        self.ceiling: LeaseCeiling | None = None
         if cluster is not None:
             if members is None:
                 raise ValueError("a clustered keeper needs `members`, the member list's read")
@@ -210,6 +219,10 @@ class Keeper:
                 by_site=cluster.by_site,
             )
             ownership = self.cluster.ownership
+            self.ceiling = LeaseCeiling(
+                max_lease_ms=cluster.max_lease_s * 1000,
+                poll_ms=int(cluster.poll_s * 1000),
+            )
         self.core = KeeperCore(config, ownership)
         self._ownership_generation = self.core.ownership.generation
         self.lifecycle = Lifecycle(
@@ -250,6 +263,7 @@ class Keeper:
         self._state_write_failures = 0
         self._statistics_write_failures = 0
         self._site_list_write_failures = 0
+        self._ceiling_failures = 0
         self._site_counts: SiteCounts | None = None  # the last full report's, not written yet
         self._short_slice = False
 
@@ -446,6 +460,8 @@ class Keeper:
         mono = self.monotonic()
         changed = self.cluster.observe(read, mono, wall_now=now)
         self._take_handed_over(now)
+        if self.cluster.confirmed(mono):
+            self._raise_lease_ceiling(now)
         if self.marks is not None:
             # The workers judge it on the machine's monotonic clock, shared by its
             # processes: a step of the wall clock neither extends nor cuts it.
@@ -455,6 +471,31 @@ class Keeper:
         if self.cluster.unacknowledged:
             self._enforce_view(now)
         return changed
+
+    def _raise_lease_ceiling(self, now: int) -> None:
+        """Keep the published lease ceiling ahead of the leases asked for (keeper.ceiling),
+        and put it in force for the workers once the node's row carries it."""
+        cluster, ceiling, marks = self.cluster, self.ceiling, self.marks
+        if cluster is None or ceiling is None or marks is None or self.raise_lease_ceiling is None:
+            return
+        ceiling.asked(marks.take_lease_asked(), now)
+        if not ceiling.due(now):
+            return
+        _, expiries = self.leases.live_leases(now)
+        target = ceiling.target(now, int(expiries.max(initial=0)))
+        try:
+            raised = self.raise_lease_ceiling(
+                cluster.incarnation, target + cluster.offset_ms - cluster.to_wall_ms
+            )
+        except Exception as exc:
+            self._ceiling_failures += 1
+            log.warning("keeper: raising the lease ceiling failed (%s)", exc)
+            return
+        if raised:
+            ceiling.published(target)
+            marks.raise_lease_ceiling(target)
+        else:
+            self._ceiling_failures += 1
 
     def _enforce_view(self, now: int) -> None:
         """Publish the new view to the workers, then hand over the live leases on keys
@@ -867,6 +908,12 @@ class Keeper:
         if self.cluster is None:
             return None
         stats = self.cluster.statistics(self.monotonic())
+        if self.ceiling is not None:
+            stats = msgspec.structs.replace(
+                stats,
+                lease_ceiling=self.ceiling.published_ms,
+                lease_ceiling_failures=self._ceiling_failures,
+            )
         if self._fenced is None:
             return stats
         fenced, claimable, at = self._fenced

@@ -322,6 +322,10 @@ class ClusterStatistics(msgspec.Struct, frozen=True, kw_only=True):
     fenced_until: int  # when the last fence ends (0: none)
     incarnation: int = 0
     acknowledged: bool = True  # the others have been told this node enforces its view
+    # No lease of this node ends after this (epoch ms, keeper.ceiling; 0: none published),
+    # and how many raises of it failed or were refused.
+    lease_ceiling: int = 0
+    lease_ceiling_failures: int = 0
     # As of the keeper's last full report (`counted_at`): its due rows fenced, and those
     # not (queue-state's `fenced` and `now.claimable`); None before the first.
     fenced: FencedGroup | None = None

@@ -62,9 +62,10 @@ _VIEW_SLOTS = 8
 _CLASS_SEQ, _CLASS_LENGTH, _CLASS_AT = _CTRL + 16, _CTRL + 17, _CTRL + 18
 _OWNERS_SEQ, _OWNERS_LENGTH, _OWNERS_AT = _CTRL + 19, _CTRL + 20, _CTRL + 21
 _VIEW_NUMBER, _CONFIRMED_UNTIL = _CTRL + 22, _CTRL + 23
-_STRIPES = _CTRL + 24
+_LEASE_CEILING, _LEASE_ASKED = _CTRL + 24, _CTRL + 25
+_STRIPES = _CTRL + 26
 _S_STAMPED, _S_ANSWERED, _S_READ = 0, 1, 2
-_CTRL_WORDS = 24 + STRIPES * STRIPE_WORDS
+_CTRL_WORDS = 26 + STRIPES * STRIPE_WORDS
 
 _class_list = msgspec.msgpack.Decoder(list[tuple[str, bool]])
 
@@ -184,10 +185,35 @@ class WriteMarks:
         process of the machine), unless the keeper confirms its membership again."""
         self._words.store(_CONFIRMED_UNTIL, monotonic_ms)
 
+    def raise_lease_ceiling(self, wall_ms: int) -> None:
+        """No lease this node grants or renews may end after `wall_ms` (epoch ms). The
+        keeper stores it only once the node's row in the database carries it, so the
+        others can wait out a node that died silent by its published ceiling."""
+        self._words.store(_LEASE_CEILING, max(wall_ms, self.lease_ceiling()))
+
+    def take_lease_asked(self) -> int:
+        """The longest lease (ms) asked for since the last take, reset to 0."""
+        words = self._words
+        while True:
+            asked = int(words.load(_LEASE_ASKED))
+            if asked == 0 or words.cas(_LEASE_ASKED, asked, 0):
+                return asked
+
     # ---------------------------------------------------------------- claimants
 
     def confirmed_until(self) -> int:
         return int(self._words.load(_CONFIRMED_UNTIL))
+
+    def lease_ceiling(self) -> int:
+        return int(self._words.load(_LEASE_CEILING))
+
+    def note_lease_asked(self, lease_ms: int) -> None:
+        """Say a claim or renewal asked for a lease this long: the keeper keeps the
+        published ceiling that far ahead."""
+        words = self._words
+        seen = int(words.load(_LEASE_ASKED))
+        while lease_ms > seen and not words.cas(_LEASE_ASKED, seen, lease_ms):
+            seen = int(words.load(_LEASE_ASKED))
 
     def owners(self) -> OwnersView | None:
         """The keeper's view as of a fenced read of its number (after a lease CAS); None

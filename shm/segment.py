@@ -51,8 +51,9 @@ MAGIC = int.from_bytes(b"rqshm\x00\x00\x01", "little")
 # lease table's live counters, tag lanes and counted-hold word; 5: the ring entry's
 # cadence; 6: the lease table's live counters in the process stripes; 7: SipHash-2-4
 # under the database's secret; 8: the write marks' owners view; 9: the ring entry's
-# site hash; 10: the lease table's site words and the hold word's permit bit).
-LAYOUT_VERSION = 10
+# site hash; 10: the lease table's site words and the hold word's permit bit; 11: the
+# write marks' lease ceiling and longest lease asked).
+LAYOUT_VERSION = 11
 HEADER_BYTES = 256
 CACHE_LINE = 64
 

@@ -214,7 +214,9 @@ class NodeRecord(msgspec.Struct, frozen=True, kw_only=True):
     heartbeat_age_ms: int  # by the database's clock, as of the read
     left: bool  # stopped cleanly
     live: bool  # not left, and heartbeat younger than the TTL
-    lease_horizon_ms: int  # when its last lease ends, if it left (the database's clock); 0: none
+    # The database's clock; 0: none. A node that left: when its last lease ends. A node
+    # that has not: its lease ceiling, which no lease of its ends after (keeper.ceiling).
+    lease_horizon_ms: int
     max_lease_ms: int  # the longest lease it grants
     incarnation: int = 0  # this start of the node (a number never reused)
     # The incarnations of the live nodes whose view it has adopted and enforces: it grants

@@ -479,6 +479,29 @@ class NodeProcess:
         SegmentNames.for_instance(self.instance).remove()
 
 
+def kill_whole_node(node: NodeProcess) -> None:
+    """SIGKILL the supervisor and every process under it, as a crash of the machine's
+    node would: nothing runs an exit path, so nothing unlinks or snapshots."""
+    import psutil
+
+    assert node.process is not None
+    supervisor = psutil.Process(node.process.pid)
+    supervisor.suspend()  # no respawn between the kills
+    workers = supervisor.children(recursive=True)
+    assert len(workers) >= node.workers
+    for process in [*workers, supervisor]:
+        process.send_signal(signal.SIGKILL)
+    assert node.wait(30) == -signal.SIGKILL
+
+    def gone(process: psutil.Process) -> bool:
+        try:
+            return bool(process.status() == psutil.STATUS_ZOMBIE)  # no mappings left
+        except psutil.NoSuchProcess:
+            return True
+
+    wait_for(lambda: all(gone(p) for p in workers), 30, "the workers to die")
+
+
 @contextlib.contextmanager
 def node_process(directory: Path, **kwargs: Any) -> Iterator[NodeProcess]:
     node = NodeProcess(directory, **kwargs)

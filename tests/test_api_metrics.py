@@ -27,7 +27,12 @@ pytestmark = pytest.mark.usefixtures("node_backend")
 
 SUPERVISOR_WAL_SERIES = "renderqueue_sqlite_wal_"
 PRUNING_SERIES = ("renderqueue_feed_log_entries", "renderqueue_feed_prune_failures_total")
-CLUSTER_SERIES = ("renderqueue_cluster_fenced_keys", "renderqueue_cluster_fence_until_seconds")
+CLUSTER_SERIES = (
+    "renderqueue_cluster_fenced_keys",
+    "renderqueue_cluster_fence_until_seconds",
+    "renderqueue_cluster_lease_ceiling_seconds",
+    "renderqueue_cluster_lease_ceiling_failures_total",
+)
 
 
 def test_before_the_keeper_no_counts(tmp_path: Path) -> None:
@@ -176,7 +181,7 @@ def test_the_cluster_fence_series_come_from_the_keepers_record_in_a_cluster(
     with thread_node(tmp_path) as node, node.client() as client:
         record = wait_for(lambda: keeper_record(node), 30, "the keeper's record", 0.05)
         node.stop_keeper()  # nothing overwrites the records written below
-        fenced_keys, until_seconds = CLUSTER_SERIES
+        fenced_keys, until_seconds, ceiling_seconds, ceiling_failures = CLUSTER_SERIES
         assert fenced_keys not in metric_samples(client.get("/metrics").text)
         now = now_ms()
         until = now + 60_000
@@ -200,12 +205,16 @@ def test_the_cluster_fence_series_come_from_the_keepers_record_in_a_cluster(
             ),
             claimable=6,
             counted_at=now,
+            lease_ceiling=now + 9_000,
+            lease_ceiling_failures=2,
         )
         payload = encode_keeper_statistics(msgspec.structs.replace(record, cluster=cluster))
         node.segments.keeper.write(payload, now_ms())
         samples = metric_samples(client.get("/metrics").text)
         assert samples[fenced_keys] == 4
         assert samples[until_seconds] == until / 1000
+        assert samples[ceiling_seconds] == (now + 9_000) / 1000
+        assert samples[ceiling_failures] == 2
 
 
 def test_an_unreadable_keeper_record_leaves_its_series_out_and_is_no_error(

@@ -147,6 +147,7 @@ def member(tmp_path: Path) -> Iterator[tuple[Any, Any]]:
             keeper_statistics=segments.keeper,
         )
         segments.marks.confirm_until(int(time.monotonic() * 1000) + 60_000)
+        segments.marks.raise_lease_ceiling(now_ms() + 600_000)
         yield node, segments
 
 
@@ -253,6 +254,31 @@ def test_an_unconfirmed_membership_is_unready_and_says_why(member: tuple[Any, An
     segments.marks.confirm_until(0)
     code, body = readyz(node)
     assert code == 503 and "not (yet) confirmed as a live member" in body["reason"]
+
+
+def test_a_node_whose_lease_ceiling_ran_out_is_unready_and_says_why(
+    tmp_path: Path,
+) -> None:
+    """Its keeper could not raise the ceiling in the database: confirmed or not, a node
+    grants and renews nothing that could end past the ceiling the others may wait for."""
+    import dataclasses
+    import time
+
+    import msgspec
+
+    with local_node(tmp_path / "node.sqlite", marks=True) as (found, _, segments):
+        node = dataclasses.replace(
+            found, settings=msgspec.structs.replace(found.settings, node="a", clustered=True)
+        )
+        segments.marks.confirm_until(int(time.monotonic() * 1000) + 60_000)
+        segments.marks.raise_lease_ceiling(now_ms() + 1_500)  # less than a term past the slack
+        publish(node, [], now_ms())
+        code, body = readyz(node)
+        assert code == 503 and body["status"] == "unready"
+        assert "lease ceiling has run out" in body["reason"]
+        segments.marks.raise_lease_ceiling(now_ms() + 600_000)
+        code, body = readyz(node)
+        assert code == 200 and body["status"] == "ready"
 
 
 def test_a_single_node_reads_no_fences(node: Any) -> None:

@@ -22,7 +22,7 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-from node_harness import NodeProcess, nodes_on, now_ms, seed_rows, wait_for
+from node_harness import NodeProcess, kill_whole_node, nodes_on, now_ms, seed_rows, wait_for
 
 from keeper.ownership import winners
 from shm.keys import keyed_hash
@@ -305,3 +305,58 @@ def test_a_node_whose_clock_is_set_apart_grants_no_key_twice(
     finally:
         for process in (a, b, c):
             process.stop()
+
+
+def test_a_node_killed_silent_is_waited_out_by_its_lease_ceiling_not_max_lease(
+    tmp_path: Path, on_pg: str
+) -> None:
+    """On the default max_lease_s (300 s), a fleet asking 5-s leases: b publishes a lease
+    ceiling that follows those asks, caps every lease by it, and when b is SIGKILLed whole
+    a grants b's keys once that ceiling has passed, minutes before the worst case, and
+    never while one of b's leases lived."""
+    import psycopg
+
+    seed_rows(on_pg, 600, due_share=1.0)
+    fast = ("--heartbeat-s", "0.5", "--node-ttl-s", "4")
+    a, b = node(tmp_path, "a", *fast), node(tmp_path, "b", *fast)
+    b_leases: list[dict[str, Any]] = []
+    try:
+        for process in (a, b):
+            process.start(wait_ready=False)
+        for process in (a, b):
+            process.wait_event("node_ready")
+
+        def b_leased_on_a_raised_ceiling() -> bool:
+            b_leases.extend(claim(b, 5, lease_s=5))
+            # Once b's keeper has seen the 5-s asks, its leases get their whole term.
+            return any(lease["lease_ms"] == 5000 for lease in b_leases)
+
+        wait_for(b_leased_on_a_raised_ceiling, 120, "b to grant whole 5-s leases", 0.5)
+        with psycopg.connect(on_pg, autocommit=True) as conn:
+            heartbeat_ms, horizon_ms, db_now_ms = conn.execute(
+                "SELECT (extract(epoch FROM heartbeat_at) * 1000)::bigint, lease_horizon_ms, "
+                "(extract(epoch FROM clock_timestamp()) * 1000)::bigint FROM nodes "
+                "WHERE node = 'b'"
+            ).fetchone()  # type: ignore[misc]
+        # The ceiling follows the asks (5 s), far short of the 300-s cap's worst case.
+        assert db_now_ms < horizon_ms < heartbeat_ms + 60_000
+        ends = {lease["key"]: lease["lease_expires_at"] for lease in b_leases}
+        assert max(ends.values()) <= horizon_ms  # (one machine: one wall clock)
+        kill_whole_node(b)
+        killed_at = now_ms()
+        regranted: list[dict[str, Any]] = []
+
+        def a_grants_a_key_b_leased() -> bool:
+            for lease in claim(a, 100, lease_s=5):
+                if lease["key"] in ends:
+                    regranted.append({**lease, "granted_at": now_ms()})
+            return bool(regranted)
+
+        # The worst case would be 4 + 2 + 300 s past b's last heartbeat.
+        wait_for(a_grants_a_key_b_leased, 120, "a to grant a key b had leased", 0.5)
+        for lease in regranted:
+            assert lease["granted_at"] > ends[lease["key"]], "granted while b's lease lived"
+        print(f"a re-granted b's keys {(now_ms() - killed_at) / 1000:.1f} s after the kill")
+    finally:
+        a.stop()
+        b.stop()

@@ -190,6 +190,30 @@ def test_a_dead_nodes_keys_are_fenced_from_its_last_heartbeat_and_only_those() -
     assert cluster.blocked_mask(KEYS, end) is None
 
 
+def test_a_dead_node_with_a_published_lease_ceiling_is_fenced_until_it() -> None:
+    """c published that none of its leases ends after a ceiling short of its worst case:
+    its keys wait only until then (in this view's clock: the database's less the offset),
+    and a ceiling past the worst case changes nothing."""
+    offset = 250_000  # the database's clock runs this far ahead of this view's
+    now = T0 + 1_000
+    ceiling = now - 13_000 + TTL + 4_000  # well inside the worst case's LEASE
+    for horizon, end in (
+        (ceiling, ceiling),
+        (now + 10 * LEASE, now - 13_000 + TTL + WINDOW + LEASE),
+    ):
+        cluster = settled("a", ["a", "b", "c"])
+        dead = [
+            record("a"),
+            record("b"),
+            record("c", live=False, age=13_000, horizon=horizon + offset),
+        ]
+        cluster.observe(members(dead, now, offset=offset), now)
+        assert cluster.statistics(now).fenced_until == end
+        stay(cluster, dead, now, end - 1, offset=offset)
+        assert cluster.blocked_mask(KEYS, end - 1) is not None
+        assert cluster.blocked_mask(KEYS, end) is None
+
+
 def test_a_node_awaited_that_dies_is_fenced_by_its_worst_case() -> None:
     cluster = view("c")
     cluster.observe(members([record("a"), record("b"), record("c")], T0), T0)

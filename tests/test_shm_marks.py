@@ -75,6 +75,23 @@ def test_a_new_keepers_names_replace_a_readers_copy(marks: WriteMarks) -> None:
         reader.close()
 
 
+def test_the_lease_ceiling_only_rises_and_asks_are_taken_as_their_longest(
+    marks: WriteMarks,
+) -> None:
+    other = WriteMarks.attach(marks.name)
+    try:
+        assert other.lease_ceiling() == 0 and marks.take_lease_asked() == 0
+        marks.raise_lease_ceiling(5_000)
+        marks.raise_lease_ceiling(4_000)
+        assert other.lease_ceiling() == 5_000
+        for asked in (30_000, 300_000, 6_000):
+            other.note_lease_asked(asked)
+        assert marks.take_lease_asked() == 300_000
+        assert marks.take_lease_asked() == 0  # taken: the next take sees only newer asks
+    finally:
+        other.close()
+
+
 def test_attach_refuses_another_kind_of_segment(marks: WriteMarks) -> None:
     name = f"/{unique('wk')}"
     other = Segment.create(name, "state_buffer", 4096, 1, 0, 1)

@@ -16,9 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import posix_ipc
-import psutil
 import pytest
-from node_harness import REPO, NodeProcess, node_db, nodes_on, seed_rows, wait_for
+from node_harness import REPO, NodeProcess, kill_whole_node, node_db, nodes_on, seed_rows, wait_for
 
 from shm import segment_name
 from shm.lease_snapshot import SUPERSEDED_SUFFIX
@@ -99,27 +98,6 @@ def claim_across_publishes(node: NodeProcess, worker: str, publishes: int = 3) -
         if seen >= first + publishes:
             return claimed
         wait_for(published_after(node, seen), 30, f"a publish after generation {seen}")
-
-
-def kill_whole_node(node: NodeProcess) -> None:
-    """SIGKILL the supervisor and every process under it, as a crash of the machine's
-    node would: nothing runs an exit path, so nothing unlinks or snapshots."""
-    assert node.process is not None
-    supervisor = psutil.Process(node.process.pid)
-    supervisor.suspend()  # no respawn between the kills
-    workers = supervisor.children(recursive=True)
-    assert len(workers) >= node.workers
-    for process in [*workers, supervisor]:
-        process.send_signal(signal.SIGKILL)
-    assert node.wait(30) == -signal.SIGKILL
-
-    def gone(process: psutil.Process) -> bool:
-        try:
-            return bool(process.status() == psutil.STATUS_ZOMBIE)  # no mappings left
-        except psutil.NoSuchProcess:
-            return True
-
-    wait_for(lambda: all(gone(p) for p in workers), 30, "the workers to die")
 
 
 def table_survives(instance: str) -> bool:

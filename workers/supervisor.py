@@ -334,6 +334,9 @@ class Supervisor:
         window = int(self.settings.node_ttl_s * 500)
         until = now - predecessor.heartbeat_age_ms + int(self.settings.node_ttl_s * 1000)
         until += window + max_lease
+        if predecessor.lease_horizon_ms > 0:  # its published lease ceiling (keeper.ceiling)
+            assert self._membership is not None
+            until = min(until, predecessor.lease_horizon_ms - self._membership.offset_ms)
         if until > now:
             logs.event(
                 log,

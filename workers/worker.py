@@ -157,6 +157,11 @@ def start_keeper(spec: WorkerSpec, segments: Segments) -> KeeperHost:
         acknowledge = (
             None if cluster is None else functools.partial(store.acknowledge, spec.node)  # type: ignore[attr-defined]
         )
+        raise_lease_ceiling = (
+            None
+            if cluster is None
+            else functools.partial(store.raise_lease_ceiling, spec.node, cluster.ttl_s)  # type: ignore[attr-defined]
+        )
         try:
             keeper = Keeper(
                 store,
@@ -172,6 +177,7 @@ def start_keeper(spec: WorkerSpec, segments: Segments) -> KeeperHost:
                 cluster=cluster,
                 members=members,
                 acknowledge=acknowledge,
+                raise_lease_ceiling=raise_lease_ceiling,
             )
             keeper.run(stop)
         finally:

@@ -118,6 +118,16 @@ WHERE node = %(node)s AND incarnation = %(incarnation)s AND left_at IS NULL
 RETURNING (extract(epoch FROM clock_timestamp()) * 1000)::bigint
 """
 
+# Only while the row is this live incarnation's and its heartbeat is within half the TTL
+# (the grant window): a raise can then never commit after the others read the node dead
+# (a heartbeat past the TTL), so the ceiling they read for a dead node is its last.
+_RAISE_CEILING = """
+UPDATE nodes SET lease_horizon_ms = GREATEST(lease_horizon_ms, %(horizon)s)
+WHERE node = %(node)s AND incarnation = %(incarnation)s AND left_at IS NULL
+  AND heartbeat_at > clock_timestamp() - make_interval(secs => %(fresh_s)s)
+RETURNING lease_horizon_ms
+"""
+
 _LEAVE = """
 UPDATE nodes SET left_at = now(), lease_horizon_ms = %(horizon)s
 WHERE node = %(node)s AND incarnation = %(incarnation)s
@@ -465,6 +475,22 @@ def write_handover(conn: Conn, node: str, incarnation: int, handover: Handover) 
                 "reasons": [block.reason for block in handover.blocks],
             },
         )
+
+
+def raise_lease_ceiling(
+    conn: Conn, node: str, incarnation: int, horizon_ms: int, ttl_s: float
+) -> bool:
+    """Publish that no lease of this incarnation ends after `horizon_ms` (the database's
+    clock; the ceiling only rises). False when the row did not take it: superseded,
+    left, or its heartbeat too old for a raise to be safe (see _RAISE_CEILING)."""
+    params = {
+        "node": node,
+        "incarnation": incarnation,
+        "horizon": horizon_ms,
+        "fresh_s": ttl_s / 2,
+    }
+    with translated("lease ceiling"):
+        return bool(conn.execute(_RAISE_CEILING, params).fetchall())
 
 
 def acknowledge(

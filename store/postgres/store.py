@@ -58,7 +58,7 @@ from store.postgres.feed import (
     parse_cursor,
     prune,
 )
-from store.postgres.membership import acknowledge, read_members, read_nodes
+from store.postgres.membership import acknowledge, raise_lease_ceiling, read_members, read_nodes
 from store.postgres.schema import LATEST, migrate
 from store.rows import (
     Completion,
@@ -640,6 +640,15 @@ class PostgresStore:
         """store.postgres.membership.acknowledge, on the store's connection."""
         return self._read(
             "acknowledge", lambda conn: acknowledge(conn, node, incarnation, view, handover)
+        )
+
+    def raise_lease_ceiling(
+        self, node: str, ttl_s: float, incarnation: int, horizon_ms: int
+    ) -> bool:
+        """store.postgres.membership.raise_lease_ceiling, on the store's connection."""
+        return self._read(
+            "lease ceiling",
+            lambda conn: raise_lease_ceiling(conn, node, incarnation, horizon_ms, ttl_s),
         )
 
     # -- upkeep --------------------------------------------------------------------------
