@@ -481,7 +481,7 @@ class Keeper:
         ceiling.asked(marks.take_lease_asked(), now)
         if not ceiling.due(now):
             return
-        _, expiries = self.leases.live_leases(now)
+        _, expiries, _ = self.leases.live_leases(now)
         target = ceiling.target(now, int(expiries.max(initial=0)))
         try:
             raised = self.raise_lease_ceiling(
