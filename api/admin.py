@@ -174,6 +174,13 @@ def explain(node: Node, key: str) -> Explain:
     pattern = b"" if route is None or route.site_pattern is None else route.site_pattern.encode()
     paused = node.routes.paused(row.route)
     state, reason = _why(row.next_render_at, now, paused, lease, row.last_outcome)
+    if row.retired_at is not None:
+        state, reason = (
+            "retired",
+            f"retired at {row.retired_at} (epoch ms) after {row.not_found_streak} "
+            f"{row.retired_reason} outcomes in a row: never due until an upsert of its key "
+            "or render-now revives it",
+        )
     held = lease.held and lease.held_until > now
     route_settings = routes.get(row.route)
     adapt = None if route_settings is None else route_settings.adapt

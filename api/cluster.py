@@ -538,6 +538,11 @@ def sums(documents: list[dict[str, Any]]) -> dict[str, Any]:
     }
     coming["next_24h_by_hour"] = hours
     fenced = [f for f in (_dig(d, "fenced") for d in documents) if isinstance(f, dict)]
+    retired: dict[str, int] = {}
+    for document in documents:
+        by_route = _dig(document, "retired", "by_route")
+        for route, count in by_route.items() if isinstance(by_route, dict) else ():
+            retired[str(route)] = retired.get(str(route), 0) + _int(count)
     ages = [_dig(d, "autoscale", "oldest_claimable_age_s") for d in documents]
     oldest = max((float(a) for a in ages if isinstance(a, int | float)), default=0.0)
     return {
@@ -553,6 +558,8 @@ def sums(documents: list[dict[str, Any]]) -> dict[str, Any]:
             "due_now": sum(_int(_dig(d, "autoscale", "due_now")) for d in documents),
             "oldest_claimable_age_s": oldest,
         },
+        # Each row is owned by one node: the nodes' retired rows add up to the cluster's.
+        "retired": {"total": sum(retired.values()), "by_route": dict(sorted(retired.items()))},
         # None unless a node counted fences (a cluster's node always does).
         "fenced": {
             "due": sum(_int(f.get("due")) for f in fenced),

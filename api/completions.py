@@ -10,6 +10,13 @@ it, its due time stays, and no miss or failure is counted. A `failed` result ext
 site's streak of failures, and the streak's limit'th blocks the site (doubling on each
 repeat); a `rendered` one ends the streak.
 
+A `not_found` result (the origin answered 404 or 410) is written like a render the origin
+answered: the lease ends with no hold, and the row comes due a cadence on, until its
+route's retire_after'th in a row retires it (store.rows.Completion). It is no failure of
+the site: the origin answered, and answered fast, so its streak of failures ends as with
+`rendered`. Counting it as a failure would block a healthy site whose sitemap lists many
+dead pages, and hold back the very renders that confirm them dead.
+
 The store's write lock is shared by every worker (and the keeper's cursor saves). A
 completion that waited for it in the store's retry loop would hold the event loop's
 thread, and the worker would serve nothing meanwhile: no claims, no other completions. A
@@ -119,10 +126,17 @@ def apply(node: Node, requests: Sequence[CompletionsRequest], *, wait: bool) -> 
                 )
                 continue
             leases.complete(hashed, token, now)
-            if completion.outcome == "rendered" and sites and site:
+            if completion.outcome in ("rendered", "not_found") and sites and site:
                 sites.outcome(site, now, failed=False)
             if row is None and completion.outcome != "gone":
                 results[number][index] = ItemResult(key=completion.key, ok=False, error=NOT_FOUND)
+            elif completion.outcome == "not_found" and row is not None:
+                results[number][index] = ItemResult(
+                    key=completion.key,
+                    ok=True,
+                    not_found_streak=row.not_found_streak,
+                    retired_at=row.retired_at,
+                )
             else:
                 results[number][index] = ItemResult(key=completion.key, ok=True)
     return [ItemResults(results=[r for r in mine if r is not None]) for mine in results]

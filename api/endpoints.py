@@ -31,6 +31,7 @@ from api.schemas import (
     NodeSettings,
     NodeStatus,
     Overview,
+    PageLimit,
     Readiness,
     RenderNow,
     RenewRequest,
@@ -38,6 +39,7 @@ from api.schemas import (
     RouteName,
     Routes,
     RouteUpdate,
+    RowPage,
     ScheduleRequest,
     ScheduleResult,
     SettingsUpdate,
@@ -72,8 +74,10 @@ class Param:
     schema: Any = str
     # A rule beyond the schema's own keywords, as the store checks it (raises ValueError).
     check: Callable[[str], object] | None = None
-    # The value when the request gives none; None makes the parameter required.
+    # The value when the request gives none; None makes the parameter required, unless
+    # it is `optional` (then a request may leave it out, and its handler sees no value).
     default: str | None = None
+    optional: bool = False
 
 
 # An uploaded sitemap: the body is the document itself (api.sitemaps), XML or its gzip,
@@ -89,7 +93,7 @@ class Endpoint:
     summary: str
     run: Callable[[Call], Any | Awaitable[Any]]
     body: type | None = None
-    response: type | None = None  # the 200 body; None with `media_type` for text
+    response: Any = None  # the 200 body (a type, or a union of them); None with `media_type`: text
     media_type: str = "application/json"
     query: tuple[Param, ...] = ()
     path_params: tuple[Param, ...] = ()
@@ -214,10 +218,27 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         "GET",
         "/v1/schedule",
         "read",
-        "One row by key.",
-        on_lane(lambda call: schedule.get_row(call.node, call.params["key"])),
-        response=Row,
-        query=(Param("key", "the row's key", Key, check_key),),
+        "One row by `key` (with `retired=true`: only if it is retired); without `key`, the "
+        "rows by key a page at a time (`retired=true`: the retired ones, each with when and "
+        "why it retired), from after `after`.",
+        on_lane(lambda call: schedule.read(call.node, call.params)),
+        response=Row | RowPage,
+        query=(
+            Param("key", "one row's key", Key, check_key, optional=True),
+            Param(
+                "retired",
+                "only retired rows (a streak of not_found outcomes retired them)",
+                bool,
+                default="false",
+            ),
+            Param("after", "list the rows after this key", Key, check_key, optional=True),
+            Param(
+                "limit",
+                "list at most this many rows",
+                PageLimit,
+                default=str(schedule.DEFAULT_PAGE),
+            ),
+        ),
         errors=(404,),
     ),
     Endpoint(
@@ -232,7 +253,8 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         "PUT",
         "/v1/routes/{route}",
         "admin",
-        "Set or clear (`default_cadence_s: null`) a route's default cadence; pause or resume it.",
+        "Set or clear (`default_cadence_s: null`) a route's default cadence; pause or resume it; "
+        "set after how many `not_found` outcomes in a row its rows retire (`retire_after`).",
         on_lane(lambda call: schedule.set_route(call.node, call.params["route"], call.body)),
         body=RouteUpdate,
         response=Route,

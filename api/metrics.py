@@ -601,6 +601,19 @@ def _count_metrics(out: Exposition, state: QueueState) -> None:
     out.gauge("renderqueue_due_paused", "Due rows waiting on a paused route.", now.paused)
     out.gauge("renderqueue_unclaimed", "Due rows not in flight (estimate).", now.unclaimed_estimate)
     out.gauge("renderqueue_rows", "Rows the keeper holds.", now.held)
+    retired = state.retired
+    out.gauge(
+        "renderqueue_rows_retired",
+        "Retired rows (kept, never due: a streak of not_found outcomes retired them); "
+        "deleted rows are not counted.",
+        retired.total,
+    )
+    out.metric(
+        "renderqueue_rows_retired_by_route",
+        "gauge",
+        "Retired rows per route (routes with none are left out).",
+        [({"route": route}, count) for route, count in retired.by_route.items()],
+    )
     out.gauge(
         "renderqueue_oldest_claimable_age_seconds",
         "Now minus the earliest due time among claimable rows.",

@@ -11,7 +11,8 @@ full), each with the problem+json shape.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from types import UnionType
+from typing import TYPE_CHECKING, Any, get_args
 
 import msgspec
 
@@ -48,12 +49,21 @@ def _components(
     endpoints: Sequence[Endpoint], settings: ApiSettings
 ) -> tuple[dict[type, dict[str, Any]], dict[str, Any]]:
     types: list[type] = [Problem]
+    unions: list[Any] = []
     for endpoint in endpoints:
         for type_ in (endpoint.body, endpoint.response, endpoint.unavailable):
-            if type_ is not None and type_ is not dict and type_ not in types:
-                types.append(type_)
+            if type_ is None or type_ is dict:
+                continue
+            # A response that is one of several Structs: each is a component, and the
+            # response is any of them (msgspec takes a union of Structs only if tagged).
+            members = get_args(type_) if isinstance(type_, UnionType) else (type_,)
+            if len(members) > 1 and type_ not in unions:
+                unions.append(type_)
+            types.extend(m for m in members if m not in types)
     schemas, components = msgspec.json.schema_components(types, ref_template=REF)
-    refs = dict(zip(types, schemas, strict=True))
+    refs: dict[Any, Any] = dict(zip(types, schemas, strict=True))
+    for union in unions:
+        refs[union] = {"anyOf": [refs[member] for member in get_args(union)]}
     # A rule across fields, stated on the Struct itself (api.schemas.ScheduleRequest), on
     # a body's type or on one it holds (api.schemas.CompletionItem).
     for name, component in components.items():
@@ -94,7 +104,7 @@ def _parameters(endpoint: Endpoint) -> list[dict[str, Any]]:
         {
             "name": param.name,
             "in": where,
-            "required": param.default is None,
+            "required": param.default is None and not param.optional,
             "description": param.description,
             "schema": _param_schema(param),
         }

@@ -19,9 +19,10 @@ if TYPE_CHECKING:
     from api.endpoints import Param
 
 
-def checked(param: Param, value: str | None) -> str:
+def checked(param: Param, value: str | None) -> str | None:
+    """The value, checked; the default when absent (None for an optional parameter)."""
     if value is None:
-        if param.default is not None:
+        if param.default is not None or param.optional:
             return param.default
         raise invalid_query(param.name, f"required: {param.description}")
     try:
@@ -43,5 +44,11 @@ def as_int(value: str) -> int:
 
 
 def read_params(params: tuple[Param, ...], values: Mapping[str, str]) -> dict[str, str]:
-    """Every declared parameter, checked; `values` are the request's query or path values."""
-    return {param.name: checked(param, values.get(param.name)) for param in params}
+    """Every declared parameter, checked; `values` are the request's query or path values.
+    An optional parameter the request does not give is left out."""
+    out: dict[str, str] = {}
+    for param in params:
+        value = checked(param, values.get(param.name))
+        if value is not None:
+            out[param.name] = value
+    return out

@@ -19,6 +19,7 @@ from api.schemas import (
     RenewItem,
     Routes,
     RouteUpdate,
+    RowPage,
     ScheduleRequest,
     ScheduleResult,
     SettingsUpdate,
@@ -95,6 +96,27 @@ def write(node: Node, request: ScheduleRequest) -> ScheduleResult:
     return ScheduleResult(upserted=len(upserts), deleted=len(deletes))
 
 
+DEFAULT_PAGE = 100
+
+
+def read(node: Node, params: dict[str, str]) -> Row | RowPage:
+    """GET /v1/schedule: one row by key, or a page of rows (all, or the retired ones)."""
+    retired = msgspec.convert(params["retired"], bool, strict=False)
+    key = params.get("key")
+    if key is not None:
+        row = get_row(node, key)
+        if retired and row.retired_at is None:
+            raise not_found(f"the row with key {key!r} is not retired")
+        return row
+    limit = int(params["limit"])
+    after = params.get("after")
+    try:
+        rows = node.store.retired(after, limit) if retired else node.store.walk(after, limit)
+    except ValueError as exc:
+        raise store_error(exc) from None
+    return RowPage(rows=rows, next_after=rows[-1].key if len(rows) == limit else None)
+
+
 def get_row(node: Node, key: str) -> Row:
     row = node.store.get(key)
     if row is None:
@@ -131,6 +153,7 @@ def set_route(node: Node, route: str, update: RouteUpdate) -> Route:
             clear_adapt=update.adapt is None,
             site_pattern=None if isinstance(pattern, msgspec.UnsetType) else pattern,
             clear_site_pattern=pattern is None,
+            retire_after=update.retire_after,
         )
     except ValueError as exc:
         raise store_error(exc) from None

@@ -19,8 +19,8 @@ from msgspec import Meta
 from keeper.core import MAX_DUE_MS
 from keeper.state import SITES_LISTED
 from store.cadence import DEFAULT_DEC, DEFAULT_INC, MAX_INC
-from store.rows import MAX_KEY_BYTES, Route, Row
-from store.validate import ROUTE_NAME
+from store.rows import MAX_KEY_BYTES, MAX_RETIRE_AFTER, Route, Row
+from store.validate import MAX_PAGE, ROUTE_NAME
 
 # The store refuses a key with a NUL (PostgreSQL's text cannot hold one) or past
 # MAX_KEY_BYTES of UTF-8 (store.validate.check_key, which every path that takes a key
@@ -62,6 +62,17 @@ RouteName = Annotated[
     ),
 ]
 CadenceS = Annotated[int, Meta(ge=1, le=10 * 366 * 86400, description="Whole seconds.")]
+RetireAfter = Annotated[
+    int,
+    Meta(
+        ge=1,
+        le=MAX_RETIRE_AFTER,
+        description="The route's rows retire after this many `not_found` outcomes in a row.",
+    ),
+]
+PageLimit = Annotated[
+    int, Meta(ge=1, le=MAX_PAGE, description=f"At most this many rows: 1 to {MAX_PAGE}.")
+]
 # Before the year 10000: the keeper holds no row due later (keeper.core.MAX_DUE_MS), and a
 # row it cannot hold would be accepted here and then never served.
 EpochMs = Annotated[
@@ -83,7 +94,8 @@ LeaseS = Annotated[
     ),
 ]
 DEFAULT_LEASE_S = 300
-Outcome = Literal["rendered", "failed", "gone"]
+# not_found: the origin answered 404 or 410 (store.rows.Completion).
+Outcome = Literal["rendered", "failed", "gone", "not_found"]
 MAX_ITEMS = 1000
 MAX_WAIT_S = 30  # a claim's longest poll
 MAX_SCHEDULE_ITEMS = 10_000
@@ -207,6 +219,11 @@ class ItemResult(Body, frozen=True):
     # The key's site is blocked until then (epoch ms): by this item's site_retry_after_s,
     # or by the failure streak this item's failure completed (shm.sites).
     site_blocked_until: int | None = None
+    # A `not_found` result: the row's not_found outcomes in a row, and, once they reach
+    # its route's retire_after, when it retired (epoch ms): it is never granted again
+    # until an upsert of its key or render-now revives it.
+    not_found_streak: int | None = None
+    retired_at: int | None = None
     # In a cluster, why an item another node granted was not applied (which node, and what
     # it answered); `error` is then `lease_not_held` or `node_unavailable` (retry it).
     detail: str | None = None
@@ -276,6 +293,15 @@ class ScheduleResult(msgspec.Struct, frozen=True, kw_only=True):
     deleted: int
 
 
+class RowPage(Body, frozen=True):
+    """Rows by key, a page at a time (a retired one with `retired_at` and
+    `retired_reason`): ask again with `after` set to `next_after` for the next page
+    (absent: this is the last one)."""
+
+    rows: list[Row]
+    next_after: str | None = None
+
+
 # `min_s` is at most `max_s`: a rule across two fields that JSON Schema cannot say, stated
 # beside it as this keyword (tests/schemathesis.toml counts the 422 that enforces it).
 NOT_ABOVE_KEYWORD = "x-notAbove"
@@ -322,6 +348,7 @@ class RouteUpdate(Request, frozen=True):
     paused: bool | None = None
     adapt: AdaptUpdate | msgspec.UnsetType | None = msgspec.UNSET
     site_pattern: SitePattern | msgspec.UnsetType | None = msgspec.UNSET
+    retire_after: RetireAfter | None = None
 
 
 class Routes(msgspec.Struct, frozen=True, kw_only=True):
@@ -478,7 +505,7 @@ class Readiness(Body, frozen=True):
     fenced_until: int | None = None  # when the last one ends (epoch ms; 0: not known)
 
 
-ExplainState = Literal["missing", "paused", "leased", "held", "not_due", "claimable"]
+ExplainState = Literal["missing", "paused", "leased", "held", "not_due", "claimable", "retired"]
 
 
 class Explain(Body, frozen=True):

@@ -23,6 +23,7 @@ from fleet.cluster import ClusterDirectory
 from fleet.progress import ProgressPrinter, progress_line
 from fleet.renderers import (
     DEFAULT_RETRY_AFTER_S,
+    NOT_FOUND_EXIT,
     RETRY_AFTER_EXIT,
     CommandRenderer,
     Renderer,
@@ -53,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
         dest="command",
         metavar='"CMD {key}"',
         help="run CMD per key ({key}, {route} substituted; no shell): exit 0 rendered, "
-        "--gone-exit gone, anything else failed",
+        "--gone-exit gone, --not-found-exit not_found, anything else failed",
     )
     mode.add_argument("--simulate", action="store_true", help="pretend to render (demos, load)")
     parser.add_argument("--render-ms", type=float, default=800.0, help="simulated mean render time")
@@ -75,6 +76,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_RETRY_AFTER_S,
         help=f"how long the site waits after --retry-after-exit with no RETRY-AFTER line "
         f"({DEFAULT_RETRY_AFTER_S:g})",
+    )
+    parser.add_argument(
+        "--not-found-exit",
+        type=int,
+        default=NOT_FOUND_EXIT,
+        help=f"exit status meaning the origin answered 404 or 410 ({NOT_FOUND_EXIT}); a "
+        "stderr line `NOT-FOUND` says so with any status",
     )
     parser.add_argument(
         "--render-timeout", type=float, default=120.0, help="kill a command after S seconds"
@@ -127,6 +135,7 @@ def _renderer(args: argparse.Namespace) -> Renderer:
         gone_exit=args.gone_exit,
         retry_after_exit=args.retry_after_exit,
         retry_after_s=args.retry_after_s,
+        not_found_exit=args.not_found_exit,
     )
 
 

@@ -32,7 +32,8 @@ __all__ = [
     "Unready",
 ]
 
-Outcome = Literal["rendered", "failed", "gone"]
+# not_found: the origin answered 404 or 410 (the node retires a row after a streak).
+Outcome = Literal["rendered", "failed", "gone", "not_found"]
 
 
 class CompletionItem(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):

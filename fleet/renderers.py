@@ -15,6 +15,12 @@ printing a line `CHANGED yes` or `CHANGED no` on stderr (also `true`/`false`, `1
 last such line counts). The completion then carries `changed`, which the node records and,
 where the key's route adapts, learns the key's cadence from. Without the line nothing is
 said, and nothing is learned.
+
+The same way, a command tells the fleet its origin answered 404 or 410 (the page is not
+there) by printing a line `NOT-FOUND` on stderr (any exit status; `NOT-FOUND 404` or
+`NOT-FOUND 410` says which), or by exiting with `not_found_exit` (44). The completion's
+outcome is then `not_found`: the node retires the row after a streak of them. A push-back
+says more (the site is in trouble, not the page) and wins over it.
 """
 
 from __future__ import annotations
@@ -39,6 +45,13 @@ RETRY_AFTER_EXIT = 75  # sysexits.h EX_TEMPFAIL
 DEFAULT_RETRY_AFTER_S = 60.0
 MAX_RETRY_AFTER_S = 86_400.0  # what a node takes (api.schemas.MAX_SITE_RETRY_AFTER_S)
 _RETRY_AFTER_LINE = re.compile(rb"^\s*RETRY-AFTER[:\s]\s*([0-9]+(?:\.[0-9]+)?)\s*$", re.I | re.M)
+NOT_FOUND_EXIT = 44  # "4-0-4": no sysexits.h code means it, and none lies in 40-59
+_NOT_FOUND_LINE = re.compile(rb"^\s*NOT-FOUND(?:[:\s]\s*(?:404|410))?\s*$", re.I | re.M)
+
+
+def says_not_found(stderr: bytes) -> bool:
+    """Whether the command printed a `NOT-FOUND` line (optionally `NOT-FOUND 404` or 410)."""
+    return _NOT_FOUND_LINE.search(stderr) is not None
 
 
 _CHANGED_LINE = re.compile(rb"^\s*CHANGED[:\s]\s*(yes|no|true|false|1|0)\s*$", re.I | re.M)
@@ -123,8 +136,8 @@ def command_arguments(template: str, lease: Lease) -> list[str]:
 class CommandRenderer:
     """Runs a command per key; exit 0 is rendered, `gone_exit` is gone, else failed; a
     `RETRY-AFTER <seconds>` line on stderr, or exit `retry_after_exit`, is the origin
-    pushing back; a `CHANGED yes|no` line on a rendered one says whether the page changed
-    (module note)."""
+    pushing back, and a `NOT-FOUND` line or exit `not_found_exit` is not_found; a
+    `CHANGED yes|no` line on a rendered one says whether the page changed (module note)."""
 
     def __init__(
         self,
@@ -134,6 +147,7 @@ class CommandRenderer:
         gone_exit: int | None = 10,
         retry_after_exit: int | None = RETRY_AFTER_EXIT,
         retry_after_s: float = DEFAULT_RETRY_AFTER_S,
+        not_found_exit: int | None = NOT_FOUND_EXIT,
     ) -> None:
         if "{key}" not in template:
             raise ValueError('the --exec command must contain {key}, e.g. "render.sh {key}"')
@@ -145,6 +159,7 @@ class CommandRenderer:
         if not 0 < retry_after_s <= MAX_RETRY_AFTER_S:
             raise ValueError(f"the retry-after default must be in (0, {MAX_RETRY_AFTER_S:g}] s")
         self.retry_after_s = retry_after_s
+        self.not_found_exit = not_found_exit
 
     async def __call__(self, lease: Lease) -> RenderResult:
         process = await asyncio.create_subprocess_exec(
@@ -172,6 +187,12 @@ class CommandRenderer:
                 outcome="failed",
                 detail=f"the origin asked to wait {pushed_back:g} s (exit {status})",
                 site_retry_after_s=pushed_back,
+            )
+        if says_not_found(stderr) or (
+            self.not_found_exit is not None and status == self.not_found_exit
+        ):
+            return RenderResult(
+                outcome="not_found", detail=f"the origin answered not found (exit {status})"
             )
         if status == 0:
             return RenderResult(outcome="rendered", changed=changed_of(stderr))

@@ -88,6 +88,7 @@ class FleetStatistics(msgspec.Struct, frozen=True, kw_only=True):
     rendered: int  # completions the node accepted, by outcome
     failed: int
     gone: int
+    not_found: int = 0  # the origin answered 404 or 410
     aborted: int  # renders cut short by a stop, completed as failed
     # Renders the origin turned away (Retry-After): handed back, their site blocked.
     pushed_back: int = 0
@@ -241,6 +242,7 @@ class FleetRunner:
             rendered=counts["rendered"],
             failed=counts["failed"],
             gone=counts["gone"],
+            not_found=counts["not_found"],
             aborted=counts["aborted"],
             pushed_back=counts["pushed_back"],
             refused=counts["refused"],

@@ -26,6 +26,7 @@ from keeper.queue import (
     TRIGGERED,
     HeldQueue,
 )
+from keeper.retired import RetiredRows
 from keeper.select import Allowances, BlockedMask, Selection
 from keeper.tallies import MINUTE_MS
 from keeper.walk import RepairTally, Walk, WalkReason
@@ -84,6 +85,7 @@ class CoreCounters(msgspec.Struct, kw_only=True):
     rows_reclassified: int = 0
     rows_resited: int = 0  # held rows whose site was taken again (a route's site pattern)
     dropped_unowned: int = 0  # rows dropped after an ownership change
+    retired_events: int = 0  # row events that found their row retired
 
 
 def _is_int(value: object) -> bool:
@@ -116,12 +118,20 @@ def row_problem(row: Row) -> str | None:
     return None
 
 
+def _repairs(walk: Walk) -> bool:
+    """Whether what the walk finds differing is a repair (a write the feed missed), not
+    rows it loads or gains."""
+    return walk.reason in ("verify", "resync")
+
+
 class KeeperCore:
     def __init__(self, config: KeeperConfig, ownership: Ownership | None = None) -> None:
         self.config = config
         self.classes = ClassTable(config.sitemap_boost)
         self.classifier = Classifier(self.classes)
         self.queue = HeldQueue(self.classes)
+        # Retired rows this node owns: never in the queue, counted apart (keeper.retired).
+        self.retired = RetiredRows()
         # What the queue's C event path takes a feed row event to be; the classifier's
         # cache is cleared in place, never replaced.
         self._feed_shape = FeedShape(RowEvent, self.classifier.cache, MAX_DUE_MS)
@@ -270,6 +280,7 @@ class KeeperCore:
             else:
                 events, keys, hashes = self._drop_unowned_events(events, keys, hashes, tally)
         queue = self.queue
+        retired = self.retired
         # HeldQueue.upsert, unrolled: its C path first (most events move a held row
         # within its class), the rest only when that returns -1. A Python call per event
         # would be a large share of an event's budget.
@@ -305,11 +316,25 @@ class KeeperCore:
                 touched[h] = epoch
             if row is None:
                 tally[queue.remove(h)] += 1
+                retired.discard(h)
                 continue
             if owns is not None and not owns(placement(h, key_site_hash(key), by_site)):
                 self.counters.unowned += 1
                 tally[queue.remove(h)] += 1
+                retired.discard(h)
                 continue
+            if row.retired_at is not None:
+                # Never due: out of the queue, counted apart until an upsert revives it.
+                if not isinstance(row.route, str) or row.key != event.key:
+                    self._unreadable(row, "event")
+                    continue
+                self.counters.retired_events += 1
+                tally[queue.remove(h)] += 1
+                placed = placement(h, key_site_hash(key), True) if by_site else None
+                retired.put(h, row.route, placed)
+                continue
+            if retired:
+                retired.discard(h)
             cadence = row.scheduled_cadence_s
             due = row.next_render_at
             version = row.version
@@ -361,6 +386,7 @@ class KeeperCore:
                 touched[h] = epoch
             self.counters.unowned += 1
             tally[queue.remove(h)] += 1
+            self.retired.discard(h)
         kept = np.flatnonzero(owned).tolist()
         return [events[i] for i in kept], [keys[i] for i in kept], [hashes[i] for i in kept]
 
@@ -392,6 +418,8 @@ class KeeperCore:
         walk.rows += len(rows)
         if rows:
             walk.after = rows[-1].key
+        if any(row.retired_at is not None for row in rows):
+            rows = self._walked_retired(walk, rows, now_ms)
         checked = self._check_chunk(rows)
         if checked is None:
             checked = self._check_rows(walk, rows)
@@ -413,6 +441,10 @@ class KeeperCore:
             )
             walk.repairs.skipped_touched += int(np.count_nonzero(keep & ~fresh))
             keep &= fresh
+        if self.retired:
+            # Retired when the keeper last looked, in the table and not retired now: a
+            # revival the feed did not deliver (the row's add below counts the repair).
+            self.retired.discard_many(hashes[keep].tolist())
         slots = self.queue.slots.find_many(hashes)
         absent = np.flatnonzero(keep & (slots < 0))
         held = np.flatnonzero(keep & (slots >= 0))
@@ -452,6 +484,44 @@ class KeeperCore:
                     walk.repairs, [good[i] for i in suspect.tolist()], slots[suspect], now_ms
                 )
             walk.mark_seen(held_slots)
+
+    def _walked_retired(self, walk: Walk, rows: Sequence[Row], now_ms: int) -> list[Row]:
+        """A walked chunk's retired rows, taken out of the queue and counted apart (unless
+        an event touched them since the walk began); returns the chunk's other rows."""
+        retired = [row for row in rows if row.retired_at is not None]
+        keys: list[bytes] = []
+        for row in retired:
+            try:
+                keys.append(row.key.encode())
+            except (AttributeError, UnicodeEncodeError):
+                keys.append(b"")
+        hashed = key_hashes(keys)
+        ownership = self.ownership
+        sites = key_site_hashes(keys) if ownership.by_site else None
+        placed = placements(hashed, sites, ownership.by_site)
+        owned = (
+            np.ones(len(keys), dtype=np.bool_)
+            if ownership.owns_all
+            else ownership.owns_many(placed)
+        ).tolist()
+        hashes = hashed.tolist()
+        for row, key, h, own, at in zip(retired, keys, hashes, owned, placed.tolist(), strict=True):
+            if not key or not isinstance(row.route, str) or not row.route:
+                walk.unreadable += 1
+                self._unreadable(row, f"{walk.reason} walk")
+                continue
+            if not own:
+                continue
+            if self.touched_since(h, walk.token):
+                walk.repairs.skipped_touched += 1
+                continue
+            walk.retired_seen.add(h)
+            removed = self.queue.remove(h) == REMOVED
+            if removed:
+                self.flow.add(now_ms, removed=1)
+            if (self.retired.put(h, row.route, at) or removed) and _repairs(walk):
+                walk.repairs.missed_changed += 1
+        return [row for row in rows if row.retired_at is None]
 
     CheckedRows = tuple[
         list[bytes],
@@ -567,6 +637,10 @@ class KeeperCore:
         walk.repairs.missed_removed += removed
         if removed:
             self.flow.add(now_ms, removed=removed)
+        for h in self.retired.hashes():
+            if h not in walk.retired_seen and not self.touched_since(h, walk.token):
+                self.retired.discard(h)
+                walk.repairs.missed_removed += 1
         walk.finished_at = now_ms
         self.close_window(walk.token)
         self.repairs.add(walk.repairs)
@@ -602,10 +676,22 @@ class KeeperCore:
                 if slot >= 0:
                     queue.remove_slot(slot)
                     tally.missed_removed += 1
+                if self.retired.discard(h):
+                    tally.missed_removed += 1
                 continue
             if row_problem(row) is not None:
                 self._unreadable(row, "point read")
                 continue
+            if row.retired_at is not None:
+                if slot >= 0:
+                    queue.remove_slot(slot)
+                by_site = self.ownership.by_site
+                placed = placement(h, key_site_hash(encoded), True) if by_site else None
+                if self.retired.put(h, row.route, placed) or slot >= 0:
+                    tally.missed_changed += 1
+                continue
+            if self.retired.discard(h):
+                tally.missed_changed += 1
             if slot < 0:
                 queue.upsert(
                     encoded,
@@ -630,6 +716,11 @@ class KeeperCore:
         self._unowned, self._unowned_done = None, 0
         if self.ownership.owns_all:
             return 0
+        if self.retired:
+            retired = self.retired.hashes()
+            placed = np.array(self.retired.placements(retired), dtype=np.uint64)
+            for h in np.array(retired, dtype=np.uint64)[~self.ownership.owns_many(placed)].tolist():
+                self.retired.discard(h)
         live = self.queue.slots.live_slots()
         hashes = self.queue.slots.hashes()[live]
         gone = ~self.ownership.owns_many(self.placements_of(hashes, live))

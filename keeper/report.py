@@ -21,6 +21,7 @@ from keeper.state import (
     LeaseCounts,
     NowGroup,
     QueueState,
+    RetiredGroup,
     SiteList,
     SiteRow,
     SitesGroup,
@@ -159,6 +160,7 @@ def build_queue_state(
     rows_max: int,
     fenced: FencedGroup | None = None,
     sites: SiteCounts | None = None,
+    retired: dict[str, int] | None = None,
 ) -> QueueState:
     """`fenced`: in a cluster, the due rows its fences hold back (None on a single node);
     `sites`: the due rows by site (queue-state keeps the first few)."""
@@ -183,4 +185,5 @@ def build_queue_state(
         ),
         fenced=fenced,
         sites=SitesGroup() if sites is None else sites_group(sites, now_ms, SITES_IN_QUEUE_STATE),
+        retired=RetiredGroup(total=sum((retired or {}).values()), by_route=retired or {}),
     )

@@ -762,6 +762,7 @@ class Keeper:
                 counts=counts,
                 fenced=fenced,
                 sites=sites,
+                retired=self.core.retired.by_route(),
                 classes=self.core.classes,
                 flow=self.core.flow.minutes(now),
                 leases=self._lease_counts(now),

@@ -258,6 +258,15 @@ class SiteList(msgspec.Struct, frozen=True, kw_only=True):
     truncated: bool  # more sites have due rows than are listed
 
 
+class RetiredGroup(msgspec.Struct, frozen=True, kw_only=True):
+    """Retired rows this node owns (a streak of not_found outcomes retired them): kept in
+    the table, never due, never held; deleted rows are gone and not counted. Counted
+    exactly at each full report, as `now.held` is."""
+
+    total: int = 0
+    by_route: dict[str, int] = {}
+
+
 class QueueState(msgspec.Struct, frozen=True, kw_only=True):
     schema: int
     node: str
@@ -270,6 +279,7 @@ class QueueState(msgspec.Struct, frozen=True, kw_only=True):
     autoscale: AutoscaleGroup
     fenced: FencedGroup | None = None  # None on a single node
     sites: SitesGroup = SitesGroup()
+    retired: RetiredGroup = RetiredGroup()
 
 
 class Liveness(msgspec.Struct, frozen=True, kw_only=True):

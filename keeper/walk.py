@@ -84,6 +84,7 @@ class Walk:
         self.unreadable = 0
         self.repairs = RepairTally()
         self._seen = np.zeros(1024, dtype=np.bool_)
+        self.retired_seen: set[int] = set()  # retired rows' key hashes it read
 
     @property
     def done(self) -> bool:

@@ -219,6 +219,11 @@ class ScheduleStore(Protocol):
         """`walk`, with the feed's head read in the same snapshot."""
         ...
 
+    def retired(self, after: str | None = None, limit: int = 100) -> list[Row]:
+        """Retired rows (Row.retired_at set) with key > after, by key, at most `limit`
+        (1..store.validate.MAX_PAGE)."""
+        ...
+
     def count(self) -> int: ...
 
     def routes(self) -> list[Route]: ...
@@ -234,6 +239,7 @@ class ScheduleStore(Protocol):
         clear_adapt: bool = False,
         site_pattern: str | None = None,
         clear_site_pattern: bool = False,
+        retire_after: int | None = None,
     ) -> Route:
         """Create or change a route; None leaves a field as it is. `clear_default_cadence`
         sends the route back to the global default. `adapt` turns adaptive cadence on (or

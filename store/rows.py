@@ -13,7 +13,12 @@ import msgspec
 from store.cadence import Adaptation, Learned, learn
 
 MAX_KEY_BYTES = 2048
-Outcome = Literal["rendered", "failed", "gone"]
+Outcome = Literal["rendered", "failed", "gone", "not_found"]
+# A route's rows retire after this many `not_found` outcomes in a row, unless the route
+# says otherwise (Route.retire_after).
+DEFAULT_RETIRE_AFTER = 3
+MAX_RETIRE_AFTER = 1000
+RetiredReason = Literal["not_found"]
 
 
 class Row(msgspec.Struct, frozen=True, kw_only=True):
@@ -38,12 +43,20 @@ class Row(msgspec.Struct, frozen=True, kw_only=True):
         """The cadence the row's own fields give, learned first (None: its route's)."""
         return self.cadence_s if self.learned_cadence_s is None else self.learned_cadence_s
 
+    # `not_found` outcomes in a row (any other outcome, or an upsert, resets it).
+    not_found_streak: int = 0
+    # A retired row is kept but never due: the keeper holds none, so none is granted,
+    # until an upsert of its key (or render-now) revives it. When and why it retired.
+    retired_at: int | None = None
+    retired_reason: RetiredReason | None = None
+
 
 # The columns of render_schedule in Row's order, for both backends' statements.
 ROW_COLUMNS = (
     "key, route, cadence_s, sitemap, next_render_at, last_rendered_at, last_outcome, version, "
-    "learned_cadence_s, change_history"
+    "learned_cadence_s, change_history, not_found_streak, retired_at, retired_reason"
 )
+ROW_FIELDS = len(ROW_COLUMNS.split(", "))
 
 
 def row_from(values: tuple[Any, ...] | Any) -> Row:
@@ -59,6 +72,9 @@ def row_from(values: tuple[Any, ...] | Any) -> Row:
         version,
         learned_cadence_s,
         change_history,
+        not_found_streak,
+        retired_at,
+        retired_reason,
     ) = values
     return Row(
         key=key,
@@ -71,18 +87,22 @@ def row_from(values: tuple[Any, ...] | Any) -> Row:
         version=version,
         learned_cadence_s=learned_cadence_s,
         change_history=change_history or 0,
+        not_found_streak=not_found_streak,
+        retired_at=retired_at,
+        retired_reason=retired_reason,
     )
 
 
 # The columns of `routes` in route_from's order, for both backends' statements.
 ROUTE_COLUMNS = (
-    "route, default_cadence_s, paused, adapt_min_s, adapt_max_s, adapt_inc, adapt_dec, site_pattern"
+    "route, default_cadence_s, paused, adapt_min_s, adapt_max_s, adapt_inc, adapt_dec, "
+    "site_pattern, retire_after"
 )
 
 
 def route_from(values: tuple[Any, ...] | Any) -> Route:
     """A Route from ROUTE_COLUMNS' values."""
-    name, default_cadence_s, paused, min_s, max_s, inc, dec, site_pattern = values
+    name, default_cadence_s, paused, min_s, max_s, inc, dec, site_pattern, retire_after = values
     adapt = None if min_s is None else Adaptation(min_s=min_s, max_s=max_s, inc=inc, dec=dec)
     return Route(
         route=name,
@@ -90,6 +110,7 @@ def route_from(values: tuple[Any, ...] | Any) -> Route:
         paused=bool(paused),
         adapt=adapt,
         site_pattern=site_pattern,
+        retire_after=retire_after,
     )
 
 
@@ -134,6 +155,8 @@ class Route(msgspec.Struct, frozen=True, kw_only=True):
     # The site of the route's keys (shm.keys.site_of): `*.NAME` for NAME and every host
     # under it, or one NAME for all; None, each key's own host.
     site_pattern: str | None = None
+    # Its rows retire after this many `not_found` outcomes in a row.
+    retire_after: int = DEFAULT_RETIRE_AFTER
 
 
 class Completion(msgspec.Struct, frozen=True, kw_only=True):
@@ -142,7 +165,10 @@ class Completion(msgspec.Struct, frozen=True, kw_only=True):
     `rendered` sets next_render_at to `next_render_at` if given, else now + the
     row's effective cadence; `failed` keeps the row due; `gone` deletes it. A `rendered`
     one may say whether the page `changed` since its last render: the row records it, and
-    where its route adapts, learns its cadence from it first (store.cadence).
+    where its route adapts, learns its cadence from it first (store.cadence). `not_found`
+    (the origin answered 404 or 410) reschedules it as `rendered` does, without a
+    render's time, and extends its streak of them: the route's `retire_after`'th in a row
+    retires the row. Any other outcome ends the streak and revives a retired row.
     """
 
     key: str

@@ -10,10 +10,10 @@ from collections.abc import Sequence
 
 from shm import keys
 from store.cadence import Adaptation, check_adaptation
-from store.rows import MAX_KEY_BYTES, Completion, RowWrite, SiteSettings
+from store.rows import MAX_KEY_BYTES, MAX_RETIRE_AFTER, Completion, RowWrite, SiteSettings
 
 ROUTE_NAME = re.compile(r"[a-z0-9][a-z0-9_.-]{0,63}")
-OUTCOMES = frozenset(("rendered", "failed", "gone"))
+OUTCOMES = frozenset(("rendered", "failed", "gone", "not_found"))
 # Bounds that keep `now + 1000 * cadence` inside SQLite's 64-bit integers.
 MAX_CADENCE_S = 2**31 - 1  # 68 years
 MAX_TIME_MS = 2**62
@@ -23,6 +23,7 @@ MAX_SITE_BYTES = 253
 SITE_NAME = re.compile(r"[^\sA-Z/?#@]+")
 MAX_SITE_IN_FLIGHT = 4096  # shm.sites.MAX_IN_FLIGHT: the most permits a site can have
 MAX_SITE_INTERVAL_MS = 86_400_000  # a day
+MAX_PAGE = 1000  # rows in one page of a listing (ScheduleStore.retired)
 
 
 def _where(what: str, index: int | None, key: object) -> str:
@@ -194,6 +195,7 @@ def check_route_change(
     clear_default_cadence: bool,
     adapt: object = None,
     clear_adapt: bool = False,
+    retire_after: object = None,
 ) -> tuple[bool, bool]:
     """A `set_route` call's arguments; returns whether the default cadence is written (set,
     or cleared back to the global default) and whether the adaptation is (set or cleared)."""
@@ -201,6 +203,12 @@ def check_route_change(
     check_cadence(default_cadence_s, where="default_cadence_s", optional=True)
     if paused is not None and not isinstance(paused, bool):
         raise ValueError(f"paused: must be true or false, got {paused!r}")
+    if retire_after is not None and (
+        type(retire_after) is not int or not 1 <= retire_after <= MAX_RETIRE_AFTER
+    ):
+        raise ValueError(
+            f"retire_after: must be a whole number 1..{MAX_RETIRE_AFTER}, got {retire_after!r}"
+        )
     if clear_default_cadence and default_cadence_s is not None:
         raise ValueError("default_cadence_s: cannot both set and clear it")
     if adapt is not None:
@@ -242,3 +250,11 @@ def check_site_settings(settings: SiteSettings) -> SiteSettings:
         if value is not None and (type(value) is not int or not 0 <= value <= top):
             raise ValueError(f"site {site}: {name} {value!r} is outside 0..{top}")
     return settings
+
+
+def check_page(after: object, limit: object) -> None:
+    """A page of a listing by key: after a key (None: from the first), at most `limit`."""
+    if after is not None:
+        check_key(after, what="after")
+    if type(limit) is not int or not 1 <= limit <= MAX_PAGE:
+        raise ValueError(f"limit: must be a whole number 1..{MAX_PAGE}, got {limit!r}")

@@ -198,6 +198,14 @@ class MemoryStore:
     def put(self, key: str, due: int, route: str = "product", **fields: object) -> None:
         self.write([RowWrite(key=key, route=route, next_render_at=due, **fields)])  # type: ignore[arg-type]
 
+    def retire(self, key: str, at: int) -> None:
+        """Retire a row as a streak of not_found outcomes would (logged)."""
+        self.seq += 1
+        self.rows[key] = msgspec.structs.replace(
+            self.rows[key], retired_at=at, retired_reason="not_found", version=self.seq
+        )
+        self.log.append(("row", key))
+
     def silent(self, row: Row | None, key: str | None = None) -> None:
         """Change the table with no log entry: a write the feed never delivers."""
         if row is None:
@@ -221,6 +229,7 @@ class MemoryStore:
         clear_adapt: bool = False,
         site_pattern: str | None = None,
         clear_site_pattern: bool = False,
+        retire_after: int | None = None,
     ) -> Route:
         old = self.route_table.get(route, Route(route=route))
         new = Route(
@@ -285,6 +294,10 @@ class MemoryStore:
         keys = sorted(self.rows)
         start = 0 if after is None else bisect.bisect_right(keys, after)
         return [self.rows[k] for k in keys[start : start + limit]]
+
+    def retired(self, after: str | None = None, limit: int = 100) -> list[Row]:
+        keys = [k for k in sorted(self.rows) if after is None or k > after]
+        return [self.rows[k] for k in keys if self.rows[k].retired_at is not None][:limit]
 
     def count(self) -> int:
         return len(self.rows)

@@ -30,6 +30,7 @@ class ContractStore(ScheduleStore, Protocol):
         clear_adapt: bool = False,
         site_pattern: str | None = None,
         clear_site_pattern: bool = False,
+        retire_after: int | None = None,
     ) -> Route: ...
 
     def consumers(self) -> dict[str, Cursor]: ...

@@ -373,3 +373,15 @@ def test_the_cluster_sums_count_fenced_keys_apart_and_autoscale_on_the_claimable
     )
     assert line.problem is None and line.fenced == documents[0]["fenced"]
     assert line.now is not None and line.now["claimable"] == 60
+
+
+def test_the_cluster_sums_retired_rows_per_route() -> None:
+    """Each row is one node's: their retired rows per route add up to the cluster's."""
+    from api.cluster import sums
+
+    documents: list[dict[str, Any]] = [
+        {"retired": {"total": 3, "by_route": {"shop": 2, "blog": 1}}},
+        {"retired": {"total": 1, "by_route": {"shop": 1}}},
+        {},  # a node of an older build counts none
+    ]
+    assert sums(documents)["retired"] == {"total": 4, "by_route": {"blog": 1, "shop": 3}}

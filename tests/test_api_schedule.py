@@ -83,10 +83,16 @@ def test_an_empty_batch_is_422_and_writes_nothing(node: ThreadNode) -> None:
             assert response.json()["field"] == "$"
 
 
-def test_get_needs_a_key(node: ThreadNode) -> None:
+def test_without_a_key_get_lists_the_rows_a_page_at_a_time(node: ThreadNode) -> None:
     with node.client() as client:
-        response = client.get("/v1/schedule")
-    assert response.status_code == 422 and response.json()["field"] == "key"
+        for key in ("k3", "k1", "k2"):
+            client.post("/v1/schedule", json={"upsert": [{"key": key, "route": "r"}]})
+        first = client.get("/v1/schedule", params={"limit": 2}).json()
+        assert [r["key"] for r in first["rows"]] == ["k1", "k2"] and first["next_after"] == "k2"
+        rest = client.get("/v1/schedule", params={"after": "k2"}).json()
+        assert [r["key"] for r in rest["rows"]] == ["k3"] and "next_after" not in rest
+        # None of them is retired.
+        assert client.get("/v1/schedule", params={"retired": "true"}).json() == {"rows": []}
 
 
 def test_routes_and_settings(node: ThreadNode) -> None:
@@ -98,6 +104,7 @@ def test_routes_and_settings(node: ThreadNode) -> None:
             "paused": False,
             "adapt": None,
             "site_pattern": None,
+            "retire_after": 3,
         }
         route = client.put("/v1/routes/product", json={"paused": True})
         assert route.json()["paused"] is True and route.json()["default_cadence_s"] == 900
@@ -112,6 +119,7 @@ def test_routes_and_settings(node: ThreadNode) -> None:
         "paused": True,
         "adapt": None,
         "site_pattern": None,
+        "retire_after": 3,
     } in listing["routes"]
 
 

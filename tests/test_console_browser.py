@@ -48,6 +48,7 @@ CHROMIUM_ARGS = [
 READ_TOKEN = "test-read-token-" + "r" * 16
 HOSTILE = '<script>window.__pwned=1</script><img src=x onerror="window.__pwned=2">'
 HOSTILE_KEY = "https://shop.example/p/<img src=x onerror=window.__pwned=3>"
+DEAD = ("https://shop.example/dead/1", "https://shop.example/dead/2")
 
 
 def _unavailable(reason: str) -> None:
@@ -96,12 +97,16 @@ def node(tmp_path_factory: pytest.TempPathFactory, browser: Any) -> Iterator[Nod
         now=now,
     )
     from store import open_store
-    from store.rows import RowWrite
+    from store.rows import Completion, RowWrite
 
     store = open_store(str(db))
     try:
         store.write(upsert=[RowWrite(key=HOSTILE_KEY, route="product", next_render_at=now - 5000)])
         store.set_route("blog", default_cadence_s=7200)
+        # Two rows whose origin answered 404 three times: retired, counted apart.
+        store.write(upsert=[RowWrite(key=key, route="product", next_render_at=now) for key in DEAD])
+        for _ in range(3):
+            store.complete([Completion(key=key, outcome="not_found", now=now) for key in DEAD])
     finally:
         store.close()
     process = NodeProcess(
@@ -198,6 +203,12 @@ def test_numbers_equal_queue_state(browser: Any, node: NodeProcess, shots: Path)
         for route, due in by_route.items():
             cells = page.locator(f'#routes tr[data-route="{route}"] td')
             assert cells.nth(3).inner_text() == f"{due:,}"
+        # Retired rows per route beside them, apart from the held ones.
+        assert state["retired"] == {"total": 2, "by_route": {"product": 2}}
+        for route in by_route:
+            cells = page.locator(f'#routes tr[data-route="{route}"] td')
+            assert cells.nth(4).inner_text() == str(state["retired"]["by_route"].get(route, 0))
+        assert "rows retired\t2" in page.inner_text("#node-table")
         assert page.locator("#classes tr").count() == len(state["lateness"]["classes"]) + 1
         assert page.inner_text("#status") == "ready"
         assert "Single node" in page.inner_text("#cluster")

@@ -20,6 +20,7 @@ from fleet.renderers import (
     changed_of,
     command_arguments,
     retry_after_of,
+    says_not_found,
 )
 
 
@@ -112,6 +113,40 @@ def test_a_changed_line_says_whether_a_rendered_page_changed(tmp_path: Path) -> 
     assert go("broken") == ("failed", None)  # said of a rendered page only
     assert changed_of(b"x CHANGED yes\n") is None  # a line of its own
     assert changed_of(b"CHANGED maybe\n") is None
+
+
+def test_a_not_found_line_or_exit_44_is_the_origin_saying_404(tmp_path: Path) -> None:
+    script = tmp_path / "render.py"
+    script.write_text(
+        "import sys\n"
+        "name = sys.argv[1].rsplit('/', 1)[1]\n"
+        "if name == 'said': print('HTTP 404\\nNOT-FOUND 404', file=sys.stderr); sys.exit(1)\n"
+        "if name == 'said-ok': print('not-found', file=sys.stderr); sys.exit(0)\n"
+        "if name == 'both': print('NOT-FOUND\\nRETRY-AFTER 5', file=sys.stderr); sys.exit(1)\n"
+        "if name == 'exit': sys.exit(44)\n"
+        "print('NOT-FOUND 500', file=sys.stderr); sys.exit(3)\n"
+    )
+    renderer = CommandRenderer(f"{PY} {script} {{key}}")
+
+    def go(key: str) -> tuple[str, float | None]:
+        result = asyncio.run(renderer(lease(f"https://e.com/{key}")))
+        return result.outcome, result.site_retry_after_s
+
+    assert go("said") == ("not_found", None)
+    assert go("said-ok") == ("not_found", None)  # the line wins over any exit status
+    assert go("exit") == ("not_found", None)
+    assert go("both") == ("failed", 5.0)  # a push-back says more: the site waits
+    assert go("garbled") == ("failed", None)  # not 404 or 410: an ordinary failure
+    assert says_not_found(b"NOT-FOUND: 410\n") and not says_not_found(b"x NOT-FOUND\n")
+    # Another exit status can mean it, or none.
+    assert (
+        asyncio.run(
+            CommandRenderer(f"{PY} {script} {{key}}", not_found_exit=None)(
+                lease("https://e.com/exit")
+            )
+        ).outcome
+        == "failed"
+    )
 
 
 def test_a_hostile_key_runs_no_second_command(tmp_path: Path) -> None:

@@ -31,11 +31,21 @@ def table_state(store: MemoryStore) -> dict[str, tuple[RenderClass, int, int]]:
     return {
         k: (classify(r, routes, store.default_cadence), r.next_render_at, r.version)
         for k, r in store.rows.items()
+        if r.retired_at is None
     }
+
+
+def retired_by_route(store: MemoryStore) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for row in store.rows.values():
+        if row.retired_at is not None:
+            counts[row.route] = counts.get(row.route, 0) + 1
+    return dict(sorted(counts.items()))
 
 
 def assert_equal_to_table(core: KeeperCore, store: MemoryStore) -> None:
     assert held_state(core) == table_state(store)
+    assert core.retired.by_route() == retired_by_route(store)
 
 
 def load(core: KeeperCore, store: MemoryStore, chunk: int = 7) -> None:
@@ -50,7 +60,7 @@ def load(core: KeeperCore, store: MemoryStore, chunk: int = 7) -> None:
 
 
 write = st.tuples(
-    st.sampled_from(["put", "put", "put", "delete", "route", "default"]),
+    st.sampled_from(["put", "put", "put", "delete", "route", "default", "retire"]),
     st.integers(0, 40),
     st.integers(-86_400_000, 86_400_000),
     st.sampled_from([None, 60, 3600]),
@@ -89,6 +99,9 @@ def test_random_event_streams_with_replays_end_equal_to_the_table(
             )
         elif what == "delete":
             store.write(delete=[f"/k{n}"])
+        elif what == "retire":
+            if f"/k{n}" in store.rows:
+                store.retire(f"/k{n}", NOW + offset)
         elif what == "route":
             store.set_route(route, default_cadence_s=cadence or 7200, paused=sitemap)
         else:
@@ -199,6 +212,41 @@ def test_the_verification_walk_repairs_injected_corruption_and_counts_it() -> No
     r = walk.repairs
     assert (r.missed_added, r.missed_changed, r.missed_removed, r.gained) == (1, 2, 1, 0)
     assert core.repairs.missed == 4
+
+
+def test_retired_rows_leave_the_queue_and_are_counted_by_route_through_events_and_walks() -> None:
+    store = MemoryStore()
+    for i in range(12):
+        store.put(f"/k{i:02}", NOW - i * 1000, route="blog" if i % 2 else "product")
+    store.retire("/k00", NOW)
+    core = KeeperCore(KeeperConfig())
+    sub = store.subscribe("keeper", store.feed_head())
+    load(core, store, chunk=5)
+    assert core.retired.by_route() == {"product": 1} and len(core.queue) == 11
+    # Through the feed: retired, revived by an upsert, deleted while retired.
+    for key in ("/k01", "/k02", "/k03"):
+        store.retire(key, NOW)
+    store.put("/k02", NOW, route="product")
+    store.write(delete=["/k03"])
+    core.apply_events(sub.poll().events, NOW)
+    assert_equal_to_table(core, store)
+    assert core.retired.by_route() == {"blog": 1, "product": 1} and len(core.queue) == 9
+    # Writes the feed missed, put right by a verification walk: a retirement, a revival,
+    # and a retired row deleted.
+    retired = store.rows["/k04"]
+    store.silent(msgspec.structs.replace(retired, retired_at=NOW, retired_reason="not_found"))
+    store.silent(msgspec.structs.replace(store.rows["/k00"], retired_at=None))
+    store.silent(None, key="/k01")
+    walk = core.begin_walk("verify", NOW)
+    while not walk.done:
+        rows = store.walk(walk.after, 4)
+        core.apply_walked(walk, rows, NOW)
+        if len(rows) < 4:
+            core.finish_walk(walk, NOW)
+    assert_equal_to_table(core, store)
+    assert core.retired.by_route() == {"product": 1}
+    r = walk.repairs
+    assert (r.missed_added, r.missed_changed, r.missed_removed) == (1, 1, 1)
 
 
 def test_a_repair_never_overwrites_a_newer_event() -> None:

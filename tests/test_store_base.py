@@ -287,6 +287,66 @@ def test_complete_failed_keeps_it_due_and_gone_deletes(any_store: ContractStore)
     assert missing is None and store.get("/nope") is None
 
 
+def test_not_found_in_a_row_retires_a_row_and_an_upsert_revives_it(
+    any_store: ContractStore,
+) -> None:
+    store = any_store
+    store.set_route("shop", retire_after=2)
+    store.write(
+        [put("/dead", 500, cadence_s=60), put("/flaky", 500), put("/shop", 500, route="shop")]
+    )
+
+    def not_found(key: str, now: int, **fields: Any) -> Row | None:
+        (row,) = store.complete([Completion(key=key, outcome="not_found", now=now, **fields)])
+        return row
+
+    first = not_found("/dead", 1_000)
+    assert first is not None and first.not_found_streak == 1 and first.retired_at is None
+    # Rescheduled a cadence on, not rendered.
+    assert first.next_render_at == 61_000 and first.last_rendered_at is None
+    assert first.last_outcome == "not_found"
+    second = not_found("/dead", 2_000, next_render_at=5_000)
+    assert second is not None and second.next_render_at == 5_000 and second.retired_at is None
+    third = not_found("/dead", 3_000)
+    assert third is not None and third.not_found_streak == 3
+    assert (third.retired_at, third.retired_reason) == (3_000, "not_found")
+    assert store.get("/dead") == third
+    # The route's own retire_after; any other outcome ends the streak.
+    assert not_found("/flaky", 1_000) is not None
+    store.complete([Completion(key="/flaky", outcome="failed", now=1_500)])
+    flaky = not_found("/flaky", 2_000)
+    assert flaky is not None and flaky.not_found_streak == 1 and flaky.retired_at is None
+    not_found("/shop", 1_000)
+    shop = not_found("/shop", 2_000)
+    assert shop is not None and shop.retired_at == 2_000
+    assert [r.key for r in store.retired()] == ["/dead", "/shop"]
+    assert [r.key for r in store.retired(after="/dead", limit=5)] == ["/shop"]
+    assert [r.key for r in store.retired(limit=1)] == ["/dead"]
+    for bad in ({"limit": 0}, {"limit": 1001}, {"after": ""}):
+        with pytest.raises(ValueError):
+            store.retired(**bad)
+    # An upsert revives a row: its streak starts again.
+    store.write([put("/dead", 7_000, cadence_s=60)])
+    revived = store.get("/dead")
+    assert revived is not None and revived.retired_at is None and revived.retired_reason is None
+    assert revived.not_found_streak == 0 and revived.next_render_at == 7_000
+    assert [r.key for r in store.retired()] == ["/shop"]
+    # A render does too.
+    (rendered,) = store.complete([Completion(key="/shop", outcome="rendered", now=9_000)])
+    assert rendered is not None and rendered.retired_at is None and store.retired() == []
+
+
+def test_a_routes_retire_after_is_checked(any_store: ContractStore) -> None:
+    store = any_store
+    assert store.set_route("shop").retire_after == 3
+    assert store.set_route("shop", retire_after=7).retire_after == 7
+    assert store.set_route("shop", paused=True).retire_after == 7
+    for bad in (0, 1001, True, 2.0):
+        with pytest.raises(ValueError, match="retire_after"):
+            store.set_route("shop", retire_after=bad)  # type: ignore[arg-type]
+    assert store.routes() == [Route(route="shop", paused=True, retire_after=7)]
+
+
 def test_a_key_completed_twice_in_one_call_is_applied_in_order(
     new_store_url: Callable[[], str],
 ) -> None:

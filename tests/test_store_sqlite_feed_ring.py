@@ -45,7 +45,7 @@ def ring() -> Iterator[FeedRing]:
 
 
 def record(seq: int, stamp: int, key: str = "/a", kind: int = KIND_ROW) -> LogRecord:
-    return (seq, kind, key, stamp, "product", None, 0, 1_000, None, None, 1, None, 0)
+    return (seq, kind, key, stamp, "product", None, 0, 1_000, None, None, 1, None, 0, 0, None, None)
 
 
 def encode(value: LogRecord) -> bytes:

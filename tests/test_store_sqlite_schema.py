@@ -91,9 +91,10 @@ def test_a_version_1_database_is_migrated_in_place(tmp_path: Path) -> None:
     store = SqliteStore(path)
     row = store.get("/kept")
     assert row is not None and row.next_render_at == 5
+    assert row.not_found_streak == 0 and row.retired_at is None and row.retired_reason is None
     store.close()
     conn = sqlite3.connect(path)
-    assert schema_version(conn) == LATEST == 6
+    assert schema_version(conn) == LATEST == 7
     triggers = {n for (n,) in conn.execute("SELECT name FROM sqlite_master WHERE type='trigger'")}
     assert "change_log_trimmed" in triggers
     conn.close()

@@ -268,8 +268,8 @@ QueueView_upsert_moved(QueueViewObject *self, PyObject *const *args, Py_ssize_t 
  * KeeperCore._apply_rows's loop for a run of events that move held rows within their
  * class, from events[start]: the same checks and the same moves as the Python loop,
  * one C loop with the buffers held once. It stops at the first event it does not
- * take whole (not a row event of the shape's type, a delete, a bad hash, a row that
- * fails a check, a class not yet in the shape's class cache, anything upsert_moved
+ * take whole (not a row event of the shape's type, a delete, a retired row, a bad hash,
+ * a row that fails a check, a class not yet in the shape's class cache, anything upsert_moved
  * does not handle) and returns its index, for the Python loop; or after an event
  * whose bucket needs a rebuild or tidy (done here, buffers given back), returning the
  * index after it. tally[result] += 1 for each event taken; touched[hash] = epoch if
@@ -299,10 +299,11 @@ QueueView_apply_moves(QueueViewObject *self, PyObject *const *args, Py_ssize_t n
         return NULL;
     }
     static PyObject *s_row, *s_key, *s_route, *s_cadence, *s_sitemap, *s_due, *s_version,
-        *s_learned;
+        *s_learned, *s_retired;
     if (s_row == NULL) {
         s_learned = PyUnicode_InternFromString("learned_cadence_s");
-        if (!s_learned) return NULL;
+        s_retired = PyUnicode_InternFromString("retired_at");
+        if (!s_learned || !s_retired) return NULL;
         s_row = PyUnicode_InternFromString("row");
         s_key = PyUnicode_InternFromString("key");
         s_route = PyUnicode_InternFromString("route");
@@ -310,7 +311,8 @@ QueueView_apply_moves(QueueViewObject *self, PyObject *const *args, Py_ssize_t n
         s_sitemap = PyUnicode_InternFromString("sitemap");
         s_due = PyUnicode_InternFromString("next_render_at");
         s_version = PyUnicode_InternFromString("version");
-        if (!s_row || !s_key || !s_route || !s_cadence || !s_sitemap || !s_due || !s_version) {
+        if (!s_row || !s_key || !s_route || !s_cadence || !s_sitemap || !s_due || !s_version ||
+            !s_retired) {
             return NULL;
         }
     }
@@ -350,7 +352,7 @@ QueueView_apply_moves(QueueViewObject *self, PyObject *const *args, Py_ssize_t n
             failed = 1;
             break;
         }
-        PyObject *f[7] = {NULL};
+        PyObject *f[8] = {NULL};
         long result = NOT_HANDLED;
         if (row == Py_None) goto next;
         f[0] = PyObject_GetAttr(row, s_due);
@@ -365,10 +367,13 @@ QueueView_apply_moves(QueueViewObject *self, PyObject *const *args, Py_ssize_t n
         f[4] = f[3] ? PyObject_GetAttr(event, s_key) : NULL;
         f[5] = f[4] ? PyObject_GetAttr(row, s_route) : NULL;
         f[6] = f[5] ? PyObject_GetAttr(row, s_sitemap) : NULL;
-        if (f[6] == NULL) {
+        f[7] = f[6] ? PyObject_GetAttr(row, s_retired) : NULL;
+        if (f[7] == NULL) {
             result = -2;
             goto next;
         }
+        /* A retired row leaves the queue and is counted apart: the Python loop's. */
+        if (f[7] != Py_None) goto next;
         /* The checks the Python loop makes (a bad field must not leave half a row):
          * anything doubtful goes back to it, which logs and counts it. */
         if (!PyLong_CheckExact(f[0]) || !PyLong_CheckExact(f[1]) ||
@@ -417,7 +422,7 @@ QueueView_apply_moves(QueueViewObject *self, PyObject *const *args, Py_ssize_t n
                            &split, &tidy);
     next:
         Py_DECREF(row);
-        for (int j = 0; j < 7; j++) Py_XDECREF(f[j]);
+        for (int j = 0; j < 8; j++) Py_XDECREF(f[j]);
         if (result == -2) {
             failed = 1;
             break;

@@ -246,14 +246,18 @@ class PostgresSubscription:
                 del events[slot]  # re-inserted below: the event sits at its key's last entry
                 self._coalesced += 1
             if kind == KIND_ROW:
-                row = None if entry[4] is None else row_from((key, *entry[4:11], *entry[17:19]))
+                row = (
+                    None
+                    if entry[4] is None
+                    else row_from((key, *entry[4:11], *entry[17:19], *entry[24:27]))
+                )
                 events[slot] = RowEvent(key=key, row=row)
             elif kind == KIND_ROUTE:
                 cadence, paused = entry[11], entry[12]
                 route = (
                     Route(route=key)
                     if paused is None
-                    else route_from((key, cadence, paused, *entry[19:24]))
+                    else route_from((key, cadence, paused, *entry[19:24], entry[27]))
                 )
                 events[slot] = RouteEvent(route=route)
             elif kind == KIND_SETTINGS:

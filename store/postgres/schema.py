@@ -25,6 +25,7 @@ from collections.abc import Callable
 import psycopg
 
 from store.errors import StoreError, refuse_newer
+from store.rows import DEFAULT_RETIRE_AFTER, MAX_RETIRE_AFTER
 from store.secret import new_secret
 
 KIND_ROW = 0
@@ -229,8 +230,22 @@ _V9 = [
         CHECK (block_reason IN ('retry_after', 'failures'))""",
 ]
 
+# Rows that retire: a streak of `not_found` outcomes, and once it reaches the route's
+# `retire_after`, when and why the row retired (kept, never due). The partial index lists
+# the retired rows by key without reading the others.
+_V10 = [
+    """ALTER TABLE render_schedule
+        ADD COLUMN not_found_streak integer NOT NULL DEFAULT 0,
+        ADD COLUMN retired_at bigint,
+        ADD COLUMN retired_reason text""",
+    f"""ALTER TABLE routes ADD COLUMN retire_after integer NOT NULL
+        DEFAULT {DEFAULT_RETIRE_AFTER}
+        CHECK (retire_after BETWEEN 1 AND {MAX_RETIRE_AFTER})""",
+    "CREATE INDEX render_schedule_retired ON render_schedule (key) WHERE retired_at IS NOT NULL",
+]
+
 # Index i holds the statements that take a database from version i to i + 1.
-MIGRATIONS: list[list[str]] = [_V1, _V2, _V3, _V4, _V5, _V6, _V7, _V8, _V9]
+MIGRATIONS: list[list[str]] = [_V1, _V2, _V3, _V4, _V5, _V6, _V7, _V8, _V9, _V10]
 # What a version's tables start with that SQL cannot make (random bytes from Python's
 # `secrets`), run after that version's statements, in the same transaction.
 SEEDS: dict[int, Callable[[psycopg.Connection[tuple[object, ...]]], None]] = {3: _seed_secret}

@@ -12,7 +12,7 @@ become Python ints here.
 from __future__ import annotations
 
 from store.postgres.schema import DEFAULT_CADENCE_S, DEFAULT_CADENCE_SETTING
-from store.rows import LEARNING_COLUMNS, ROUTE_COLUMNS, ROW_COLUMNS
+from store.rows import DEFAULT_RETIRE_AFTER, LEARNING_COLUMNS, ROUTE_COLUMNS, ROW_COLUMNS
 
 _R_COLUMNS = ", ".join(f"r.{c}" for c in ROW_COLUMNS.split(", "))
 
@@ -36,7 +36,10 @@ ON CONFLICT (key) DO UPDATE SET
     sitemap = excluded.sitemap,
     next_render_at = excluded.next_render_at,
     version = excluded.version,
-    learned_cadence_s = CASE WHEN r.route = excluded.route THEN r.learned_cadence_s END
+    learned_cadence_s = CASE WHEN r.route = excluded.route THEN r.learned_cadence_s END,
+    not_found_streak = 0,
+    retired_at = NULL,
+    retired_reason = NULL
 """
 _DELETE = "DELETE FROM render_schedule WHERE key = ANY(%(deletes)b::text[])"
 
@@ -58,6 +61,11 @@ FROM h LEFT JOIN render_schedule AS r ON r.key = ANY(%b::text[])
 
 WALK_FIRST = f"SELECT {ROW_COLUMNS} FROM render_schedule ORDER BY key LIMIT %s"
 WALK_AFTER = f"SELECT {ROW_COLUMNS} FROM render_schedule WHERE key > %s ORDER BY key LIMIT %s"
+# Retired rows by key, from the partial index on them.
+RETIRED = f"""
+SELECT {ROW_COLUMNS} FROM render_schedule
+WHERE retired_at IS NOT NULL AND key > %s ORDER BY key LIMIT %s
+"""
 _WALK_AT = """
 WITH h AS ({horizon})
 SELECT h.xmin, h.xmax, {columns}
@@ -76,9 +84,21 @@ GLOBAL_CADENCE = (
     f"{DEFAULT_CADENCE_S})"
 )
 
+# Any outcome but not_found ends a row's streak of them, and revives it if retired.
+_STREAK_ENDS = "not_found_streak = 0, retired_at = NULL, retired_reason = NULL"
+_CADENCE_MS = f"""1000::bigint * coalesce(
+    r.learned_cadence_s,
+    r.cadence_s,
+    (SELECT default_cadence_s FROM routes WHERE routes.route = r.route),
+    {GLOBAL_CADENCE})"""
+# A not_found outcome's streak reaches its route's retire_after (SET reads the old row).
+_RETIRES = f"""r.not_found_streak + 1 >= coalesce(
+    (SELECT retire_after FROM routes WHERE routes.route = r.route), {DEFAULT_RETIRE_AFTER})"""
+
 # One round of completions (no key twice) in one statement: each outcome's change is a
-# data-modifying CTE over the same arrays. A failure keeps the row due. The last row,
-# keyed NULL, carries the transaction's xid in the version column.
+# data-modifying CTE over the same arrays. A failure keeps the row due; a not_found
+# reschedules it a cadence on, with no render's time, and retires it at the end of its
+# streak. The last row, keyed NULL, carries the transaction's xid in the version column.
 COMPLETE = f"""
 WITH c AS (
     SELECT * FROM unnest(%(keys)b::text[], %(outcomes)b::text[], %(nows)b::bigint[],
@@ -98,6 +118,7 @@ rendered AS (
             (SELECT default_cadence_s FROM routes WHERE routes.route = r.route),
             {GLOBAL_CADENCE})),
         last_outcome = 'rendered',
+        {_STREAK_ENDS},
         version = nextval('render_schedule_version')
     FROM c WHERE c.key = r.key AND c.outcome = 'rendered'
     RETURNING {_R_COLUMNS}
@@ -105,17 +126,30 @@ rendered AS (
 failed AS (
     UPDATE render_schedule AS r SET
         last_outcome = 'failed',
+        {_STREAK_ENDS},
         version = nextval('render_schedule_version')
     FROM c WHERE c.key = r.key AND c.outcome = 'failed'
+    RETURNING {_R_COLUMNS}
+),
+not_found AS (
+    UPDATE render_schedule AS r SET
+        next_render_at = coalesce(c.next_at, c.now + {_CADENCE_MS}),
+        last_outcome = 'not_found',
+        not_found_streak = r.not_found_streak + 1,
+        retired_at = CASE WHEN {_RETIRES} THEN coalesce(r.retired_at, c.now) ELSE NULL END,
+        retired_reason = CASE WHEN {_RETIRES} THEN 'not_found' ELSE NULL END,
+        version = nextval('render_schedule_version')
+    FROM c WHERE c.key = r.key AND c.outcome = 'not_found'
     RETURNING {_R_COLUMNS}
 ),
 gone AS (
     DELETE FROM render_schedule AS r USING c WHERE c.key = r.key AND c.outcome = 'gone'
     RETURNING r.key
 )
-SELECT * FROM rendered UNION ALL SELECT * FROM failed
+SELECT * FROM rendered UNION ALL SELECT * FROM failed UNION ALL SELECT * FROM not_found
 UNION ALL SELECT NULL::text, NULL::text, NULL::integer, NULL::boolean, NULL::bigint,
-    NULL::bigint, NULL::text, {XID}, NULL::integer, NULL::integer
+    NULL::bigint, NULL::text, {XID}, NULL::integer, NULL::integer, NULL::integer, NULL::bigint,
+    NULL::text
 """
 
 # What store.cadence needs of each observed key's row and route, the rows locked in key
@@ -137,9 +171,9 @@ ROUTE_FOR_UPDATE = f"SELECT {ROUTE_COLUMNS} FROM routes WHERE route = %s FOR UPD
 
 SET_ROUTE = f"""
 INSERT INTO routes AS r (route, default_cadence_s, paused, adapt_min_s, adapt_max_s,
-                         adapt_inc, adapt_dec, site_pattern)
+                         adapt_inc, adapt_dec, site_pattern, retire_after)
 VALUES (%(route)s, %(cadence)s, coalesce(%(paused)s, false), %(min_s)s, %(max_s)s, %(inc)s,
-        %(dec)s, %(site_pattern)s)
+        %(dec)s, %(site_pattern)s, coalesce(%(retire_after)s::integer, {DEFAULT_RETIRE_AFTER}))
 ON CONFLICT (route) DO UPDATE SET
     default_cadence_s = CASE WHEN %(set_cadence)s THEN %(cadence)s ELSE r.default_cadence_s END,
     paused = coalesce(%(paused)s, r.paused),
@@ -147,7 +181,8 @@ ON CONFLICT (route) DO UPDATE SET
     adapt_max_s = CASE WHEN %(set_adapt)s THEN %(max_s)s ELSE r.adapt_max_s END,
     adapt_inc = CASE WHEN %(set_adapt)s THEN %(inc)s ELSE r.adapt_inc END,
     adapt_dec = CASE WHEN %(set_adapt)s THEN %(dec)s ELSE r.adapt_dec END,
-    site_pattern = CASE WHEN %(set_site_pattern)s THEN %(site_pattern)s ELSE r.site_pattern END
+    site_pattern = CASE WHEN %(set_site_pattern)s THEN %(site_pattern)s ELSE r.site_pattern END,
+    retire_after = coalesce(%(retire_after)s::integer, r.retire_after)
 RETURNING {ROUTE_COLUMNS}
 """
 
@@ -202,7 +237,8 @@ SELECT h.xmin::text::bigint, h.xmax::text::bigint,
        rt.default_cadence_s, rt.paused, st.value,
        ss.site IS NOT NULL, ss.max_in_flight, ss.min_interval_ms,
        r.learned_cadence_s, r.change_history,
-       rt.adapt_min_s, rt.adapt_max_s, rt.adapt_inc, rt.adapt_dec, rt.site_pattern
+       rt.adapt_min_s, rt.adapt_max_s, rt.adapt_inc, rt.adapt_dec, rt.site_pattern,
+       r.not_found_streak, r.retired_at, r.retired_reason, rt.retire_after
 FROM h CROSS JOIN feed_state AS f
 LEFT JOIN LATERAL (
     SELECT * FROM change_log

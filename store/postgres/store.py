@@ -61,6 +61,7 @@ from store.postgres.feed import (
 from store.postgres.membership import acknowledge, raise_lease_ceiling, read_members, read_nodes
 from store.postgres.schema import LATEST, migrate
 from store.rows import (
+    ROW_COLUMNS,
     Completion,
     Handover,
     MemberList,
@@ -83,12 +84,15 @@ from store.validate import (
     check_deletes,
     check_key,
     check_keys,
+    check_page,
     check_route_change,
     check_site_pattern_change,
     check_site_settings,
     check_upserts,
 )
 
+# COMPLETE's last row carries the transaction's xid in the version column.
+_VERSION_AT = ROW_COLUMNS.split(", ").index("version")
 T = TypeVar("T")
 log = logging.getLogger("renderqueue.store")
 
@@ -388,7 +392,7 @@ class PostgresStore:
             xid = 0
             for values in conn.execute(sql.COMPLETE, params).fetchall():
                 if values[0] is None:
-                    xid = values[7]  # the version column carries it
+                    xid = values[_VERSION_AT]  # the version column carries it
                 else:
                     row = row_from(values)
                     found[row.key] = row
@@ -452,6 +456,12 @@ class PostgresStore:
         rows = [row_from(values[2:]) for values in found if values[2] is not None]
         return RowsRead(rows=rows, head=cursor_token(self.origin, xmin, 0, xmax))
 
+    def retired(self, after: str | None = None, limit: int = 100) -> list[Row]:
+        check_page(after, limit)
+        params = ("" if after is None else after, limit)
+        found = self._read("retired", lambda c: c.execute(sql.RETIRED, params).fetchall())
+        return [row_from(values) for values in found]
+
     def count(self) -> int:
         found = self._read("count", lambda c: _counted(c, sql.COUNT))
         return 0 if found is None else int(found[0])
@@ -473,14 +483,22 @@ class PostgresStore:
         clear_adapt: bool = False,
         site_pattern: str | None = None,
         clear_site_pattern: bool = False,
+        retire_after: int | None = None,
     ) -> Route:
         """Create or change a route. None leaves a field as it is (a new route: no default
-        cadence, not paused, fixed cadences); `clear_default_cadence` sends the route back to
-        the global default; `adapt`/`clear_adapt` as ScheduleStore.set_route says;
-        `clear_site_pattern` sends its keys back to their hosts' sites.
+        cadence, not paused, fixed cadences, the default retire_after);
+        `clear_default_cadence` sends the route back to the global default;
+        `adapt`/`clear_adapt` as ScheduleStore.set_route says; `clear_site_pattern` sends
+        its keys back to their hosts' sites.
         """
         set_cadence, set_adapt = check_route_change(
-            route, default_cadence_s, paused, clear_default_cadence, adapt, clear_adapt
+            route,
+            default_cadence_s,
+            paused,
+            clear_default_cadence,
+            adapt,
+            clear_adapt,
+            retire_after,
         )
         set_pattern = check_site_pattern_change(site_pattern, clear_site_pattern)
         params = {
@@ -495,6 +513,7 @@ class PostgresStore:
             "dec": None if adapt is None else float(adapt.dec),
             "site_pattern": site_pattern,
             "set_site_pattern": set_pattern,
+            "retire_after": retire_after,
         }
 
         def body(conn: Conn) -> Route:

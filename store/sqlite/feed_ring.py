@@ -201,7 +201,7 @@ def remove_ring(wake_name: str) -> None:
 # row's columns (all None for a key whose row is gone). In the ring it is a msgpack array.
 LogRecord = tuple[
     int, int, str, int, str | None, int | None, int | None, int | None, int | None,
-    str | None, int | None, int | None, int | None,
+    str | None, int | None, int | None, int | None, int | None, int | None, str | None,
 ]  # fmt: skip
 _decode_record = msgspec.msgpack.Decoder(LogRecord).decode
 _encode_record = msgspec.msgpack.Encoder().encode

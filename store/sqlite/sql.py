@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from store.rows import LEARNING_COLUMNS, ROUTE_COLUMNS, ROW_COLUMNS
+from store.rows import DEFAULT_RETIRE_AFTER, LEARNING_COLUMNS, ROUTE_COLUMNS, ROW_COLUMNS
 from store.sqlite.schema import DEFAULT_CADENCE_S, DEFAULT_CADENCE_SETTING, NEXT_SEQ
 
 UPSERT = f"""
@@ -15,7 +15,10 @@ ON CONFLICT (key) DO UPDATE SET
     next_render_at = excluded.next_render_at,
     version = excluded.version,
     learned_cadence_s = CASE WHEN render_schedule.route = excluded.route
-        THEN render_schedule.learned_cadence_s END
+        THEN render_schedule.learned_cadence_s END,
+    not_found_streak = 0,
+    retired_at = NULL,
+    retired_reason = NULL
 """
 
 DELETE = "DELETE FROM render_schedule WHERE key = ?"
@@ -33,6 +36,11 @@ FROM json_each(?) AS j CROSS JOIN render_schedule AS r ON r.key = j.value
 
 WALK_FIRST = f"SELECT {ROW_COLUMNS} FROM render_schedule ORDER BY key LIMIT ?"
 WALK_AFTER = f"SELECT {ROW_COLUMNS} FROM render_schedule WHERE key > ? ORDER BY key LIMIT ?"
+# Retired rows by key, from the partial index on them.
+RETIRED = f"""
+SELECT {ROW_COLUMNS} FROM render_schedule
+WHERE retired_at IS NOT NULL AND key > ? ORDER BY key LIMIT ?
+"""
 
 GLOBAL_CADENCE = (
     f"coalesce((SELECT value FROM settings WHERE name = '{DEFAULT_CADENCE_SETTING}'), "
@@ -58,6 +66,9 @@ _CADENCE_MS = f"""1000 * coalesce(
     (SELECT default_cadence_s FROM routes WHERE routes.route = render_schedule.route),
     {GLOBAL_CADENCE})"""
 
+# Any outcome but not_found ends a row's streak of them, and revives it if retired.
+_STREAK_ENDS = "not_found_streak = 0, retired_at = NULL, retired_reason = NULL"
+
 # The usual round: every rendered key completed at one `now`, with one `next_render_at`
 # (mostly None: now + the row's effective cadence).
 COMPLETE_RENDERED = f"""
@@ -65,6 +76,7 @@ UPDATE render_schedule SET
     last_rendered_at = :now,
     next_render_at = coalesce(:next_render_at, :now + {_CADENCE_MS}),
     last_outcome = 'rendered',
+    {_STREAK_ENDS},
     version = {_NEXT_SEQ_PER_ROW}
 WHERE key IN (SELECT value FROM json_each(:keys))
 RETURNING {ROW_COLUMNS}
@@ -76,6 +88,7 @@ UPDATE render_schedule SET
     last_rendered_at = c.now,
     next_render_at = coalesce(c.next_render_at, c.now + {_CADENCE_MS}),
     last_outcome = 'rendered',
+    {_STREAK_ENDS},
     version = {_NEXT_SEQ_PER_ROW}
 FROM (
     SELECT json_extract(value, '$[0]') AS key, json_extract(value, '$[1]') AS now,
@@ -100,6 +113,7 @@ UPDATE render_schedule SET
     learned_cadence_s = c.learned,
     change_history = c.history,
     last_outcome = 'rendered',
+    {_STREAK_ENDS},
     version = {_NEXT_SEQ_PER_ROW}
 FROM (
     SELECT json_extract(value, '$[0]') AS key, json_extract(value, '$[1]') AS now,
@@ -120,9 +134,35 @@ LEFT JOIN routes AS rt ON rt.route = r.route
 
 # A failure keeps the row due: next_render_at and last_rendered_at stay as they were.
 COMPLETE_FAILED = f"""
-UPDATE render_schedule SET last_outcome = 'failed', version = {_NEXT_SEQ_PER_ROW}
+UPDATE render_schedule SET
+    last_outcome = 'failed', {_STREAK_ENDS}, version = {_NEXT_SEQ_PER_ROW}
 WHERE key IN (SELECT value FROM json_each(:keys))
 RETURNING {ROW_COLUMNS}
+"""
+
+# The origin answered 404 or 410: rescheduled a cadence on (or at the item's
+# next_render_at), with no render's time, and one more in the row's streak; the streak's
+# retire_after'th (its route's, else the default) retires it. Each key's [key, now,
+# next_render_at], as COMPLETE_RENDERED_EACH. SET reads the row as it was before.
+_RETIRES = f"""render_schedule.not_found_streak + 1 >= coalesce(
+    (SELECT retire_after FROM routes WHERE routes.route = render_schedule.route),
+    {DEFAULT_RETIRE_AFTER})"""
+COMPLETE_NOT_FOUND = f"""
+UPDATE render_schedule SET
+    next_render_at = coalesce(c.next_render_at, c.now + {_CADENCE_MS}),
+    last_outcome = 'not_found',
+    not_found_streak = render_schedule.not_found_streak + 1,
+    retired_at = CASE WHEN {_RETIRES}
+        THEN coalesce(render_schedule.retired_at, c.now) ELSE NULL END,
+    retired_reason = CASE WHEN {_RETIRES} THEN 'not_found' ELSE NULL END,
+    version = {_NEXT_SEQ_PER_ROW}
+FROM (
+    SELECT json_extract(value, '$[0]') AS key, json_extract(value, '$[1]') AS now,
+           json_extract(value, '$[2]') AS next_render_at
+    FROM json_each(:items)
+) AS c
+WHERE render_schedule.key = c.key
+RETURNING {", ".join(f"render_schedule.{c}" for c in ROW_COLUMNS.split(", "))}
 """
 
 COMPLETE_GONE = "DELETE FROM render_schedule WHERE key IN (SELECT value FROM json_each(:keys))"
@@ -133,8 +173,9 @@ ROUTE = f"SELECT {ROUTE_COLUMNS} FROM routes WHERE route = ?"
 
 SET_ROUTE = f"""
 INSERT INTO routes (route, default_cadence_s, paused, adapt_min_s, adapt_max_s, adapt_inc,
-                    adapt_dec, site_pattern)
-VALUES (:route, :cadence, coalesce(:paused, 0), :min_s, :max_s, :inc, :dec, :site_pattern)
+                    adapt_dec, site_pattern, retire_after)
+VALUES (:route, :cadence, coalesce(:paused, 0), :min_s, :max_s, :inc, :dec, :site_pattern,
+        coalesce(:retire_after, {DEFAULT_RETIRE_AFTER}))
 ON CONFLICT (route) DO UPDATE SET
     default_cadence_s = CASE WHEN :set_cadence THEN :cadence ELSE default_cadence_s END,
     paused = coalesce(:paused, paused),
@@ -142,7 +183,8 @@ ON CONFLICT (route) DO UPDATE SET
     adapt_max_s = CASE WHEN :set_adapt THEN :max_s ELSE adapt_max_s END,
     adapt_inc = CASE WHEN :set_adapt THEN :inc ELSE adapt_inc END,
     adapt_dec = CASE WHEN :set_adapt THEN :dec ELSE adapt_dec END,
-    site_pattern = CASE WHEN :set_site_pattern THEN :site_pattern ELSE site_pattern END
+    site_pattern = CASE WHEN :set_site_pattern THEN :site_pattern ELSE site_pattern END,
+    retire_after = coalesce(:retire_after, retire_after)
 RETURNING {ROUTE_COLUMNS}
 """
 
@@ -186,7 +228,8 @@ STAMP_AT = "SELECT stamp FROM change_log WHERE seq = ?"
 POLL = """
 SELECT l.seq, l.kind, l.key, l.stamp,
        r.route, r.cadence_s, r.sitemap, r.next_render_at, r.last_rendered_at,
-       r.last_outcome, r.version, r.learned_cadence_s, r.change_history
+       r.last_outcome, r.version, r.learned_cadence_s, r.change_history,
+       r.not_found_streak, r.retired_at, r.retired_reason
 FROM change_log AS l
 LEFT JOIN render_schedule AS r ON l.kind = 0 AND r.key = l.key
 WHERE l.seq > ?

@@ -37,6 +37,7 @@ from store.base import (
 from store.cadence import Adaptation, forgets_learned
 from store.errors import StoreError, StoreFull
 from store.rows import (
+    ROW_FIELDS,
     Completion,
     Route,
     Row,
@@ -79,6 +80,7 @@ from store.validate import (
     check_deletes,
     check_key,
     check_keys,
+    check_page,
     check_route_change,
     check_site_pattern_change,
     check_site_settings,
@@ -332,8 +334,9 @@ class SqliteStore:
             return []
 
         # One statement per outcome per round, not per item: within a round the log holds
-        # the rendered rows, then the failed, then the gone (input order is lost there);
-        # a key named twice is in two rounds, so its own completions apply in order.
+        # the rendered rows, then the failed, the not found, then the gone (input order is
+        # lost there); a key named twice is in two rounds, so its own completions apply in
+        # order.
         # The statements and their parameters are made before the write lock is taken,
         # and the Rows after it is released: other writers wait only for SQLite's work.
         rounds = completion_rounds(items)
@@ -433,6 +436,12 @@ class SqliteStore:
         rows, (seq, stamp) = state.retry.transaction(state.conn, what, body, write=False)
         return RowsRead(rows=rows, head=cursor_token(seq, stamp))
 
+    def retired(self, after: str | None = None, limit: int = 100) -> list[Row]:
+        check_page(after, limit)
+        params = ("" if after is None else after, limit)
+        found = self._read("retired", lambda c: c.execute(sql.RETIRED, params).fetchall())
+        return [row_from(values) for values in found]
+
     def count(self) -> int:
         query = "SELECT count(*) FROM render_schedule"
         return int(self._read("count", lambda c: c.execute(query).fetchone()[0]))
@@ -454,14 +463,22 @@ class SqliteStore:
         clear_adapt: bool = False,
         site_pattern: str | None = None,
         clear_site_pattern: bool = False,
+        retire_after: int | None = None,
     ) -> Route:
         """Create or change a route. None leaves a field as it is (a new route: no default
-        cadence, not paused, fixed cadences); `clear_default_cadence` sends the route back to
-        the global default; `adapt`/`clear_adapt` as ScheduleStore.set_route says;
-        `clear_site_pattern` sends its keys back to their hosts' sites.
+        cadence, not paused, fixed cadences, the default retire_after);
+        `clear_default_cadence` sends the route back to the global default;
+        `adapt`/`clear_adapt` as ScheduleStore.set_route says; `clear_site_pattern` sends
+        its keys back to their hosts' sites.
         """
         set_cadence, set_adapt = check_route_change(
-            route, default_cadence_s, paused, clear_default_cadence, adapt, clear_adapt
+            route,
+            default_cadence_s,
+            paused,
+            clear_default_cadence,
+            adapt,
+            clear_adapt,
+            retire_after,
         )
         set_pattern = check_site_pattern_change(site_pattern, clear_site_pattern)
         params = {
@@ -476,6 +493,7 @@ class SqliteStore:
             "dec": None if adapt is None else float(adapt.dec),
             "site_pattern": site_pattern,
             "set_site_pattern": 1 if set_pattern else 0,
+            "retire_after": retire_after,
         }
 
         def body(conn: sqlite3.Connection) -> Route:
@@ -755,15 +773,16 @@ class SqliteStore:
 
 
 # A log record's row columns for a key whose row is gone, as POLL's LEFT JOIN reads them.
-_NO_ROW = (None,) * 9
+_NO_ROW = (None,) * (ROW_FIELDS - 1)
 
 
 def _round_statements(round_items: list[Completion]) -> list[tuple[str, dict[str, object]]]:
-    """One round's statements (no key twice): the rendered, then the failed, then the gone,
-    one statement each, with their parameters; the first two return the rows they updated
-    (ROW_COLUMNS), the last nothing."""
+    """One round's statements (no key twice): the rendered, then the failed, then the not
+    found, then the gone, one statement each, with their parameters; all but the last
+    return the rows they updated (ROW_COLUMNS), the last nothing."""
     rendered = [c for c in round_items if c.outcome == "rendered" and c.changed is None]
     failed = [c.key for c in round_items if c.outcome == "failed"]
+    not_found = [c for c in round_items if c.outcome == "not_found"]
     gone = [c.key for c in round_items if c.outcome == "gone"]
     out: list[tuple[str, dict[str, object]]] = []
     if rendered:
@@ -780,6 +799,9 @@ def _round_statements(round_items: list[Completion]) -> list[tuple[str, dict[str
             out.append((sql.COMPLETE_RENDERED_EACH, {"items": each}))
     if failed:
         out.append((sql.COMPLETE_FAILED, {"keys": _json(failed)}))
+    if not_found:
+        each = _json([[c.key, c.now, c.next_render_at] for c in not_found])
+        out.append((sql.COMPLETE_NOT_FOUND, {"items": each}))
     if gone:
         out.append((sql.COMPLETE_GONE, {"keys": _json(gone)}))
     return out
