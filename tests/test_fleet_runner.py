@@ -737,3 +737,47 @@ def test_a_renderer_that_says_changed_teaches_an_adaptive_route(tmp_path: Path) 
     assert same.learned_cadence_s == rungs[start + 1] and history_of(same.change_history) == [False]
     assert new.learned_cadence_s == rungs[start - 1] and history_of(new.change_history) == [True]
     assert quiet.learned_cadence_s is None and quiet.change_history == 0
+
+
+def test_a_renderer_that_says_not_found_retires_its_rows(tmp_path: Path) -> None:
+    """`fleet --exec` with an origin answering 404: a `NOT-FOUND` line (any exit status) or
+    exit 44 is a `not_found` completion, counted apart; a route retiring at the first one
+    retires those rows, and the rendered one is not touched."""
+    from node_harness import node_db, thread_node
+
+    from fleet.renderers import CommandRenderer
+    from store import open_store
+    from store.rows import RowWrite
+
+    now = now_ms()
+    keys = ["https://a.example/said", "https://a.example/exit", "https://a.example/alive"]
+    store = open_store(str(node_db(tmp_path)))
+    store.set_route("gone", retire_after=1)
+    store.write(
+        [RowWrite(key=k, route="gone", cadence_s=3600, next_render_at=now - 1000) for k in keys]
+    )
+    store.close()
+    script = tmp_path / "render.py"
+    script.write_text(
+        "import sys\n"
+        "key = sys.argv[1]\n"
+        "if key.endswith('said'): print('HTTP 404\\nNOT-FOUND 404', file=sys.stderr); sys.exit(1)\n"
+        "if key.endswith('exit'): sys.exit(44)\n"
+    )
+    renderer = CommandRenderer(f"{sys.executable} {script} {{key}}")
+    with thread_node(tmp_path) as node:
+        node.wait_published()
+        stats, _, _ = run_fleet_at(
+            node.url,
+            renderer,
+            FleetConfig(concurrency=3, lease_s=30, wait_s=1, state_every_s=0),
+            stop_when=lambda runner: (
+                runner.statistics().not_found + runner.statistics().rendered >= 3
+            ),
+        )
+        rows = node.store.get_many(keys)
+    assert (stats.not_found, stats.rendered, stats.failed) == (2, 1, 0)
+    said, exited, alive = (rows[k] for k in keys)
+    assert said.retired_reason == "not_found" and exited.retired_reason == "not_found"
+    assert said.retired_at is not None and exited.retired_at is not None
+    assert alive.retired_at is None and alive.last_outcome == "rendered"
