@@ -190,11 +190,11 @@ Changed = Annotated[
 
 class CompletionItem(Request, frozen=True):
     # api.openapi merges this into the component: `changed` is said of a rendered page only.
+    # As if/then, not a top-level anyOf: a client generator makes each branch of an anyOf
+    # a type of its own and loses the item's fields (openapi-python-client: Any).
     json_schema_extra: ClassVar[dict[str, Any]] = {
-        "anyOf": [
-            {"not": {"required": ["changed"]}},
-            {"properties": {"outcome": {"const": "rendered"}}},
-        ]
+        "if": {"required": ["changed"], "properties": {"changed": {"type": "boolean"}}},
+        "then": {"properties": {"outcome": {"const": "rendered"}}},
     }
 
     key: Key
