@@ -355,6 +355,43 @@ def test_rows_gained_by_an_ownership_change_are_counted_apart_from_missed_writes
     assert core.counters.dropped_unowned == len(mine) - 1
 
 
+def test_retired_rows_are_counted_by_the_node_that_owns_them() -> None:
+    """Each node counts only its own retired rows, through events and walks; when the
+    ownership flips, the ones it no longer owns leave its count and a membership walk
+    brings in the other half's."""
+    store, owner, core, sub = loaded_halves()
+    for i in range(0, 40):
+        store.retire(f"/k{i:03}", NOW)
+    core.apply_events(sub.poll().events, NOW)
+
+    def retired_owned() -> int:
+        return sum(
+            1
+            for key, row in store.rows.items()
+            if row.retired_at is not None and owner.owns(key_hash(key.encode()))
+        )
+
+    assert sum(core.retired.by_route().values()) == retired_owned() > 0
+    assert len(core.queue) == sum(
+        1
+        for key, row in store.rows.items()
+        if row.retired_at is None and owner.owns(key_hash(key.encode()))
+    )
+    owner.bit, owner.generation = 1, 1
+    core.mark_unowned()
+    while core.dropping:
+        core.drop_unowned(limit=50)
+    assert len(core.retired) == 0
+    walk = core.begin_walk("membership", NOW)
+    while not walk.done:
+        rows = store.walk(walk.after, 30)
+        core.apply_walked(walk, rows, NOW)
+        if len(rows) < 30:
+            core.finish_walk(walk, NOW)
+    assert sum(core.retired.by_route().values()) == retired_owned() > 0
+    assert walk.repairs.missed == 0
+
+
 def test_a_batch_of_events_is_judged_for_ownership_at_once() -> None:
     """Owned rows moved, added and deleted, other nodes' rows written and deleted, all in
     one batch: the keeper holds exactly its share of the table, with the table's values,
