@@ -19,6 +19,9 @@ else left to the route's default. next_render_at:
   its last render (the page changed since), and to last render + the new cadence
   when the cadence shrank. A key whose route, cadence, sitemap flag and due time
   would not change is skipped as "unchanged", so re-importing a sitemap is a no-op.
+- a retired key (its origin answered not found, store.rows.Row.retired_at) is skipped as
+  "retired" unless its lastmod is later than its retirement: a sitemap that goes on
+  listing a dead URL does not bring it back, a page changed since it was found missing does.
 
 lastmod later than now (a clock ahead) is read as now.
 """
@@ -321,6 +324,13 @@ class _Writer:
         created = 0
         for candidate in batch:
             row = existing.get(candidate.key)
+            if (
+                row is not None
+                and row.retired_at is not None
+                and (candidate.lastmod is None or candidate.lastmod <= row.retired_at)
+            ):
+                self._tally.skip("retired", candidate.key, "")
+                continue
             due = _next_render_at(candidate, row, self._effective_cadence(candidate), self._now_ms)
             if (
                 row is not None

@@ -199,6 +199,27 @@ def test_existing_rows_keep_their_schedule_unless_the_page_changed(
     assert (report.imported, report.updated) == (0, 4)
 
 
+def test_a_retired_row_stays_retired_unless_its_page_changed_since(store: ScheduleStore) -> None:
+    now = now_ms()
+    keys = [f"https://e.com/p/{name}" for name in ("dead", "back", "silent")]
+    store.write(upsert=[RowWrite(key=key, route="product", next_render_at=now) for key in keys])
+    retired_at = now - 10 * HOUR_MS
+    for _ in range(3):
+        store.complete([Completion(key=key, outcome="not_found", now=retired_at) for key in keys])
+    assert all(row.retired_at == retired_at for row in store.get_many(keys).values())
+    before = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime((retired_at - HOUR_MS) / 1000))
+    after = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime((retired_at + HOUR_MS) / 1000))
+    report = run(
+        store,
+        urlset(url_xml(keys[0], before, "daily"), url_xml(keys[1], after), url_xml(keys[2])),
+        now,
+    )
+    rows = store.get_many(keys)
+    assert rows[keys[0]].retired_at == retired_at and rows[keys[2]].retired_at == retired_at
+    assert rows[keys[1]].retired_at is None and rows[keys[1]].not_found_streak == 0
+    assert report.skipped_by_reason == {"retired": 2} and report.updated == 1
+
+
 def test_bad_urls_are_counted_and_the_rest_imported(store: ScheduleStore) -> None:
     data = urlset(
         url_xml("https://e.com/p/good"),
