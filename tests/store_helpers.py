@@ -84,6 +84,14 @@ def settle(store: ContractStore, timeout_s: float = 30.0) -> None:
         store.drop_consumer(SETTLE_PROBE)
 
 
+def subscribed_after(store: ContractStore, consumer: str = "keeper") -> Any:
+    """A subscription that delivers nothing written before this call. It opens at the
+    feed's horizon, which a transaction still open anywhere on the server holds below
+    the earlier writes, so wait for them to settle first."""
+    settle(store)
+    return store.subscribe(consumer)
+
+
 def receive(sub: Subscription) -> list[str]:
     """Wait and poll until something arrives (a wake-up is a hint: some find nothing)."""
     for _ in range(100):

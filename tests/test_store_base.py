@@ -15,7 +15,16 @@ from typing import Any
 
 import msgspec
 import pytest
-from store_helpers import ContractStore, close_all, is_postgres, keys_of, open_url, put, settle
+from store_helpers import (
+    ContractStore,
+    close_all,
+    is_postgres,
+    keys_of,
+    open_url,
+    put,
+    settle,
+    subscribed_after,
+)
 
 from store.errors import StoreBusy, StoreError
 from store.rows import Completion, Outcome, Route, Row, RowEvent, SiteSettings
@@ -127,7 +136,7 @@ def test_iterables_are_written_whole(any_store: ContractStore) -> None:
 def test_a_batch_with_one_bad_row_writes_nothing(any_store: ContractStore) -> None:
     store = any_store
     store.write([put("/keep")])
-    sub = store.subscribe("keeper")
+    sub = subscribed_after(store)
     with pytest.raises(ValueError, match=r"upsert\[2\].*cadence_s"):
         store.write([put("/x1"), put("/x2"), put("/x3", cadence_s=0)], delete=["/keep"])
     with pytest.raises(ValueError, match=r"delete\[0\].*empty"):
@@ -173,7 +182,7 @@ def test_a_batch_failing_inside_the_transaction_writes_nothing(
 ) -> None:
     store = any_store
     store.write([put("/keep")])
-    sub = store.subscribe("keeper")
+    sub = subscribed_after(store)
     # A failure only the database sees, after the first rows of the batch were written.
     poison(store_url)
     with pytest.raises(Exception, match="poisoned"):
@@ -403,7 +412,7 @@ def test_completing_many_keys_logs_each_changed_row_once(any_store: ContractStor
     keys = [f"/v/{i:03d}" for i in range(120)]
     store.write([put(k, cadence_s=60 if i % 2 else None) for i, k in enumerate(keys)])
     before = {k: row.version for k, row in store.get_many(keys).items()}
-    sub = store.subscribe("keeper")
+    sub = subscribed_after(store)
     outcomes: list[Outcome] = ["rendered", "failed", "gone"]
     got = store.complete(
         [Completion(key=k, outcome=outcomes[i % 3], now=5_000) for i, k in enumerate(keys)]
