@@ -8,9 +8,11 @@ that granted the lease, and the cluster's queue-state.
   handed an item another node granted forwards the item there (one hop: a forwarded
   request is never forwarded again) and answers every item in one response. The
   granting node applies it exactly as if it had been sent there; a forward that fails
-  changes nothing here and says which node did not answer (`node_unavailable`), and an
-  item whose granting node is no longer live is `lease_not_held` (its leases ended with
-  it), each with a `detail` naming the node.
+  changes nothing here and says which node did not answer (`node_unavailable`). An
+  item whose granting node is no longer live is `node_unavailable` too while that
+  node's leases may live (it stopped or died; restarted by then, it takes its leases
+  back, so the completion lands there), and `lease_not_held` after (its leases ended
+  with it), each with a `detail` naming the node.
 - `GET /prerender_admin/cluster/queue-state` asks every live node for its queue-state at
   once and sums the counts only when every node vouches for its own; otherwise 503,
   naming each node that is missing, unready, not exact, stale or holding another view of
@@ -44,8 +46,9 @@ from api.schemas import (
     RenewResult,
     RenewResults,
 )
+from keeper.cluster import leases_end
 from shm.segment import now_ms
-from store.rows import NodeRecord
+from store.rows import MemberList, NodeRecord
 
 if TYPE_CHECKING:
     from api.node import Node
@@ -69,6 +72,7 @@ class ClusterLink:
     def __init__(self, node: Node) -> None:
         self.node = node
         self._records: list[NodeRecord] = []
+        self._members = MemberList(records=[], db_now_ms=0)
         self._read_at = 0.0
         self._http: httpx.AsyncClient | None = None
         self.forwarded = 0  # items this worker sent to the node that granted them
@@ -83,11 +87,29 @@ class ClusterLink:
         if not settings.clustered:
             return [self._myself()]
         if time.monotonic() - self._read_at > max_age_s:
-            read: Callable[[float], list[NodeRecord]] = self.node.store.nodes  # type: ignore[attr-defined]
-            records = await self.node.lane.call(lambda: read(settings.node_ttl_s))
-            self._records = [r for r in records if r.live]
+            read: Callable[[float], MemberList] = self.node.store.members  # type: ignore[attr-defined]
+            self._members = await self.node.lane.call(lambda: read(settings.node_ttl_s))
+            self._records = [r for r in self._members.records if r.live]
             self._read_at = time.monotonic()
         return self._records
+
+    def leases_may_live(self, name: str) -> int | None:
+        """How much longer (ms) leases of `name`, no longer a live member as of the last
+        read, may live: a node restarted by then takes them back (a snapshot, or its
+        surviving lease table). None: none may."""
+        found = [r for r in self._members.records if r.node == name and not r.live]
+        if not found or not self._members.db_now_ms:
+            return None
+        settings = self.node.settings
+        now = self._members.db_now_ms
+        end = leases_end(
+            found[0],
+            now,
+            ttl_ms=int(settings.node_ttl_s * 1000),
+            grant_window_ms=int(settings.node_ttl_s * 500),
+            max_lease_ms=settings.max_lease_s * 1000,
+        )
+        return end - now if end > now else None
 
     def _myself(self) -> NodeRecord:
         from api.status import supervisor_statistics
@@ -219,6 +241,14 @@ class ClusterLink:
             )
             return [refuse(key_of(item), LEASE_NOT_HELD, detail) for item in group]
         url = await self.url_of(owner) if self.node.settings.clustered else None
+        lasting = None if url is not None else self.leases_may_live(owner)
+        if lasting is not None:
+            detail = (
+                f"granted by node {owner!r}, which is not a live member of this cluster now, "
+                f"but its leases may live {lasting / 1000:.1f} s more: started again by then, "
+                "it takes them back; nothing changed, retry while your lease lasts"
+            )
+            return [refuse(key_of(item), NODE_UNAVAILABLE, detail) for item in group]
         if url is None:
             detail = (
                 f"granted by node {owner!r}, which is not a live member of this cluster: "

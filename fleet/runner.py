@@ -57,6 +57,7 @@ SINGLE = ""  # the one node's name in the runner's books, without a directory
 # A cluster's claimer gives up on an unready node after this long and claims elsewhere
 # (it tries that node again after a pause); a single node is waited for as long as it takes.
 CLUSTER_UNREADY_S = 2.0
+COMPLETION_RETRY_MS = 1000  # a completion answered node_unavailable is sent again after this
 FLUSH_TIMEOUT_S = 15.0  # how long a stop waits for the last completions to go through
 RATE_WINDOW_S = 60.0
 
@@ -202,7 +203,8 @@ class FleetRunner:
         self._renderer = renderer
         self._log = log or (lambda message: None)
         self._jobs: dict[str, _Job] = {}
-        self._completions: asyncio.Queue[tuple[str, CompletionItem] | None] = asyncio.Queue()
+        # (granting node, item, its lease's end in this clock), or None: no more.
+        self._completions: asyncio.Queue[tuple[str, CompletionItem, int] | None] = asyncio.Queue()
         self._reserved = 0  # slots a claim in flight may fill
         self._claimers: dict[str, asyncio.Task[None]] = {}
         self._idle: set[str] = set()  # nodes whose last claim found nothing
@@ -518,6 +520,7 @@ class FleetRunner:
                         site_retry_after_s=result.site_retry_after_s,
                         changed=result.changed if result.outcome == "rendered" else None,
                     ),
+                    job.expires_at,
                 )
             )
         finally:
@@ -654,14 +657,21 @@ class FleetRunner:
         task.add_done_callback(pending.discard)
         return closing
 
-    async def _deliver(self, batch: list[tuple[str, CompletionItem]]) -> None:
+    async def _deliver(self, batch: list[tuple[str, CompletionItem, int]]) -> None:
         """Each completion to the node that granted its lease, a request per node at once."""
         by_node: dict[str, list[CompletionItem]] = collections.defaultdict(list)
-        for node, item in batch:
+        ends = {item.key: end for _, item, end in batch}
+        for node, item, _ in batch:
             by_node[node].append(item)
-        await asyncio.gather(*(self._deliver_to(node, items) for node, items in by_node.items()))
+        await asyncio.gather(
+            *(self._deliver_to(node, items, ends) for node, items in by_node.items())
+        )
 
-    async def _deliver_to(self, node: str, batch: list[CompletionItem]) -> None:
+    async def _deliver_to(
+        self, node: str, batch: list[CompletionItem], ends: dict[str, int]
+    ) -> None:
+        """`ends`: each item's lease end, until which an item answered `node_unavailable`
+        is sent again (its node may be restarting, and takes its leases back)."""
         client, own = self._client_for(node)
         if client is None:
             self._counts["completions_lost"] += len(batch)
@@ -677,7 +687,7 @@ class FleetRunner:
                 # of its leases (or forwards them, should it be back).
                 await self.directory.refresh()
                 if self.directory.client(node) is None and self.directory.live:
-                    await self._deliver_to(node, batch)
+                    await self._deliver_to(node, batch, ends)
                     return
             self._counts["completions_lost"] += len(batch)
             self._log(f"{len(batch)} completion(s) not delivered: {exc}")
@@ -690,7 +700,13 @@ class FleetRunner:
             item.key: "pushed_back" if item.site_retry_after_s else item.outcome for item in batch
         }
         refused: list[ItemResult] = []
+        again: set[str] = set()
+        last_try = _now_ms() + COMPLETION_RETRY_MS + MIN_MARGIN_MS
         for result in results:
+            retry = not result.ok and result.error == "node_unavailable"
+            if retry and ends.get(result.key, 0) > last_try:
+                again.add(result.key)
+                continue
             if result.ok:
                 outcome = outcomes.get(result.key, "rendered")
                 self._counts[outcome] += 1
@@ -708,6 +724,9 @@ class FleetRunner:
             first = refused[0]
             where = f" (leases of {node}{'' if own else ', sent to another node'})" if node else ""
             self._log(f"{len(refused)} completion(s) refused{where}: {first.detail or first.error}")
+        if again:
+            await asyncio.sleep(COMPLETION_RETRY_MS / 1000)
+            await self._deliver_to(node, [item for item in batch if item.key in again], ends)
 
     async def _watch_node(self) -> None:
         while True:

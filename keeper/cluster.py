@@ -217,20 +217,17 @@ class ClusterView:
 
     def _recent(self, record: NodeRecord, now: int) -> bool:
         """Whether a node no longer live may still have a lease alive."""
-        if record.left:
-            return record.lease_horizon_ms - self.offset_ms > now
-        return self._dead_until(record, now) > now
+        return self._leases_end(record, now) > now
 
-    def _dead_until(self, record: NodeRecord, now: int) -> int:
-        """Until when a lease of a node that died silent may live: it stopped granting at
-        most TTL + the grant window after its last heartbeat, as old as the record says,
-        and no lease of its ends past its longest after that, nor past the lease ceiling
-        it published (keeper.ceiling), which can no longer rise once it is dead."""
-        max_lease = record.max_lease_ms or self.max_lease_ms
-        worst = now - record.heartbeat_age_ms + self.ttl_ms + self.grant_window_ms + max_lease
-        if record.lease_horizon_ms > 0:
-            return min(worst, record.lease_horizon_ms - self.offset_ms)
-        return worst
+    def _leases_end(self, record: NodeRecord, now: int) -> int:
+        return leases_end(
+            record,
+            now,
+            self.offset_ms,
+            ttl_ms=self.ttl_ms,
+            grant_window_ms=self.grant_window_ms,
+            max_lease_ms=self.max_lease_ms,
+        )
 
     def _fence_for(
         self,
@@ -261,7 +258,7 @@ class ClusterView:
                 # read, a second away), even when no lease of its outlives this one.
                 until = max(until, now + self.grant_window_ms)
             return _ShareFence(name, before, until, "awaiting", awaiting=record.incarnation)
-        until = self._dead_until(record, now)
+        until = self._leases_end(record, now)
         return _ShareFence(name, before, until, "dead") if until > now else None
 
     def _handed_over(
@@ -309,7 +306,7 @@ class ClusterView:
                 self.fences[index] = self._handed_over(record, handovers, now) or _ended(fence)
             elif not record.live:
                 fence.awaiting = 0  # died before acknowledging: its leases end by then
-                fence.until_ms = min(fence.until_ms, self._dead_until(record, now))
+                fence.until_ms = min(fence.until_ms, self._leases_end(record, now))
                 fence.reason = "dead"
         self.fences = [f for f in self.fences if f.until_ms > now]
 
@@ -400,6 +397,30 @@ class ClusterView:
 
     def _on_wall(self, fence: Fence) -> Fence:
         return msgspec.structs.replace(fence, until_ms=fence.until_ms + self.to_wall_ms)
+
+
+def leases_end(
+    record: NodeRecord,
+    now: int,
+    offset_ms: int = 0,
+    *,
+    ttl_ms: int,
+    grant_window_ms: int,
+    max_lease_ms: int,
+) -> int:
+    """Until when (`now`'s clock, the database's less `offset_ms`) a lease of a node that
+    is not live may live. One that left: its last lease handed over. One that died
+    silent: it stopped granting at most TTL + the grant window after its last heartbeat,
+    as old as the record says, and no lease of its ends past its longest after that, nor
+    past the lease ceiling it published (keeper.ceiling), which cannot rise once it is
+    dead."""
+    if record.left:
+        return record.lease_horizon_ms - offset_ms
+    longest = record.max_lease_ms or max_lease_ms
+    worst = now - record.heartbeat_age_ms + ttl_ms + grant_window_ms + longest
+    if record.lease_horizon_ms > 0:
+        return min(worst, record.lease_horizon_ms - offset_ms)
+    return worst
 
 
 def _ended(fence: _ShareFence) -> _ShareFence:

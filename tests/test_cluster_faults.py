@@ -360,3 +360,49 @@ def test_a_node_killed_silent_is_waited_out_by_its_lease_ceiling_not_max_lease(
     finally:
         a.stop()
         b.stop()
+
+
+def test_a_completion_for_a_stopped_node_is_retried_until_its_restart_takes_it(
+    tmp_path: Path, on_pg: str
+) -> None:
+    """b stops cleanly with a live lease and starts again: meanwhile a answers the lease's
+    completion `node_unavailable` (retry: b's leases may live), not `lease_not_held`, and
+    once b is back, restored from its snapshot, the same completion lands through a."""
+    seed_rows(on_pg, 200, due_share=1.0)
+    a, b = node(tmp_path, "a"), node(tmp_path, "b")
+    restarted: NodeProcess | None = None
+    try:
+        for process in (a, b):
+            process.start(wait_ready=False)
+        for process in (a, b):
+            process.wait_event("node_ready")
+        leases = wait_for(lambda: claim(b, 1, lease_s=120), 60, "a lease at b", 0.2)
+        item = {"key": leases[0]["key"], "token": leases[0]["token"], "outcome": "rendered"}
+        b.stop()
+
+        def complete_at_a() -> dict[str, Any]:
+            with a.client() as client:
+                response = client.post("/v1/completions", json={"items": [item]})
+            assert response.status_code == 200, response.text
+            result: dict[str, Any] = response.json()["results"][0]
+            return result
+
+        refused = complete_at_a()
+        assert refused["ok"] is False and refused["error"] == "node_unavailable", refused
+        assert "'b'" in refused["detail"] and "retry" in refused["detail"]
+        restarted = NodeProcess(
+            tmp_path / "b", workers=1, extra_args=b.extra_args, instance=b.instance
+        )
+        restarted.start()
+        done = wait_for(lambda: complete_at_a()["ok"], 60, "the completion to land at b", 0.3)
+        assert done is True
+        store = PostgresStore(on_pg)
+        try:
+            row = store.get(item["key"])
+        finally:
+            store.close()
+        assert row is not None and row.last_outcome == "rendered"
+    finally:
+        for each in (a, b, restarted):
+            if each is not None:
+                each.stop()

@@ -39,6 +39,9 @@ class ScriptedNode:
         self.refuse_renewal: set[str] = set()
         self.refusal: dict[str, object] = {"error": "lease_not_held"}  # what a refusal says
         self.fail_renewals = False  # every renewal answered 500, as a node in trouble does
+        # Completion requests answered node_unavailable before one is taken: a node
+        # forwarding to one that is restarting.
+        self.unavailable_completions = 0
         self.renewals: list[str] = []
         self.claims = 0
         self._token = 0
@@ -74,6 +77,11 @@ class ScriptedNode:
             return httpx.Response(200, json={"leases": granted, "status": "ready"})
         if path == "/v1/completions":
             results = []
+            if self.unavailable_completions > 0:
+                self.unavailable_completions -= 1
+                unavailable = {"ok": False, "error": "node_unavailable", "detail": "restarting"}
+                results = [{"key": item["key"], **unavailable} for item in body["items"]]
+                return httpx.Response(200, json={"results": results})
             for item in body["items"]:
                 held = self.leases.get(item["key"])
                 if held is None or held[0] != item["token"]:
@@ -262,6 +270,21 @@ def test_long_renders_are_renewed_and_a_lost_lease_is_abandoned() -> None:
     assert node.completed == [("keep", "rendered")]
     assert stats.leases_lost == 1 and stats.renewed >= 1 and stats.leases_expired == 0
     assert any("lease lost on lose (lease_not_held)" in line for line in log)
+
+
+def test_a_completion_answered_node_unavailable_is_sent_again_while_its_lease_lasts() -> None:
+    """The granting node is restarting (another node forwards to it and says so): the
+    fleet sends the completion again until it lands, never drops it as refused."""
+    node = ScriptedNode(["a", "b"])
+    node.unavailable_completions = 2
+    stats, _ = run_fleet(
+        node,
+        quick,
+        FleetConfig(concurrency=2, lease_s=30, wait_s=1, state_every_s=0),
+        stop_when=lambda _: len(node.completed) == 2,
+    )
+    assert sorted(node.completed) == [("a", "rendered"), ("b", "rendered")]
+    assert node.unavailable_completions == 0 and stats.refused == 0
 
 
 def test_a_renewal_refused_for_any_reason_abandons_the_render_and_names_the_owner() -> None:
