@@ -401,13 +401,14 @@ def test_sigterm_finishes_requests_in_flight_and_unlinks(tmp_path: Path) -> None
         node.signal(signal.SIGTERM)
         poller.join(30)
         # Answered, not cut: "nothing due" (200), or, when worker 0 (the keeper) finished
-        # first and the keeper's last publish aged past its stall limit meanwhile, the
-        # claim status saying so (503, retry).
+        # first, a claim status saying the node cannot grant now (503, retry): its last
+        # publish aged past the stall limit, or (seen once under load) no publish read.
         assert outcome["status"] in (200, 503), outcome
         if outcome["status"] == 200:
             assert outcome["body"] == {"leases": [], "status": "ready"}
         else:
-            assert outcome["body"]["status"] == "stalled" and outcome["body"]["retry_after_s"]
+            body = outcome["body"]
+            assert body["status"] in ("stalled", "unready") and body["retry_after_s"], body
         assert node.wait(60) == 0
         assert node.find_events("stopping", mode="graceful")
         assert node.find_events("segments_unlinked")
