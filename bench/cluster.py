@@ -881,8 +881,11 @@ class Bench:
             if view_dropped is None and all(n.view() and "c" not in n.view() for n in survivors):
                 view_dropped = time.monotonic() - killed
             hits = [at for _, key, at in list(grants) if key in victim_keys and at > killed]
-            if hits:
+            if hits and first is None:
                 first = min(hits) - killed
+            # Both: a survivor may grant the dead node's keys (its lease ceiling passed)
+            # between two looks at the views.
+            if first is not None and view_dropped is not None:
                 break
         stop.set()
         for thread in threads:
