@@ -101,19 +101,17 @@ def unready(node: Node, status: NodeClaimStatus) -> Response:
 
 
 def lease_ms_of(node: Node, lease_s: int | None) -> int:
-    """The lease asked for, or the default: 300 s, or the node's cap when that is shorter.
-    A clustered node tells its keeper, which keeps the lease ceiling that far ahead."""
-    asked = (lease_s or min(DEFAULT_LEASE_S, node.settings.max_lease_s)) * 1000
-    if node.settings.clustered and node.marks is not None:
-        node.marks.note_lease_asked(asked)
-    return asked
+    """The lease asked for, or the default: 300 s, or the node's cap when that is shorter."""
+    return (lease_s or min(DEFAULT_LEASE_S, node.settings.max_lease_s)) * 1000
 
 
 def lease_term_ms(node: Node, asked_ms: int, now: int) -> int:
     """The term a lease asked for now gets: on a clustered node, no later than its lease
-    ceiling allows (keeper.ceiling; below MIN_TERM_MS: none is granted)."""
+    ceiling allows (keeper.ceiling; below MIN_TERM_MS: none is granted). The ask is
+    noted for the keeper, which keeps the ceiling that far ahead."""
     if not node.settings.clustered or node.marks is None:
         return asked_ms
+    node.marks.note_lease_asked(asked_ms)
     return capped_term_ms(asked_ms, node.marks.lease_ceiling(), now)
 
 

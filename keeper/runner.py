@@ -481,8 +481,14 @@ class Keeper:
         ceiling.asked(marks.take_lease_asked(), now)
         if not ceiling.due(now):
             return
-        _, expiries, _ = self.leases.live_leases(now)
-        target = ceiling.target(now, int(expiries.max(initial=0)))
+        # Every lease granted under a published ceiling ends by it, and the ceiling only
+        # rises: only the first raise must look at leases this run did not grant (adopted
+        # from its previous run, or restored from its snapshot), a scan of the whole table.
+        leases_end = 0
+        if ceiling.published_ms == 0:
+            _, expiries, _ = self.leases.live_leases(now)
+            leases_end = int(expiries.max(initial=0))
+        target = ceiling.target(now, leases_end)
         try:
             raised = self.raise_lease_ceiling(
                 cluster.incarnation, target + cluster.offset_ms - cluster.to_wall_ms
