@@ -46,6 +46,7 @@ from api.schemas import (
     RenewResult,
     RenewResults,
 )
+from api.version import VERSION
 from keeper.cluster import leases_end
 from shm.segment import now_ms
 from store.rows import MemberList, NodeRecord
@@ -141,6 +142,7 @@ class ClusterLink:
         live = await self.live()
         return ClusterNodes(
             node=settings.node,
+            version=VERSION,
             clustered=settings.clustered,
             ttl_s=settings.node_ttl_s,
             nodes=[

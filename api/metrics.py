@@ -18,6 +18,7 @@ import msgspec
 from api.node import Node
 from api.report import WorkerReport, report_from, worker_report
 from api.status import claim_status, fences_of, lease_view, supervisor_statistics
+from api.version import VERSION
 from keeper.state import (
     ClassRow,
     QueueState,
@@ -87,6 +88,12 @@ def render(node: Node) -> str:
     leases = node.leases.statistics()
     ring = node.ring.statistics()
     status = claim_status(node, now, fences=True)
+    out.gauge(
+        "renderqueue_build_info",
+        "Always 1; its version label is this node's renderqueue version.",
+        1,
+        version=VERSION,
+    )
     out.gauge(
         "renderqueue_ready",
         "1 while this node can grant a claim (ready, draining the keeper's last set, or "

@@ -601,6 +601,7 @@ class ClusterNodes(msgspec.Struct, frozen=True, kw_only=True):
     """GET /v1/cluster: the live nodes. A single node (SQLite) lists itself."""
 
     node: str  # the node answering
+    version: str  # the answering node's renderqueue version
     clustered: bool  # False: a single node, not a cluster member
     ttl_s: float  # a node silent this long is dead
     nodes: list[ClusterMember]

@@ -27,6 +27,8 @@ from node_harness import (
     wait_for,
 )
 
+from api.version import VERSION
+
 # Fast membership: dead after 4 s; leases of at most 10 s.
 CLUSTER_ARGS = ("--heartbeat-s", "0.5", "--node-ttl-s", "4", "--max-lease-s", "10")
 ROWS = 300
@@ -322,7 +324,7 @@ def test_a_single_node_lists_itself(tmp_path: Path) -> None:
         node = NodeProcess(tmp_path, workers=1, tokens=True).start()
     try:
         body = get(node, "/v1/cluster", FLEET_TOKEN).json()
-        assert body["clustered"] is False
+        assert body["clustered"] is False and body["version"] == VERSION
         assert [(n["node"], n["url"], n["answering"]) for n in body["nodes"]] == [
             (body["node"], node.url, True)
         ]

@@ -47,6 +47,14 @@ def test_before_the_keeper_no_counts(tmp_path: Path) -> None:
     assert not [key for key in samples if key.startswith(KEEPER_SERIES)]
 
 
+def test_the_build_info_names_this_version(tmp_path: Path) -> None:
+    from api.version import VERSION
+
+    with thread_node(tmp_path, keeper=False) as node, node.client() as client:
+        samples = metric_samples(client.get("/metrics").text)
+    assert samples[f'renderqueue_build_info{{version="{VERSION}"}}'] == 1
+
+
 def test_counts_and_leases(tmp_path: Path) -> None:
     seed_rows(node_db(tmp_path), 200, due_share=0.25)
     with thread_node(tmp_path) as node, node.client() as client:

@@ -26,6 +26,17 @@ def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedPr
     )
 
 
+def test_the_version_is_the_packages() -> None:
+    from importlib.metadata import version
+
+    from api.version import VERSION
+
+    done = run("--version")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"renderqueue {VERSION}"
+    assert version("renderqueue") == VERSION  # the metadata reads the one definition
+
+
 def test_a_bad_flag_value_names_the_setting(tmp_path: Path) -> None:
     done = run("serve", "--db", str(tmp_path / "x.sqlite"), "--port", "eighty")
     assert done.returncode == 2

@@ -18,6 +18,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from api.version import VERSION
 from workers.config import FIELD_NAMES, ConfigError, Settings, flag_name, load_settings
 
 EXIT_USAGE = 2
@@ -73,6 +74,7 @@ def run_delegated(command: str, argv: list[str]) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="renderqueue", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", action="version", version=f"renderqueue {VERSION}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     serve = commands.add_parser("serve", help="run a node: the supervisor and its workers")
     add_setting_flags(serve, {})
