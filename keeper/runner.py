@@ -102,6 +102,7 @@ from keeper.state import (
 from keeper.topcheck import TopCheck
 from keeper.walk import Walk
 from shm.keys import site_hash
+from shm.segment import monotonic_ms
 from shm.sites import BlockReason
 from store.base import RowsRead, ScheduleStore
 from store.rows import HandedBlock, Handover, MemberList
@@ -148,10 +149,6 @@ class ClusterSettings(msgspec.Struct, frozen=True, kw_only=True):
 
 def wall_clock_ms() -> int:
     return time.time_ns() // 1_000_000
-
-
-def monotonic_ms() -> int:
-    return time.monotonic_ns() // 1_000_000
 
 
 class Keeper:
@@ -293,6 +290,7 @@ class Keeper:
         assert settings is not None and self.members is not None and self.cluster is not None
         began = time.monotonic()
         while not stop.is_set():
+            self._heard()
             now = self.clock()
             try:
                 read = self.members(True)
@@ -324,10 +322,17 @@ class Keeper:
         """One bounded round of work, as the lifecycle lays it out; returns how long the
         loop may wait (s)."""
         while True:
+            self._heard()
             action = self.lifecycle.next_action(self.clock(), self.ring.remaining())
             if isinstance(action, Wait):
                 return action.seconds
             self._do(action)
+
+    def _heard(self) -> None:
+        """Say the keeper is going round: a cluster node's supervisor stops vouching for
+        the node when its keeper falls silent (workers.membership)."""
+        if self.marks is not None:
+            self.marks.hear_keeper(monotonic_ms())
 
     def _wait(self, seconds: float, stop: threading.Event) -> None:
         if self.feed.open:

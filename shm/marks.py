@@ -20,6 +20,8 @@ claimant tell:
 - **Owners** (a cluster's node): the live node names the keeper's view holds and a
   view number, so a claimant or a renewal can tell whether this node still owns a key,
   and until when (monotonic clock) the keeper last confirmed this node is a member.
+- **The keeper's round**: when (monotonic clock) the keeper last went round its loop, so
+  the supervisor can tell a keeper that stopped (a SIGSTOP, a hang) from one at work.
   The keeper bumps the view number with a full fence before it scans the lease table
   for the leases it hands over; a claimant or renewer reads it with a full fence after
   its lease CAS. So either the scan sees the lease, or the claimant sees the new view
@@ -63,9 +65,10 @@ _CLASS_SEQ, _CLASS_LENGTH, _CLASS_AT = _CTRL + 16, _CTRL + 17, _CTRL + 18
 _OWNERS_SEQ, _OWNERS_LENGTH, _OWNERS_AT = _CTRL + 19, _CTRL + 20, _CTRL + 21
 _VIEW_NUMBER, _CONFIRMED_UNTIL = _CTRL + 22, _CTRL + 23
 _LEASE_CEILING, _LEASE_ASKED = _CTRL + 24, _CTRL + 25
-_STRIPES = _CTRL + 26
+_KEEPER_HEARD = _CTRL + 26
+_STRIPES = _CTRL + 27
 _S_STAMPED, _S_ANSWERED, _S_READ = 0, 1, 2
-_CTRL_WORDS = 26 + STRIPES * STRIPE_WORDS
+_CTRL_WORDS = 27 + STRIPES * STRIPE_WORDS
 
 _class_list = msgspec.msgpack.Decoder(list[tuple[str, bool]])
 
@@ -185,6 +188,10 @@ class WriteMarks:
         process of the machine), unless the keeper confirms its membership again."""
         self._words.store(_CONFIRMED_UNTIL, monotonic_ms)
 
+    def hear_keeper(self, monotonic_ms: int) -> None:
+        """The keeper is going round its loop now (CLOCK_MONOTONIC)."""
+        self._words.store(_KEEPER_HEARD, monotonic_ms)
+
     def raise_lease_ceiling(self, wall_ms: int) -> None:
         """No lease this node grants or renews may end after `wall_ms` (epoch ms). The
         keeper stores it only once the node's row in the database carries it, so the
@@ -206,6 +213,10 @@ class WriteMarks:
 
     def lease_ceiling(self) -> int:
         return int(self._words.load(_LEASE_CEILING))
+
+    def keeper_heard_at(self) -> int:
+        """When the keeper last went round its loop (CLOCK_MONOTONIC ms; 0: never)."""
+        return int(self._words.load(_KEEPER_HEARD))
 
     def note_lease_asked(self, lease_ms: int) -> None:
         """Say a claim or renewal asked for a lease this long: the keeper keeps the

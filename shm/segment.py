@@ -53,7 +53,7 @@ MAGIC = int.from_bytes(b"rqshm\x00\x00\x01", "little")
 # under the database's secret; 8: the write marks' owners view; 9: the ring entry's
 # site hash; 10: the lease table's site words and the hold word's permit bit; 11: the
 # write marks' lease ceiling and longest lease asked).
-LAYOUT_VERSION = 11
+LAYOUT_VERSION = 12
 HEADER_BYTES = 256
 CACHE_LINE = 64
 
@@ -140,6 +140,11 @@ def align(offset: int, to: int = CACHE_LINE) -> int:
 
 def now_ms() -> int:
     return time.time_ns() // 1_000_000
+
+
+def monotonic_ms() -> int:
+    """CLOCK_MONOTONIC, which every process of the machine shares."""
+    return time.monotonic_ns() // 1_000_000
 
 
 def _owner_alive(pid: int, created_at: int) -> bool:

@@ -406,3 +406,53 @@ def test_a_completion_for_a_stopped_node_is_retried_until_its_restart_takes_it(
         for each in (a, b, restarted):
             if each is not None:
                 each.stop()
+
+
+def test_a_node_whose_keeper_stops_gives_its_share_up_and_takes_it_back(
+    tmp_path: Path, on_pg: str
+) -> None:
+    """b's worker 0 (its keeper) is SIGSTOPped while its supervisor runs on: b withholds
+    its heartbeat once the keeper is silent for a TTL, a takes b's keys over once b's
+    leases have ended, and after SIGCONT b rejoins and grants again, never a key a's
+    lease still holds."""
+    seed_rows(on_pg, 600, due_share=1.0)
+    fast = ("--heartbeat-s", "0.5", "--node-ttl-s", "4")
+    a, b = node(tmp_path, "a", *fast), node(tmp_path, "b", *fast)
+    try:
+        for process in (a, b):
+            process.start(wait_ready=False)
+        for process in (a, b):
+            process.wait_event("node_ready")
+        b_leases: list[dict[str, Any]] = []
+        wait_for(lambda: b_leases.extend(claim(b, 20, lease_s=5)) or b_leases, 120, "b to grant")
+        ends = {lease["key"]: lease["lease_expires_at"] for lease in b_leases}
+        keeper = b.worker_pid(0)
+        os.kill(keeper, signal.SIGSTOP)
+        taken: list[dict[str, Any]] = []
+        try:
+            b.wait_event("heartbeat_withheld", timeout_s=60)
+
+            def a_grants_a_key_b_leased() -> bool:
+                taken.extend(lease for lease in claim(a, 100, lease_s=5) if lease["key"] in ends)
+                return bool(taken)
+
+            wait_for(a_grants_a_key_b_leased, 120, "a to take over b's keys", 0.5)
+        finally:
+            os.kill(keeper, signal.SIGCONT)
+        for lease in taken:
+            assert granted_at(lease) > ends[lease["key"]], "granted while b's lease lived"
+        b.wait_event("heartbeat_resumed", timeout_s=60)
+        regained: list[dict[str, Any]] = []
+        wait_for(lambda: regained.extend(claim(b, 100, lease_s=5)) or regained, 120, "b to grant")
+        a_holds = {lease["key"]: lease["lease_expires_at"] for lease in taken}
+        for lease in regained:
+            if lease["key"] in a_holds:
+                assert granted_at(lease) > a_holds[lease["key"]], "b granted a key a's lease held"
+    finally:
+        a.stop()
+        b.stop()
+
+
+def granted_at(lease: dict[str, Any]) -> int:
+    """When the node granted the lease, by its own wall clock (one machine: one clock)."""
+    return int(lease["lease_expires_at"]) - int(lease["lease_ms"])

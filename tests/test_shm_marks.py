@@ -92,6 +92,23 @@ def test_the_lease_ceiling_only_rises_and_asks_are_taken_as_their_longest(
         other.close()
 
 
+def test_the_keepers_round_is_heard_by_another_handle_apart_from_its_other_words(
+    marks: WriteMarks,
+) -> None:
+    other = WriteMarks.attach(marks.name)
+    try:
+        assert other.keeper_heard_at() == 0
+        marks.confirm_until(7)
+        marks.raise_lease_ceiling(9)
+        marks.hear_keeper(123_456)
+        assert other.keeper_heard_at() == 123_456
+        assert other.confirmed_until() == 7 and other.lease_ceiling() == 9
+        marks.stamp([1], 5)  # the stripes' counters sit after it
+        assert other.keeper_heard_at() == 123_456
+    finally:
+        other.close()
+
+
 def test_attach_refuses_another_kind_of_segment(marks: WriteMarks) -> None:
     name = f"/{unique('wk')}"
     other = Segment.create(name, "state_buffer", 4096, 1, 0, 1)

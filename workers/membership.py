@@ -9,6 +9,13 @@ again: the node is superseded and stops, since another process may own its keys.
 heartbeat also measures this node's clock against the database's, so instants another
 node reads (a hand-over's lease ends) are written in the database's clock. Which keys
 the node owns is the keeper's business: it reads the member list itself.
+
+The heartbeat vouches for the whole node, so it is withheld while the keeper is silent
+(not gone round its loop for a TTL: a stopped or hung worker 0). Such a node grants
+nothing, yet the others would leave its share alone as long as its row is fresh; without
+its heartbeat they read it as dead and take the share over, fenced by its lease ceiling
+as for any silent death. Once the keeper is heard again the heartbeats resume and the
+node rejoins as after a network outage.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ from collections.abc import Callable
 import msgspec
 
 from shm.leases import LeaseTable
-from shm.segment import now_ms
+from shm.segment import monotonic_ms, now_ms
 from store.errors import StoreError
 from store.postgres.membership import Joined, Membership
 from store.rows import HandedBlock, Handover
@@ -40,6 +47,8 @@ class MembershipStatistics(msgspec.Struct, frozen=True, kw_only=True):
     incarnation: int = 0
     superseded: bool = False  # another start of this name holds the row: the node stops
     clock_offset_ms: int = 0  # the database's clock less this node's, at the last heartbeat
+    withheld: int = 0  # heartbeats not sent because the keeper was silent
+    keeper_silent_ms: int = 0  # how long the keeper has not been heard (0: heard lately)
 
 
 class MembershipHeartbeat:
@@ -48,10 +57,18 @@ class MembershipHeartbeat:
         membership: Membership,
         interval_s: float,
         on_superseded: Callable[[], None] | None = None,
+        keeper_heard_at: Callable[[], int] | None = None,
+        keeper_silence_ms: int = 0,
     ) -> None:
+        """`keeper_heard_at`: when (CLOCK_MONOTONIC ms) the keeper was last heard; a
+        heartbeat is withheld while that is more than `keeper_silence_ms` ago."""
         self.membership = membership
         self.interval_s = interval_s
         self._on_superseded = on_superseded
+        self._keeper_heard_at = keeper_heard_at
+        self._keeper_silence_ms = keeper_silence_ms
+        self._withheld = 0
+        self._withholding = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
         self._joined_at = 0
@@ -76,6 +93,8 @@ class MembershipHeartbeat:
             replaced=None if joined.predecessor is None else joined.predecessor.incarnation,
             settings_set=joined.settings_set,
             clock_offset_ms=self.offset_ms,
+            withheld=self._withheld,
+            keeper_silent_ms=self.keeper_silent_ms(),
         )
         self._thread.start()
         return joined
@@ -85,8 +104,37 @@ class MembershipHeartbeat:
         round trip's midpoint."""
         self.offset_ms = db_ms - (sent + now_ms()) // 2
 
+    def keeper_silent_ms(self) -> int:
+        """How long the keeper has not been heard; 0 while it is within its limit."""
+        if self._keeper_heard_at is None:
+            return 0
+        silent = monotonic_ms() - self._keeper_heard_at()
+        return silent if silent > self._keeper_silence_ms else 0
+
+    def _withhold(self) -> bool:
+        """Whether to skip this heartbeat for a silent keeper; says so on each change."""
+        silent = self.keeper_silent_ms()
+        if silent and not self._withholding:
+            logs.event(
+                log,
+                "heartbeat_withheld",
+                logging.WARNING,
+                node=self.membership.node,
+                keeper_silent_ms=silent,
+                detail="the keeper has not gone round its loop for longer than the node TTL: "
+                "the node stops vouching for itself, so the others take its share over",
+            )
+        elif not silent and self._withholding:
+            logs.event(log, "heartbeat_resumed", node=self.membership.node)
+        self._withholding = bool(silent)
+        if silent:
+            self._withheld += 1
+        return bool(silent)
+
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
+            if self._withhold():
+                continue
             try:
                 sent = now_ms()
                 beat = self.membership.heartbeat()
@@ -166,4 +214,6 @@ class MembershipHeartbeat:
             incarnation=self.membership.incarnation,
             superseded=self.superseded,
             clock_offset_ms=self.offset_ms,
+            withheld=self._withheld,
+            keeper_silent_ms=self.keeper_silent_ms(),
         )

@@ -43,7 +43,7 @@ from keeper.state import decode_site_list
 from shm import lease_snapshot, lease_survivor
 from shm.keys import fingerprint
 from shm.leases import LeaseCensus
-from shm.segment import now_ms
+from shm.segment import monotonic_ms, now_ms
 from store.rows import NodeRecord
 from store.sqlite.wal import WalState, read_wal_state
 from workers import logs
@@ -200,6 +200,7 @@ class Supervisor:
     _snapshot_on_exit: bool = False  # the stop was graceful (SIGTERM) and not overridden
     _lease_recovery: LeaseRecovery | None = None
     _membership: MembershipHeartbeat | None = None
+    _joined_mono_ms: int = 0
     _incarnation: int = 0
     _predecessor_until_ms: int = 0
     _inherited_leases: bool = False  # the previous run's leases were restored or adopted
@@ -316,10 +317,25 @@ class Supervisor:
             site_policy=settings.site_policy(),
             ownership=settings.ownership,
         )
-        self._membership = MembershipHeartbeat(membership, settings.heartbeat_s, self._wake)
+        self._joined_mono_ms = monotonic_ms()
+        self._membership = MembershipHeartbeat(
+            membership,
+            settings.heartbeat_s,
+            self._wake,
+            keeper_heard_at=self._keeper_heard_at,
+            keeper_silence_ms=int(settings.node_ttl_s * 1000),
+        )
         joined = self._membership.join()
         self._incarnation = joined.incarnation
         self._predecessor_until_ms = self._predecessor_fence(joined.predecessor)
+
+    def _keeper_heard_at(self) -> int:
+        """When the keeper was last heard going round (monotonic ms), for the heartbeat
+        thread. The join and worker 0's latest spawn count as heard: a keeper starting
+        up, or restarted after a crash, has a TTL to go round before it must."""
+        heard = self._segments.marks.keeper_heard_at() if self._segments is not None else 0
+        spawned = int(self.slots[0].started_at * 1000) if self.slots else 0
+        return max(heard, spawned, self._joined_mono_ms)
 
     def _predecessor_fence(self, predecessor: NodeRecord | None) -> int:
         """Until when the leases of the incarnation this start replaced may live (this
