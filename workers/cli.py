@@ -168,7 +168,7 @@ def serve(settings: Settings) -> int:
     from workers import logs
     from workers.supervisor import Supervisor
 
-    logs.configure("supervisor", settings.log_level)
+    logs.configure("supervisor", settings.log_level, settings.log_format, node=settings.node_name())
     return Supervisor(settings).run()
 
 

@@ -93,6 +93,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     ownership: Literal["key", "site"] = "key"
     graceful_timeout_s: Annotated[float, msgspec.Meta(ge=0, le=3600)] = 30.0
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    # One line per event on stderr: "json" for machines, "text" (time, level, component,
+    # event, key=value) for people, "auto" text on a terminal and JSON otherwise.
+    log_format: Literal["auto", "json", "text"] = "auto"
     access_log: bool = False
     # uvicorn's HTTP protocol: "httptools" (the llhttp parser, in C) or "h11" (pure Python,
     # so more server CPU per request), a fallback should httptools misbehave.
@@ -149,6 +152,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
         """The SQLite store's file; None when the store URL names another backend."""
         url = self.store_url()
         return Path(url[len("sqlite:///") :]) if url.startswith("sqlite:///") else None
+
+    def node_name(self) -> str:
+        """This node's name: `node`, else the host name."""
+        return self.node or socket.gethostname()
 
     @property
     def clustered(self) -> bool:
@@ -362,6 +369,7 @@ def keeper_config(settings: Settings) -> KeeperConfig:
         {**NODE_KEEPER_DEFAULTS, **settings.keeper}, KeeperConfig, strict=False
     )
     if settings.clustered:
-        node = settings.node or socket.gethostname()
-        config = msgspec.structs.replace(config, consumer=f"{config.consumer}:{node}")
+        config = msgspec.structs.replace(
+            config, consumer=f"{config.consumer}:{settings.node_name()}"
+        )
     return config

@@ -153,7 +153,7 @@ def run_demo(
     settings = settings_from(args)
     if count:
         return run_cluster_demo(args, settings, count)
-    logs.configure("supervisor", settings.log_level)
+    logs.configure("supervisor", settings.log_level, settings.log_format, node=settings.node_name())
     directory = Path(args.schedule).parent if args.schedule else EXAMPLES
     db_path = settings.store_url()
     sqlite_path = settings.sqlite_path()

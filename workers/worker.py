@@ -279,7 +279,14 @@ def serve(spec: WorkerSpec) -> int:
 
 def main() -> int:
     spec = msgspec.json.decode(sys.stdin.buffer.read(), type=WorkerSpec)
-    logs.configure(f"worker-{spec.index}", spec.settings.log_level)
+    settings = spec.settings
+    logs.configure(
+        f"worker-{spec.index}",
+        settings.log_level,
+        settings.log_format,
+        node=spec.node,
+        worker=spec.index,
+    )
     die_with_parent(spec.supervisor_pid)
     return serve(spec)
 
