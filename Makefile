@@ -78,7 +78,7 @@ bench-quick: build
 	$(PY) -m bench all --quick
 
 # The node under a fleet, writers and faults for SOAK_MINUTES (10), then every invariant
-# checked from the clients' own logs (bench/soak.py); soak-quick is CI's 2-minute one.
+# checked from the clients' own logs (bench/sections/soak.py); soak-quick is CI's 2-minute one.
 SOAK_MINUTES ?= 10
 soak: build
 	$(PY) -m bench soak --minutes $(SOAK_MINUTES)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,7 +21,7 @@ from pathlib import Path
 
 import msgspec
 
-from bench import report, report_standing
+from bench.harness import report, standing
 
 SECTIONS = (
     "store",
@@ -43,6 +45,9 @@ SECTIONS = (
 # of a machine on purpose.
 ON_DEMAND = ("soak", "soak_postgres")
 BENCH_DIR = Path(__file__).resolve().parent
+SECTIONS_DIR = BENCH_DIR / "sections"
+# Tracked: the published summary and the charts it links, nothing else (`publish`).
+PUBLISHED_DIR = BENCH_DIR / "results"
 # A hang guard per section, above the longest quick section (faults: thirteen cluster
 # scenarios on real nodes, each waiting out real leases and TTLs) on a loaded machine.
 QUICK_TIMEOUT_S = 600
@@ -70,7 +75,7 @@ class Summary(msgspec.Struct, kw_only=True):
     machine: dict[str, str]
 
 
-def exists(section: str, directory: Path = BENCH_DIR) -> bool:
+def exists(section: str, directory: Path = SECTIONS_DIR) -> bool:
     return (directory / f"{section}.py").is_file()
 
 
@@ -79,15 +84,16 @@ def run_section(
     quick: bool,
     timeout_s: float,
     *,
-    package: str = "bench",
+    package: str = "bench.sections",
     cwd: Path | None = None,
     extra: Sequence[str] = (),
 ) -> tuple[SectionRun, str]:
     """Run one section in a child process; returns its record and its markdown."""
     cwd = cwd or BENCH_DIR.parent
+    module = f"{package.replace('.', '/')}/{section}.py"
     if not exists(section, cwd / package.replace(".", "/")):
-        report.progress(f"{section}: FAILED: no bench/{section}.py")
-        return SectionRun(section=section, status="failed", detail=f"no bench/{section}.py"), ""
+        report.progress(f"{section}: FAILED: no {module}")
+        return SectionRun(section=section, status="failed", detail=f"no {module}"), ""
     path = report.results_path(section, quick)
     # A stale file from an earlier run must never pass for this run's output.
     path.unlink(missing_ok=True)
@@ -163,7 +169,7 @@ def _check(record: SectionRun, path: Path, stdout: str) -> tuple[SectionRun, str
         result = report.load(path)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         # A section that writes its own JSON shape still ran; its rows cannot be checked.
-        record.detail = f"rows unchecked: {path.name} is not a bench.report result ({exc})"
+        record.detail = f"rows unchecked: {path.name} is not a bench.harness.report result ({exc})"
         if "|" not in stdout:
             record.status = "missing rows"
             record.gaps = ["printed no markdown table"]
@@ -209,10 +215,10 @@ def write_summary(summary: Summary, tables: list[tuple[str, str]]) -> Path:
             lines.extend(f"- {gap}" for gap in run.gaps)
             lines.append("")
     results = _results(summary)
-    seed = report_standing.against_seed(results)
+    seed = standing.against_seed(results)
     if seed:
         lines += ["## Against the seed (every figure the seed gives)", "", *seed, ""]
-    peers = report_standing.against_peers(results)
+    peers = standing.against_peers(results)
     if peers:
         lines += [
             "## Against the peers and baselines (our best arm ÷ the best other column)",
@@ -223,13 +229,20 @@ def write_summary(summary: Summary, tables: list[tuple[str, str]]) -> Path:
     for section, markdown in tables:
         if markdown.strip():
             lines += [f"## {section}", "", markdown.strip(), ""]
+            lines += _chart_link(section, summary.quick)
     md_path = report.RESULTS_DIR / f"{stem}.md"
     md_path.write_text("\n".join(lines))
     return md_path
 
 
-def resummarize(quick: bool) -> int:
-    """The summary again from the saved results (after the report's format improved)."""
+def _chart_link(section: str, quick: bool) -> list[str]:
+    chart = f"{section}-quick.png" if quick else f"{section}.png"
+    return [f"Chart: [{chart}]({chart})", ""] if (report.RESULTS_DIR / chart).is_file() else []
+
+
+def resummarize(quick: bool) -> Path:
+    """The summary again from the saved results (after the report's format improved), with
+    the tables of any section run on its own since (`python -m bench soak`) appended."""
     stem = "summary-quick" if quick else "summary"
     summary = msgspec.json.decode((report.RESULTS_DIR / f"{stem}.json").read_bytes(), type=Summary)
     tables = []
@@ -239,8 +252,39 @@ def resummarize(quick: bool) -> int:
         if run.status in ("ok", "missing rows") and path.is_file():
             markdown = report.markdown(report.load(path))
         tables.append((run.section, markdown))
-    report.progress(f"summary: {write_summary(summary, tables)}")
-    return 0
+    path = write_summary(summary, tables)
+    ran = {run.section for run in summary.sections}
+    alone = []
+    for section in sorted(set(SECTIONS + ON_DEMAND + tuple(_sections_present())) - ran):
+        result_path = report.results_path(section, quick)
+        try:
+            result = report.load(result_path)
+        except (OSError, msgspec.DecodeError, msgspec.ValidationError):
+            continue
+        command = f"python -m bench {section}" + (" --quick" if quick else "")
+        alone += [f"## {section} (run alone: `{command}`)", "", report.markdown(result).strip(), ""]
+        alone += _chart_link(section, quick)
+    if alone:
+        path.write_text(path.read_text().rstrip("\n") + "\n\n" + "\n".join(alone))
+    report.progress(f"summary: {path}")
+    return path
+
+
+def _sections_present() -> list[str]:
+    return sorted(p.stem for p in SECTIONS_DIR.glob("*.py") if not p.stem.startswith("_"))
+
+
+def publish(path: Path, published: Path = PUBLISHED_DIR) -> list[Path]:
+    """Copy a summary and the charts it links into the tracked bench/results/ (the only
+    figures the repository keeps); the per-run JSON stays where the run wrote it."""
+    text = path.read_text()
+    published.mkdir(parents=True, exist_ok=True)
+    copied = [published / "summary.md"]
+    shutil.copyfile(path, copied[0])
+    for chart in sorted(set(re.findall(r"\]\(([\w.-]+\.png)\)", text))):
+        shutil.copyfile(path.parent / chart, published / chart)
+        copied.append(published / chart)
+    return copied
 
 
 def _results(summary: Summary) -> list[report.SectionResult]:
@@ -257,7 +301,11 @@ def _results(summary: Summary) -> list[report.SectionResult]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
-    parser.add_argument("section", help=f"'all' or one of: {', '.join(SECTIONS + ON_DEMAND)}")
+    parser.add_argument(
+        "section",
+        help=f"'all', 'publish' (copy the last full run's summary and charts into "
+        f"bench/results/), or one of: {', '.join(SECTIONS + ON_DEMAND)}",
+    )
     parser.add_argument("--quick", action="store_true", help="scaled down; checks rows only")
     parser.add_argument("--timeout", type=float, default=None, help="per section, seconds")
     parser.add_argument(
@@ -272,8 +320,14 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM as an exception: subprocess.run then kills the running section on its way
     # out, so a stopped run leaves no section (and no claimant or node) behind.
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    if args.section == "publish":
+        # The last full run's summary, rebuilt from its results, into bench/results/.
+        for path in publish(resummarize(quick=False)):
+            report.progress(f"published: {_shown(path)}")
+        return 0
     if args.resummarize:
-        return resummarize(args.quick)
+        resummarize(args.quick)
+        return 0
     quick: bool = args.quick
     timeout_s = args.timeout or (QUICK_TIMEOUT_S if quick else FULL_TIMEOUT_S)
     if args.section == "all":

@@ -14,8 +14,9 @@ import time
 import numpy as np
 import pytest
 
-from bench import faketime, faults
-from bench.history import HeldLease, History
+from bench.harness import faketime
+from bench.harness.history import HeldLease, History
+from bench.sections import faults
 from keeper.ownership import winners
 from shm.keys import keyed_hash
 

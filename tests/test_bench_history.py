@@ -3,7 +3,7 @@ overlaps the clocks cannot vouch for are not."""
 
 from __future__ import annotations
 
-from bench.history import History, double_grants, grants_by_node
+from bench.harness.history import History, double_grants, grants_by_node
 
 
 def test_a_grant_inside_anothers_sure_hold_is_a_double_grant() -> None:

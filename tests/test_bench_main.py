@@ -11,13 +11,13 @@ import msgspec
 import pytest
 
 from bench import __main__ as runner
-from bench import report
+from bench.harness import report
 
 SECTION = textwrap.dedent(
     """
     import sys
     from pathlib import Path
-    from bench import report
+    from bench.harness import report
 
     def main(argv=None):
         result = report.new_result(Path(__file__).stem, "--quick" in sys.argv)
@@ -117,7 +117,7 @@ def test_a_stale_result_file_never_passes_for_a_new_run(sandbox: Path) -> None:
 def test_a_missing_section_fails(sandbox: Path) -> None:
     record = run(sandbox, "nothing_here")
     assert record.status == "failed"
-    assert "no bench/nothing_here.py" in record.detail
+    assert "no fakebench/nothing_here.py" in record.detail
 
 
 def test_markdown_puts_the_seed_and_each_peer_beside_ours() -> None:
@@ -140,7 +140,7 @@ def test_percentile_is_nearest_rank() -> None:
 
 
 def test_standing_rows_say_better_worse_meets_and_ahead_of() -> None:
-    from bench import report_standing
+    from bench.harness import standing as report_standing
 
     result = report.new_result("s", False)
     result.figures = [
@@ -160,7 +160,7 @@ def test_standing_rows_say_better_worse_meets_and_ahead_of() -> None:
 
 
 def test_node_split_rows_of_a_side_that_served_nothing_are_pending_not_missing() -> None:
-    from bench import node
+    from bench.sections import node
 
     def arm(claimants: int, share: float, zero_us: float | None) -> node.ArmResult:
         return node.ArmResult(
@@ -190,7 +190,7 @@ def test_node_split_rows_of_a_side_that_served_nothing_are_pending_not_missing()
 
 
 def test_restart_figures_compare_the_restart_with_the_fresh_start_per_row_of_memory() -> None:
-    from bench import restart
+    from bench.sections import restart
 
     empty = {"rss_bytes": 100_000_000, "keeper_bytes": 0, "held": 0}
     after = {"rss_bytes": 250_000_000, "keeper_bytes": 120_000_000, "held": 1_000_000}
@@ -211,7 +211,7 @@ def test_restart_figures_compare_the_restart_with_the_fresh_start_per_row_of_mem
 
 
 def test_the_stages_stopwatch_counts_cpu_inside_a_function_and_puts_it_back() -> None:
-    from bench.stages import Stopwatch
+    from bench.sections.stages import Stopwatch
 
     class Owner:
         @staticmethod
@@ -229,3 +229,61 @@ def test_the_stages_stopwatch_counts_cpu_inside_a_function_and_puts_it_back() ->
     spent = watch.spent["busy"]
     Owner.busy(200_000)  # unwrapped again: no longer counted
     assert watch.spent["busy"] == spent
+
+
+def test_a_run_writes_its_figures_where_git_ignores_them() -> None:
+    import subprocess
+
+    repo = Path(runner.__file__).resolve().parent.parent
+    default = repo / "var" / "bench"
+    assert repo == report.REPO
+    for name in ("peers.json", "summary.md", "peers-quick.png"):
+        ignored = subprocess.run(
+            ["git", "check-ignore", "-q", str(default / name)], cwd=repo, check=False
+        )
+        assert ignored.returncode == 0, f"var/bench/{name} is not ignored by git"
+
+
+def test_publish_copies_the_summary_and_the_charts_it_links_only(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "summary.md").write_text("# s\n\nChart: [peers.png](peers.png)\n")
+    (run_dir / "peers.png").write_bytes(b"png")
+    (run_dir / "peers.json").write_text("{}")
+    (run_dir / "other.png").write_bytes(b"unlinked")
+    published = tmp_path / "published"
+    copied = runner.publish(run_dir / "summary.md", published)
+    assert sorted(p.name for p in copied) == ["peers.png", "summary.md"]
+    assert sorted(p.name for p in published.iterdir()) == ["peers.png", "summary.md"]
+
+
+def test_a_quick_section_run_leaves_the_tracked_tree_as_it_was(tmp_path: Path) -> None:
+    """The cheapest real section (shm, seconds), run as a user runs it, with its figures
+    sent to a scratch directory: nothing under bench/ is written, added or changed."""
+    import os
+    import subprocess
+    import sys
+
+    repo = Path(runner.__file__).resolve().parent.parent
+
+    def status() -> str:
+        return subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=all", "--", "bench"],
+            cwd=repo,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+
+    before = status()
+    env = {**os.environ, "RENDERQUEUE_BENCH_RESULTS": str(tmp_path / "results")}
+    subprocess.run(
+        [sys.executable, "-m", "bench", "shm", "--quick"],
+        cwd=repo,
+        env=env,
+        capture_output=True,
+        check=True,
+        timeout=300,
+    )
+    assert (tmp_path / "results" / "shm-quick.json").is_file()
+    assert status() == before

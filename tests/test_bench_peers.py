@@ -8,8 +8,9 @@ from collections.abc import Callable
 
 import pytest
 
-from bench.peer_base import Peer, Workload, due_count, generate
-from bench.peers import open_claimant
+from bench.harness.workload import Workload, due_count, generate
+from bench.peers.base import Peer
+from bench.sections.peers import open_claimant
 
 ROWS = 400
 
@@ -52,25 +53,25 @@ def drain(make_peer: Callable[[], Peer], *, takes_our_clock: bool = True) -> Non
 
 
 def test_sqlite_index_scan_peer() -> None:
-    from bench.peer_sql import SqlitePeer
+    from bench.peers.sql import SqlitePeer
 
     drain(SqlitePeer)
 
 
 def test_postgres_skip_locked_peer(postgres_dsn: str) -> None:
-    from bench.peer_sql import PostgresPeer
+    from bench.peers.sql import PostgresPeer
 
     drain(lambda: PostgresPeer(postgres_dsn))
 
 
 def test_redis_sorted_set_peer(redis_url: str) -> None:
-    from bench.peer_redis import RedisPeer
+    from bench.peers.redis import RedisPeer
 
     drain(lambda: RedisPeer(redis_url))
 
 
 def test_pgqueuer_peer(postgres_dsn: str) -> None:
-    from bench.peer_pgqueuer import PgQueuerPeer
+    from bench.peers.pgqueuer import PgQueuerPeer
 
     # PgQueuer reads the database's clock (NOW()), so its leases can't be run forward.
     drain(lambda: PgQueuerPeer(postgres_dsn), takes_our_clock=False)

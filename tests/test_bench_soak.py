@@ -1,4 +1,4 @@
-"""The soak's own verdicts (bench/soak_check.py): each is fed a log with the fault it must
+"""The soak's own verdicts (bench/sections/soak_check.py): each is fed a log with the fault it must
 find, and a log where the same events are legitimate, so a checker that cannot fail fails."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from bench import soak, soak_check
-from bench.soak_check import Completion, Grant, Pause, Renewal, TableRow, Write
+from bench.sections import soak, soak_check
+from bench.sections.soak_check import Completion, Grant, Pause, Renewal, TableRow, Write
 
 LEASE = 10_000
 

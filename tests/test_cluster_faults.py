@@ -258,7 +258,7 @@ def test_a_node_whose_clock_is_set_apart_grants_no_key_twice(
         if os.environ.get("CI", "").lower() == "true":
             pytest.fail(f"{FAKETIME_LIB} is missing: .ci/run installs Debian's faketime")
         pytest.skip("Debian's faketime (libfaketime) is not installed")
-    from bench.history import History, double_grants
+    from bench.harness.history import History, double_grants
 
     seed_rows(on_pg, 2000, due_share=1.0)
     a, b = node(tmp_path, "a"), node(tmp_path, "b")

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from keeper_helpers import NOW, MemoryRing, core_with_dues
 
-from bench.keeper import old_publish
+from bench.sections.keeper import old_publish
 from keeper.config import KeeperConfig
 from keeper.core import KeeperCore
 from keeper.publish import Publisher, PublishFailed

@@ -24,7 +24,7 @@ from urllib.parse import parse_qsl, quote, urlencode, urlsplit, urlunsplit
 
 import pytest
 
-from bench.tcp_proxy import TcpProxy
+from bench.harness.tcp_proxy import TcpProxy
 from store.errors import StoreBusy, StoreUnavailable
 from store.postgres import PostgresStore
 from store.postgres.conn import (

@@ -129,7 +129,7 @@ def test_a_server_restart_is_503_meanwhile_and_the_node_recovers(
 
     from node_harness import nodes_on
 
-    from bench.tcp_proxy import TcpProxy
+    from bench.harness.tcp_proxy import TcpProxy
 
     parts = urlsplit(pg_url)
     proxy = TcpProxy(parts.hostname or "127.0.0.1", parts.port or 5432).start()
