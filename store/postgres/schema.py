@@ -20,11 +20,13 @@ the log and the saved cursors as new (store.postgres.store.PostgresStore).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import psycopg
 
-from store.errors import StoreError, refuse_newer
+from store import schema
+from store.errors import StoreError
 from store.rows import DEFAULT_RETIRE_AFTER, MAX_RETIRE_AFTER
 from store.secret import new_secret
 
@@ -246,9 +248,6 @@ _V10 = [
 
 # Index i holds the statements that take a database from version i to i + 1.
 MIGRATIONS: list[list[str]] = [_V1, _V2, _V3, _V4, _V5, _V6, _V7, _V8, _V9, _V10]
-# What a version's tables start with that SQL cannot make (random bytes from Python's
-# `secrets`), run after that version's statements, in the same transaction.
-SEEDS: dict[int, Callable[[psycopg.Connection[tuple[object, ...]]], None]] = {3: _seed_secret}
 LATEST = len(MIGRATIONS)
 
 
@@ -271,33 +270,29 @@ def schema_version(conn: psycopg.Connection[tuple[object, ...]]) -> int:
     return int(row[0] or 0) if row is not None else 0  # type: ignore[call-overload]
 
 
+_RECORD = "INSERT INTO schema_version (version) VALUES (%s)"
+STEPS = schema.Steps(MIGRATIONS, schema_version, _RECORD, {3: _seed_secret})
+
+
+@contextmanager
+def _advisory_lock(conn: psycopg.Connection[tuple[object, ...]]) -> Iterator[None]:
+    """One node's migration at a time, and its transaction, begun once the lock is held.
+    (Begun before, it would keep the catalog as it was: taking an advisory lock reads no
+    invalidations, so the table another node just created would still look absent, and
+    CREATE TABLE would fail.)"""
+    conn.execute("SELECT pg_advisory_lock(%s)", (MIGRATION_LOCK,))
+    try:
+        with conn.transaction():
+            yield
+    finally:
+        if not conn.closed:
+            conn.execute("SELECT pg_advisory_unlock(%s)", (MIGRATION_LOCK,))
+
+
 def migrate(conn: psycopg.Connection[tuple[object, ...]], where: str) -> int:
     """Bring the database to LATEST in one transaction; returns the version found before.
 
     The connection must be in autocommit mode. Idempotent, and safe with many nodes
-    starting at once: they take an advisory lock in turn and re-read the version in a
-    transaction begun once they hold it. (Begun before, it would keep the catalog as it
-    was: taking an advisory lock reads no invalidations, so the table another node just
-    created would still look absent, and CREATE TABLE would fail.)
+    starting at once: they migrate in turn (`_advisory_lock`).
     """
-    found = schema_version(conn)
-    refuse_newer(found, LATEST, where)
-    if found == LATEST:
-        return found
-    conn.execute("SELECT pg_advisory_lock(%s)", (MIGRATION_LOCK,))
-    try:
-        with conn.transaction():
-            found = schema_version(conn)
-            refuse_newer(found, LATEST, where)
-            if found == 0:
-                conn.execute("CREATE TABLE schema_version (version integer NOT NULL)")
-            for version in range(found, LATEST):
-                for statement in MIGRATIONS[version]:
-                    conn.execute(statement)
-                if (seed := SEEDS.get(version + 1)) is not None:
-                    seed(conn)
-                conn.execute("INSERT INTO schema_version (version) VALUES (%s)", (version + 1,))
-    finally:
-        if not conn.closed:
-            conn.execute("SELECT pg_advisory_unlock(%s)", (MIGRATION_LOCK,))
-    return found
+    return schema.migrate(conn, STEPS, _advisory_lock, where)

@@ -17,9 +17,11 @@ grow, even across a delete and re-insert of the same key.
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Callable
+from collections.abc import Iterator
+from contextlib import contextmanager
 
-from store.errors import StoreError, refuse_newer
+from store import schema
+from store.errors import StoreError
 from store.rows import DEFAULT_RETIRE_AFTER, MAX_RETIRE_AFTER
 from store.secret import new_secret
 
@@ -182,9 +184,6 @@ _V7 = [
 
 # Index i holds the statements that take a database from version i to i + 1.
 MIGRATIONS: list[list[str]] = [_V1, _V2, _V3, _V4, _V5, _V6, _V7]
-# What a version's tables start with that SQL cannot make (random bytes from Python's
-# `secrets`), run after that version's statements, in the same transaction.
-SEEDS: dict[int, Callable[[sqlite3.Connection], None]] = {3: _seed_secret}
 LATEST = len(MIGRATIONS)
 
 
@@ -203,30 +202,25 @@ def schema_version(conn: sqlite3.Connection) -> int:
     return int(row[0] or 0)
 
 
+_RECORD = "INSERT INTO schema_version (version) VALUES (?)"
+STEPS = schema.Steps(MIGRATIONS, schema_version, _RECORD, {3: _seed_secret})
+
+
+@contextmanager
+def _write_lock(conn: sqlite3.Connection) -> Iterator[None]:
+    """SQLite's one writer at a time, and the migration's transaction."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        yield
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+
+
 def migrate(conn: sqlite3.Connection, where: str) -> int:
     """Bring the database to LATEST in one transaction; returns the version found before.
 
     The connection must be in autocommit mode (isolation_level=None).
     """
-    found = schema_version(conn)
-    refuse_newer(found, LATEST, where)
-    if found == LATEST:
-        return found
-    conn.execute("BEGIN IMMEDIATE")
-    try:
-        # Another process may have migrated while this one waited for the lock.
-        found = schema_version(conn)
-        refuse_newer(found, LATEST, where)
-        if found == 0:
-            conn.execute("CREATE TABLE schema_version (version INTEGER NOT NULL)")
-        for version in range(found, LATEST):
-            for statement in MIGRATIONS[version]:
-                conn.execute(statement)
-            if (seed := SEEDS.get(version + 1)) is not None:
-                seed(conn)
-            conn.execute("INSERT INTO schema_version (version) VALUES (?)", (version + 1,))
-        conn.execute("COMMIT")
-    except BaseException:
-        conn.execute("ROLLBACK")
-        raise
-    return found
+    return schema.migrate(conn, STEPS, _write_lock, where)
