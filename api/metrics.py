@@ -498,6 +498,17 @@ def _keeper_metrics(out: Exposition, node: Node, now: int) -> None:
     if stats.cluster is not None:
         held = fences_of(stats.cluster, now)
         out.gauge(
+            "renderqueue_cluster_members",
+            "Live nodes in this node's view of the cluster, itself included while it is live.",
+            len(stats.cluster.view),
+        )
+        out.gauge(
+            "renderqueue_cluster_confirmed",
+            "1 while this node has read itself live within the grant window; 0: it grants "
+            "and renews nothing.",
+            stats.cluster.confirmed,
+        )
+        out.gauge(
             "renderqueue_cluster_fenced_keys",
             "Due keys this node owns but may not grant yet: gained from another node whose "
             "leases on them may live, or all of them while its membership is unconfirmed "
@@ -650,6 +661,17 @@ def _count_metrics(out: Exposition, state: QueueState) -> None:
         "The oldest due row's lateness per class, in cadences (the seed's per-class head age).",
         [(_class_labels(row), row.oldest_lateness) for row in lateness.classes],
     )
+    out.metric(
+        "renderqueue_class_oldest_due_age_seconds",
+        "gauge",
+        "How long the oldest due row per class had been due at the keeper's count (classes "
+        "of routes not paused).",
+        [
+            (_class_labels(row), _due_age_s(state.trust.counts_at, row.oldest_due_at))
+            for row in lateness.classes
+            if not row.paused
+        ],
+    )
     edges = lateness.edges
     for source, counts in (("sitemap", lateness.sitemap), ("discovered", lateness.discovered)):
         out.metric(
@@ -658,6 +680,10 @@ def _count_metrics(out: Exposition, state: QueueState) -> None:
             f"Due {source} rows by lateness in cadences; `ge` is each bin's lower edge.",
             [({"ge": _edge(edge)}, count) for edge, count in zip(edges, counts, strict=False)],
         )
+
+
+def _due_age_s(counted_at: int, oldest_due_at: int | None) -> float | None:
+    return None if oldest_due_at is None else max(0.0, (counted_at - oldest_due_at) / 1000)
 
 
 def _class_labels(row: ClassRow) -> dict[str, str]:

@@ -83,6 +83,13 @@ def test_counts_and_leases(tmp_path: Path) -> None:
         assert "renderqueue_held_keys" in samples
         classes = [key for key in samples if key.startswith("renderqueue_class_due{")]
         assert classes and sum(samples[key] for key in classes) == 50
+        # Each class's oldest due row's age, beside its lateness in cadences.
+        for key in classes:
+            labels = key.removeprefix("renderqueue_class_due")
+            age = samples[f"renderqueue_class_oldest_due_age_seconds{labels}"]
+            cadences = samples[f"renderqueue_class_oldest_lateness_cadences{labels}"]
+            cadence_s = float(labels.split('cadence_s="')[1].split('"')[0])
+            assert age > 0 and age == pytest.approx(cadences * cadence_s, rel=1e-6)
         # Completed work leaves the due count once the keeper has seen it.
         items = [
             {"key": lease["key"], "token": lease["token"], "outcome": "rendered"}
@@ -223,6 +230,14 @@ def test_the_cluster_fence_series_come_from_the_keepers_record_in_a_cluster(
         assert samples[until_seconds] == until / 1000
         assert samples[ceiling_seconds] == (now + 9_000) / 1000
         assert samples[ceiling_failures] == 2
+        assert samples["renderqueue_cluster_members"] == 2
+        assert samples["renderqueue_cluster_confirmed"] == 1
+        unconfirmed = msgspec.structs.replace(cluster, view=["other"], confirmed=False)
+        payload = encode_keeper_statistics(msgspec.structs.replace(record, cluster=unconfirmed))
+        node.segments.keeper.write(payload, now_ms())
+        samples = metric_samples(client.get("/metrics").text)
+        assert samples["renderqueue_cluster_members"] == 1
+        assert samples["renderqueue_cluster_confirmed"] == 0
 
 
 def test_an_unreadable_keeper_record_leaves_its_series_out_and_is_no_error(
