@@ -17,6 +17,7 @@ import msgspec
 from starlette.responses import Response
 
 from api.body import json_response
+from api.completions import CompletionQueueStatistics
 from api.node import Node
 from api.problems import not_found
 from api.schedule import check_key
@@ -266,7 +267,8 @@ def render_now(node: Node, request: RenderNow) -> Explain:
     return explain(node, row.key)
 
 
-def overview(node: Node) -> Overview:
+def overview(node: Node, completions: CompletionQueueStatistics) -> Overview:
+    """`completions`: this worker's completion queue's counts."""
     now = now_ms()
     published_at = node.ring.published_at
     supervisor = supervisor_statistics(node)
@@ -288,7 +290,7 @@ def overview(node: Node) -> Overview:
         publish_age_ms=max(0, now - published_at) if published_at else None,
         supervisor=supervisor,
         state_age_ms=max(0, now - state.written_at) if state is not None else None,
-        completions=builtins(node.completions.statistics()),
+        completions=builtins(completions),
         store=builtins(node.store.writability()),
         keeper=None if keeper is None else builtins(keeper),
         keeper_statistics_age_ms=None

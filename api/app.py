@@ -6,6 +6,7 @@ router serves the rest."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from starlette.applications import Starlette
@@ -16,12 +17,17 @@ from starlette.routing import Route
 
 from api.auth import Authenticator
 from api.body import json_response, read_json
+from api.cluster import ClusterLink
+from api.completions import CompletionQueue, apply
 from api.endpoints import ENDPOINTS, Call, Endpoint
 from api.node import Node
 from api.openapi import OPENAPI_PATH, openapi_document
 from api.params import read_params
 from api.problems import ApiError, problem_response
+from api.services import Services
+from api.status import supervisor_statistics
 from store.errors import StoreBusy, StoreFull, StoreUnavailable
+from store.rows import MemberList
 
 log = logging.getLogger("renderqueue.api")
 
@@ -41,7 +47,7 @@ def _respond(endpoint: Endpoint, value: Any) -> Response:
     return json_response(value)
 
 
-def make_handler(endpoint: Endpoint, node: Node, auth: Authenticator) -> Any:
+def make_handler(endpoint: Endpoint, node: Node, services: Services, auth: Authenticator) -> Any:
     limit = node.settings.max_body_bytes
 
     async def handle(request: Request) -> Response:
@@ -53,7 +59,7 @@ def make_handler(endpoint: Endpoint, node: Node, auth: Authenticator) -> Any:
             body: Any = None
             if endpoint.body is not None:
                 body = await read_json(request, endpoint.body, limit)
-            call = Call(request, node, body, params)
+            call = Call(request, node, services, body, params)
             if endpoint.is_async:
                 value = await endpoint.run(call)
             else:
@@ -128,7 +134,25 @@ class DirectPaths:
         await self.app(scope, receive, send)
 
 
-def create_app(node: Node) -> DirectPaths:
+def build_services(node: Node) -> Services:
+    """The worker's shared services, each given only the handles it uses."""
+
+    def started_at_ms() -> int:
+        return int((supervisor_statistics(node) or {}).get("started_at") or 0)
+
+    def members(ttl_s: float) -> MemberList:
+        read: Callable[[float], MemberList] = node.store.members  # type: ignore[attr-defined]
+        return read(ttl_s)
+
+    return Services(
+        completions=CompletionQueue(
+            commit=lambda requests: apply(node, requests, wait=False), lane=node.lane
+        ),
+        cluster=ClusterLink(node.settings, node.lane, members, started_at_ms),
+    )
+
+
+def create_app(node: Node, services: Services) -> DirectPaths:
     auth = Authenticator(
         fleet_token=node.settings.fleet_token,
         admin_token=node.settings.admin_token,
@@ -142,7 +166,9 @@ def create_app(node: Node) -> DirectPaths:
 
     handlers: dict[str, dict[str, Any]] = {OPENAPI_PATH: {"GET": openapi}}
     for endpoint in ENDPOINTS:
-        handlers.setdefault(endpoint.path, {})[endpoint.method] = make_handler(endpoint, node, auth)
+        handlers.setdefault(endpoint.path, {})[endpoint.method] = make_handler(
+            endpoint, node, services, auth
+        )
     routes = path_routes(handlers)
 
     async def http_error(request: Request, exc: Exception) -> Response:
@@ -164,7 +190,6 @@ def create_app(node: Node) -> DirectPaths:
         routes=routes,
         exception_handlers={HTTPException: http_error, Exception: server_error},
     )
-    app.state.node = node
     direct = {
         (method, path): handler
         for path, by_method in handlers.items()

@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
 import httpx
 import msgspec
@@ -35,7 +35,11 @@ from starlette.responses import Response
 
 from api.body import json_response
 from api.claims import LEASE_NOT_HELD, split_token
+from api.completions import check
+from api.lane import StoreLane
+from api.node import ApiSettings
 from api.problems import PROBLEM_TYPE
+from api.schedule import check_items
 from api.schemas import (
     ClusterMember,
     ClusterNodes,
@@ -50,9 +54,6 @@ from api.version import VERSION
 from keeper.cluster import leases_end
 from shm.segment import now_ms
 from store.rows import MemberList, NodeRecord
-
-if TYPE_CHECKING:
-    from api.node import Node
 
 # Set on a request one node forwards to another: the receiver never forwards it again,
 # so two nodes whose member lists disagree for a moment cannot pass an item back and forth.
@@ -70,8 +71,17 @@ class ClusterLink:
     """One worker's view of the cluster: the member list (cached briefly) and the client it
     reaches the other nodes with."""
 
-    def __init__(self, node: Node) -> None:
-        self.node = node
+    def __init__(
+        self,
+        settings: ApiSettings,
+        lane: StoreLane,
+        members: Callable[[float], MemberList],
+        started_at_ms: Callable[[], int],
+    ) -> None:
+        self.settings = settings
+        self.lane = lane
+        self._read_members = members  # the store's member list, as of a TTL (on the lane)
+        self._started_at_ms = started_at_ms  # this node's start, for the list of one
         self._records: list[NodeRecord] = []
         self._members = MemberList(records=[], db_now_ms=0)
         self._read_at = 0.0
@@ -84,12 +94,12 @@ class ClusterLink:
     async def live(self, max_age_s: float = MEMBERS_MAX_AGE_S) -> list[NodeRecord]:
         """The live nodes, by name; a single node is the only one. The list is read on the
         worker's store lane (api.lane)."""
-        settings = self.node.settings
+        settings = self.settings
         if not settings.clustered:
             return [self._myself()]
         if time.monotonic() - self._read_at > max_age_s:
-            read: Callable[[float], MemberList] = self.node.store.members  # type: ignore[attr-defined]
-            self._members = await self.node.lane.call(lambda: read(settings.node_ttl_s))
+            read = self._read_members
+            self._members = await self.lane.call(lambda: read(settings.node_ttl_s))
             self._records = [r for r in self._members.records if r.live]
             self._read_at = time.monotonic()
         return self._records
@@ -101,7 +111,7 @@ class ClusterLink:
         found = [r for r in self._members.records if r.node == name and not r.live]
         if not found or not self._members.db_now_ms:
             return None
-        settings = self.node.settings
+        settings = self.settings
         now = self._members.db_now_ms
         end = leases_end(
             found[0],
@@ -113,19 +123,17 @@ class ClusterLink:
         return end - now if end > now else None
 
     def _myself(self) -> NodeRecord:
-        from api.status import supervisor_statistics
-
-        supervisor = supervisor_statistics(self.node) or {}
+        settings = self.settings
         return NodeRecord(
-            node=self.node.settings.node,
-            url=self.node.settings.advertised_url,
-            instance=self.node.settings.instance,
-            started_at_ms=int(supervisor.get("started_at") or 0),
+            node=settings.node,
+            url=settings.advertised_url,
+            instance=settings.instance,
+            started_at_ms=self._started_at_ms(),
             heartbeat_age_ms=0,
             left=False,
             live=True,
             lease_horizon_ms=0,
-            max_lease_ms=self.node.settings.max_lease_s * 1000,
+            max_lease_ms=settings.max_lease_s * 1000,
         )
 
     async def url_of(self, name: str) -> str | None:
@@ -138,7 +146,7 @@ class ClusterLink:
         return None
 
     async def members(self) -> ClusterNodes:
-        settings = self.node.settings
+        settings = self.settings
         live = await self.live()
         return ClusterNodes(
             node=settings.node,
@@ -160,7 +168,7 @@ class ClusterLink:
     def http(self) -> httpx.AsyncClient:
         if self._http is None:
             self._http = httpx.AsyncClient(
-                timeout=self.node.settings.peer_timeout_s,
+                timeout=self.settings.peer_timeout_s,
                 limits=httpx.Limits(max_connections=64, max_keepalive_connections=16),
             )
         return self._http
@@ -169,7 +177,7 @@ class ClusterLink:
 
     def _granted_elsewhere(self, token: str) -> str | None:
         name, _ = split_token(token)
-        return name if name is not None and name != self.node.settings.node else None
+        return name if name is not None and name != self.settings.node else None
 
     async def _routed(
         self,
@@ -194,7 +202,7 @@ class ClusterLink:
             else:
                 elsewhere.setdefault(owner, []).append(index)
         answers: list[Result | None] = [None] * len(items)
-        me = self.node.settings.node
+        me = self.settings.node
 
         async def at(owner: str, indices: list[int]) -> None:
             group = [items[i] for i in indices]
@@ -234,7 +242,7 @@ class ClusterLink:
         authorization: str | None,
         forwarded_by: str | None,
     ) -> list[Result]:
-        me = self.node.settings.node
+        me = self.settings.node
         if forwarded_by is not None:
             detail = (
                 f"granted by node {owner!r}; node {forwarded_by!r} forwarded it to this node "
@@ -242,7 +250,7 @@ class ClusterLink:
                 "has its URL)"
             )
             return [refuse(key_of(item), LEASE_NOT_HELD, detail) for item in group]
-        url = await self.url_of(owner) if self.node.settings.clustered else None
+        url = await self.url_of(owner) if self.settings.clustered else None
         lasting = None if url is not None else self.leases_may_live(owner)
         if lasting is not None:
             detail = (
@@ -255,7 +263,7 @@ class ClusterLink:
             detail = (
                 f"granted by node {owner!r}, which is not a live member of this cluster: "
                 "its leases ended with it; claim the key again"
-                if self.node.settings.clustered
+                if self.settings.clustered
                 else f"granted by node {owner!r}; this node ({me!r}) is a single node"
             )
             return [refuse(key_of(item), LEASE_NOT_HELD, detail) for item in group]
@@ -294,16 +302,19 @@ class ClusterLink:
         return results
 
     async def complete(
-        self, request: CompletionsRequest, authorization: str | None, forwarded_by: str | None
+        self,
+        request: CompletionsRequest,
+        complete_here: Callable[[CompletionsRequest], Awaitable[ItemResults]],
+        authorization: str | None,
+        forwarded_by: str | None,
     ) -> ItemResults:
-        from api.completions import check
-
+        """`complete_here` applies the items this node granted (and checks them)."""
         if not any(self._granted_elsewhere(item.token) for item in request.items):
-            return await self.node.completions.complete(request)  # which checks it
+            return await complete_here(request)
         check(request)  # 422 for the whole request before any item goes anywhere
 
         async def here(items: list[Any]) -> list[ItemResult]:
-            answered = await self.node.completions.complete(CompletionsRequest(items=items))
+            answered = await complete_here(CompletionsRequest(items=items))
             return answered.results
 
         results = await self._routed(
@@ -321,19 +332,21 @@ class ClusterLink:
         return ItemResults(results=results)
 
     async def renew(
-        self, request: RenewRequest, authorization: str | None, forwarded_by: str | None
+        self,
+        request: RenewRequest,
+        renew_here: Callable[[RenewRequest], RenewResults],
+        authorization: str | None,
+        forwarded_by: str | None,
     ) -> RenewResults:
-        from api.claims import renew
-        from api.schedule import check_items
-
+        """`renew_here` renews the leases this node granted."""
         check_items(request.items)  # 422 for the whole request before any item goes anywhere
         if not any(self._granted_elsewhere(item.token) for item in request.items):
-            return renew(self.node, request)
+            return renew_here(request)
         results = await self._routed(
             request.items,
             lambda item: item.token,
             lambda item: item.key,
-            lambda items: renew(self.node, RenewRequest(items=items)).results,
+            lambda items: renew_here(RenewRequest(items=items)).results,
             "/v1/leases/renew",
             lambda items: _encoder.encode(RenewRequest(items=items)),
             lambda content: msgspec.json.decode(content, type=RenewResults).results,
@@ -345,17 +358,18 @@ class ClusterLink:
 
     # -- the cluster's queue-state -------------------------------------------------------
 
-    async def queue_state(self, authorization: str | None) -> Response:
-        from api.admin import queue_state_document
-
-        settings = self.node.settings
+    async def queue_state(
+        self, authorization: str | None, mine: Callable[[], tuple[int, dict[str, Any]]]
+    ) -> Response:
+        """`mine`: this node's own queue-state (status, document), read without a hop."""
+        settings = self.settings
         members = await self.live()
         names = sorted(r.node for r in members)
 
         async def ask(record: NodeRecord) -> NodeAnswer:
             if record.node == settings.node:
-                status, mine = queue_state_document(self.node)
-                return NodeAnswer(record=record, http_status=status, document=mine)
+                status, own = mine()
+                return NodeAnswer(record=record, http_status=status, document=own)
             headers = {"accept": "application/json"}
             if authorization:
                 headers["authorization"] = authorization

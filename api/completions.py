@@ -35,13 +35,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import msgspec
 
 from api.claims import LEASE_NOT_HELD, NOT_FOUND, parse_token
+from api.lane import StoreLane
 from api.problems import ApiError, invalid_field
 from api.schedule import check_items
 from api.schemas import CompletionsRequest, ItemResult, ItemResults
@@ -175,9 +176,14 @@ class _Waiting:
 
 @dataclass(eq=False)
 class CompletionQueue:
-    """One worker's completions, committed without blocking its event loop (module note)."""
+    """One worker's completions, committed without blocking its event loop (module note).
 
-    node: Node
+    `commit` writes requests in one transaction, raising StoreBusy without waiting when
+    the lock is held (`apply` on the node's handles); `lane` is where it runs when the
+    store is not on the loop."""
+
+    commit: Callable[[list[CompletionsRequest]], list[ItemResults]]
+    lane: StoreLane
     busy_timeout_s: float = DEFAULT_BUSY_TIMEOUT_S
     _waiting: list[_Waiting] = field(default_factory=list)
     _drainer: asyncio.Task[None] | None = None
@@ -190,10 +196,10 @@ class CompletionQueue:
 
     async def complete(self, request: CompletionsRequest) -> ItemResults:
         check(request)
-        inline = self.node.lane.hot_inline
+        inline = self.lane.hot_inline
         if inline and not self._waiting:  # else it joins the queue behind the others
             try:
-                (results,) = apply(self.node, [request], wait=False)
+                (results,) = self.commit([request])
             except StoreBusy:
                 self._busy_attempts += 1
             else:
@@ -211,15 +217,14 @@ class CompletionQueue:
         return await waiting.done
 
     async def _attempt(self, requests: list[CompletionsRequest]) -> list[ItemResults]:
-        node = self.node
-        if node.lane.hot_inline:
-            return apply(node, requests, wait=False)
-        return await node.lane.call(lambda: apply(node, requests, wait=False))
+        if self.lane.hot_inline:
+            return self.commit(requests)
+        return await self.lane.call(lambda: self.commit(requests))
 
     async def _drain(self, backoff: float) -> None:
         """Commit every waiting request, oldest first, all together once the lock is free."""
         deadline = time.monotonic() + self.busy_timeout_s
-        settled = FIRST_BACKOFF_S if self.node.lane.hot_inline else 0.0
+        settled = FIRST_BACKOFF_S if self.lane.hot_inline else 0.0
         try:
             while self._waiting:
                 if backoff:
@@ -232,7 +237,7 @@ class CompletionQueue:
                     answers = await self._attempt([w.request for w in batch])
                 except StoreBusy as exc:
                     self._busy_attempts += 1
-                    if not self.node.lane.hot_inline:  # on the loop, counted as they queued
+                    if not self.lane.hot_inline:  # on the loop, counted as they queued
                         self._waited += sum(1 for w in batch if not w.busy)
                         for w in batch:
                             w.busy = True

@@ -50,6 +50,7 @@ from api.schemas import (
     SitesTop,
     SiteUpdate,
 )
+from api.services import Services
 from keeper.state import SITES_LISTED
 from sitemap.importer import ImportReport
 from store.rows import Route, Row
@@ -60,6 +61,7 @@ from store.validate import check_key
 class Call:
     request: Request
     node: Node
+    services: Services
     body: Any
     params: dict[str, str]  # the query and path parameters, checked (api.params)
 
@@ -134,19 +136,26 @@ def _forwarding(call: Call) -> tuple[str | None, str | None]:
 
 
 async def _complete(call: Call) -> ItemResults:
-    return await call.node.cluster.complete(call.body, *_forwarding(call))
+    completions = call.services.completions
+    return await call.services.cluster.complete(call.body, completions.complete, *_forwarding(call))
 
 
 async def _renew(call: Call) -> RenewResults:
-    return await call.node.cluster.renew(call.body, *_forwarding(call))
+    node = call.node
+    return await call.services.cluster.renew(
+        call.body, lambda request: claims.renew(node, request), *_forwarding(call)
+    )
 
 
 async def _members(call: Call) -> ClusterNodes:
-    return await call.node.cluster.members()
+    return await call.services.cluster.members()
 
 
 async def _cluster_queue_state(call: Call) -> Response:
-    return await call.node.cluster.queue_state(call.request.headers.get("authorization"))
+    node = call.node
+    return await call.services.cluster.queue_state(
+        call.request.headers.get("authorization"), lambda: admin.queue_state_document(node)
+    )
 
 
 async def _import_sitemap(call: Call) -> ImportReport:
@@ -374,7 +383,7 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         "/prerender_admin/overview",
         "read",
         "Leases in flight, the ready ring, the supervisor's workers, the keeper's statistics.",
-        lambda call: admin.overview(call.node),
+        lambda call: admin.overview(call.node, call.services.completions.statistics()),
         response=Overview,
         uses_store=False,
     ),
@@ -383,7 +392,7 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         "/metrics",
         "metrics",
         "Prometheus text format.",
-        lambda call: metrics.render(call.node),
+        lambda call: metrics.render(call.node, call.services.completions.statistics()),
         media_type=metrics.CONTENT_TYPE,
         uses_store=False,
     ),

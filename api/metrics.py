@@ -15,6 +15,7 @@ from typing import Any
 
 import msgspec
 
+from api.completions import CompletionQueueStatistics
 from api.node import Node
 from api.report import WorkerReport, report_from, worker_report
 from api.status import claim_status, fences_of, lease_view, supervisor_statistics
@@ -82,7 +83,8 @@ def _number(value: float | int) -> str:
     return repr(float(value))
 
 
-def render(node: Node) -> str:
+def render(node: Node, completions: CompletionQueueStatistics) -> str:
+    """`completions`: this worker's completion queue's counts, for its own report."""
     now = now_ms()
     out = Exposition()
     leases = node.leases.statistics()
@@ -184,7 +186,7 @@ def render(node: Node) -> str:
     _site_metrics(out, node)
     supervisor = supervisor_statistics(node)
     _supervisor_metrics(out, supervisor)
-    _worker_metrics(out, worker_reports(node, supervisor), now)
+    _worker_metrics(out, worker_reports(node, completions, supervisor), now)
     _keeper_metrics(out, node, now)
     snapshot = node.state.read()
     if snapshot is None:
@@ -297,7 +299,9 @@ def _supervisor_metrics(out: Exposition, stats: dict[str, Any] | None) -> None:
     _wal_metrics(out, stats.get("wal"))
 
 
-def worker_reports(node: Node, supervisor: dict[str, Any] | None) -> dict[int, WorkerReport]:
+def worker_reports(
+    node: Node, completions: CompletionQueueStatistics, supervisor: dict[str, Any] | None
+) -> dict[int, WorkerReport]:
     """Every worker's latest report from the supervisor's record, by index, and this
     worker's own counts as they are now. A report that does not check is left out."""
     reports: dict[int, WorkerReport] = {}
@@ -306,7 +310,7 @@ def worker_reports(node: Node, supervisor: dict[str, Any] | None) -> dict[int, W
             report = report_from(worker.get("report"))
             if report is not None:
                 reports[worker["index"]] = report
-    reports[node.settings.worker] = worker_report(node)
+    reports[node.settings.worker] = worker_report(node, completions)
     return dict(sorted(reports.items()))
 
 

@@ -1,4 +1,6 @@
 """What a worker hands the API: its settings and its handles on the node's shared state.
+Plain data: the services the handlers share (api.services) are built beside it by the
+app (api.app), each with only what it uses.
 
 One `Node` per worker process. No request waits on its store on the event loop: store
 calls are made on the worker's store lane (api.lane), one thread, so a store that stops
@@ -16,8 +18,6 @@ from typing import Any, Literal
 
 import msgspec
 
-from api.cluster import ClusterLink
-from api.completions import CompletionQueue
 from api.lane import StoreLane
 from api.routebook import RouteBook
 from keeper.state import KeeperStatistics, decode_keeper_statistics
@@ -27,39 +27,40 @@ from store.base import ScheduleStore
 
 
 class ApiSettings(msgspec.Struct, frozen=True, kw_only=True):
+    """The settings a worker's API reads. No defaults here: they are the node's settings
+    (workers.config.api_settings fills every field), so a value has one source."""
+
     node: str
     instance: str
-    worker: int = 0
-    fleet_token: str | None = None
-    admin_token: str | None = None
-    metrics_token: str | None = None  # read-only (api.auth)
-    metrics_open_on_loopback: bool = False
-    max_body_bytes: int = 4 * 1024 * 1024
-    # A long poll re-checks the ring's generation this often: small next to the keeper's
-    # publish period (a second), and a check is two atomic loads.
-    poll_interval_s: float = 0.025
-    retry_after_s: int = 1
+    worker: int
+    fleet_token: str | None
+    admin_token: str | None
+    metrics_token: str | None  # read-only (api.auth)
+    metrics_open_on_loopback: bool
+    max_body_bytes: int
+    # A long poll re-checks the ring's generation this often.
+    poll_interval_s: float
+    retry_after_s: int
     # The keeper's stall_after_s: a ring published longer ago than this is a keeper that
     # is not publishing, and claims drain what it published last (api.status).
-    stall_after_ms: int = 2000
-    sitemap_boost: float = 1.0  # the keeper's, so explain ranks a row as the keeper does
-    sitemap_route_rules: str | None = None  # a TOML file of URL-pattern rules
+    stall_after_ms: int
+    sitemap_boost: float  # the keeper's, so explain ranks a row as the keeper does
+    sitemap_route_rules: str | None  # a TOML file of URL-pattern rules
     # In a cluster another node takes this one's keys once its leases could have ended:
     # leases are capped at max_lease_s, and a keeper that stops publishing stops grants
     # at once (no draining: its last set may hold keys that have moved since).
-    clustered: bool = False
-    max_lease_s: int = 3600
-    ownership: Literal["key", "site"] = "key"  # what divides a cluster's keys (workers.config)
+    clustered: bool
+    max_lease_s: int
+    ownership: Literal["key", "site"]  # what divides a cluster's keys (workers.config)
     # Where the fleet and the other nodes reach this node (workers.config advertised), and
     # the member list's TTL: GET /v1/cluster lists the nodes live by it.
-    advertised_url: str = ""
-    node_ttl_s: float = 12.0
-    # The highest max_in_flight a site may be given here (workers.config; the site
-    # table's permit words a site).
-    site_permits_max: int = 64
+    advertised_url: str
+    node_ttl_s: float
+    # The highest max_in_flight a site may be given here (the site table's permit words).
+    site_permits_max: int
     # A peer asked for its queue-state, or handed a completion another node granted, has
     # this long to answer; past it the peer is named as missing (never waited on).
-    peer_timeout_s: float = 3.0
+    peer_timeout_s: float
 
 
 @dataclass(eq=False)
@@ -80,9 +81,8 @@ class Node:
     lane: StoreLane = field(default_factory=StoreLane)
     # Per-site caps, spacing and blocks (shm.sites); None: the lease table's, if it has one.
     sites: SiteTable | None = None
+    # The routes and settings, read through a short cache shared by the worker's handlers.
     routes: RouteBook = field(init=False)
-    completions: CompletionQueue = field(init=False)
-    cluster: ClusterLink = field(init=False)  # the member list and the peers' client
     # This worker's own lease census (taken at, census) when the supervisor's is missing.
     own_census: tuple[int, dict[str, Any]] | None = field(default=None, init=False)
 
@@ -93,8 +93,6 @@ class Node:
         elif self.leases.sites is not self.sites:
             self.leases.use_sites(self.sites)
         self.routes = RouteBook(self.store)
-        self.completions = CompletionQueue(self)
-        self.cluster = ClusterLink(self)
 
     def read_keeper_statistics(self) -> KeeperStatistics | None:
         """The keeper's last statistics record; None before its first, or when the payload

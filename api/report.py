@@ -38,7 +38,7 @@ class WorkerReport(msgspec.Struct, frozen=True, kw_only=True):
     lane: LaneStatistics | None = None  # its store lane (api.lane); None from older builds
 
 
-def worker_report(node: Node) -> WorkerReport:
+def worker_report(node: Node, completions: CompletionQueueStatistics) -> WorkerReport:
     store = node.store.counters()
     reason = store.writability.reason
     if len(reason) > MAX_REASON_CHARS:  # the one free-form string: it must not cost the report
@@ -49,7 +49,7 @@ def worker_report(node: Node) -> WorkerReport:
     return WorkerReport(
         written_at=now_ms(),
         store=store,
-        completions=node.completions.statistics(),
+        completions=completions,
         lane=node.lane.statistics(),
     )
 

@@ -172,6 +172,15 @@ def free_socket(host: str = "127.0.0.1") -> socket.socket:
     return sock
 
 
+def api_settings_for(node: str = "t", instance: str = "t", **overrides: Any) -> Any:
+    """A single node's API settings as a worker fills them from the node's defaults
+    (workers.config.api_settings), with `overrides` on top."""
+    from workers.config import Settings, api_settings
+
+    found = api_settings(Settings(), node=node, instance=instance, worker=0, advertised_url="")
+    return msgspec.structs.replace(found, **overrides)
+
+
 class ThreadNode:
     """The API on a free port in this process; `publish()` waits for the keeper's first."""
 
@@ -186,8 +195,8 @@ class ThreadNode:
         http: str = "httptools",
         sitemap_route_rules: str | None = None,
     ) -> None:
-        from api.app import create_app
-        from api.node import ApiSettings, Node
+        from api.app import build_services, create_app
+        from api.node import Node
         from store import open_store
         from workers.segments import SegmentNames, Segments
 
@@ -204,10 +213,9 @@ class ThreadNode:
         self._keeper_thread: threading.Thread | None = None
         self.keeper_error: BaseException | None = None
         self.node = Node(
-            settings=ApiSettings(
+            settings=api_settings_for(
                 node="test",
                 instance=self.instance,
-                worker=0,
                 fleet_token=FLEET_TOKEN if tokens else None,
                 admin_token=ADMIN_TOKEN if tokens is True else None,
                 max_body_bytes=max_body_bytes,
@@ -223,11 +231,12 @@ class ThreadNode:
             site_history=self.segments.site_history,
             marks=self.segments.marks,
         )
+        self.services = build_services(self.node)
         self.sock = free_socket()
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(
-            BodyLimit(create_app(self.node), max_body_bytes),
+            BodyLimit(create_app(self.node, self.services), max_body_bytes),
             http=PROTOCOLS[http],
             proxy_headers=False,
             loop="asyncio",
@@ -516,7 +525,7 @@ def local_node(db: Path | str, *, marks: bool = False) -> Iterator[tuple[Any, An
     """A worker's Node on fresh segments over the store at `db`, with no server:
     (node, store, segments). `marks`: the node stamps its writes and may answer claims
     from the ring (shm.marks); without, every granted row is read."""
-    from api.node import ApiSettings, Node
+    from api.node import Node
     from store import open_store
     from workers.segments import SegmentNames, Segments
 
@@ -525,7 +534,7 @@ def local_node(db: Path | str, *, marks: bool = False) -> Iterator[tuple[Any, An
     )
     store = open_store(str(db))
     node = Node(
-        settings=ApiSettings(node="t", instance="t"),
+        settings=api_settings_for(),
         store=store,
         ring=segments.ring,
         leases=segments.leases,

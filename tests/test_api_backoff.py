@@ -19,11 +19,18 @@ import api.claims
 import api.completions
 import api.status
 from api import admin, metrics
+from api.app import build_services
 from api.claims import grant_from_ring
 from api.completions import apply
 from api.schemas import CompletionsRequest, RenderNow
 from shm import key_hash
 from store.rows import RowWrite
+
+
+def render_metrics(node: Any) -> str:
+    """/metrics as the node's worker serves it, with its completion queue idle."""
+    return metrics.render(node, build_services(node).completions.statistics())
+
 
 KEY = "https://shop.example/always-fails"
 LEASE_MS = 30_000
@@ -104,7 +111,7 @@ def test_retries_space_out_then_a_render_resets(setup: tuple[Any, Clock]) -> Non
     row = node.store.get(KEY)
     assert row.last_outcome == "failed" and row.next_render_at < clock.now
     assert node.leases.statistics().failures == 5
-    assert "renderqueue_failure_backoffs_total 5" in metrics.render(node)
+    assert "renderqueue_failure_backoffs_total 5" in render_metrics(node)
     # It renders: rescheduled by its cadence, and the misses are forgiven.
     (lease,) = claim(node, clock)
     assert complete(node, lease, "rendered").ok

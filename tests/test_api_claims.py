@@ -15,6 +15,7 @@ import pytest
 from node_harness import (
     FLEET_TOKEN,
     ThreadNode,
+    api_settings_for,
     due_in_table,
     feed_position,
     local_node,
@@ -340,7 +341,7 @@ def test_a_result_landing_between_read_and_grant_is_not_granted_again(tmp_path: 
     import numpy as np
 
     from api.claims import grant_from_ring
-    from api.node import ApiSettings, Node
+    from api.node import Node
     from shm import key_hash
     from store import open_store
     from store.rows import Completion
@@ -375,7 +376,7 @@ def test_a_result_landing_between_read_and_grant_is_not_granted_again(tmp_path: 
     store = RacingStore(open_store(db))
     try:
         node = Node(
-            settings=ApiSettings(node="t", instance="t"),
+            settings=api_settings_for(),
             store=store,
             ring=segments.ring,
             leases=segments.leases,

@@ -36,6 +36,13 @@ def node_with_leases(tmp_path: Path) -> Iterator[tuple[Any, Any, Any, list[Lease
         yield node, store, segments, leases, db
 
 
+def queue_of(node: Any, **options: Any) -> CompletionQueue:
+    """The node's completion queue as the app builds it (api.app.build_services)."""
+    return CompletionQueue(
+        commit=lambda requests: apply(node, requests, wait=False), lane=node.lane, **options
+    )
+
+
 def request(leases: list[Lease], outcome: str = "rendered") -> CompletionsRequest:
     return CompletionsRequest(
         items=[CompletionItem(key=x.key, token=x.token, outcome=outcome) for x in leases]  # type: ignore[arg-type]
@@ -55,7 +62,7 @@ def is_due(store: Any, key: str) -> bool:
 
 def test_without_contention_a_request_commits_at_once(node_with_leases: Any) -> None:
     node, store, _, leases, _ = node_with_leases
-    queue = CompletionQueue(node)
+    queue = queue_of(node)
     answer = asyncio.run(queue.complete(request(leases[:3])))
     assert [r.ok for r in answer.results] == [True, True, True]
     assert not any(is_due(store, x.key) for x in leases[:3])
@@ -67,7 +74,7 @@ def test_a_held_lock_is_waited_for_on_the_loop_and_waiting_requests_commit_toget
     node_with_leases: Any,
 ) -> None:
     node, store, segments, leases, db = node_with_leases
-    queue = CompletionQueue(node)
+    queue = queue_of(node)
 
     async def scenario() -> tuple[list[Any], int, int]:
         holder = hold_write_lock(db)
@@ -108,7 +115,7 @@ def test_a_held_lock_is_waited_for_on_the_loop_and_waiting_requests_commit_toget
 
 def test_a_key_in_two_waiting_requests_is_completed_once(node_with_leases: Any) -> None:
     node, store, _, leases, db = node_with_leases
-    queue = CompletionQueue(node)
+    queue = queue_of(node)
     head = store.statistics().head
 
     async def scenario() -> list[Any]:
@@ -128,7 +135,7 @@ def test_a_key_in_two_waiting_requests_is_completed_once(node_with_leases: Any) 
 
 def test_a_lock_held_past_the_timeout_changes_nothing(node_with_leases: Any) -> None:
     node, store, segments, leases, db = node_with_leases
-    queue = CompletionQueue(node, busy_timeout_s=0.05)
+    queue = queue_of(node, busy_timeout_s=0.05)
     before = {x.key: store.get(x.key) for x in leases[:2]}
 
     async def scenario() -> None:
@@ -153,7 +160,7 @@ def test_a_cancelled_request_is_left_out(node_with_leases: Any) -> None:
     """A client that hung up while its request waited: its leases stay held, its rows
     untouched; the requests behind it commit."""
     node, store, segments, leases, db = node_with_leases
-    queue = CompletionQueue(node)
+    queue = queue_of(node)
 
     async def scenario() -> Any:
         holder = hold_write_lock(db)
@@ -178,7 +185,7 @@ def test_a_key_the_store_would_refuse_is_422_before_anything_waits(
     node_with_leases: Any,
 ) -> None:
     node, _, _, leases, db = node_with_leases
-    queue = CompletionQueue(node)
+    queue = queue_of(node)
     too_long = "/" + "é" * 1500  # 1,501 characters, 3,001 UTF-8 bytes
     bad = CompletionsRequest(items=[CompletionItem(key=too_long, token="1", outcome="rendered")])
 
@@ -205,7 +212,7 @@ def test_a_token_off_its_pattern_is_422_naming_the_item_and_changes_nothing(
     node_with_leases: Any, token: str
 ) -> None:
     node, store, _, leases, _ = node_with_leases
-    queue = CompletionQueue(node)
+    queue = queue_of(node)
     good = [CompletionItem(key=x.key, token=x.token, outcome="rendered") for x in leases[:2]]
     bad = CompletionItem(key=leases[2].key, token=token, outcome="rendered")
     with pytest.raises(ApiError) as refused:
@@ -223,5 +230,5 @@ def test_a_token_on_its_pattern_passes_the_check(node_with_leases: Any) -> None:
         CompletionItem(key=leases[0].key, token="18446744073709551615", outcome="rendered"),
         CompletionItem(key=leases[1].key, token="node-b.x_1:42", outcome="rendered"),
     ]
-    answer = asyncio.run(CompletionQueue(node).complete(CompletionsRequest(items=items)))
+    answer = asyncio.run(queue_of(node).complete(CompletionsRequest(items=items)))
     assert [(r.ok, r.error) for r in answer.results] == [(False, "lease_not_held")] * 2

@@ -17,10 +17,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from node_harness import ADMIN_TOKEN, REPO, node_db, seed_rows, thread_node
+from node_harness import ADMIN_TOKEN, REPO, api_settings_for, node_db, seed_rows, thread_node
 
 from api.endpoints import ENDPOINTS
-from api.node import ApiSettings
 
 # Every node here runs on SQLite, then on PostgreSQL (conftest.node_backend).
 pytestmark = pytest.mark.usefixtures("node_backend")
@@ -30,7 +29,7 @@ SEED = os.environ.get("RENDERQUEUE_FUZZ_SEED", "19")
 EXAMPLES = os.environ.get("RENDERQUEUE_FUZZ_EXAMPLES", "80")
 PHASES = "examples,coverage,fuzzing,stateful"
 # The production body limit: the document states it and the fuzzer's bodies meet it.
-BODY_LIMIT = ApiSettings(node="n", instance="i").max_body_bytes
+BODY_LIMIT = api_settings_for().max_body_bytes
 
 
 def schemathesis(url: str, workdir: Path) -> subprocess.CompletedProcess[str]:

@@ -11,11 +11,17 @@ from typing import Any
 import httpx
 import jsonschema
 import pytest
-from node_harness import ADMIN_TOKEN, ThreadNode, now_ms, seed_rows, thread_node
+from node_harness import (
+    ADMIN_TOKEN,
+    ThreadNode,
+    api_settings_for,
+    now_ms,
+    seed_rows,
+    thread_node,
+)
 from openapi_spec_validator import OpenAPIV31SpecValidator
 
 from api.endpoints import ENDPOINTS
-from api.node import ApiSettings
 from api.openapi import BODY_LIMIT_KEYWORD, openapi_document
 from api.schemas import MAX_UTF8_BYTES_KEYWORD
 from store.rows import MAX_KEY_BYTES
@@ -277,7 +283,7 @@ def test_the_body_limit_is_stated_and_kept(document: dict[str, Any], client: htt
 
 def test_the_document_states_this_nodes_lease_cap() -> None:
     def lease_maxima(max_lease_s: int) -> list[int]:
-        settings = ApiSettings(node="n", instance="i", max_lease_s=max_lease_s)
+        settings = api_settings_for(max_lease_s=max_lease_s)
         schemas = openapi_document(ENDPOINTS, settings)["components"]["schemas"]
         found = []
         for name in ("ClaimRequest", "RenewItem"):
@@ -317,7 +323,7 @@ def test_a_site_in_the_path_is_refused_exactly_when_the_document_refuses_it(
 
 def test_the_document_states_this_nodes_site_permits() -> None:
     def maximum(permits: int) -> int:
-        settings = ApiSettings(node="n", instance="i", site_permits_max=permits)
+        settings = api_settings_for(site_permits_max=permits)
         schemas = openapi_document(ENDPOINTS, settings)["components"]["schemas"]
         (integer,) = [
             option

@@ -101,14 +101,14 @@ def test_a_record_that_is_not_a_report_is_refused() -> None:
 def test_a_workers_report_counts_its_writes(tmp_path: Path) -> None:
     seed_rows(node_db(tmp_path), 10)
     with thread_node(tmp_path) as node:
-        before = worker_report(node.node)
+        before = worker_report(node.node, node.services.completions.statistics())
         upsert = [
             {"key": f"https://r.example/{i}", "route": "r", "next_render_at": 1} for i in range(25)
         ]
         with node.client() as client:
             for _ in range(3):
                 assert client.post("/v1/schedule", json={"upsert": upsert}).status_code == 200
-        after = worker_report(node.node)
+        after = worker_report(node.node, node.services.completions.statistics())
     assert after.store.transactions - before.store.transactions == 3
     assert after.store.rows_written - before.store.rows_written == 75
     assert after.store.writability.writable
@@ -121,12 +121,8 @@ def test_a_long_disk_error_is_cut_so_the_report_still_goes() -> None:
         def counters(self) -> StoreCounters:
             return a_report(reason="\u00e9" * 10_000).store
 
-    class Completions:
-        def statistics(self) -> CompletionQueueStatistics:
-            return a_report().completions
-
-    node = cast(Node, SimpleNamespace(store=Store(), completions=Completions(), lane=StoreLane()))
-    report = worker_report(node)
+    node = cast(Node, SimpleNamespace(store=Store(), lane=StoreLane()))
+    report = worker_report(node, a_report().completions)
     reason = report.store.writability.reason
     assert len(reason) == MAX_REASON_CHARS and reason.endswith("…")
     assert not report.store.writability.writable

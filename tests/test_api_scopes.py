@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from node_harness import local_node
 
-from api.app import create_app
+from api.app import build_services, create_app
 from api.auth import Authenticator
 from api.endpoints import ENDPOINTS
 from api.problems import ApiError
@@ -43,7 +43,9 @@ def client_for(node: Any, *, peer: str = "testclient", **settings: Any) -> TestC
     node.settings = msgspec.structs.replace(
         node.settings, admin_token=ADMIN, fleet_token=FLEET, metrics_token=READ, **settings
     )
-    return TestClient(create_app(node), client=(peer, 50000), raise_server_exceptions=False)
+    return TestClient(
+        create_app(node, build_services(node)), client=(peer, 50000), raise_server_exceptions=False
+    )
 
 
 @pytest.fixture

@@ -14,10 +14,16 @@ import pytest
 from node_harness import local_node, now_ms
 
 from api import admin, claims, metrics
+from api.app import build_services
 from api.schemas import ClaimRequest
 from api.status import claim_status, lease_view
 from shm import key_hash
 from store.rows import RowWrite
+
+
+def render_metrics(node: Any) -> str:
+    """/metrics as the node's worker serves it, with its completion queue idle."""
+    return metrics.render(node, build_services(node).completions.statistics())
 
 
 @pytest.fixture
@@ -83,7 +89,7 @@ def test_ready_draining_stalled(node: Any) -> None:
     assert status.status == "draining" and status.remaining == 2
     code, body = readyz(node)
     assert code == 200 and body["status"] == "draining" and "2 entries left" in body["reason"]
-    assert 'renderqueue_claim_status{status="draining"} 1' in metrics.render(node)
+    assert 'renderqueue_claim_status{status="draining"} 1' in render_metrics(node)
     drained = claim(node, 5)
     assert drained.status == "draining" and len(drained.leases) == 2
     # Drained with the keeper not publishing: nothing can be granted.
@@ -93,7 +99,7 @@ def test_ready_draining_stalled(node: Any) -> None:
     refused = claim(node, 1)
     assert refused.status_code == 503 and json.loads(refused.body)["status"] == "stalled"
     assert refused.headers["retry-after"] == "1"
-    text = metrics.render(node)
+    text = render_metrics(node)
     assert gauge(text, "renderqueue_ready") == "0"
     assert 'renderqueue_claim_status{status="stalled"} 1' in text
     # A publish brings it back.
@@ -111,7 +117,7 @@ def test_in_flight_leaves_out_expired_leases(node: Any) -> None:
     view = lease_view(node)
     assert (view.in_flight, view.expired_unanswered) == (1, 1)
     assert view.held_keys == 1  # the expired lease reads as the hold it becomes
-    text = metrics.render(node)
+    text = render_metrics(node)
     assert gauge(text, "renderqueue_in_flight") == "1"
     assert gauge(text, "renderqueue_leases_expired_unanswered") == "1"
     body = json.loads(bytes(admin.queue_state(node).body))
@@ -206,12 +212,12 @@ def test_a_cluster_node_whose_due_keys_are_all_fenced_says_so_everywhere(
     answered = claim(node, 3)
     assert answered.leases == [] and answered.status == "ready" and answered.fenced == 5
     assert answered.detail.startswith("nothing granted: all 5 due keys of this node are fenced")
-    text = metrics.render(node)
+    text = render_metrics(node)
     assert 'renderqueue_claim_status{status="fenced"} 1' in text
     assert gauge(text, "renderqueue_ready") == "1"
     assert gauge(text, "renderqueue_cluster_fenced_keys") == "5"
     assert float(gauge(text, "renderqueue_cluster_fence_until_seconds")) == until / 1000
-    overview = admin.overview(node)
+    overview = admin.overview(node, build_services(node).completions.statistics())
     assert overview.status == "fenced"
 
 
@@ -237,7 +243,7 @@ def test_a_count_whose_fences_have_all_ended_since_says_nothing_is_fenced(
     assert code == 200 and body["status"] == "ready" and "fenced" not in body
     answered = claim(node, 1)
     assert answered.fenced is None and answered.detail is None
-    assert gauge(metrics.render(node), "renderqueue_cluster_fenced_keys") == "0"
+    assert gauge(render_metrics(node), "renderqueue_cluster_fenced_keys") == "0"
 
 
 def test_an_unconfirmed_membership_is_unready_and_says_why(member: tuple[Any, Any]) -> None:
@@ -285,4 +291,4 @@ def test_a_single_node_reads_no_fences(node: Any) -> None:
     publish(node, [], now_ms())
     code, body = readyz(node)
     assert code == 200 and body["status"] == "ready" and "fenced" not in body
-    assert "renderqueue_cluster_fenced_keys" not in metrics.render(node)
+    assert "renderqueue_cluster_fenced_keys" not in render_metrics(node)

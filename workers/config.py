@@ -17,10 +17,18 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from api.node import ApiSettings
+from api.schemas import MAX_LEASE_S
 from keeper.config import KeeperConfig
 from shm.sites import MAX_IN_FLIGHT, MAX_INTERVAL_MS, FailurePolicy
 
 ENV_PREFIX = "RENDERQUEUE_"
+# The API's pacing, fixed rather than set: a long poll re-checks the ring's generation
+# this often (small next to the keeper's publish period; a check is two atomic loads); a
+# refusal asks for a retry after this long; a peer has this long to answer a forward.
+POLL_INTERVAL_S = 0.025
+RETRY_AFTER_S = 1
+PEER_TIMEOUT_S = 3.0
 LOOPBACK_NAMES = frozenset({"localhost", "ip6-localhost", "ip6-loopback"})
 
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
@@ -161,6 +169,12 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     def clustered(self) -> bool:
         """On PostgreSQL a node joins the cluster that shares the database."""
         return self.store_url().startswith(("postgresql://", "postgres://"))
+
+    @property
+    def lease_cap_s(self) -> int:
+        """The longest lease granted: max_lease_s in a cluster, where another node waits on
+        it to take the keys over; on a single node nobody waits, and the API's own bound."""
+        return self.max_lease_s if self.clustered else MAX_LEASE_S
 
     def site_failures(self) -> FailurePolicy:
         return FailurePolicy(
@@ -360,6 +374,35 @@ def _check_consistency(settings: Settings, sources: Mapping[str, str]) -> None:
 # refills the ring early whenever claims drain it (keeper.refill_below), so claims are not
 # capped by the tick. Settings in [keeper] override these.
 NODE_KEEPER_DEFAULTS: dict[str, Any] = {"publish_interval_s": 0.25, "best_k": 8192}
+
+
+def api_settings(
+    settings: Settings, *, node: str, instance: str, worker: int, advertised_url: str
+) -> ApiSettings:
+    """What a worker's API reads, all of it from the node's settings (and its keeper's)."""
+    keeping = keeper_config(settings)
+    return ApiSettings(
+        node=node,
+        instance=instance,
+        worker=worker,
+        fleet_token=settings.fleet_token,
+        admin_token=settings.admin_token,
+        metrics_token=settings.metrics_token,
+        metrics_open_on_loopback=settings.metrics_open_on_loopback,
+        max_body_bytes=settings.max_body_bytes,
+        poll_interval_s=POLL_INTERVAL_S,
+        retry_after_s=RETRY_AFTER_S,
+        stall_after_ms=int(keeping.stall_after_s * 1000),
+        sitemap_boost=keeping.sitemap_boost,
+        sitemap_route_rules=settings.sitemap_route_rules,
+        clustered=settings.clustered,
+        max_lease_s=settings.lease_cap_s,
+        ownership=settings.ownership,
+        advertised_url=advertised_url,
+        node_ttl_s=settings.node_ttl_s,
+        site_permits_max=settings.site_permits_max,
+        peer_timeout_s=PEER_TIMEOUT_S,
+    )
 
 
 def keeper_config(settings: Settings) -> KeeperConfig:

@@ -23,15 +23,15 @@ from types import FrameType
 import msgspec
 import uvicorn
 
-from api.app import create_app
+from api.app import build_services, create_app
 from api.lane import StoreLane
-from api.node import ApiSettings, Node
+from api.node import Node
 from api.report import encode_report_line, worker_report
 from keeper import heap
 from shm.keys import use_secret
 from workers import logs
 from workers.body_limit import BodyLimit
-from workers.config import keeper_config
+from workers.config import api_settings, keeper_config
 from workers.keeper_host import KeeperHost
 from workers.protocol import PROTOCOLS
 from workers.segments import Segments
@@ -201,7 +201,6 @@ def serve(spec: WorkerSpec) -> int:
     lane = StoreLane()
     store = lane.call_blocking(lambda: open_store(settings.store_url()))
     keeper: KeeperHost | None = None
-    keeping = keeper_config(settings)
     try:
         if spec.index == 0:
             # The keeper thread shares this process's GIL with the event loop; a short
@@ -209,25 +208,13 @@ def serve(spec: WorkerSpec) -> int:
             sys.setswitchinterval(settings.keeper_switch_interval_ms / 1000)
             keeper = start_keeper(spec, segments)
         node = Node(
-            settings=ApiSettings(
+            settings=api_settings(
+                settings,
                 node=spec.node,
                 instance=spec.instance,
                 worker=spec.index,
-                fleet_token=settings.fleet_token,
-                admin_token=settings.admin_token,
-                metrics_token=settings.metrics_token,
-                metrics_open_on_loopback=settings.metrics_open_on_loopback,
-                max_body_bytes=settings.max_body_bytes,
-                stall_after_ms=int(keeping.stall_after_s * 1000),
-                sitemap_boost=keeping.sitemap_boost,
-                sitemap_route_rules=settings.sitemap_route_rules,
-                clustered=settings.clustered,
-                max_lease_s=settings.max_lease_s if settings.clustered else 3600,
-                ownership=settings.ownership,
                 # What GET /v1/cluster lists, as the supervisor registered it.
                 advertised_url=settings.advertised(sockets[0].getsockname()[1]),
-                node_ttl_s=settings.node_ttl_s,
-                site_permits_max=settings.site_permits_max,
             ),
             store=store,
             ring=segments.ring,
@@ -240,8 +227,9 @@ def serve(spec: WorkerSpec) -> int:
             marks=segments.marks,
             lane=lane,
         )
+        services = build_services(node)
         config = uvicorn.Config(
-            BodyLimit(create_app(node), settings.max_body_bytes),
+            BodyLimit(create_app(node, services), settings.max_body_bytes),
             http=PROTOCOLS[settings.http],
             proxy_headers=False,
             loop="asyncio",
@@ -253,7 +241,9 @@ def serve(spec: WorkerSpec) -> int:
             backlog=2048,
         )
         server = WorkerServer(
-            config, spec.status_fd, lambda: encode_report_line(worker_report(node))
+            config,
+            spec.status_fd,
+            lambda: encode_report_line(worker_report(node, services.completions.statistics())),
         )
         # Everything allocated so far lives as long as the worker: out of the collector's
         # sight, a full collection walks only what came after (walking the imports and the

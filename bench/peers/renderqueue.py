@@ -261,15 +261,18 @@ class RenderqueuePeer:
 
 class InProcessClaimant:
     def __init__(self, params: dict[str, str]) -> None:
-        from api.node import ApiSettings, Node
+        from api.node import Node
         from store import open_store
+        from workers.config import Settings, api_settings
         from workers.segments import SegmentNames, Segments
 
         self.segments = Segments.attach(SegmentNames.for_instance(params["instance"]))
         self.store = open_store(params["store_url"])
         hash_as_node(self.store)
         self.node = Node(
-            settings=ApiSettings(node="bench", instance=params["instance"], worker=1),
+            settings=api_settings(
+                Settings(), node="bench", instance=params["instance"], worker=1, advertised_url=""
+            ),
             store=self.store,
             ring=self.segments.ring,
             leases=self.segments.leases,

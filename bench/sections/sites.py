@@ -66,16 +66,19 @@ def _rows(count: int, sites: int, dominant_share: float | None, seed: int) -> Ro
 
 def _claimant(params: dict[str, Any], want: int, barrier: Any, out: Any) -> None:
     from api.claims import grant_from_ring
-    from api.node import ApiSettings, Node
+    from api.node import Node
     from bench.peers.renderqueue import hash_as_node
     from store import open_store
+    from workers.config import Settings, api_settings
     from workers.segments import SegmentNames, Segments
 
     segments = Segments.attach(SegmentNames.for_instance(params["instance"]))
     store = open_store(params["store_url"])
     hash_as_node(store)
     node = Node(
-        settings=ApiSettings(node="bench", instance=params["instance"], worker=1),
+        settings=api_settings(
+            Settings(), node="bench", instance=params["instance"], worker=1, advertised_url=""
+        ),
         store=store,
         ring=segments.ring,
         leases=segments.leases,
