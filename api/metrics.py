@@ -164,7 +164,7 @@ def render(node: Node, completions: CompletionQueueStatistics) -> str:
     out.metric(
         "renderqueue_lease_hold_events_total",
         "counter",
-        "Expiries with no result that started a hold (the seed's claim_wedged).",
+        "Leases that expired with no result and so started a hold on their key.",
         [({}, leases.hold_events)],
     )
     out.metric(
@@ -662,7 +662,7 @@ def _count_metrics(out: Exposition, state: QueueState) -> None:
     out.metric(
         "renderqueue_class_oldest_lateness_cadences",
         "gauge",
-        "The oldest due row's lateness per class, in cadences (the seed's per-class head age).",
+        "The oldest due row's lateness per class, in cadences (how far behind each class is).",
         [(_class_labels(row), row.oldest_lateness) for row in lateness.classes],
     )
     out.metric(

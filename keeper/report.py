@@ -1,4 +1,4 @@
-"""Queue-state from the keeper's counts: the groups of the seed's table, built purely."""
+"""Queue-state from the keeper's counts: each of its groups, built purely."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The queue-state record: what the keeper writes into the state buffer, and how to read it.
 
-Versioned (`schema`), msgpack-encoded, one msgspec Struct per group of the
-seed's table: now, coming, lateness, flow, trust, plus two autoscaling scalars
+Versioned (`schema`), msgpack-encoded, one msgspec Struct per group of
+queue-state: now, coming, lateness, flow, trust, plus two autoscaling scalars
 at fixed paths (`autoscale.due_now`, `autoscale.oldest_claimable_age_s`), `sites` (due
 rows by site: how many sites, the first few), and in a cluster `fenced`: the due rows
 this node owns but may not grant yet. The full sites listing is a record of its own
@@ -39,7 +39,7 @@ Phase = Literal["starting", "loading", "live", "resyncing", "rebalancing"]
 class LeaseCounts(msgspec.Struct, frozen=True, kw_only=True):
     in_flight: int = 0  # live leases
     held_keys: int = 0  # distinct keys held back now
-    hold_events: int = 0  # the seed's claim_wedged: expiries that started a hold
+    hold_events: int = 0  # expiries with no result that started a hold
     refusals_taken: int = 0
     refusals_held: int = 0
     refusals_probe_full: int = 0  # the bounded probe window, which can refuse below 100%

@@ -186,7 +186,7 @@ class LeaseStatistics(msgspec.Struct, frozen=True):
     renewals: int
     completions: int
     expiries: int
-    hold_events: int  # the seed's claim_wedged: each expiry that started a hold
+    hold_events: int  # each expiry with no result that started a hold
     refusals_taken: int
     refusals_held: int
     refusals_probe_full: int

@@ -89,9 +89,10 @@ def unique(prefix: str = "t") -> str:
 
 
 def readme_series() -> tuple[set[str], set[str]]:
-    """The `/metrics` series the README names: exact names, and prefixes it gives as
-    `name_*`."""
-    named = set(re.findall(r"`(renderqueue_[a-z_]+\*?)`", (REPO / "README.md").read_text()))
+    """The `/metrics` series the user's documents name (the README, and the operator's
+    reference in docs/operations.md): exact names, and prefixes they give as `name_*`."""
+    text = "".join((REPO / doc).read_text() for doc in ("README.md", "docs/operations.md"))
+    named = set(re.findall(r"`(renderqueue_[a-z_]+\*?)`", text))
     return {n for n in named if not n.endswith("*")}, {n[:-1] for n in named if n.endswith("*")}
 
 
