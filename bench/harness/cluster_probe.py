@@ -1,6 +1,6 @@
 """A bench-only probe inside a cluster node's worker 0, for `bench.sections.cluster`.
 
-Loaded by `bench/cluster_hook/sitecustomize.py` when a node is started with
+Loaded by `bench/harness/cluster_hook/sitecustomize.py` when a node is started with
 RQ_BENCH_PROBE=<directory> (and that hook directory on PYTHONPATH); a node started
 any other way never imports this. It wraps two methods of the keeper, leaving what
 they do unchanged:
