@@ -96,6 +96,7 @@ import numpy as np
 
 from shm._atomics import LEASE_LAYOUT, SITE_LAYOUT, Leases, Words
 from shm.keys import fingerprint
+from shm.lease_journal import LeaseJournal
 from shm.segment import HEADER_BYTES, Segment, align
 from shm.segment import now_ms as wall_clock_ms
 
@@ -229,6 +230,8 @@ class LeaseTable:
             )
         )
         self._sites: SiteTable | None = None
+        # Every grant, renewal and end this process makes, when an audit asks for them.
+        self.journal: LeaseJournal | None = None
 
     @classmethod
     def create(
@@ -293,6 +296,8 @@ class LeaseTable:
                 key_hash, now_ms, lease_ms, cadence_ms, site_hash, False
             )
         if code == _GRANTED:
+            if self.journal is not None:
+                self.journal.granted(key_hash, token, until)
             return Grant(key_hash=key_hash, token=token, expires_at=until)
         return Refusal(reason=_REASONS[code], until=until)
 
@@ -314,6 +319,12 @@ class LeaseTable:
         permit gone from its word (its site table is newer than the lease, or a renewal
         was killed between its two moves) is taken anew under the cap; when the site is
         full the lease is renewed without one, and no longer frees one at its end."""
+        expires = self._renew(key_hash, token, now_ms, lease_ms)
+        if expires is not None and self.journal is not None:
+            self.journal.renewed(key_hash, token, expires)
+        return expires
+
+    def _renew(self, key_hash: int, token: int, now_ms: int, lease_ms: int) -> int | None:
         new = now_ms + lease_ms
         for _ in range(8):
             held = self._c.lease_of(key_hash, token, now_ms)
@@ -344,18 +355,24 @@ class LeaseTable:
     def complete(self, key_hash: int, token: int, now_ms: int) -> bool:
         """A result for the key (or a hand-back): end the lease and reset its misses, then
         free its site permit. False if not held."""
+        began = 0 if self.journal is None else self.journal.clock()
         expires, site, permit = self._c.complete(key_hash, token, now_ms)
         if permit and self._sites is not None:
             self._sites.release(site, expires)
+        if expires != 0 and self.journal is not None:
+            self.journal.ended(key_hash, token, began)
         return expires != 0
 
     def fail(self, key_hash: int, token: int, now_ms: int) -> int | None:
         """A failed render: end the lease and hold the key back from now as a missed lease
         would (misses + 1), then free its site permit. The hold's end, or None (nothing
         changed) if not held."""
+        began = 0 if self.journal is None else self.journal.clock()
         until, expires, site, permit = self._c.fail(key_hash, token, now_ms)
         if permit and self._sites is not None:
             self._sites.release(site, expires)
+        if until >= 0 and self.journal is not None:
+            self.journal.ended(key_hash, token, began)
         return None if until < 0 else int(until)
 
     def forgive(self, key_hash: int, now_ms: int) -> int:

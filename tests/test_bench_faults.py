@@ -157,7 +157,7 @@ def test_every_scenario_has_its_rows_in_the_report() -> None:
                 "queue_usage_max_pct",
                 "others_granting_s",
                 "others_longest_gap_s",
-                "retaken",
+                "taken_over_s",
                 "resume_first_grant_s",
             ),
             1.0,

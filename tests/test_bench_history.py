@@ -3,7 +3,12 @@ overlaps the clocks cannot vouch for are not."""
 
 from __future__ import annotations
 
-from bench.harness.history import History, double_grants, grants_by_node
+from pathlib import Path
+
+import pytest
+
+from bench.harness.history import History, double_grants, grants_by_node, main, unrecorded
+from shm.lease_journal import GRANTED, JournaledLease, LeaseJournal
 
 
 def test_a_grant_inside_anothers_sure_hold_is_a_double_grant() -> None:
@@ -52,3 +57,35 @@ def test_grants_are_binned_per_node() -> None:
     history.granted("/x", "b", "w", asked_ms=1500, answered_ms=1500, expires_ms=1600)
     binned = grants_by_node(history.snapshot(), ["a", "b"], 0, 1000, 2000)
     assert binned == {"a": [2, 1], "b": [0, 1]}
+
+
+def test_a_lease_the_fleet_saw_must_be_one_a_node_recorded_between_ask_and_answer() -> None:
+    history = History()
+    seen = history.granted(
+        "/k", "a", "w", asked_ms=100, answered_ms=110, expires_ms=900, token="a:7"
+    )
+    late = history.granted(
+        "/j", "a", "w", asked_ms=200, answered_ms=210, expires_ms=900, token="a:8"
+    )
+    other = history.granted(
+        "/i", "b", "w", asked_ms=300, answered_ms=310, expires_ms=900, token="9"
+    )
+    journaled = [
+        JournaledLease(node="a", key_hash=1, token=7, granted_ms=105, held_until_ms=900),
+        JournaledLease(node="a", key_hash=2, token=8, granted_ms=250, held_until_ms=900),
+    ]
+    assert unrecorded([seen, late, other], journaled) == [late, other]
+
+
+def test_the_audit_command_reports_a_key_held_twice(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for node, token, at, until in (("a", 1, 100, 500), ("b", 2, 300, 900)):
+        journal = LeaseJournal(tmp_path, node, pid=1)
+        journal.write(GRANTED, [42], [token], at, [until])
+        journal.close()
+    assert main([str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "2 leases recorded by 2 nodes (a, b)" in out
+    assert "b granted at 300 while a's lease (100 to 500) held" in out
+    assert main([str(tmp_path / "none")]) == 0  # no journal there: nothing held

@@ -24,8 +24,10 @@ import numpy as np
 import pytest
 from node_harness import NodeProcess, kill_whole_node, nodes_on, now_ms, seed_rows, wait_for
 
+from bench.harness.history import double_holds
 from keeper.ownership import winners
 from shm.keys import keyed_hash
+from shm.lease_journal import read_journals
 from store.postgres import PostgresStore
 
 # Fast membership, for the tests that wait a dead incarnation out: dead after 4 s, leases
@@ -414,17 +416,18 @@ def test_a_node_whose_keeper_stops_gives_its_share_up_and_takes_it_back(
     """b's worker 0 (its keeper) is SIGSTOPped while its supervisor runs on: b withholds
     its heartbeat once the keeper is silent for a TTL, a takes b's keys over once b's
     leases have ended, and after SIGCONT b rejoins and grants again, never a key a's
-    lease still holds."""
+    lease still holds. Both nodes keep a lease journal: their own records show no key
+    leased twice at once, and hold every lease the test was granted."""
     seed_rows(on_pg, 600, due_share=1.0)
-    fast = ("--heartbeat-s", "0.5", "--node-ttl-s", "4")
+    journal = tmp_path / "journal"
+    fast = ("--heartbeat-s", "0.5", "--node-ttl-s", "4", "--lease-journal-dir", str(journal))
     a, b = node(tmp_path, "a", *fast), node(tmp_path, "b", *fast)
     try:
         for process in (a, b):
             process.start(wait_ready=False)
         for process in (a, b):
             process.wait_event("node_ready")
-        b_leases: list[dict[str, Any]] = []
-        wait_for(lambda: b_leases.extend(claim(b, 20, lease_s=5)) or b_leases, 120, "b to grant")
+        b_leases = claimed_from(b, 20)
         ends = {lease["key"]: lease["lease_expires_at"] for lease in b_leases}
         keeper = b.worker_pid(0)
         os.kill(keeper, signal.SIGSTOP)
@@ -442,15 +445,30 @@ def test_a_node_whose_keeper_stops_gives_its_share_up_and_takes_it_back(
         for lease in taken:
             assert granted_at(lease) > ends[lease["key"]], "granted while b's lease lived"
         b.wait_event("heartbeat_resumed", timeout_s=60)
-        regained: list[dict[str, Any]] = []
-        wait_for(lambda: regained.extend(claim(b, 100, lease_s=5)) or regained, 120, "b to grant")
+        regained = claimed_from(b, 100)
         a_holds = {lease["key"]: lease["lease_expires_at"] for lease in taken}
         for lease in regained:
             if lease["key"] in a_holds:
                 assert granted_at(lease) > a_holds[lease["key"]], "b granted a key a's lease held"
+        recorded = read_journals(journal)
+        assert double_holds(recorded) == []
+        tokens = {f"{x.node}:{x.token}" for x in recorded}
+        assert {x["token"] for x in b_leases + taken + regained} <= tokens
     finally:
         a.stop()
         b.stop()
+
+
+def claimed_from(process: NodeProcess, count: int) -> list[dict[str, Any]]:
+    """The first claim of 5-s leases that the node answers with some."""
+    got: list[dict[str, Any]] = []
+
+    def granted() -> bool:
+        got.extend(claim(process, count, lease_s=5))
+        return bool(got)
+
+    wait_for(granted, 120, f"{process.extra_args[1]} to grant", 0.2)
+    return got
 
 
 def granted_at(lease: dict[str, Any]) -> int:

@@ -113,6 +113,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     # leases outlive a restart (shm/lease_snapshot.py). By default `<db>.leases` beside a
     # SQLite database, and `var/<instance>.leases` for a store URL.
     lease_snapshot: str | None = None
+    # An audit: every worker appends each lease it grants, renews and ends to a file in
+    # this directory (shm/lease_journal.py), from which `python -m bench.harness.history DIR`
+    # proves no key was held by two leases at once. Off by default: a write per change.
+    lease_journal_dir: str | None = None
     ring_entries: Annotated[int, msgspec.Meta(ge=16, le=1 << 20)] = 8192
     # Completed leases leave dead slots; unswept, the table fills and grants start failing
     # for a full probe window. The supervisor, otherwise idle, sweeps this often.

@@ -18,6 +18,7 @@ import socket
 import sys
 import threading
 from collections.abc import Callable, Generator
+from pathlib import Path
 from types import FrameType
 
 import msgspec
@@ -29,6 +30,7 @@ from api.node import Node
 from api.report import encode_report_line, worker_report
 from keeper import heap
 from shm.keys import use_secret
+from shm.lease_journal import LeaseJournal
 from workers import logs
 from workers.body_limit import BodyLimit
 from workers.config import api_settings, keeper_config
@@ -196,6 +198,8 @@ def serve(spec: WorkerSpec) -> int:
     use_secret(spec.hash_secret)  # before the keeper or any request hashes a key
     sockets = [socket.socket(fileno=fd) for fd in spec.listen_fds]
     segments = Segments.attach(spec.segments)
+    if settings.lease_journal_dir:
+        segments.leases.journal = LeaseJournal(Path(settings.lease_journal_dir), spec.node)
     # Opened on the lane that will make the API's store calls (api.lane): on PostgreSQL
     # the connection it opens is the one those calls use, not an idle second one.
     lane = StoreLane()

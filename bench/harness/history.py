@@ -8,6 +8,12 @@ have ended: the completion's sending if the node took it, else its last known ex
 Two leases on one key are a double grant when the second was surely granted (asked and
 answered) inside the first's sure hold. Every time is one clock: the nodes and the
 fleet run on one machine.
+
+The nodes' own records join it where the nodes keep a lease journal
+(shm/lease_journal.py): every lease a node granted, fleet or no fleet, with the instants
+its lease table saw. Those leases are judged among themselves, exactly (no two leases on
+one key hash overlap), and each lease the fleet saw must be one a node recorded, granted
+between the fleet's ask and its answer (matched by node and token).
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ import threading
 from collections.abc import Iterable, Sequence
 
 import msgspec
+
+from shm.lease_journal import JournaledLease
 
 
 class HeldLease(msgspec.Struct, kw_only=True):
@@ -28,6 +36,7 @@ class HeldLease(msgspec.Struct, kw_only=True):
     completed_ms: int | None = None  # when a completion the node accepted was sent
     renewals: int = 0
     refused_renewals: int = 0
+    token: str = ""  # as the node answered it (`node:number` in a cluster)
 
     @property
     def held_until_ms(self) -> int:
@@ -53,7 +62,14 @@ class History:
         self.leases: list[HeldLease] = []
 
     def granted(
-        self, key: str, node: str, client: str, asked_ms: int, answered_ms: int, expires_ms: int
+        self,
+        key: str,
+        node: str,
+        client: str,
+        asked_ms: int,
+        answered_ms: int,
+        expires_ms: int,
+        token: str = "",
     ) -> HeldLease:
         lease = HeldLease(
             key=key,
@@ -62,6 +78,7 @@ class History:
             asked_ms=asked_ms,
             answered_ms=answered_ms,
             expires_ms=expires_ms,
+            token=token,
         )
         with self._lock:
             self.leases.append(lease)
@@ -99,6 +116,47 @@ def double_grants(leases: Iterable[HeldLease]) -> list[DoubleGrant]:
     return found
 
 
+class DoubleHold(msgspec.Struct, frozen=True, kw_only=True):
+    """Two leases a node's records show on one key at one instant."""
+
+    key_hash: int
+    first: JournaledLease
+    second: JournaledLease
+
+
+def double_holds(leases: Iterable[JournaledLease]) -> list[DoubleHold]:
+    """Every lease the nodes recorded that began while another lease on its key was held:
+    by grant order per key, against the longest-held lease before it."""
+    by_key: dict[int, list[JournaledLease]] = {}
+    for lease in leases:
+        by_key.setdefault(lease.key_hash, []).append(lease)
+    found: list[DoubleHold] = []
+    for key_hash, taken in by_key.items():
+        taken.sort(key=lambda lease: lease.granted_ms)
+        longest = taken[0]
+        for lease in taken[1:]:
+            if lease.granted_ms < longest.held_until_ms:
+                found.append(DoubleHold(key_hash=key_hash, first=longest, second=lease))
+            if lease.held_until_ms > longest.held_until_ms:
+                longest = lease
+    return found
+
+
+def unrecorded(leases: Iterable[HeldLease], journaled: Iterable[JournaledLease]) -> list[HeldLease]:
+    """The fleet's leases that no node recorded as granted between the ask and the answer
+    (a grant the audit cannot see would make its verdict worthless)."""
+    granted: dict[tuple[str, int], list[int]] = {}
+    for recorded in journaled:
+        granted.setdefault((recorded.node, recorded.token), []).append(recorded.granted_ms)
+    missing: list[HeldLease] = []
+    for seen in leases:
+        name, _, digits = seen.token.rpartition(":")
+        times = granted.get((name or seen.node, int(digits)), []) if digits.isdigit() else []
+        if not any(seen.asked_ms <= at <= seen.answered_ms for at in times):
+            missing.append(seen)
+    return missing
+
+
 def grants_by_node(
     leases: Sequence[HeldLease], nodes: Sequence[str], start_ms: int, step_ms: int, end_ms: int
 ) -> dict[str, list[int]]:
@@ -110,3 +168,38 @@ def grants_by_node(
         if lease.node in counts and 0 <= at < bins:
             counts[lease.node][at] += 1
     return counts
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Audit lease journals: print what they hold and every key two leases held at once;
+    exit 1 if there is one."""
+    import argparse
+    from pathlib import Path
+
+    from shm.lease_journal import read_journals
+
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.harness.history", description=main.__doc__
+    )
+    parser.add_argument("directories", nargs="+", type=Path, help="lease_journal_dir of nodes")
+    args = parser.parse_args(argv)
+    try:
+        leases = read_journals(*args.directories)
+    except (OSError, ValueError) as exc:
+        print(f"cannot read the journals: {exc}")
+        return 2
+    holds = double_holds(leases)
+    nodes = sorted({lease.node for lease in leases})
+    print(f"{len(leases):,} leases recorded by {len(nodes)} nodes ({', '.join(nodes)})")
+    for hold in holds:
+        first, second = hold.first, hold.second
+        print(
+            f"key hash {hold.key_hash:#018x}: {second.node} granted at {second.granted_ms} "
+            f"while {first.node}'s lease ({first.granted_ms} to {first.held_until_ms}) held"
+        )
+    print(f"{len(holds)} keys held by two leases at once")
+    return 1 if holds else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
