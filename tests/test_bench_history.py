@@ -7,7 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from bench.harness.history import History, double_grants, grants_by_node, main, unrecorded
+from bench.harness.history import (
+    History,
+    double_grants,
+    double_holds,
+    grants_by_node,
+    in_one_clock,
+    main,
+    unrecorded,
+)
 from shm.lease_journal import GRANTED, JournaledLease, LeaseJournal
 
 
@@ -89,3 +97,10 @@ def test_the_audit_command_reports_a_key_held_twice(
     assert "2 leases recorded by 2 nodes (a, b)" in out
     assert "b granted at 300 while a's lease (100 to 500) held" in out
     assert main([str(tmp_path / "none")]) == 0  # no journal there: nothing held
+
+
+def test_a_node_with_its_clock_ahead_is_judged_in_the_machines_clock() -> None:
+    ahead = JournaledLease(node="c", key_hash=1, token=1, granted_ms=30_100, held_until_ms=30_500)
+    other = JournaledLease(node="a", key_hash=1, token=2, granted_ms=400, held_until_ms=900)
+    assert double_holds([ahead, other]) == []  # as recorded, 30 s apart
+    assert len(double_holds(in_one_clock([ahead, other], {"c": 30_000}))) == 1

@@ -142,6 +142,23 @@ def double_holds(leases: Iterable[JournaledLease]) -> list[DoubleHold]:
     return found
 
 
+def in_one_clock(
+    leases: Iterable[JournaledLease], ahead_ms: dict[str, int]
+) -> list[JournaledLease]:
+    """The journals' leases in the machine's clock, given how far each node's clock runs
+    ahead of it (a node under libfaketime records its own instants)."""
+    return [
+        msgspec.structs.replace(
+            lease,
+            granted_ms=lease.granted_ms - ahead_ms[lease.node],
+            held_until_ms=lease.held_until_ms - ahead_ms[lease.node],
+        )
+        if lease.node in ahead_ms
+        else lease
+        for lease in leases
+    ]
+
+
 def unrecorded(leases: Iterable[HeldLease], journaled: Iterable[JournaledLease]) -> list[HeldLease]:
     """The fleet's leases that no node recorded as granted between the ask and the answer
     (a grant the audit cannot see would make its verdict worthless)."""

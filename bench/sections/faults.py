@@ -86,6 +86,7 @@ from bench.harness.history import (
     double_grants,
     double_holds,
     grants_by_node,
+    in_one_clock,
     unrecorded,
 )
 from bench.harness.node import ADMIN_TOKEN, FLEET_TOKEN, Node, NodeClient
@@ -139,7 +140,7 @@ QUICK = Config(
     after_s=5.0,
     long_blackhole_s=30.0,
     long_render_s=(12.0, 18.0),
-    stop_s=15.0,
+    stop_s=40.0,  # past the keeper's silence and the TTL (12 s each), so c is taken over
     offset_live_s=15.0,
 )
 
@@ -558,14 +559,19 @@ def judged(
     *,
     failed: Sequence[str] = (),
     notes: dict[str, str] | None = None,
+    clock_offsets_ms: dict[str, int] | None = None,
 ) -> Outcome:
+    """`clock_offsets_ms`: how far a node's clock runs ahead of the machine's, so that its
+    journal's instants are judged in the one clock."""
     fleet.close()
     end = report.now_ms()
     leases = fleet.history.snapshot()
     doubles = double_grants(leases)
     for double in doubles[:5]:
         report.progress(f"faults: {scenario}: DOUBLE GRANT {msgspec.json.encode(double).decode()}")
-    journaled = read_journals(*(node.journal for node in fleet.nodes.values()))
+    journaled = in_one_clock(
+        read_journals(*(node.journal for node in fleet.nodes.values())), clock_offsets_ms or {}
+    )
     holds = double_holds(journaled)
     for hold in holds[:5]:
         report.progress(f"faults: {scenario}: DOUBLE HOLD {msgspec.json.encode(hold).decode()}")
@@ -1059,7 +1065,10 @@ def clock(scratch: Scratch, config: Config, offset_s: int) -> Outcome:
             "clock_ahead_s": ahead,
         }
         events = [(launched, "c started"), (ready, "c ready"), (stopped, "c SIGTERM")]
-        return judged(scenario, url, config, fleet, figures, events, start, failed=failed)
+        return judged(
+            scenario, url, config, fleet, figures, events, start,
+            failed=failed, clock_offsets_ms={"c": offset_s * 1000},
+        )  # fmt: skip
 
 
 CLOCK_FIGURES = ("first_grant_s", "takeover_s", "clock_ahead_s")
