@@ -139,3 +139,16 @@ def test_the_checks_can_fail(tmp_path: Path) -> None:
     assert against_parts(edges, tmp_path) == [
         "bench/harness/report.py:1: bench.harness.report imports bench.sections.a"
     ]
+
+
+def test_a_runnable_module_runs_main_last() -> None:
+    """`python -m bench.sections.x` runs the module top to bottom: anything defined after
+    the `__main__` guard does not exist yet when main() runs."""
+    late = []
+    for name, path in modules(ROOT).items():
+        body = ast.parse(path.read_text()).body
+        for index, node in enumerate(body):
+            guard = isinstance(node, ast.If) and "__main__" in ast.unparse(node.test)
+            if guard and index != len(body) - 1:
+                late.append(f"{path.relative_to(ROOT)}:{body[index + 1].lineno}: {name}")
+    assert late == []

@@ -502,10 +502,6 @@ def main(argv: list[str] | None = None) -> int:
     return status
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 def peer_chart(result: report.SectionResult, runs: dict[str, PeerRun], config: Config) -> Path:
     from bench.harness.charts import plt, save
 
@@ -551,3 +547,7 @@ def peer_chart(result: report.SectionResult, runs: dict[str, PeerRun], config: C
         f"{result.machine.get('cpus', '?')} CPUs, one run"
     )
     return save(figure, result, dpi=90)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -921,10 +921,6 @@ def main(argv: list[str] | None = None) -> int:
     return status
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 def postgres_chart(result: report.SectionResult, puts: dict[str, Any], claims: list[Any]) -> Path:
     """bench/sections/postgres: put latency by arm, NOTIFY's cost, claims beside SKIP LOCKED, and
     where the CPU per claimed key goes."""
@@ -1030,3 +1026,7 @@ def _two_at_100(arm: Any, peer: str, complete: bool) -> bool:
     from bench.sections.postgres import CLAIMANTS
 
     return (arm.peer, arm.complete, arm.batch, arm.claimants) == (peer, complete, 100, CLAIMANTS)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1443,10 +1443,6 @@ def main(argv: list[str] | None = None, *, postgres: bool = False) -> int:
     return status
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 def soak_chart(result: report.SectionResult, series: dict[str, Any]) -> Path:
     """bench/sections/soak: claims/s, claim p99, due and each node process's RSS over the run, with
     the faults marked."""
@@ -1488,3 +1484,7 @@ def soak_chart(result: report.SectionResult, series: dict[str, Any]) -> Path:
         fontsize=10,
     )
     return save(figure, result, dpi=80)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

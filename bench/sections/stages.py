@@ -321,10 +321,6 @@ def main(argv: list[str] | None = None) -> int:
     return status
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 def stages_chart(result: report.SectionResult, stages: dict[int, dict[str, float]]) -> Path:
     """bench/sections/stages: a key's CPU by stage, one stacked bar per batch size."""
     from bench.harness.charts import plt, save
@@ -365,3 +361,7 @@ def stages_chart(result: report.SectionResult, stages: dict[int, dict[str, float
         fontsize=10,
     )
     return save(figure, result, dpi=80)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
