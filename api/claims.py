@@ -16,12 +16,13 @@ import asyncio
 import functools
 import time
 from collections.abc import Callable, Generator
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import numpy as np
 from starlette.responses import Response
 
 from api.body import json_response
+from api.node import Node
 from api.problems import ApiError
 from api.schemas import (
     DEFAULT_LEASE_S,
@@ -47,9 +48,6 @@ from shm import Grant, key_hash
 from shm.keys import key_site_hash
 from shm.segment import now_ms
 from store.rows import Row
-
-if TYPE_CHECKING:
-    from api.node import Node
 
 LEASE_NOT_HELD = "lease_not_held"
 NOT_OWNER = "not_owner"

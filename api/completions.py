@@ -37,12 +37,12 @@ import asyncio
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import msgspec
 
 from api.claims import LEASE_NOT_HELD, NOT_FOUND, parse_token
 from api.lane import StoreLane
+from api.node import Node
 from api.problems import ApiError, invalid_field
 from api.schedule import check_items
 from api.schemas import CompletionsRequest, ItemResult, ItemResults
@@ -51,9 +51,6 @@ from shm.segment import now_ms
 from store.base import DEFAULT_BUSY_TIMEOUT_S
 from store.errors import StoreBusy
 from store.rows import Completion
-
-if TYPE_CHECKING:
-    from api.node import Node
 
 # The first wait is one turn of the event loop's clock (epoll waits whole milliseconds);
 # a 100-key completion holds the lock about that long.

@@ -17,7 +17,7 @@ from starlette.responses import Response
 from api import admin, claims, cluster, metrics, schedule, site_history, site_list, sitemaps, sites
 from api.auth import Scope
 from api.node import Node
-from api.params import as_int
+from api.params import Param, as_int
 from api.schemas import (
     HISTORY_SITES,
     ClaimRequest,
@@ -64,22 +64,6 @@ class Call:
     services: Services
     body: Any
     params: dict[str, str]  # the query and path parameters, checked (api.params)
-
-
-@dataclass(frozen=True)
-class Param:
-    """A query or path parameter: its value is checked against `schema`, the type the
-    document states for it (the handler runs the same check)."""
-
-    name: str
-    description: str
-    schema: Any = str
-    # A rule beyond the schema's own keywords, as the store checks it (raises ValueError).
-    check: Callable[[str], object] | None = None
-    # The value when the request gives none; None makes the parameter required, unless
-    # it is `optional` (then a request may leave it out, and its handler sees no value).
-    default: str | None = None
-    optional: bool = False
 
 
 # An uploaded sitemap: the body is the document itself (api.sitemaps), XML or its gzip,

@@ -12,17 +12,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from types import UnionType
-from typing import TYPE_CHECKING, Any, get_args
+from typing import Any, get_args
 
 import msgspec
 
 from api import schemas as api_schemas
+from api.endpoints import Endpoint
+from api.node import ApiSettings
+from api.params import Param
 from api.problems import PROBLEM_TYPE, Problem
 from api.schemas import LEASE_CAP_KEYWORD
-
-if TYPE_CHECKING:
-    from api.endpoints import Endpoint, Param
-    from api.node import ApiSettings
 
 REF = "#/components/schemas/{name}"
 VERSION = "1"

@@ -1,6 +1,6 @@
 """Query and path parameters, checked against the types `/openapi.json` states for them.
 
-The endpoint table names each parameter's type (api.endpoints.Param); the document's
+The endpoint table names each parameter's type (`Param`); the document's
 schema for it and this check are both made from that type, and a rule beyond it (a key's
 size in UTF-8 bytes) is the store's own check, so a value the document calls valid is not
 refused here and one it refuses is a 422 naming the parameter.
@@ -8,15 +8,29 @@ refused here and one it refuses is a 422 naming the parameter.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 
 from api.problems import invalid_query
 
-if TYPE_CHECKING:
-    from api.endpoints import Param
+
+@dataclass(frozen=True)
+class Param:
+    """A query or path parameter: its value is checked against `schema`, the type the
+    document states for it (the handler runs the same check)."""
+
+    name: str
+    description: str
+    schema: Any = str
+    # A rule beyond the schema's own keywords, as the store checks it (raises ValueError).
+    check: Callable[[str], object] | None = None
+    # The value when the request gives none; None makes the parameter required, unless
+    # it is `optional` (then a request may leave it out, and its handler sees no value).
+    default: str | None = None
+    optional: bool = False
 
 
 def checked(param: Param, value: str | None) -> str | None:

@@ -7,10 +7,10 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import msgspec
 
+from api.node import Node
 from api.problems import ApiError, invalid_field, not_found
 from api.schemas import (
     LEASE_TOKEN_PATTERN,
@@ -27,9 +27,6 @@ from api.schemas import (
 from store import validate
 from store.cadence import Adaptation
 from store.rows import Route, Row, RowWrite
-
-if TYPE_CHECKING:
-    from api.node import Node
 
 _LEASE_TOKEN = re.compile(LEASE_TOKEN_PATTERN)
 

@@ -9,10 +9,9 @@ last grant, failure streak) is this node's shared memory.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import msgspec
 
+from api.node import Node
 from api.problems import invalid_field
 from api.schedule import store_error
 from api.schemas import SiteLimits, SiteState, SiteUpdate
@@ -20,9 +19,6 @@ from api.site_list import due_of
 from shm.keys import site_hash, site_of
 from shm.segment import now_ms
 from store.rows import SiteSettings
-
-if TYPE_CHECKING:
-    from api.node import Node
 
 
 def site_name(raw: str) -> str:

@@ -31,16 +31,14 @@ most once a second.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import msgspec
 
+from api.node import Node
 from keeper.ceiling import capped_term_ms
 from keeper.state import ClusterStatistics, FenceCount
 from shm.segment import now_ms
-
-if TYPE_CHECKING:
-    from api.node import Node
 
 ClaimStatus = Literal["unready", "ready", "draining", "stalled", "fenced"]
 # A census older than this is not served; the supervisor writes one every second.

@@ -4,6 +4,10 @@ A module may import its own package and the packages of lower layers, never a hi
 layer nor a sibling in its own layer. Every import counts, those inside functions and
 under `TYPE_CHECKING` too: a deferred import is still a dependency.
 
+Within a package, modules must not import each other in a circle (for the packages in
+NO_CIRCLES): a circle makes every module in it a dependency of every other, and invites
+the import deferred into a function to get past it.
+
 A small walk over the source with `ast` rather than import-linter: the rule is two
 tables, and the failure names the file, the line and the import to move.
 """
@@ -30,6 +34,9 @@ LAYERS: list[set[str]] = [
 # and inside `store` itself; everything else goes through the interface (`store.base`,
 # `store.rows`, `store.errors`, `store.url`...), so a third backend changes none of it.
 BACKENDS = ("store.sqlite", "store.postgres")
+
+# Flat packages whose modules form no import circle among themselves.
+NO_CIRCLES = ("api",)
 MAY_NAME_A_BACKEND = {"store", "workers", "bench"}
 
 
@@ -119,3 +126,101 @@ def test_the_check_can_fail(tmp_path: Path) -> None:
         "keeper imports workers.config",
         "keeper imports sitemap",
     ]
+
+
+def module_imports(package_dir: Path) -> dict[str, dict[str, int]]:
+    """The package's modules (file stems) and, for each, the modules of the same package it
+    imports, with the line of the first such import. `from pkg import a, b` names modules
+    as well as `from pkg.a import x` and `import pkg.a` do."""
+    package = package_dir.name
+    modules = {p.stem for p in package_dir.glob("*.py") if p.stem != "__init__"}
+    graph: dict[str, dict[str, int]] = {}
+    for module in sorted(modules):
+        edges: dict[str, int] = {}
+        path = package_dir / f"{module}.py"
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            named: list[str] = []
+            if isinstance(node, ast.ImportFrom) and node.module == package:
+                named = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module is not None:
+                named = [node.module.removeprefix(package + ".").split(".")[0]]
+                named = named if node.module.startswith(package + ".") else []
+            elif isinstance(node, ast.Import):
+                named = [
+                    alias.name.removeprefix(package + ".").split(".")[0]
+                    for alias in node.names
+                    if alias.name.startswith(package + ".")
+                ]
+            for target in named:
+                if target in modules and target != module:
+                    assert isinstance(node, ast.Import | ast.ImportFrom)
+                    edges.setdefault(target, node.lineno)
+        graph[module] = edges
+    return graph
+
+
+def circles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """Each group of modules that import each other in a circle (strongly connected, more
+    than one module), sorted."""
+    order: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        order[module] = low[module] = len(order)
+        stack.append(module)
+        for target in graph[module]:
+            if target not in order:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in stack:
+                low[module] = min(low[module], order[target])
+        if low[module] == order[module]:
+            group: list[str] = []
+            while not group or group[-1] != module:
+                group.append(stack.pop())
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for module in graph:
+        if module not in order:
+            visit(module)
+    return sorted(found)
+
+
+def described(package_dir: Path, group: list[str]) -> str:
+    graph = module_imports(package_dir)
+    edges = [
+        f"  {package_dir.name}/{module}.py:{line}: imports {package_dir.name}.{target}"
+        for module in group
+        for target, line in sorted(graph[module].items())
+        if target in group
+    ]
+    return f"{package_dir.name}: {', '.join(group)}\n" + "\n".join(edges)
+
+
+def test_no_modules_of_a_package_import_each_other_in_a_circle() -> None:
+    found = [
+        described(ROOT / package, group)
+        for package in NO_CIRCLES
+        for group in circles(module_imports(ROOT / package))
+    ]
+    assert not found, "modules importing each other in a circle:\n" + "\n".join(found)
+
+
+def test_the_circle_check_can_fail(tmp_path: Path) -> None:
+    """A planted circle is found, through a deferred import and `from pkg import module`;
+    a chain that does not close is not."""
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("from pkg.b import thing\n")
+    (package / "b.py").write_text("def later():\n    from pkg import c\n")
+    (package / "c.py").write_text("import pkg.a\n")
+    (package / "d.py").write_text("from pkg.a import x\n")
+    assert circles(module_imports(package)) == [["a", "b", "c"]]
+    (package / "c.py").write_text("import pkg.d\n")
+    assert circles(module_imports(package)) == [["a", "b", "c", "d"]]
+    (package / "d.py").write_text("")
+    assert circles(module_imports(package)) == []
