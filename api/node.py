@@ -63,6 +63,20 @@ class ApiSettings(msgspec.Struct, frozen=True, kw_only=True):
     peer_timeout_s: float
 
 
+def read_keeper_statistics(buffer: StateBuffer | None) -> KeeperStatistics | None:
+    """The keeper's last statistics record; None before its first, or when the payload
+    does not decode as one (another build's record): never an error to serve."""
+    if buffer is None:
+        return None
+    snapshot = buffer.read()
+    if snapshot is None:
+        return None
+    try:
+        return decode_keeper_statistics(snapshot.payload)
+    except msgspec.DecodeError:
+        return None
+
+
 @dataclass(eq=False)
 class Node:
     settings: ApiSettings
@@ -95,17 +109,7 @@ class Node:
         self.routes = RouteBook(self.store)
 
     def read_keeper_statistics(self) -> KeeperStatistics | None:
-        """The keeper's last statistics record; None before its first, or when the payload
-        does not decode as one (another build's record): never an error to serve."""
-        if self.keeper_statistics is None:
-            return None
-        snapshot = self.keeper_statistics.read()
-        if snapshot is None:
-            return None
-        try:
-            return decode_keeper_statistics(snapshot.payload)
-        except msgspec.DecodeError:
-            return None
+        return read_keeper_statistics(self.keeper_statistics)
 
     def stamp_written(self, hashes: Sequence[int]) -> None:
         """Mark keys as written by this thread's last commit (shm.marks): after the commit,

@@ -31,13 +31,16 @@ most once a second.
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
 
 import msgspec
 
-from api.node import Node
+from api.node import ApiSettings, Node, read_keeper_statistics
 from keeper.ceiling import capped_term_ms
-from keeper.state import ClusterStatistics, FenceCount
+from keeper.state import ClusterStatistics, FenceCount, KeeperStatistics
+from shm import ReadyRing, StateBuffer
+from shm.marks import WriteMarks
 from shm.segment import now_ms
 
 ClaimStatus = Literal["unready", "ready", "draining", "stalled", "fenced"]
@@ -47,6 +50,45 @@ OWN_CENSUS_EVERY_MS = 1000
 # The shortest lease a clustered node grants or renews under its lease ceiling: a term
 # shorter than this is no use to a renderer.
 MIN_TERM_MS = 1000
+
+
+class StatusSource(Protocol):
+    """What the claim status reads: a worker's `Node`, or the supervisor's `SegmentView`."""
+
+    @property
+    def settings(self) -> ApiSettings: ...
+
+    @property
+    def ring(self) -> ReadyRing: ...
+
+    @property
+    def marks(self) -> WriteMarks | None: ...
+
+    def read_keeper_statistics(self) -> KeeperStatistics | None: ...
+
+
+@dataclass(frozen=True, eq=False)
+class SegmentView:
+    """The claim status's inputs in a process that maps the segments but serves nothing
+    (the supervisor, for systemd): it judges as /readyz does."""
+
+    settings: ApiSettings
+    ring: ReadyRing
+    marks: WriteMarks | None
+    keeper_statistics: StateBuffer | None
+
+    def read_keeper_statistics(self) -> KeeperStatistics | None:
+        return read_keeper_statistics(self.keeper_statistics)
+
+    def keeper_publishing(self, now: int) -> bool:
+        """The keeper published within its stall limit: it is live (the judgement that
+        makes a node `ready` rather than `draining` or `stalled`)."""
+        published_at = self.ring.published_at
+        return (
+            self.ring.generation > 0
+            and published_at > 0
+            and now - published_at <= self.settings.stall_after_ms
+        )
 
 
 class NodeClaimStatus(msgspec.Struct, frozen=True, kw_only=True):
@@ -113,7 +155,7 @@ def _fence_said(fence: FenceCount, now: int) -> str:
     return f"{fence.due:,} from node {fence.node!r} ({fence.reason}), for {left}"
 
 
-def read_fences(node: Node, now: int | None = None) -> Fences | None:
+def read_fences(node: StatusSource, now: int | None = None) -> Fences | None:
     """What the fences hold back now; None on a single node, before the keeper's first
     count, or when they hold nothing (or every fence has ended since the count)."""
     if not node.settings.clustered:
@@ -138,7 +180,7 @@ def fences_of(cluster: ClusterStatistics | None, now: int) -> Fences | None:
     )
 
 
-def membership_lapsed(node: Node) -> str | None:
+def membership_lapsed(node: StatusSource) -> str | None:
     """Why a clustered node may not grant or renew now (None: it may): its keeper has not
     confirmed within the grant window that this incarnation is a live member, so the
     others may soon take its keys, or its lease ceiling (keeper.ceiling) leaves no term."""
@@ -162,7 +204,9 @@ def membership_lapsed(node: Node) -> str | None:
     )
 
 
-def claim_status(node: Node, now: int | None = None, *, fences: bool = False) -> NodeClaimStatus:
+def claim_status(
+    node: StatusSource, now: int | None = None, *, fences: bool = False
+) -> NodeClaimStatus:
     """`fences`: a ready node says how many of its due keys are fenced, and `fenced` when
     all are (module note); off on the claim path, which reads no record."""
     now = now_ms() if now is None else now
@@ -181,7 +225,7 @@ def claim_status(node: Node, now: int | None = None, *, fences: bool = False) ->
     )
 
 
-def _claim_status(node: Node, now: int) -> NodeClaimStatus:
+def _claim_status(node: StatusSource, now: int) -> NodeClaimStatus:
     lapsed = membership_lapsed(node)
     if lapsed is not None and node.ring.generation:
         return NodeClaimStatus(status="unready", reason=lapsed)

@@ -15,8 +15,10 @@ N workers by index (worker 0 also hosts the keeper) and keeps them running.
   is left (a second SIGINT also drops the snapshot).
 - The segments are unlinked on every exit path the process survives.
 
-Each event is one JSON log line, and `statistics()` is also published into a small
+Each event is one log line (workers.logs), and `statistics()` is also published into a small
 shared-memory buffer so any worker can serve it (`/prerender_admin/overview`, `/metrics`).
+Under systemd (`NOTIFY_SOCKET` set) it also tells systemd when the node is ready, its claim
+status, that its keeper is live (the watchdog) and that it is stopping (workers.sd_notify).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import msgspec
 
 from api import site_history
 from api.report import MAX_REPORT_BYTES, REPORT_PREFIX, WorkerReport, decode_report_line
+from api.status import SegmentView, claim_status
 from keeper.state import decode_site_list
 from shm import lease_snapshot, lease_survivor
 from shm.keys import fingerprint
@@ -46,8 +49,8 @@ from shm.leases import LeaseCensus
 from shm.segment import monotonic_ms, now_ms
 from store.rows import NodeRecord
 from store.sqlite.wal import WalState, read_wal_state
-from workers import logs
-from workers.config import Settings
+from workers import logs, sd_notify
+from workers.config import Settings, api_settings
 from workers.listeners import Listeners, ListenFailed
 from workers.membership import MembershipHeartbeat, MembershipStatistics
 from workers.segments import SegmentNames, Segments, SiteTableSettings
@@ -209,6 +212,10 @@ class Supervisor:
     _sqlite_path: str | None = None  # a SQLite store's file, whose WAL the census reads
     _wal: WalState | None = None
     _wal_unreadable: bool = False  # the last read failed (logged when it began)
+    _notifier: sd_notify.Notifier | None = None  # under systemd's Type=notify
+    _notices: sd_notify.Notices = field(default_factory=sd_notify.Notices)
+    _view: SegmentView | None = None  # what the claim status reads, for the notices
+    _stopping_reason: str = ""
 
     # --- lifecycle ---------------------------------------------------------------------
 
@@ -232,6 +239,9 @@ class Supervisor:
     def _setup(self) -> None:
         settings = self.settings
         self.node = settings.node or self.node
+        self._notifier = sd_notify.Notifier.from_environ()
+        if self._notifier is not None:
+            self._notices.watchdog_s = sd_notify.watchdog_interval_s(os.environ, os.getpid())
         self._install_signals()
         self._prepare_store()
         self.slots = [WorkerSlot(index=i) for i in range(settings.workers)]
@@ -248,6 +258,18 @@ class Supervisor:
             sites=SiteTableSettings.of(settings),
         )
         self._restore_leases(survivor)
+        self._view = SegmentView(
+            settings=api_settings(
+                settings,
+                node=self.node,
+                instance=self.instance,
+                worker=-1,  # none: the supervisor serves nothing
+                advertised_url=settings.advertised(self.port),
+            ),
+            ring=self._segments.ring,
+            marks=self._segments.marks,
+            keeper_statistics=self._segments.keeper,
+        )
         try:
             if settings.clustered:
                 self._join_cluster()
@@ -415,6 +437,8 @@ class Supervisor:
             self._segments.close()
             self._segments.unlink()
             logs.event(log, "segments_unlinked", instance=self.instance)
+        if self._notifier is not None:
+            self._notifier.close()
         signal.set_wakeup_fd(-1)
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD, signal.SIGHUP):
             signal.signal(sig, signal.SIG_DFL)
@@ -429,6 +453,7 @@ class Supervisor:
         while True:
             self._handle_signals()
             self._reap()
+            self._notify()
             if self.state == "stopping":
                 if all(slot.process is None for slot in self.slots):
                     return
@@ -446,6 +471,30 @@ class Supervisor:
                             pass
                 else:
                     self._read_status(key.data)
+
+    def _notify(self) -> None:
+        """Tell systemd what changed, and ping its watchdog while the keeper is live."""
+        notifier, view = self._notifier, self._view
+        if notifier is None or view is None:
+            return
+        now = now_ms()
+        if self.state == "stopping":
+            said = self._notices.due(
+                time.monotonic(),
+                can_grant=False,
+                keeper_live=False,
+                status=sd_notify.status_line("stopping", self._stopping_reason),
+                stopping=True,
+            )
+        else:
+            status = claim_status(view, now, fences=True)
+            said = self._notices.due(
+                time.monotonic(),
+                can_grant=status.can_grant,
+                keeper_live=view.keeper_publishing(now),
+                status=sd_notify.status_line(status.status, status.reason),
+            )
+        notifier.send(*said)
 
     def _sweep_leases(self) -> None:
         if self._segments is None or time.monotonic() < self._next_sweep:
@@ -516,6 +565,9 @@ class Supervisor:
     def _select_timeout(self) -> float:
         now = time.monotonic()
         timeout = max(0.0, min(1.0, self._next_sweep - now, self._next_census - now))
+        ping_in = self._notices.wait_s(now) if self._notifier is not None else None
+        if ping_in is not None:
+            timeout = min(timeout, ping_in)
         if self.state != "stopping":
             for slot in self.slots:
                 if slot.process is None and slot.next_start_at is not None:
@@ -558,6 +610,7 @@ class Supervisor:
             graceful = signum == signal.SIGTERM
             self._snapshot_on_exit = graceful
             self.state = "stopping"
+            self._stopping_reason = f"{name}, {'graceful' if graceful else 'quick'}"
             timeout = self.settings.graceful_timeout_s + 5.0 if graceful else QUICK_STOP_S
             self._stop_deadline = time.monotonic() + timeout
             logs.event(log, "stopping", signal=name, mode="graceful" if graceful else "quick")
@@ -809,6 +862,8 @@ class Supervisor:
         try:
             process = subprocess.Popen(
                 [sys.executable, "-m", "workers.worker"],
+                # systemd's notify socket is the supervisor's to speak on, not a worker's.
+                env={k: v for k, v in os.environ.items() if k not in sd_notify.ENVIRONMENT},
                 stdin=subprocess.PIPE,
                 pass_fds=(*[sock.fileno() for sock in listeners], status_w),
                 close_fds=True,
@@ -940,6 +995,7 @@ class Supervisor:
                 detail="no worker ever came up; giving up",
             )
             self.state = "stopping"
+            self._stopping_reason = f"worker {slot.index} failed to boot; giving up"
             self.exit_code = 1
             self._stop_deadline = time.monotonic() + QUICK_STOP_S
             for other in self.slots:
