@@ -15,10 +15,13 @@ Two calls, in the manner of h11:
   every second is never starved by a long walk or a burst of events. `remaining`
   is what the ring still holds: claims take entries without an event to say so.
 - `handle(event, now)` takes an outcome and answers the actions it calls for at
-  once, in order (a failed feed drops the pending reads before anything else runs).
+  once, in order.
 
-An event can arrive in the middle of performing another action (the feed can fail
-in any drain); its actions are performed before the interrupted one goes on.
+An event is an action's outcome, told once the action is over: an action never
+raises an event in its middle. A feed that fails in a drain (the drain's own, a
+walk's sweep's, a top check's) ends that action, and the failure is its outcome.
+The runner performs what `handle` answers ahead of everything still pending, so a
+failed feed drops the pending reads before anything else runs.
 
 The order of a start: write queue-state (unready, starting), subscribe at the
 feed's head, read routes and the default cadence (so a change after the

@@ -5,13 +5,14 @@ do what (phases, status, deadlines, refills, which walk and when, what queue-sta
 may vouch for) is `keeper.lifecycle.Lifecycle`'s, and what to do to the held
 queue is `KeeperCore`'s. Each `step` asks the lifecycle for one round's actions
 and performs them (a store read, a feed drain, a publish, a state write, a call
-into the core), telling it each outcome; `run` loops `step` until asked to stop,
-waiting on the feed between rounds. The publish step is `keeper.publish.Publisher`,
-the re-read of the top published rows `keeper.topcheck.TopCheck`. Each time it
-rewrites queue-state, the keeper also writes its `statistics()` (msgpack) into a
-second state buffer, when it has one, for every worker's /metrics and overview; and at
-each full report, the sites listing (due rows by site, `keeper.counts.count_sites`) into
-a third, for GET /v1/sites.
+into the core). An action's outcome is an event, handed to the lifecycle once the
+action is over; what it answers is performed ahead of the rest of the round. `run`
+loops `step` until asked to stop, waiting on the feed between rounds. The publish
+step is `keeper.publish.Publisher`, the re-read of the top published rows
+`keeper.topcheck.TopCheck`. Each time it rewrites queue-state, the keeper also
+writes its `statistics()` (msgpack) into a second state buffer, when it has one, for
+every worker's /metrics and overview; and at each full report, the sites listing
+(due rows by site, `keeper.counts.count_sites`) into a third, for GET /v1/sites.
 
 The self-checks (the top check, the walks) read the table together with the
 feed's head, in one snapshot, and judge what they read only once the feed has
@@ -26,6 +27,7 @@ import gc
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 
 import msgspec
@@ -119,6 +121,8 @@ Acknowledge = Callable[[int, Sequence[int], Handover], bool]
 # Raise this incarnation's published lease ceiling to at least this instant (the
 # database's clock); False when the row did not take it (superseded, or not live).
 RaiseLeaseCeiling = Callable[[int, int], bool]
+# What an action came to, as an event for the lifecycle, and when (the keeper's clock).
+Outcome = tuple[Event, int]
 MAX_WAIT_S = 0.25  # an idle keeper still looks at the clock this often
 # A handed-over block's reason, as another node's site table named it.
 _BLOCK_REASONS: dict[str, BlockReason] = {"retry_after": "retry_after", "failures": "failures"}
@@ -263,6 +267,9 @@ class Keeper:
         self._ceiling_failures = 0
         self._site_counts: SiteCounts | None = None  # the last full report's, not written yet
         self._short_slice = False
+        # What the lifecycle answered and the keeper has yet to do, ahead of the round's
+        # other actions.
+        self._pending: deque[Action] = deque()
 
     # -- the loop ------------------------------------------------------------------
 
@@ -323,10 +330,13 @@ class Keeper:
         loop may wait (s)."""
         while True:
             self._heard()
-            action = self.lifecycle.next_action(self.clock(), self.ring.remaining())
-            if isinstance(action, Wait):
-                return action.seconds
-            self._do(action)
+            if self._pending:
+                action = self._pending.popleft()
+            else:
+                action = self.lifecycle.next_action(self.clock(), self.ring.remaining())
+                if isinstance(action, Wait):
+                    return action.seconds
+            self._perform(action)
 
     def _heard(self) -> None:
         """Say the keeper is going round: a cluster node's supervisor stops vouching for
@@ -340,39 +350,53 @@ class Keeper:
                 self.feed.wait(seconds)
                 return
             except Exception as exc:  # a broken wait is a broken feed
-                self._feed_failed(exc)
+                self._tell(*self._feed_failed(exc))
         stop.wait(seconds)
 
     def close(self) -> None:
         self._top.drop()
-        self._save_cursor()  # a graceful stop replays nothing on the next start
+        failed = self._save_cursor()  # a graceful stop replays nothing on the next start
+        if failed is not None:
+            self._tell(*failed)
         self.feed.close()
 
     # -- doing what the lifecycle says -------------------------------------------------
 
-    def _tell(self, event: Event, now: int) -> None:
-        """Tell the lifecycle what happened, and do what it answers, in order."""
-        for action in self.lifecycle.handle(event, now):
-            self._do(action)
+    def _perform(self, action: Action) -> None:
+        """Do an action, then hand its outcome to the lifecycle: what it answers goes
+        ahead of everything still pending (so a failed feed drops the reads under way
+        before anything else runs)."""
+        outcome = self._do(action)
+        if outcome is not None:
+            event, now = outcome
+            self._pending.extendleft(reversed(self.lifecycle.handle(event, now)))
 
-    def _do(self, action: Action) -> None:
+    def _tell(self, event: Event, now: int) -> None:
+        """An event outside any action (the start, a broken wait, the close): hand it
+        to the lifecycle and do what it answers, at once."""
+        self._pending.extendleft(reversed(self.lifecycle.handle(event, now)))
+        while self._pending:
+            self._perform(self._pending.popleft())
+
+    def _do(self, action: Action) -> Outcome | None:
+        """Do one action; its outcome, if it has one."""
         match action:
             case OpenFeed(resume):
-                self._open_feed(resume)
+                return self._open_feed(resume)
             case ReadMembers():
-                self._read_members()
+                return self._read_members()
             case MarkUnowned():
-                self._mark_unowned()
+                return self._mark_unowned()
             case DropUnowned(limit):
                 self.core.drop_unowned(limit)
-                self._tell(Dropped(left=self.core.dropping), self.clock())
+                return Dropped(left=self.core.dropping), self.clock()
             case BeginWalk(reason):
                 self._walk = self.core.begin_walk(reason, self.clock())
                 self._walk_read = None
             case WalkChunk(rows):
-                self._walk_chunk(rows)
+                return self._walk_chunk(rows)
             case FinishWalk():
-                self._finish_walk()
+                return self._finish_walk()
             case AbandonWalk():
                 if self._walk is not None:
                     self.core.abandon_walk(self._walk)
@@ -380,15 +404,13 @@ class Keeper:
             case DropTopCheck():
                 self._top.drop()
             case Drain(until_ms):
-                self._tell(Drained(emptied=self._drain(until_ms)), self.clock())
+                return self._drain(until_ms)
             case Publish(refill):
-                self._publish(refill)
+                return self._publish(refill)
             case CheckTop():
-                checked = self._top.after_publish(self._published_keys, self.clock(), self._drain)
-                if checked is not None:
-                    self._publisher.count_top_check(checked)
+                return self._check_top()
             case SaveCursor():
-                self._save_cursor()
+                return self._save_cursor()
             case WriteState(full):
                 self._write_state(self.clock(), full=full)
             case SettleAfterLoad():
@@ -397,10 +419,11 @@ class Keeper:
                 heap.trim()
             case Wait():
                 pass
+        return None
 
     # -- the feed ------------------------------------------------------------------
 
-    def _open_feed(self, resume: bool) -> None:
+    def _open_feed(self, resume: bool) -> Outcome:
         """Subscribe (at the cursor reached, or the head) and read the settings."""
         now = self.clock()
         try:
@@ -409,25 +432,26 @@ class Keeper:
             if self.site_table is not None:
                 self.core.load_sites(self.store.sites())
         except Exception as exc:
-            self._feed_failed(exc)
-            return
+            return self._feed_failed(exc)
         self._apply_sites()
-        self._tell(FeedOpened(), now)
+        return FeedOpened(), now
 
-    def _feed_failed(self, exc: BaseException) -> None:
+    def _feed_failed(self, exc: BaseException) -> tuple[FeedFailed, int]:
+        """Close the feed until its backoff is over; the failure, as an event."""
         now = self.clock()
         self.feed.failed(exc, now)
-        self._tell(FeedFailed(type(exc).__name__, reopen_at=self.feed.reopen_at), now)
+        return FeedFailed(type(exc).__name__, reopen_at=self.feed.reopen_at), now
 
-    def _drain(self, until_ms: int) -> bool:
-        """Apply feed batches until the feed is empty or `until_ms`; True when emptied."""
+    def _drain(self, until_ms: int) -> tuple[Drained | FeedFailed, int]:
+        """Apply feed batches until the feed is empty or `until_ms`; Drained, or the
+        feed's failure, which ends the drain."""
         try:
-            return self.feed.drain(self.core.apply_events, until_ms)
+            emptied = self.feed.drain(self.core.apply_events, until_ms)
         except Exception as exc:
-            self._feed_failed(exc)
-            return True
+            return self._feed_failed(exc)
         finally:
             self._apply_sites()
+        return Drained(emptied=emptied), self.clock()
 
     def _apply_sites(self) -> None:
         """Put the sites' settings the core took in in force in the node's site table."""
@@ -442,7 +466,7 @@ class Keeper:
 
     # -- the cluster ---------------------------------------------------------------
 
-    def _read_members(self) -> None:
+    def _read_members(self) -> Outcome | None:
         assert self.cluster is not None and self.members is not None
         now = self.clock()
         try:
@@ -450,14 +474,14 @@ class Keeper:
         except Exception as exc:
             self.cluster.failed()
             log.warning("keeper: reading the member list failed (%s)", exc)
-            return
+            return None
         changed = self._observe(read, now)
         if changed:
             log.info("keeper: the live nodes are now %s", ", ".join(self.cluster.view or ()))
         generation = self.core.ownership.generation
         moved = generation != self._ownership_generation
         self._ownership_generation = generation
-        self._tell(MembersRead(view_changed=changed, ownership_changed=moved), now)
+        return MembersRead(view_changed=changed, ownership_changed=moved), now
 
     def _observe(self, read: MemberList, now: int) -> bool:
         """Take a member list; on a change of view, enforce it and say so (see below)."""
@@ -613,16 +637,16 @@ class Keeper:
         if blocks:
             log.info("keeper: took %d site blocks handed over with their sites", len(blocks))
 
-    def _mark_unowned(self) -> None:
+    def _mark_unowned(self) -> Outcome:
         self._top.drop()
         marked = self.core.mark_unowned()
         log.info("keeper: ownership changed; dropping %d rows no longer owned", marked)
         gains = self.cluster is not None and self.cluster.gains
-        self._tell(Marked(rows=marked, gains=gains), self.clock())
+        return Marked(rows=marked, gains=gains), self.clock()
 
     # -- walks ---------------------------------------------------------------------
 
-    def _walk_chunk(self, limit: int) -> None:
+    def _walk_chunk(self, limit: int) -> Outcome:
         """Read a chunk, and apply it once the feed has delivered what the read saw.
 
         Applied earlier, a row the feed has yet to deliver would read as a missed write,
@@ -638,28 +662,26 @@ class Keeper:
                 read = self.store.walk_at(walk.after, limit)
             except Exception as exc:
                 log.warning("keeper: walk after %r failed (%s); retrying", walk.after, exc)
-                self._tell(ChunkFailed(), self.clock())
-                return
+                return ChunkFailed(), self.clock()
             self._walk_read = read
         if walk.judges and not self.feed.has_delivered(read.head):
             # The round drains the feed; the chunk is applied in a later one.
-            self._tell(ChunkWaiting(), self.clock())
-            return
+            return ChunkWaiting(), self.clock()
         self._walk_read = None
         now = self.clock()
         self.core.apply_walked(walk, read.rows, now)
-        self._tell(ChunkApplied(rows=len(read.rows), walk=walk.summary()), now)
+        return ChunkApplied(rows=len(read.rows), walk=walk.summary()), now
 
-    def _finish_walk(self) -> None:
+    def _finish_walk(self) -> Outcome:
         # The feed has delivered every chunk's head (see _walk_chunk): a delete any read
         # showed has been applied, its key touched, before the sweep looks for rows gone.
         # (A walk that judges nothing has no untouched held rows to sweep.) The drain
         # brings the feed nearer the present before the keeper says it is exact.
         walk = self._walk
         assert walk is not None
-        self._drain(self.clock() + 1000)
-        if self._walk is not walk:
-            return  # the feed failed in that drain and abandoned the walk: no sweep
+        drained = self._drain(self.clock() + 1000)
+        if isinstance(drained[0], FeedFailed):
+            return drained  # no sweep: the lifecycle abandons the walk at the failure
         now = self.clock()
         self.core.finish_walk(walk, now)
         self._walk = None
@@ -679,26 +701,44 @@ class Keeper:
                 repairs.missed,
                 repairs.gained,
             )
-        self._tell(WalkFinished(summary), now)
+        return WalkFinished(summary), now
 
     # -- publishing ----------------------------------------------------------------
 
-    def _publish(self, refill: bool) -> None:
+    def _publish(self, refill: bool) -> Outcome:
         now = self.clock()
         # Only an exact view vouches: a walk under way may still hold rows older than it.
         delivered_below = self.feed.delivered_below() if self.lifecycle.exact else 0
         keys = self._publisher.publish(now, refill=refill, delivered_below=delivered_below)
         if isinstance(keys, PublishFailed):
-            self._tell(PublishRefused(keys.reason), now)
-            return
+            return PublishRefused(keys.reason), now
         self._published_keys = keys
-        self._tell(Published(self._publisher.stats), now)
+        return Published(self._publisher.stats), now
 
-    def _save_cursor(self) -> None:
+    def _check_top(self) -> Outcome | None:
+        """The top check after a publish; the feed's failure, if it failed in the check's
+        drain (the read then waits unjudged, and the failure drops it)."""
+        failed: Outcome | None = None
+
+        def drain(until_ms: int) -> bool:
+            nonlocal failed
+            outcome = self._drain(until_ms)
+            if isinstance(outcome[0], FeedFailed):
+                failed = outcome
+                return False
+            return True
+
+        checked = self._top.after_publish(self._published_keys, self.clock(), drain)
+        if checked is not None:
+            self._publisher.count_top_check(checked)
+        return failed
+
+    def _save_cursor(self) -> Outcome | None:
         try:
             self.feed.save()
         except Exception as exc:
-            self._feed_failed(exc)
+            return self._feed_failed(exc)
+        return None
 
     # -- queue-state ---------------------------------------------------------------
 

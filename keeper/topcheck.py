@@ -62,12 +62,13 @@ class TopCheck:
         self.waited = 0  # reads judged only once the feed caught up with them
 
     def after_publish(
-        self, keys: list[bytes], now: int, drain: Callable[[int], object]
+        self, keys: list[bytes], now: int, drain: Callable[[int], bool]
     ) -> TopChecked | None:
         """Take a read of the published `keys` (best first) or judge the waiting one.
 
-        `drain(until_ms)` applies the feed (the keeper's, which drops the pending read
-        if the feed fails). Returns what a judged read found, None if nothing was judged.
+        `drain(until_ms)` applies the feed, False when the feed failed in it: the read
+        is then left unjudged, for the keeper to drop (`drop`) before it does anything
+        else. Returns what a judged read found, None if nothing was judged.
         """
         check = self.pending
         if check is None:
@@ -77,9 +78,8 @@ class TopCheck:
             self.pending = check
             # As much of the feed as a second allows (the check's old budget, which also
             # keeps a busy feed ahead of publishing); usually the read is then covered.
-            drain(self.clock() + 1000)
-            if self.pending is not check:
-                return None  # the feed failed meanwhile: the read was dropped
+            if not drain(self.clock() + 1000):
+                return None  # the feed failed meanwhile: its position judges nothing
         if not self.feed.has_delivered(check.read.head):
             if not check.waited:
                 check.waited = True

@@ -4,6 +4,7 @@ outcome a test chose (by default, the one that goes well)."""
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 
 import msgspec
@@ -90,20 +91,24 @@ class Script:
         self.overrides.setdefault(action, []).append(outcome)
 
     def tell(self, event: Event) -> None:
-        for action in self.lc.handle(event, self.now):
-            self.do(action)
+        """Hand an outcome to the lifecycle and do what it answers, as the runner does:
+        each action's outcome is told once the action is over, and what that answers
+        goes ahead of the rest."""
+        pending = deque(self.lc.handle(event, self.now))
+        while pending:
+            outcome = self.do(pending.popleft())
+            if outcome is not None:
+                pending.extendleft(reversed(self.lc.handle(outcome, self.now)))
 
-    def do(self, action: Action) -> None:
+    def do(self, action: Action) -> Event | None:
+        """Do an action; its outcome."""
         self.done.append(action)
         queued = self.overrides.get(type(action))
         if queued:
-            outcome = queued.pop(0)
-            if outcome is not None:
-                self.tell(outcome)
-            return
+            return queued.pop(0)
         match action:
             case OpenFeed():
-                self.tell(FeedOpened())
+                return FeedOpened()
             case BeginWalk(reason):
                 self.walk, self.walked = reason, 0
             case AbandonWalk():
@@ -113,13 +118,13 @@ class Script:
                 self.chunks.append((self.walk, rows))
                 chunk = min(rows, self.rows - self.walked)
                 self.walked += chunk
-                self.tell(ChunkApplied(rows=chunk, walk=summary(self.walk, self.walked)))
+                return ChunkApplied(rows=chunk, walk=summary(self.walk, self.walked))
             case FinishWalk():
                 assert self.walk is not None
                 walk, self.walk = summary(self.walk, self.walked), None
-                self.tell(WalkFinished(walk))
+                return WalkFinished(walk)
             case Drain():
-                self.tell(Drained(emptied=True))
+                return Drained(emptied=True)
             case Publish(refill):
                 self.stats = msgspec.structs.replace(
                     self.stats,
@@ -128,12 +133,11 @@ class Script:
                     last_at=self.now,
                     last_count=self.published,
                 )
-                self.tell(Published(self.stats))
+                return Published(self.stats)
             case DropUnowned():
                 self.dropping_left = max(0, self.dropping_left - 1)
-                self.tell(Dropped(left=self.dropping_left > 0))
-            case _:
-                pass
+                return Dropped(left=self.dropping_left > 0)
+        return None
 
     def round(self, remaining: int | None = None, advance_ms: int = 0) -> float:
         """One round of the loop; returns its wait (s). The ring is full unless told."""
@@ -145,7 +149,9 @@ class Script:
             )
             if isinstance(action, Wait):
                 return action.seconds
-            self.do(action)
+            outcome = self.do(action)
+            if outcome is not None:
+                self.tell(outcome)
 
     def kinds(self) -> list[str]:
         return [type(a).__name__ for a in self.done]

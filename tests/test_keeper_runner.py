@@ -1224,3 +1224,34 @@ def test_a_lone_clustered_keeper_whose_membership_lapsed_walks_its_rows_back() -
     settle()
     stats = keeper.statistics()
     assert held() == set(keys) and stats.exact and stats.phase == "live"
+
+
+def test_a_feed_that_fails_in_the_top_checks_drain_drops_its_read_before_anything_else(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The failure is the check's outcome, told once the check is over: what it calls for
+    (the read dropped unjudged first) is done before the round's other actions."""
+    from keeper.lifecycle import Action, CheckTop, DropTopCheck
+
+    rig = Rig()
+    rig.keeper.start()
+    rig.steps(5)
+    read = rig.store.get_many_at
+
+    def read_then_fail(keys: list[str]) -> Any:
+        rig.store.fail_polls = 1  # the check's drain, after its read, fails
+        return read(keys)
+
+    monkeypatch.setattr(rig.store, "get_many_at", read_then_fail)
+    done: list[Action] = []
+    perform = rig.keeper._do
+
+    def recorded(action: Action) -> Any:
+        done.append(action)
+        return perform(action)
+
+    monkeypatch.setattr(rig.keeper, "_do", recorded)
+    rig.steps(1, advance_ms=61_000)
+    assert rig.keeper.statistics().feed_failures == 1
+    assert done[done.index(CheckTop()) + 1] == DropTopCheck()
+    assert rig.keeper._top.pending is None and not rig.keeper.statistics().exact

@@ -16,8 +16,9 @@ CONFIG = KeeperConfig(top_check=3, top_check_every_s=60)
 KEYS = [b"/k9", b"/k8", b"/k7"]  # the most overdue first, as a publish offers them
 
 
-def _nothing(until_ms: int) -> None:
+def _nothing(until_ms: int) -> bool:
     """A drain that applies nothing: the feed lags the read."""
+    return True
 
 
 class Setup:
@@ -34,8 +35,9 @@ class Setup:
         self.drain()
         self.top = TopCheck(self.core, self.store, self.feed, CONFIG, self.clock)
 
-    def drain(self, until_ms: int = 0) -> None:
+    def drain(self, until_ms: int = 0) -> bool:
         self.feed.drain(self.core.apply_events, self.clock() + 1000)
+        return True
 
 
 def _due(setup: Setup, key: bytes) -> int | None:
@@ -72,11 +74,12 @@ def test_a_feed_that_fails_during_the_drain_drops_the_read_unjudged() -> None:
     s = Setup()
     s.store.silent(None, key="/k9")  # would be a repair, if judged
 
-    def failing_drain(until_ms: int) -> None:
-        s.top.drop()  # what the keeper does when the feed fails
+    def failing_drain(until_ms: int) -> bool:
+        return False
 
     assert s.top.after_publish(KEYS, s.clock(), failing_drain) is None
-    assert s.top.pending is None and _due(s, b"/k9") is not None
+    assert s.top.pending is not None and _due(s, b"/k9") is not None
+    s.top.drop()  # what the keeper does first when the feed fails
     assert s.top.after_publish(KEYS, s.clock(), s.drain) == TopChecked(checked=3, repaired=1)
     assert _due(s, b"/k9") is None
 
