@@ -17,7 +17,7 @@ from store.errors import refuse_newer
 class Executes(Protocol):
     """A DB-API connection, as far as a migration uses one."""
 
-    def execute(self, query: str, params: tuple[Any, ...] = ..., /) -> Any: ...
+    def execute(self, query: str, params: Any = ..., /) -> Any: ...
 
 
 C = TypeVar("C", bound=Executes)

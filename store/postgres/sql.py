@@ -53,11 +53,18 @@ UPSERT_AND_DELETE = (
 
 GET = f"SELECT {ROW_COLUMNS} FROM render_schedule WHERE key = %s"
 GET_MANY = f"SELECT {ROW_COLUMNS} FROM render_schedule WHERE key = ANY(%b::text[])"
+
 GET_MANY_AT = f"""
 WITH h AS ({HORIZON})
 SELECT h.xmin, h.xmax, {_R_COLUMNS}
 FROM h LEFT JOIN render_schedule AS r ON r.key = ANY(%b::text[])
 """
+
+
+def key_list(keys: list[str]) -> list[str]:
+    """GET_MANY's parameter: the keys as an array, in binary."""
+    return keys
+
 
 WALK_FIRST = f"SELECT {ROW_COLUMNS} FROM render_schedule ORDER BY key LIMIT %s"
 WALK_AFTER = f"SELECT {ROW_COLUMNS} FROM render_schedule WHERE key > %s ORDER BY key LIMIT %s"
@@ -70,14 +77,12 @@ _WALK_AT = """
 WITH h AS ({horizon})
 SELECT h.xmin, h.xmax, {columns}
 FROM h LEFT JOIN LATERAL (
-    SELECT * FROM render_schedule {where} ORDER BY key LIMIT %(limit)s
+    SELECT * FROM render_schedule {where} ORDER BY key LIMIT %s
 ) AS r ON true
 ORDER BY r.key
 """
 WALK_AT_FIRST = _WALK_AT.format(horizon=HORIZON, columns=_R_COLUMNS, where="")
-WALK_AT_AFTER = _WALK_AT.format(
-    horizon=HORIZON, columns=_R_COLUMNS, where="WHERE key > %(after)s::text"
-)
+WALK_AT_AFTER = _WALK_AT.format(horizon=HORIZON, columns=_R_COLUMNS, where="WHERE key > %s::text")
 
 GLOBAL_CADENCE = (
     f"coalesce((SELECT value FROM settings WHERE name = '{DEFAULT_CADENCE_SETTING}'), "

@@ -15,9 +15,7 @@ lock after NOWAIT_LOCK_MS with StoreBusy, so a caller on an event loop waits the
 from __future__ import annotations
 
 import logging
-import os
 import select
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -33,11 +31,8 @@ from store.base import (
     CursorBelowFloor,
     PostgresCounters,
     RowsRead,
-    StoreCounters,
-    Writability,
-    WriteHealth,
 )
-from store.cadence import Adaptation, forgets_learned
+from store.core import SqlStore, ThreadState
 from store.errors import StoreBusy, StoreError, StoreFull, StoreUnavailable
 from store.postgres import sql
 from store.postgres.conn import (
@@ -66,30 +61,13 @@ from store.rows import (
     Handover,
     MemberList,
     NodeRecord,
-    Route,
     Row,
     RowWrite,
-    SiteSettings,
     completion_rounds,
     learned_from,
-    route_from,
     row_from,
-    site_settings_from,
 )
-from store.secret import checked
-from store.validate import (
-    check_cadence,
-    check_completions,
-    check_consumer,
-    check_deletes,
-    check_key,
-    check_keys,
-    check_page,
-    check_route_change,
-    check_site_pattern_change,
-    check_site_settings,
-    check_upserts,
-)
+from store.validate import check_completions, check_consumer, check_deletes, check_upserts
 
 # COMPLETE's last row carries the transaction's xid in the version column.
 _VERSION_AT = ROW_COLUMNS.split(", ").index("version")
@@ -119,16 +97,19 @@ class PostgresStoreStatistics(msgspec.Struct, frozen=True, kw_only=True):
     rollbacks: int  # writes the server rolled back (deadlocks) and this store retried
 
 
-class _ThreadState:
+class _ThreadState(ThreadState):
     def __init__(self) -> None:
+        super().__init__()
         self.conn: Conn | None = None
-        self.transactions = 0
-        self.rows_written = 0
         self.reconnects = 0
         self.busy = 0
         self.gave_up = 0  # of `busy`, writes that waited out the lock timeout
         self.rollbacks = 0
         self.write_position = 0
+
+    @property
+    def busy_refused(self) -> int:
+        return self.gave_up
 
 
 def redacted(url: str) -> str:
@@ -141,7 +122,7 @@ def redacted(url: str) -> str:
     return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc[1]}"))
 
 
-class PostgresStore:
+class PostgresStore(SqlStore[Conn, _ThreadState]):
     """The PostgreSQL backend of `store.base.ScheduleStore`."""
 
     remote = True  # every call is a round trip to the server (ScheduleStore.remote)
@@ -159,42 +140,23 @@ class PostgresStore:
         (None: only explicit `prune()` calls do)."""
         if not url.startswith(("postgresql://", "postgres://")):
             raise ValueError(f"PostgresStore needs a postgresql:// URL, got {redacted(url)!r}")
+        super().__init__(sql, redacted(url))
         self.url = url
         self.busy_timeout_s = busy_timeout_s
         self.consumer_ttl_s = consumer_ttl_s
         self.prune_interval_s = prune_interval_s
-        self._pid = os.getpid()
-        self._local = threading.local()
-        self._lock = threading.Lock()
-        self._states: list[_ThreadState] = []
-        self._health = WriteHealth()
-        self._closed = False
         conn = self._conn(self._state(), wait=True)
         # A migration of a large table, or a restored log's removal, takes what it takes:
         # stopped at a bound, it would only start over at the next open.
         with translated("open"), long_statements(conn):
-            migrate(conn, redacted(url))
+            migrate(conn, self.where)
             self._schema_version = LATEST  # migrate() brought it there, or raised
             self.origin = self._adopt_log(conn)
 
     # -- connections ---------------------------------------------------------------------
 
-    def _state(self) -> _ThreadState:
-        state: _ThreadState | None = getattr(self._local, "state", None)
-        if state is not None:
-            return state
-        if self._closed:
-            raise StoreError(f"the store at {redacted(self.url)} is closed")
-        if os.getpid() != self._pid:
-            raise StoreError(
-                f"this PostgresStore was opened in process {self._pid}; "
-                "open a new one in each process"
-            )
-        state = _ThreadState()
-        self._local.state = state
-        with self._lock:
-            self._states.append(state)
-        return state
+    def _open_state(self) -> _ThreadState:
+        return _ThreadState()  # its connection opens at its first call (_conn)
 
     def _conn(self, state: _ThreadState, *, wait: bool | None) -> Conn:
         """The thread's connection, with the lock timeout a writer that waits (or not) needs;
@@ -202,7 +164,7 @@ class PostgresStore:
         waits for locks has its wait added to its statement timeout: the server counts
         the wait as the statement's time."""
         if self._closed:
-            raise StoreError(f"the store at {redacted(self.url)} is closed")
+            raise StoreError(f"the store at {self.where} is closed")
         if state.conn is not None and not state.conn.closed and not _still_open(state.conn):
             self._drop(state)
         if state.conn is None or state.conn.closed:
@@ -217,6 +179,9 @@ class PostgresStore:
                 lock_timeout_ms=None if wait is None else busy_ms if wait else NOWAIT_LOCK_MS,
             )
         return state.conn
+
+    def _close_state(self, state: _ThreadState) -> None:
+        self._drop(state)
 
     def _drop(self, state: _ThreadState) -> None:
         if state.conn is not None:
@@ -271,8 +236,15 @@ class PostgresStore:
             return result
         raise AssertionError("unreachable")
 
-    def writability(self) -> Writability:
-        return self._health.statistics()
+    def _change(self, what: str, body: Callable[[Conn], T], *, rows: int, several: bool) -> T:
+        if not several:
+            return self._write(what, body, rows=rows)  # autocommit: one transaction
+
+        def together(conn: Conn) -> T:
+            with conn.transaction():
+                return body(conn)
+
+        return self._write(what, together, rows=rows)
 
     def _positioned(self, xid: int) -> None:
         """Called with a committed write's xid (autocommit: the statement has committed)."""
@@ -413,154 +385,16 @@ class PostgresStore:
 
         return self._write("complete", body, rows=len(items), wait=wait)
 
-    def get(self, key: str) -> Row | None:
-        check_key(key)
-        found = self._read("get", lambda conn: conn.execute(sql.GET, (key,)).fetchone())
-        return None if found is None else row_from(found)
-
-    def get_many(self, keys: Sequence[str]) -> dict[str, Row]:
-        wanted = check_keys(keys, what="get_many")
-        if not wanted:
-            return {}
-        found = self._read("get_many", lambda c: c.execute(sql.GET_MANY, (wanted,)).fetchall())
-        return {values[0]: row_from(values) for values in found}
-
-    def get_many_at(self, keys: Sequence[str]) -> RowsRead:
-        wanted = check_keys(keys, what="get_many")
-        if not wanted:
-            return RowsRead(rows=[], head=self.feed_head())
-        return self._read_at("get_many_at", sql.GET_MANY_AT, (wanted,))
-
-    def walk(self, after: str | None, limit: int) -> list[Row]:
-        if limit < 1:
-            raise ValueError(f"walk: limit must be at least 1, got {limit}")
-        if after is None:
-            found = self._read("walk", lambda c: c.execute(sql.WALK_FIRST, (limit,)).fetchall())
-        else:
-            found = self._read(
-                "walk", lambda c: c.execute(sql.WALK_AFTER, (after, limit)).fetchall()
-            )
-        return [row_from(values) for values in found]
-
-    def walk_at(self, after: str | None, limit: int) -> RowsRead:
-        if limit < 1:
-            raise ValueError(f"walk: limit must be at least 1, got {limit}")
-        if after is None:
-            return self._read_at("walk_at", sql.WALK_AT_FIRST, {"limit": limit})
-        return self._read_at("walk_at", sql.WALK_AT_AFTER, {"after": after, "limit": limit})
-
-    def _read_at(self, what: str, statement: str, params: Any) -> RowsRead:
+    def _read_at(self, what: str, statement: str, params: tuple[object, ...]) -> RowsRead:
         """Rows and the feed's head from one statement: one snapshot for both."""
         found = self._read(what, lambda c: c.execute(statement, params).fetchall())
         xmin, xmax = int(found[0][0]), int(found[0][1])
         rows = [row_from(values[2:]) for values in found if values[2] is not None]
         return RowsRead(rows=rows, head=cursor_token(self.origin, xmin, 0, xmax))
 
-    def retired(self, after: str | None = None, limit: int = 100) -> list[Row]:
-        check_page(after, limit)
-        params = ("" if after is None else after, limit)
-        found = self._read("retired", lambda c: c.execute(sql.RETIRED, params).fetchall())
-        return [row_from(values) for values in found]
-
     def count(self) -> int:
         found = self._read("count", lambda c: _counted(c, sql.COUNT))
         return 0 if found is None else int(found[0])
-
-    # -- routes and the global default ---------------------------------------------------
-
-    def routes(self) -> list[Route]:
-        found = self._read("routes", lambda c: c.execute(sql.ROUTES).fetchall())
-        return [route_from(values) for values in found]
-
-    def set_route(
-        self,
-        route: str,
-        *,
-        default_cadence_s: int | None = None,
-        paused: bool | None = None,
-        clear_default_cadence: bool = False,
-        adapt: Adaptation | None = None,
-        clear_adapt: bool = False,
-        site_pattern: str | None = None,
-        clear_site_pattern: bool = False,
-        retire_after: int | None = None,
-    ) -> Route:
-        """Create or change a route. None leaves a field as it is (a new route: no default
-        cadence, not paused, fixed cadences, the default retire_after);
-        `clear_default_cadence` sends the route back to the global default;
-        `adapt`/`clear_adapt` as ScheduleStore.set_route says; `clear_site_pattern` sends
-        its keys back to their hosts' sites.
-        """
-        set_cadence, set_adapt = check_route_change(
-            route,
-            default_cadence_s,
-            paused,
-            clear_default_cadence,
-            adapt,
-            clear_adapt,
-            retire_after,
-        )
-        set_pattern = check_site_pattern_change(site_pattern, clear_site_pattern)
-        params = {
-            "route": route,
-            "cadence": default_cadence_s,
-            "set_cadence": set_cadence,
-            "paused": paused,
-            "set_adapt": set_adapt,
-            "min_s": None if adapt is None else adapt.min_s,
-            "max_s": None if adapt is None else adapt.max_s,
-            "inc": None if adapt is None else float(adapt.inc),
-            "dec": None if adapt is None else float(adapt.dec),
-            "site_pattern": site_pattern,
-            "set_site_pattern": set_pattern,
-            "retire_after": retire_after,
-        }
-
-        def body(conn: Conn) -> Route:
-            with conn.transaction():
-                before = conn.execute(sql.ROUTE_FOR_UPDATE, (route,)).fetchone()
-                after = route_from(conn.execute(sql.SET_ROUTE, params).fetchone())
-                if before is not None and forgets_learned(route_from(before).adapt, after.adapt):
-                    conn.execute(sql.FORGET_LEARNED, (route,))
-            return after
-
-        return self._write("set_route", body, rows=1)
-
-    def default_cadence_s(self) -> int:
-        found = self._read("default", lambda c: c.execute(sql.GET_DEFAULT_CADENCE).fetchone())
-        assert found is not None
-        return int(found[0])
-
-    def sites(self) -> list[SiteSettings]:
-        found = self._read("sites", lambda c: c.execute(sql.SITES).fetchall())
-        return [site_settings_from(values) for values in found]
-
-    def get_site(self, site: str) -> SiteSettings | None:
-        found = self._read("site", lambda c: c.execute(sql.SITE, (site,)).fetchone())
-        return None if found is None else site_settings_from(found)
-
-    def set_site(self, settings: SiteSettings) -> SiteSettings | None:
-        check_site_settings(settings)
-        if settings.empty:
-            self._write(
-                "set_site", lambda conn: conn.execute(sql.DELETE_SITE, (settings.site,)), rows=1
-            )
-            return None
-        params = msgspec.structs.asdict(settings)
-        self._write("set_site", lambda conn: conn.execute(sql.SET_SITE, params), rows=1)
-        return settings
-
-    def hash_secret(self) -> bytes:
-        found = self._read("hash_secret", lambda c: c.execute(sql.GET_HASH_SECRET).fetchone())
-        return checked(None if found is None else found[0], redacted(self.url))
-
-    def set_default_cadence_s(self, seconds: int) -> None:
-        check_cadence(seconds, where="default_cadence_s", optional=False)
-        self._write(
-            "set_default_cadence_s",
-            lambda conn: conn.execute(sql.SET_DEFAULT_CADENCE, (seconds,)),
-            rows=1,
-        )
 
     # -- the change feed -----------------------------------------------------------------
 
@@ -689,10 +523,9 @@ class PostgresStore:
         rows, routes, log_rows, floor_xid, consumers, resyncs = self._read("statistics", body)
         counted = self.counters()
         assert counted.postgres is not None
-        with self._lock:
-            busy = sum(s.busy for s in self._states)
+        busy = sum(s.busy for s in self._thread_states())
         return PostgresStoreStatistics(
-            url=redacted(self.url),
+            url=self.where,
             schema_version=self._schema_version,
             origin=self.origin,
             rows=int(rows),
@@ -708,39 +541,16 @@ class PostgresStore:
             rollbacks=counted.postgres.rollbacks,
         )
 
-    def counters(self) -> StoreCounters:
-        with self._lock:
-            states = list(self._states)
-        return StoreCounters(
-            writability=self.writability(),
-            transactions=sum(s.transactions for s in states),
-            rows_written=sum(s.rows_written for s in states),
-            busy_refused=sum(s.gave_up for s in states),
-            postgres=PostgresCounters(
-                reconnects=sum(s.reconnects for s in states),
-                rollbacks=sum(s.rollbacks for s in states),
-            ),
+    def _backend_counters(self, states: list[_ThreadState]) -> PostgresCounters:
+        return PostgresCounters(
+            reconnects=sum(s.reconnects for s in states),
+            rollbacks=sum(s.rollbacks for s in states),
         )
 
     @property
     def last_commit_ns(self) -> int:
         """time.monotonic_ns() now: a write returns only once its commit is acknowledged."""
         return time.monotonic_ns()
-
-    def close(self) -> None:
-        """Close every thread's connection; the object is unusable afterwards."""
-        with self._lock:
-            self._closed = True
-            states, self._states = self._states, []
-        for state in states:
-            self._drop(state)
-        self._local = threading.local()
-
-    def __enter__(self) -> PostgresStore:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def _counted(conn: Conn, statement: str) -> tuple[Any, ...] | None:

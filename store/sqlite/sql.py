@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import msgspec
+
 from store.rows import DEFAULT_RETIRE_AFTER, LEARNING_COLUMNS, ROUTE_COLUMNS, ROW_COLUMNS
 from store.sqlite.schema import DEFAULT_CADENCE_S, DEFAULT_CADENCE_SETTING, NEXT_SEQ
 
@@ -36,6 +38,17 @@ FROM json_each(?) AS j CROSS JOIN render_schedule AS r ON r.key = j.value
 
 WALK_FIRST = f"SELECT {ROW_COLUMNS} FROM render_schedule ORDER BY key LIMIT ?"
 WALK_AFTER = f"SELECT {ROW_COLUMNS} FROM render_schedule WHERE key > ? ORDER BY key LIMIT ?"
+# A read transaction is one snapshot: the plain reads, followed by the feed's head.
+GET_MANY_AT = GET_MANY
+WALK_AT_FIRST = WALK_FIRST
+WALK_AT_AFTER = WALK_AFTER
+
+
+def key_list(keys: list[str]) -> str:
+    """GET_MANY's parameter: the keys as a JSON array."""
+    return msgspec.json.encode(keys).decode()
+
+
 # Retired rows by key, from the partial index on them.
 RETIRED = f"""
 SELECT {ROW_COLUMNS} FROM render_schedule
@@ -169,7 +182,8 @@ COMPLETE_GONE = "DELETE FROM render_schedule WHERE key IN (SELECT value FROM jso
 
 ROUTES = f"SELECT {ROUTE_COLUMNS} FROM routes ORDER BY route"
 ROUTES_NAMED = f"SELECT {ROUTE_COLUMNS} FROM routes WHERE route IN (SELECT value FROM json_each(?))"
-ROUTE = f"SELECT {ROUTE_COLUMNS} FROM routes WHERE route = ?"
+# Inside a write transaction, which holds the database's one write lock until it ends.
+ROUTE_FOR_UPDATE = f"SELECT {ROUTE_COLUMNS} FROM routes WHERE route = ?"
 
 SET_ROUTE = f"""
 INSERT INTO routes (route, default_cadence_s, paused, adapt_min_s, adapt_max_s, adapt_inc,

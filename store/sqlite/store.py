@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import sqlite3
-import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -25,31 +24,18 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from store.base import (
-    DEFAULT_BUSY_TIMEOUT_S,
-    Cursor,
-    RowsRead,
-    SqliteCounters,
-    StoreCounters,
-    Writability,
-    WriteHealth,
-)
-from store.cadence import Adaptation, forgets_learned
-from store.errors import StoreError, StoreFull
+from store.base import DEFAULT_BUSY_TIMEOUT_S, Cursor, RowsRead, SqliteCounters
+from store.core import SqlStore, ThreadState
+from store.errors import StoreFull
 from store.rows import (
     ROW_FIELDS,
     Completion,
-    Route,
     Row,
     RowWrite,
-    SiteSettings,
     completion_rounds,
     learned_from,
-    route_from,
     row_from,
-    site_settings_from,
 )
-from store.secret import checked
 from store.sqlite import sql
 from store.sqlite.conn import PAGE_CACHE_KIB, Retry, configure, connect
 from store.sqlite.feed import (
@@ -73,19 +59,7 @@ from store.sqlite.wake import (
     open_waiter,
     wake_prefix,
 )
-from store.validate import (
-    check_cadence,
-    check_completions,
-    check_consumer,
-    check_deletes,
-    check_key,
-    check_keys,
-    check_page,
-    check_route_change,
-    check_site_pattern_change,
-    check_site_settings,
-    check_upserts,
-)
+from store.validate import check_completions, check_consumer, check_deletes, check_upserts
 
 T = TypeVar("T")
 # Reads a write transaction's log records before it commits, given the seq before them.
@@ -113,17 +87,20 @@ class StoreStatistics(msgspec.Struct, frozen=True, kw_only=True):
     upkeep: UpkeepStatistics
 
 
-class _ThreadState:
+class _ThreadState(ThreadState):
     def __init__(self, conn: sqlite3.Connection, busy_timeout_s: float) -> None:
+        super().__init__()
         self.conn = conn
         self.retry = Retry(busy_timeout_s)
-        self.transactions = 0
-        self.rows_written = 0
         self.last_commit_ns = 0
         self.write_position: int | None = 0
 
+    @property
+    def busy_refused(self) -> int:
+        return self.retry.gave_up
 
-class SqliteStore:
+
+class SqliteStore(SqlStore[sqlite3.Connection, _ThreadState]):
     """The SQLite backend of `store.base.ScheduleStore`."""
 
     remote = False  # a call waits on this machine's disk only (ScheduleStore.remote)
@@ -148,39 +125,24 @@ class SqliteStore:
         if not text or text == ":memory:" or text.startswith("file:"):
             raise ValueError(f"SqliteStore needs a database file path, got {text!r}")
         self.path = Path(os.path.abspath(text))  # threads and subscriptions reopen it
+        super().__init__(sql, str(self.path))
         self.busy_timeout_s = busy_timeout_s
         self.page_cache_kib = page_cache_kib
         self._wake_prefix = wake_prefix(self.path, wake_name)
-        self._pid = os.getpid()
-        self._local = threading.local()
-        self._lock = threading.Lock()
-        self._states: list[_ThreadState] = []
         self._poster = WakePoster()
         self._handoff = FeedHandoff()
-        self._health = WriteHealth()
         self._upkeep = (
             Upkeep(self.path, self.raise_floor, prune_interval_s)
             if background_checkpoints
             else None
         )
         self._pruned = 0
-        self._closed = False
         state = self._state()  # opens, migrates, and refuses a newer schema now
         self._schema_version = state.retry.call("open", lambda: schema_version(state.conn))
 
     # -- connections ---------------------------------------------------------------------
 
-    def _state(self) -> _ThreadState:
-        state: _ThreadState | None = getattr(self._local, "state", None)
-        if state is not None:
-            return state
-        if self._closed:
-            raise StoreError(f"the store at {self.path} is closed")
-        if os.getpid() != self._pid:
-            raise StoreError(
-                f"this SqliteStore for {self.path} was opened in process {self._pid}; "
-                "open a new one in each process"
-            )
+    def _open_state(self) -> _ThreadState:
         conn = connect(self.path)
         retry = Retry(self.busy_timeout_s)
         try:
@@ -193,10 +155,10 @@ class SqliteStore:
             raise
         state = _ThreadState(conn, self.busy_timeout_s)
         state.retry.retries = retry.retries
-        self._local.state = state
-        with self._lock:
-            self._states.append(state)
         return state
+
+    def _close_state(self, state: _ThreadState) -> None:
+        state.conn.close()
 
     def _read(self, what: str, body: Callable[[sqlite3.Connection], T]) -> T:
         state = self._state()
@@ -222,8 +184,10 @@ class SqliteStore:
         self._health.succeeded()
         return result
 
-    def writability(self) -> Writability:
-        return self._health.statistics()
+    def _change(
+        self, what: str, body: Callable[[sqlite3.Connection], T], *, rows: int, several: bool
+    ) -> T:
+        return self._write(what, body, rows=rows, logged=True)  # a transaction either way
 
     def _write_once(
         self,
@@ -382,51 +346,8 @@ class SqliteStore:
                 out[index] = None if values is None else row_from(values)
         return out
 
-    def get(self, key: str) -> Row | None:
-        check_key(key)
-        found = self._read("get", lambda conn: conn.execute(sql.GET, (key,)).fetchone())
-        return None if found is None else row_from(found)
-
-    def get_many(self, keys: Sequence[str]) -> dict[str, Row]:
-        wanted = self._wanted(keys)
-        if wanted is None:
-            return {}
-        found = self._read(
-            "get_many", lambda conn: conn.execute(sql.GET_MANY, (wanted,)).fetchall()
-        )
-        return {values[0]: row_from(values) for values in found}
-
-    def get_many_at(self, keys: Sequence[str]) -> RowsRead:
-        wanted = self._wanted(keys)
-        if wanted is None:
-            return RowsRead(rows=[], head=self.feed_head())
-        return self._read_at("get_many_at", sql.GET_MANY, (wanted,))
-
-    def _wanted(self, keys: Sequence[str]) -> str | None:
-        """The keys as the JSON array GET_MANY takes; None when there are none."""
-        wanted = check_keys(keys, what="get_many")
-        return msgspec.json.encode(wanted).decode() if wanted else None
-
-    def walk(self, after: str | None, limit: int) -> list[Row]:
-        if limit < 1:
-            raise ValueError(f"walk: limit must be at least 1, got {limit}")
-        if after is None:
-            found = self._read("walk", lambda c: c.execute(sql.WALK_FIRST, (limit,)).fetchall())
-        else:
-            found = self._read(
-                "walk", lambda c: c.execute(sql.WALK_AFTER, (after, limit)).fetchall()
-            )
-        return [row_from(values) for values in found]
-
-    def walk_at(self, after: str | None, limit: int) -> RowsRead:
-        if limit < 1:
-            raise ValueError(f"walk: limit must be at least 1, got {limit}")
-        if after is None:
-            return self._read_at("walk_at", sql.WALK_FIRST, (limit,))
-        return self._read_at("walk_at", sql.WALK_AFTER, (after, limit))
-
     def _read_at(self, what: str, statement: str, params: tuple[object, ...]) -> RowsRead:
-        """Rows and the log's head in one read transaction: one snapshot for both."""
+        """Rows, then the log's head, in one read transaction: one snapshot for both."""
 
         def body(conn: sqlite3.Connection) -> tuple[list[Row], tuple[int, int]]:
             rows = [row_from(values) for values in conn.execute(statement, params)]
@@ -436,116 +357,9 @@ class SqliteStore:
         rows, (seq, stamp) = state.retry.transaction(state.conn, what, body, write=False)
         return RowsRead(rows=rows, head=cursor_token(seq, stamp))
 
-    def retired(self, after: str | None = None, limit: int = 100) -> list[Row]:
-        check_page(after, limit)
-        params = ("" if after is None else after, limit)
-        found = self._read("retired", lambda c: c.execute(sql.RETIRED, params).fetchall())
-        return [row_from(values) for values in found]
-
     def count(self) -> int:
         query = "SELECT count(*) FROM render_schedule"
         return int(self._read("count", lambda c: c.execute(query).fetchone()[0]))
-
-    # -- routes and the global default ---------------------------------------------------
-
-    def routes(self) -> list[Route]:
-        found = self._read("routes", lambda c: c.execute(sql.ROUTES).fetchall())
-        return [route_from(values) for values in found]
-
-    def set_route(
-        self,
-        route: str,
-        *,
-        default_cadence_s: int | None = None,
-        paused: bool | None = None,
-        clear_default_cadence: bool = False,
-        adapt: Adaptation | None = None,
-        clear_adapt: bool = False,
-        site_pattern: str | None = None,
-        clear_site_pattern: bool = False,
-        retire_after: int | None = None,
-    ) -> Route:
-        """Create or change a route. None leaves a field as it is (a new route: no default
-        cadence, not paused, fixed cadences, the default retire_after);
-        `clear_default_cadence` sends the route back to the global default;
-        `adapt`/`clear_adapt` as ScheduleStore.set_route says; `clear_site_pattern` sends
-        its keys back to their hosts' sites.
-        """
-        set_cadence, set_adapt = check_route_change(
-            route,
-            default_cadence_s,
-            paused,
-            clear_default_cadence,
-            adapt,
-            clear_adapt,
-            retire_after,
-        )
-        set_pattern = check_site_pattern_change(site_pattern, clear_site_pattern)
-        params = {
-            "route": route,
-            "cadence": default_cadence_s,
-            "set_cadence": 1 if set_cadence else 0,
-            "paused": None if paused is None else int(paused),
-            "set_adapt": 1 if set_adapt else 0,
-            "min_s": None if adapt is None else adapt.min_s,
-            "max_s": None if adapt is None else adapt.max_s,
-            "inc": None if adapt is None else float(adapt.inc),
-            "dec": None if adapt is None else float(adapt.dec),
-            "site_pattern": site_pattern,
-            "set_site_pattern": 1 if set_pattern else 0,
-            "retire_after": retire_after,
-        }
-
-        def body(conn: sqlite3.Connection) -> Route:
-            before = conn.execute(sql.ROUTE, (route,)).fetchone()
-            after = route_from(conn.execute(sql.SET_ROUTE, params).fetchone())
-            if before is not None and forgets_learned(route_from(before).adapt, after.adapt):
-                conn.execute(sql.FORGET_LEARNED, (route,))
-            return after
-
-        return self._write("set_route", body, rows=1, logged=True)
-
-    def default_cadence_s(self) -> int:
-        return int(
-            self._read("default", lambda c: c.execute(sql.GET_DEFAULT_CADENCE).fetchone()[0])
-        )
-
-    def sites(self) -> list[SiteSettings]:
-        found = self._read("sites", lambda c: c.execute(sql.SITES).fetchall())
-        return [site_settings_from(values) for values in found]
-
-    def get_site(self, site: str) -> SiteSettings | None:
-        found = self._read("site", lambda c: c.execute(sql.SITE, (site,)).fetchone())
-        return None if found is None else site_settings_from(found)
-
-    def set_site(self, settings: SiteSettings) -> SiteSettings | None:
-        check_site_settings(settings)
-        if settings.empty:
-            self._write(
-                "set_site",
-                lambda conn: conn.execute(sql.DELETE_SITE, (settings.site,)),
-                rows=1,
-                logged=True,
-            )
-            return None
-        params = msgspec.structs.asdict(settings)
-        self._write(
-            "set_site", lambda conn: conn.execute(sql.SET_SITE, params), rows=1, logged=True
-        )
-        return settings
-
-    def hash_secret(self) -> bytes:
-        found = self._read("hash_secret", lambda c: c.execute(sql.GET_HASH_SECRET).fetchone())
-        return checked(None if found is None else found[0], str(self.path))
-
-    def set_default_cadence_s(self, seconds: int) -> None:
-        check_cadence(seconds, where="default_cadence_s", optional=False)
-        self._write(
-            "set_default_cadence_s",
-            lambda conn: conn.execute(sql.SET_DEFAULT_CADENCE, (seconds,)),
-            rows=1,
-            logged=True,
-        )
 
     # -- the change feed -----------------------------------------------------------------
 
@@ -733,43 +547,24 @@ class SqliteStore:
         """The upkeep thread's counts; all zero for a store that runs none."""
         return (self._upkeep or Upkeep(self.path)).statistics()
 
-    def counters(self) -> StoreCounters:
-        with self._lock:
-            states = list(self._states)
+    def _backend_counters(self, states: list[_ThreadState]) -> SqliteCounters:
         upkeep = self._upkeep_statistics()
-        return StoreCounters(
-            writability=self.writability(),
-            transactions=sum(s.transactions for s in states),
-            rows_written=sum(s.rows_written for s in states),
-            busy_refused=sum(s.retry.gave_up for s in states),
-            sqlite=SqliteCounters(
-                busy_retries=sum(s.retry.retries for s in states),
-                checkpoints=upkeep.checkpoints,
-                restarts=upkeep.restarts,
-                restarts_busy=upkeep.restarts_busy,
-                checkpoint_errors=upkeep.errors,
-                longest_checkpoint_ms=upkeep.longest_checkpoint_ms,
-            ),
+        return SqliteCounters(
+            busy_retries=sum(s.retry.retries for s in states),
+            checkpoints=upkeep.checkpoints,
+            restarts=upkeep.restarts,
+            restarts_busy=upkeep.restarts_busy,
+            checkpoint_errors=upkeep.errors,
+            longest_checkpoint_ms=upkeep.longest_checkpoint_ms,
         )
 
     def close(self) -> None:
         """Close every thread's connection; the object is unusable afterwards."""
         if self._upkeep is not None:
             self._upkeep.close()  # first: its thread may be pruning on a connection below
-        with self._lock:
-            self._closed = True
-            states, self._states = self._states, []
-        for state in states:
-            state.conn.close()
-        self._local = threading.local()
+        super().close()
         self._poster.close()
         self._handoff.close()
-
-    def __enter__(self) -> SqliteStore:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 # A log record's row columns for a key whose row is gone, as POLL's LEFT JOIN reads them.
