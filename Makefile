@@ -32,7 +32,7 @@ lint: $(STAMP)
 # stubtest imports the built extensions and checks the .pyi stubs against them (the C
 # methods carry text signatures for it).
 typecheck: build
-	$(VENV)/bin/mypy store shm keeper workers api fleet sitemap bench tests
+	$(VENV)/bin/mypy store shm keeper workers api wire fleet sitemap bench tests
 	$(PY) -m mypy.stubtest --mypy-config-file pyproject.toml shm._atomics keeper._native
 
 # One test process per core (pytest-xdist): most tests wait on node processes, so two

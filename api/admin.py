@@ -21,7 +21,6 @@ from api.completions import CompletionQueueStatistics
 from api.node import Node
 from api.problems import not_found
 from api.schedule import check_key
-from api.schemas import Explain, ExplainState, Health, Overview, Readiness, RenderNow
 from api.status import claim_status, lease_view, supervisor_statistics
 from keeper.classes import classify, rank
 from keeper.state import as_read, decode_queue_state, state_age_ms, vouches
@@ -30,6 +29,7 @@ from shm.keys import site_of
 from shm.segment import now_ms
 from store.cadence import history_of, ladder, rung_of
 from store.rows import RowWrite
+from wire.schemas import Explain, ExplainState, Health, Overview, Readiness, RenderNow
 
 
 def builtins(value: Any) -> Any:

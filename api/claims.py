@@ -24,17 +24,6 @@ from starlette.responses import Response
 from api.body import json_response
 from api.node import Node
 from api.problems import ApiError
-from api.schemas import (
-    DEFAULT_LEASE_S,
-    ClaimRequest,
-    ClaimResponse,
-    Lease,
-    NodeStatus,
-    RenewItem,
-    RenewRequest,
-    RenewResult,
-    RenewResults,
-)
 from api.status import (
     MIN_TERM_MS,
     NodeClaimStatus,
@@ -48,6 +37,17 @@ from shm import Grant, key_hash
 from shm.keys import key_site_hash
 from shm.segment import now_ms
 from store.rows import Row
+from wire.schemas import (
+    DEFAULT_LEASE_S,
+    ClaimRequest,
+    ClaimResponse,
+    Lease,
+    NodeStatus,
+    RenewItem,
+    RenewRequest,
+    RenewResult,
+    RenewResults,
+)
 
 LEASE_NOT_HELD = "lease_not_held"
 NOT_OWNER = "not_owner"

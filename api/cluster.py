@@ -36,7 +36,11 @@ from api.lane import StoreLane
 from api.node import ApiSettings
 from api.problems import PROBLEM_TYPE
 from api.schedule import check_items
-from api.schemas import (
+from api.version import VERSION
+from keeper.cluster import leases_end
+from shm.segment import now_ms
+from store.rows import MemberList, NodeRecord
+from wire.schemas import (
     ClusterMember,
     ClusterNodes,
     CompletionsRequest,
@@ -46,10 +50,6 @@ from api.schemas import (
     RenewResult,
     RenewResults,
 )
-from api.version import VERSION
-from keeper.cluster import leases_end
-from shm.segment import now_ms
-from store.rows import MemberList, NodeRecord
 
 # Set on a request one node forwards to another: the receiver never forwards it again,
 # so two nodes whose member lists disagree for a moment cannot pass an item back and forth.

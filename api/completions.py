@@ -45,12 +45,12 @@ from api.lane import StoreLane
 from api.node import Node
 from api.problems import ApiError, invalid_field
 from api.schedule import check_items
-from api.schemas import CompletionsRequest, ItemResult, ItemResults
 from shm import key_hash
 from shm.segment import now_ms
 from store.base import DEFAULT_BUSY_TIMEOUT_S
 from store.errors import StoreBusy
 from store.rows import Completion
+from wire.schemas import CompletionsRequest, ItemResult, ItemResults
 
 # The first wait is one turn of the event loop's clock (epoll waits whole milliseconds);
 # a 100-key completion holds the lock about that long.

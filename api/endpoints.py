@@ -18,7 +18,12 @@ from api import admin, claims, cluster, metrics, schedule, site_history, site_li
 from api.auth import Scope
 from api.node import Node
 from api.params import Param, as_int
-from api.schemas import (
+from api.services import Services
+from keeper.state import SITES_LISTED
+from sitemap.importer import ImportReport
+from store.rows import Route, Row
+from store.validate import check_key
+from wire.schemas import (
     HISTORY_SITES,
     ClaimRequest,
     ClaimResponse,
@@ -50,11 +55,6 @@ from api.schemas import (
     SitesTop,
     SiteUpdate,
 )
-from api.services import Services
-from keeper.state import SITES_LISTED
-from sitemap.importer import ImportReport
-from store.rows import Route, Row
-from store.validate import check_key
 
 
 @dataclass(frozen=True, eq=False)

@@ -2,7 +2,7 @@
 node's own settings (its body limit, its lease cap).
 
 Every constraint the server enforces is stated where the type that enforces it is made
-(api.schemas); what an operation can answer follows from what its handler does: a body
+(wire.schemas); what an operation can answer follows from what its handler does: a body
 is read (400, 413, 422), a parameter is checked (422), a token is asked for (401, 403),
 the store is used (503 when it is busy or unreachable) or written (507 when its disk is
 full), each with the problem+json shape.
@@ -16,12 +16,12 @@ from typing import Any, get_args
 
 import msgspec
 
-from api import schemas as api_schemas
 from api.endpoints import Endpoint
 from api.node import ApiSettings
 from api.params import Param
 from api.problems import PROBLEM_TYPE, Problem
-from api.schemas import LEASE_CAP_KEYWORD
+from wire import schemas as wire_schemas
+from wire.schemas import LEASE_CAP_KEYWORD
 
 REF = "#/components/schemas/{name}"
 VERSION = "1"
@@ -63,10 +63,10 @@ def _components(
     refs: dict[Any, Any] = dict(zip(types, schemas, strict=True))
     for union in unions:
         refs[union] = {"anyOf": [refs[member] for member in get_args(union)]}
-    # A rule across fields, stated on the Struct itself (api.schemas.ScheduleRequest), on
-    # a body's type or on one it holds (api.schemas.CompletionItem).
+    # A rule across fields, stated on the Struct itself (wire.schemas.ScheduleRequest), on
+    # a body's type or on one it holds (wire.schemas.CompletionItem).
     for name, component in components.items():
-        extra = getattr(getattr(api_schemas, name, None), "json_schema_extra", None)
+        extra = getattr(getattr(wire_schemas, name, None), "json_schema_extra", None)
         if extra:
             component.update(extra)
     caps = {"max_lease_s": settings.max_lease_s, "site_permits_max": settings.site_permits_max}

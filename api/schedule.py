@@ -12,7 +12,10 @@ import msgspec
 
 from api.node import Node
 from api.problems import ApiError, invalid_field, not_found
-from api.schemas import (
+from store import validate
+from store.cadence import Adaptation
+from store.rows import Route, Row, RowWrite
+from wire.schemas import (
     LEASE_TOKEN_PATTERN,
     CompletionItem,
     NodeSettings,
@@ -24,9 +27,6 @@ from api.schemas import (
     ScheduleResult,
     SettingsUpdate,
 )
-from store import validate
-from store.cadence import Adaptation
-from store.rows import Route, Row, RowWrite
 
 _LEASE_TOKEN = re.compile(LEASE_TOKEN_PATTERN)
 
@@ -43,7 +43,7 @@ def check_key(key: str, field: str) -> None:
 
 def check_items(items: Sequence[CompletionItem | RenewItem]) -> None:
     """A completion's or renewal's items: each key by the store's rules and each token by
-    the document's pattern (api.schemas.ItemToken). The whole request is refused (422
+    the document's pattern (wire.schemas.ItemToken). The whole request is refused (422
     naming the item) before any item is applied or sent to another node."""
     for index, item in enumerate(items):
         check_key(item.key, f"$.items[{index}].key")

@@ -21,7 +21,8 @@ from starlette.responses import Response
 
 from api.body import json_response
 from api.node import Node
-from api.schemas import (
+from shm.segment import now_ms
+from wire.schemas import (
     HISTORY_LATEST,
     HISTORY_MINUTES,
     HISTORY_SITES,
@@ -30,7 +31,6 @@ from api.schemas import (
     SiteSeries,
     SitesInFlight,
 )
-from shm.segment import now_ms
 
 MINUTE_MS = 60_000
 # How long the supervisor waits before reading the keeper's listing again for a site it

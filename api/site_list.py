@@ -17,7 +17,6 @@ from starlette.responses import Response
 
 from api.body import json_response
 from api.node import Node
-from api.schemas import NodeStatus, SiteEntry, SitesListing
 from keeper.state import (
     SiteList,
     SiteRow,
@@ -28,6 +27,7 @@ from keeper.state import (
 )
 from shm.segment import now_ms
 from shm.sites import SiteInfo
+from wire.schemas import NodeStatus, SiteEntry, SitesListing
 
 DEFAULT_TOP = 20
 

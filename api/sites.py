@@ -14,11 +14,11 @@ import msgspec
 from api.node import Node
 from api.problems import invalid_field
 from api.schedule import store_error
-from api.schemas import SiteLimits, SiteState, SiteUpdate
 from api.site_list import due_of
 from shm.keys import site_hash, site_of
 from shm.segment import now_ms
 from store.rows import SiteSettings
+from wire.schemas import SiteLimits, SiteState, SiteUpdate
 
 
 def site_name(raw: str) -> str:

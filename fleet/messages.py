@@ -1,7 +1,7 @@
 """The node's fleet API bodies, as msgspec Structs.
 
 The claim's request and response (and the lease in it) are the node's own Structs from
-`api.schemas`, so the claim cannot drift between the two sides. The rest are the client's
+`wire.schemas`, so the claim cannot drift between the two sides. The rest are the client's
 views: responses tolerate fields they do not know, so a newer node can add some; requests
 leave out optional fields they do not set. Times are epoch ms, tokens opaque strings.
 """
@@ -12,7 +12,7 @@ from typing import Literal
 
 import msgspec
 
-from api.schemas import DEFAULT_LEASE_S, ClaimRequest, ClaimResponse, Lease
+from wire.schemas import DEFAULT_LEASE_S, ClaimRequest, ClaimResponse, Lease
 
 __all__ = [
     "DEFAULT_LEASE_S",

@@ -173,7 +173,7 @@ def site_pattern(pattern: str) -> bytes:
     `site_of` names a site (lower-case letters, digits, `-`, `_` and dots; no port,
     trailing dot or leading `www.`), so that `PUT /v1/sites/NAME` reaches the site the
     pattern makes. A wildcard's NAME has a dot in it: one site for a whole top-level
-    domain is refused as a mistake. api.schemas.SitePattern says the same as a regex."""
+    domain is refused as a mistake. wire.schemas.SitePattern says the same as a regex."""
     if not isinstance(pattern, str) or not pattern:
         raise ValueError(f"site_pattern {pattern!r}: *.NAME or NAME, NAME a host name")
     wildcard = pattern.startswith("*.")

@@ -21,8 +21,8 @@ from xml.sax.saxutils import escape
 import schemathesis
 from hypothesis import strategies as st
 
-from api.schemas import MAX_WAIT_S
 from store.rows import MAX_KEY_BYTES
+from wire.schemas import MAX_WAIT_S
 
 LONGEST_POLL_S = 0.2
 

@@ -22,9 +22,9 @@ from api import admin, metrics
 from api.app import build_services
 from api.claims import grant_from_ring
 from api.completions import apply
-from api.schemas import CompletionsRequest, RenderNow
 from shm import key_hash
 from store.rows import RowWrite
+from wire.schemas import CompletionsRequest, RenderNow
 
 
 def render_metrics(node: Any) -> str:

@@ -504,7 +504,7 @@ def test_a_completion_through_the_node_after_the_view_is_read_and_handed_back(
     with a view of 0 (a keeper that cannot vouch) every grant is read."""
     from api.claims import grant_from_ring
     from api.completions import apply
-    from api.schemas import CompletionItem, CompletionsRequest
+    from wire.schemas import CompletionItem, CompletionsRequest
 
     db = node_db(tmp_path)
     keys = seed_rows(db, 3, cadence_s=3600)
@@ -531,7 +531,7 @@ def test_a_schedule_write_through_the_node_after_the_view_is_honoured(tmp_path: 
     is read at its grant and handed back, not granted on the stale entry."""
     from api.claims import grant_from_ring
     from api.schedule import write
-    from api.schemas import ScheduleRequest, ScheduleUpsert
+    from wire.schemas import ScheduleRequest, ScheduleUpsert
 
     db = node_db(tmp_path)
     keys = seed_rows(db, 3, cadence_s=3600)

@@ -20,9 +20,9 @@ from node_harness import local_node, now_ms, publish_with_cadence, seed_rows
 from api.claims import grant_from_ring
 from api.completions import CompletionQueue, apply
 from api.problems import ApiError
-from api.schemas import CompletionItem, CompletionsRequest, Lease
 from shm import key_hash
 from store.errors import StoreBusy
+from wire.schemas import CompletionItem, CompletionsRequest, Lease
 
 
 @pytest.fixture

@@ -23,8 +23,8 @@ from openapi_spec_validator import OpenAPIV31SpecValidator
 
 from api.endpoints import ENDPOINTS
 from api.openapi import BODY_LIMIT_KEYWORD, openapi_document
-from api.schemas import MAX_UTF8_BYTES_KEYWORD
 from store.rows import MAX_KEY_BYTES
+from wire.schemas import MAX_UTF8_BYTES_KEYWORD
 
 SEEDED = 20
 LIMIT = 64 * 1024

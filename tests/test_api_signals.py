@@ -15,10 +15,10 @@ from node_harness import local_node, now_ms
 
 from api import admin, claims, metrics
 from api.app import build_services
-from api.schemas import ClaimRequest
 from api.status import claim_status, lease_view
 from shm import key_hash
 from store.rows import RowWrite
+from wire.schemas import ClaimRequest
 
 
 def render_metrics(node: Any) -> str:

@@ -25,7 +25,6 @@ from node_harness import (
     wait_for,
 )
 
-from api.schemas import HISTORY_LATEST, HISTORY_MINUTES, HISTORY_SITES, SitesInFlight
 from api.site_history import (
     HISTORY_BYTES,
     MINUTE_MS,
@@ -35,6 +34,7 @@ from api.site_history import (
     encode,
 )
 from shm.keys import site_of
+from wire.schemas import HISTORY_LATEST, HISTORY_MINUTES, HISTORY_SITES, SitesInFlight
 
 T0 = 1_800_000 * MINUTE_MS  # a whole minute
 

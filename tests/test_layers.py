@@ -15,6 +15,8 @@ tables, and the failure names the file, the line and the import to move.
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,6 +27,7 @@ LAYERS: list[set[str]] = [
     {"bench"},  # measures everything, from outside and inside
     {"workers", "fleet"},  # the node's processes and CLI; the render fleet's client
     {"api"},  # the HTTP API a worker serves
+    {"wire"},  # the API's bodies, shared by the node and its clients
     {"keeper", "sitemap"},  # the queue in memory; sitemap import
     {"store"},  # the durable schedule and its change feed
     {"shm"},  # shared memory and its C extension
@@ -224,3 +227,43 @@ def test_the_circle_check_can_fail(tmp_path: Path) -> None:
     assert circles(module_imports(package)) == [["a", "b", "c", "d"]]
     (package / "d.py").write_text("")
     assert circles(module_imports(package)) == []
+
+
+# Run in a fresh interpreter where importing any of these fails as if not installed.
+WITHOUT_THE_SERVER = """
+import importlib.abc, sys
+
+BLOCKED = {blocked!r}
+
+class NotInstalled(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name.split(".")[0] in BLOCKED:
+            raise ModuleNotFoundError(f"No module named {{name!r}} (blocked)", name=name)
+        return None
+
+sys.meta_path.insert(0, NotInstalled())
+{body}
+"""
+
+
+def import_without(blocked: set[str], modules: list[str]) -> subprocess.CompletedProcess[str]:
+    body = "\n".join(f"import {module}" for module in modules)
+    code = WITHOUT_THE_SERVER.format(blocked=sorted(blocked), body=body)
+    return subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+
+
+SERVER = {"starlette", "uvicorn", "api"}
+
+
+def test_the_fleet_imports_without_the_server() -> None:
+    """A renderer's host needs the fleet client and the wire types, not the node: with
+    starlette, uvicorn and the api package unimportable, the fleet's modules import."""
+    done = import_without(SERVER, ["wire.schemas", "fleet.client", "fleet.runner", "fleet.cli"])
+    assert done.returncode == 0, done.stderr
+
+
+def test_the_import_block_can_fail() -> None:
+    done = import_without(SERVER, ["api.app"])
+    assert done.returncode != 0 and "(blocked)" in done.stderr, done.stderr

@@ -18,9 +18,9 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from api.node import ApiSettings
-from api.schemas import MAX_LEASE_S
 from keeper.config import KeeperConfig
 from shm.sites import MAX_IN_FLIGHT, MAX_INTERVAL_MS, FailurePolicy
+from wire.schemas import MAX_LEASE_S
 
 ENV_PREFIX = "RENDERQUEUE_"
 # The API's pacing, fixed rather than set: a long poll re-checks the ring's generation

@@ -283,7 +283,7 @@ class InProcessClaimant:
         # Imported here, not at the first claim, so no claim is timed with an import in it.
         from api.claims import grant_from_ring
         from api.completions import apply
-        from api.schemas import CompletionItem, CompletionsRequest
+        from wire.schemas import CompletionItem, CompletionsRequest
 
         self._grant, self._apply = grant_from_ring, apply
         self._item, self._request = CompletionItem, CompletionsRequest

@@ -195,7 +195,7 @@ def request_costs(config: Config) -> dict[str, float]:
 def body_costs(config: Config) -> dict[str, float]:
     from api.body import decode_json
     from api.completions import check
-    from api.schemas import ClaimResponse, CompletionsRequest, Lease
+    from wire.schemas import ClaimResponse, CompletionsRequest, Lease
 
     keys = [key_of(i * 7919) for i in range(100)]
     body = msgspec.json.encode(
