@@ -19,7 +19,7 @@ RULE_TESTS = sorted((REPO / "ops" / "prometheus" / "tests").glob("*.yml"))
 DASHBOARD = REPO / "ops" / "grafana" / "renderqueue.json"
 
 # Grafana's variables, as a query of the whole fleet reads them.
-GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$job": ".+", "$instance": ".+", "$route": ".+"}
+GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$job": ".+", "$instance": ".+"}
 SERIES_NAME = re.compile(r"\b(renderqueue_[a-z0-9_]+)\b")
 
 
