@@ -32,6 +32,8 @@ CLUSTER_SERIES = (
     "renderqueue_cluster_fence_until_seconds",
     "renderqueue_cluster_lease_ceiling_seconds",
     "renderqueue_cluster_lease_ceiling_failures_total",
+    "renderqueue_cluster_members",
+    "renderqueue_cluster_confirmed",
 )
 
 
@@ -196,7 +198,9 @@ def test_the_cluster_fence_series_come_from_the_keepers_record_in_a_cluster(
     with thread_node(tmp_path) as node, node.client() as client:
         record = wait_for(lambda: keeper_record(node), 30, "the keeper's record", 0.05)
         node.stop_keeper()  # nothing overwrites the records written below
-        fenced_keys, until_seconds, ceiling_seconds, ceiling_failures = CLUSTER_SERIES
+        fenced_keys, until_seconds, ceiling_seconds, ceiling_failures, members, confirmed = (
+            CLUSTER_SERIES
+        )
         assert fenced_keys not in metric_samples(client.get("/metrics").text)
         now = now_ms()
         until = now + 60_000
@@ -230,14 +234,14 @@ def test_the_cluster_fence_series_come_from_the_keepers_record_in_a_cluster(
         assert samples[until_seconds] == until / 1000
         assert samples[ceiling_seconds] == (now + 9_000) / 1000
         assert samples[ceiling_failures] == 2
-        assert samples["renderqueue_cluster_members"] == 2
-        assert samples["renderqueue_cluster_confirmed"] == 1
+        assert samples[members] == 2
+        assert samples[confirmed] == 1
         unconfirmed = msgspec.structs.replace(cluster, view=["other"], confirmed=False)
         payload = encode_keeper_statistics(msgspec.structs.replace(record, cluster=unconfirmed))
         node.segments.keeper.write(payload, now_ms())
         samples = metric_samples(client.get("/metrics").text)
-        assert samples["renderqueue_cluster_members"] == 1
-        assert samples["renderqueue_cluster_confirmed"] == 0
+        assert samples[members] == 1
+        assert samples[confirmed] == 0
 
 
 def test_an_unreadable_keeper_record_leaves_its_series_out_and_is_no_error(
