@@ -41,6 +41,7 @@ from wire.schemas import (
     DEFAULT_LEASE_S,
     ClaimRequest,
     ClaimResponse,
+    ItemResult,
     Lease,
     NodeStatus,
     RenewItem,
@@ -84,14 +85,19 @@ def format_token(node: Node, token: int) -> str:
     return f"{settings.node}:{token}" if settings.clustered else str(token)
 
 
-def unready(node: Node, status: NodeClaimStatus) -> Response:
+def unready(
+    node: Node, status: NodeClaimStatus, completed: list[ItemResult] | None = None
+) -> Response:
     """The fleet's "not ready, retry in N s": plain JSON with a string `status` (`unready`
     or `stalled`; a problem document's `status` is the HTTP code, so this one body is not
-    problem+json)."""
+    problem+json). `completed`: a claim's completions, applied before it found so."""
     seconds = node.settings.retry_after_s
     return json_response(
         NodeStatus(
-            status=status.status, detail=f"{status.reason}; retry shortly", retry_after_s=seconds
+            status=status.status,
+            detail=f"{status.reason}; retry shortly",
+            retry_after_s=seconds,
+            completed=completed,
         ),
         503,
         headers={"Retry-After": str(seconds)},
@@ -367,10 +373,14 @@ async def next_publish(node: Node, deadline: float) -> bool:
     return True
 
 
-async def claim(node: Node, request: ClaimRequest) -> ClaimResponse | Response:
+async def claim(
+    node: Node, request: ClaimRequest, completed: list[ItemResult] | None = None
+) -> ClaimResponse | Response:
+    """`completed`: the answers to the completions the request carried, applied already
+    (api.completions.claim_completing); every answer, granted or not, carries them."""
     status = claim_status(node)
     if not status.can_grant:
-        return unready(node, status)
+        return unready(node, status, completed)
     check_lease_s(node, request.lease_s)
     lease_ms = lease_ms_of(node, request.lease_s)
     await ceiling_covers(node, lease_ms)
@@ -386,7 +396,7 @@ async def claim(node: Node, request: ClaimRequest) -> ClaimResponse | Response:
         # publishing during its wait, is what the fleet needs to hear.
         status = claim_status(node)
         if not status.can_grant:
-            return unready(node, status)
+            return unready(node, status, completed)
         kind = "draining" if status.status == "draining" else "ready"
         # Only an empty answer reads the keeper's record: a grant never pays for it.
         held = read_fences(node)
@@ -396,8 +406,9 @@ async def claim(node: Node, request: ClaimRequest) -> ClaimResponse | Response:
                 status=kind,
                 fenced=held.due,
                 detail=f"nothing granted: {held.describe(now_ms())}",
+                completed=completed,
             )
-    return ClaimResponse(leases=leases, status=kind)
+    return ClaimResponse(leases=leases, status=kind, completed=completed)
 
 
 def renew(node: Node, request: RenewRequest) -> RenewResults:

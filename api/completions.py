@@ -35,22 +35,30 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 import msgspec
+from starlette.responses import Response
 
-from api.claims import LEASE_NOT_HELD, NOT_FOUND, parse_token
+from api.claims import LEASE_NOT_HELD, NOT_FOUND, check_lease_s, claim, parse_token, unready
 from api.lane import StoreLane
 from api.node import Node
 from api.problems import ApiError, invalid_field
 from api.schedule import check_items
+from api.status import claim_status
 from shm import key_hash
 from shm.segment import now_ms
 from store.base import DEFAULT_BUSY_TIMEOUT_S
 from store.errors import StoreBusy
 from store.rows import Completion
-from wire.schemas import CompletionsRequest, ItemResult, ItemResults
+from wire.schemas import (
+    ClaimRequest,
+    ClaimResponse,
+    CompletionsRequest,
+    ItemResult,
+    ItemResults,
+)
 
 # The first wait is one turn of the event loop's clock (epoll waits whole milliseconds);
 # a 100-key completion holds the lock about that long.
@@ -151,6 +159,24 @@ def check(request: CompletionsRequest) -> None:
                 f"$.items[{index}].changed",
                 f"said of a rendered page only, not of outcome {item.outcome!r}",
             )
+
+
+async def claim_completing(
+    node: Node,
+    request: ClaimRequest,
+    complete: Callable[[CompletionsRequest], Awaitable[ItemResults]],
+) -> ClaimResponse | Response:
+    """A claim that carries completions: they are applied first by `complete`, as a
+    completions request is (forwarded where another node granted them), and answered in
+    `completed`. A node that cannot grant applies none (503: the same request may be sent
+    again); a bad claim is refused (422) before any is applied."""
+    assert request.complete is not None
+    status = claim_status(node)
+    if not status.can_grant:
+        return unready(node, status)
+    check_lease_s(node, request.lease_s)
+    done = await complete(CompletionsRequest(items=request.complete))
+    return await claim(node, msgspec.structs.replace(request, complete=None), done.results)
 
 
 class CompletionQueueStatistics(msgspec.Struct, frozen=True, kw_only=True):

@@ -14,7 +14,18 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import Response
 
-from api import admin, claims, cluster, metrics, schedule, site_history, site_list, sitemaps, sites
+from api import (
+    admin,
+    claims,
+    cluster,
+    completions,
+    metrics,
+    schedule,
+    site_history,
+    site_list,
+    sitemaps,
+    sites,
+)
 from api.auth import Scope
 from api.node import Node
 from api.params import Param, as_int
@@ -109,7 +120,16 @@ def on_lane(run: Callable[[Call], Any]) -> Callable[[Call], Awaitable[Any]]:
 
 
 async def _claim(call: Call) -> ClaimResponse | Response:
-    return await claims.claim(call.node, call.body)
+    if call.body.complete is None:
+        return await claims.claim(call.node, call.body)
+    services, forwarding = call.services, _forwarding(call)
+    return await completions.claim_completing(
+        call.node,
+        call.body,
+        lambda request: services.cluster.complete(
+            request, services.completions.complete, *forwarding
+        ),
+    )
 
 
 def _forwarding(call: Call) -> tuple[str | None, str | None]:
@@ -151,11 +171,14 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         "POST",
         "/v1/claims",
         "fleet",
-        "Lease up to `max` due keys, most overdue first; `wait_s` long-polls for the next publish.",
+        "Lease up to `max` due keys, most overdue first; `wait_s` long-polls for the next "
+        "publish. `complete` carries the previous batch's results, applied first and answered "
+        "in `completed` as `POST /v1/completions` answers them.",
         _claim,
         body=ClaimRequest,
         response=ClaimResponse,
         unavailable=NodeStatus,
+        writes_store=True,
     ),
     Endpoint(
         "POST",

@@ -13,7 +13,9 @@ Every call retries what is worth retrying and nothing else:
 A claim retried after a lost response can strand the leases the node did grant:
 they expire after their lease_s and the key is claimable again, which is the
 lease's purpose. A completion retried after a lost response may come back
-`lease_not_held` for an item the first attempt applied.
+`lease_not_held` for an item the first attempt applied; so may a completion carried on a
+claim (`claim_completing`) that is retried, whether its response was lost or the node
+answered 503 after applying it.
 """
 
 from __future__ import annotations
@@ -215,8 +217,22 @@ def _headers(token: str | None) -> dict[str, str]:
 _ENCODER = msgspec.json.Encoder()
 
 
-def _claim_body(max: int, worker: str, lease_s: int, wait_s: int) -> bytes:
-    return _ENCODER.encode(ClaimRequest(max=max, worker=worker, lease_s=lease_s, wait_s=wait_s))
+def _claim_body(
+    max: int, worker: str, lease_s: int, wait_s: int, complete: Sequence[CompletionItem] = ()
+) -> bytes:
+    # wire's ClaimRequest names wire's CompletionItem; the client's own encodes alike.
+    carried: Any = list(complete) or None
+    return _ENCODER.encode(
+        ClaimRequest(max=max, worker=worker, lease_s=lease_s, wait_s=wait_s, complete=carried)
+    )
+
+
+def _completed(response: ClaimResponse) -> list[ItemResult]:
+    """The answers to a claim's carried completions, as a completions call returns them."""
+    return [
+        ItemResult(key=r.key, ok=r.ok, error=r.error, detail=r.detail)
+        for r in response.completed or ()
+    ]
 
 
 def _renew_items(items: Sequence[Lease | RenewItem], lease_s: int | None) -> list[RenewItem]:
@@ -315,7 +331,20 @@ class FleetClient:
         cancel: threading.Event | None = None,
     ) -> list[Lease]:
         """Up to `max` leases, most overdue first; `wait_s` long-polls when nothing is due."""
-        body = _claim_body(max, self.worker, lease_s, wait_s)
+        return self.claim_completing(max, (), lease_s=lease_s, wait_s=wait_s, cancel=cancel)[0]
+
+    def claim_completing(
+        self,
+        max: int,
+        items: Sequence[CompletionItem],
+        *,
+        lease_s: int = DEFAULT_LEASE_S,
+        wait_s: int = 0,
+        cancel: threading.Event | None = None,
+    ) -> tuple[list[Lease], list[ItemResult]]:
+        """A claim that first reports `items` (as `complete` does): the leases, and each
+        item's result in order."""
+        body = _claim_body(max, self.worker, lease_s, wait_s, items)
         response = self._post(
             CLAIMS_PATH,
             body,
@@ -323,7 +352,7 @@ class FleetClient:
             timeout_s=self._timeout_s + wait_s,
             cancel=cancel,
         )
-        return response.leases
+        return response.leases, _completed(response)
 
     def renew(
         self, leases: Sequence[Lease | RenewItem], *, lease_s: int | None = None
@@ -437,7 +466,22 @@ class AsyncFleetClient:
     ) -> list[Lease]:
         """`max_unready_s` overrides the policy's for this call (a fleet spread over a
         cluster gives up on an unready node quickly and claims from the others)."""
-        body = _claim_body(max, self.worker, lease_s, wait_s)
+        leases, _ = await self.claim_completing(
+            max, (), lease_s=lease_s, wait_s=wait_s, max_unready_s=max_unready_s
+        )
+        return leases
+
+    async def claim_completing(
+        self,
+        max: int,
+        items: Sequence[CompletionItem],
+        *,
+        lease_s: int = DEFAULT_LEASE_S,
+        wait_s: int = 0,
+        max_unready_s: float | msgspec.UnsetType | None = msgspec.UNSET,
+    ) -> tuple[list[Lease], list[ItemResult]]:
+        """As FleetClient.claim_completing."""
+        body = _claim_body(max, self.worker, lease_s, wait_s, items)
         response = await self._post(
             CLAIMS_PATH,
             body,
@@ -445,7 +489,7 @@ class AsyncFleetClient:
             timeout_s=self._timeout_s + wait_s,
             max_unready_s=max_unready_s,
         )
-        return response.leases
+        return response.leases, _completed(response)
 
     async def renew(
         self, leases: Sequence[Lease | RenewItem], *, lease_s: int | None = None

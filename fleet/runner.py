@@ -3,7 +3,10 @@
 Three loops share one asyncio event loop. The claimer keeps `concurrency` renders in
 flight, long-polling when nothing is due. The renewer extends every lease whose
 remaining term has fallen under half, so a render may run past its first term. The
-completer reports outcomes in batches.
+completer reports outcomes in batches. A result rides on the next claim to the node that
+granted its lease (`carry_completions`): one round trip reports it and claims its
+successor. One that no claim has taken within `completion_linger_s` (its node's claimer is
+long-polling, or stopped) goes to the completer, as does one whose claim failed.
 
 A render is abandoned (cancelled, never completed: another worker may hold the key now)
 when the node refuses its renewal, and also once its lease is within a margin of its end,
@@ -35,7 +38,8 @@ import collections
 import contextlib
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -50,6 +54,8 @@ from fleet.cluster import ClusterDirectory
 from fleet.messages import CompletionItem, ItemResult, Lease
 from fleet.nodeview import NodeView, summarize_queue_state
 from fleet.renderers import Renderer, RenderResult
+
+T = TypeVar("T")
 
 MAX_CLAIM = 1000  # the API's cap on one claim
 MAX_DELIVERIES = 8  # completion requests in flight at once against a cluster
@@ -69,6 +75,7 @@ class FleetConfig(msgspec.Struct, frozen=True, kw_only=True):
     grace_s: float = 30.0
     completion_batch: int = 100
     completion_linger_s: float = 0.05  # gather completions this long into one request
+    carry_completions: bool = True  # results ride on the next claim (module note)
     state_every_s: float = 5.0  # queue-state poll for the progress view; 0 turns it off
     renew_every_s: float | None = None  # None: lease_s / 6, at least 1 s
     # With a directory: re-read the cluster's member list this often (joins and leaves).
@@ -205,7 +212,12 @@ class FleetRunner:
         self._jobs: dict[str, _Job] = {}
         # (granting node, item, its lease's end in this clock), or None: no more.
         self._completions: asyncio.Queue[tuple[str, CompletionItem, int] | None] = asyncio.Queue()
+        # By granting node: (item, its lease's end, when it was queued) for the next claim.
+        self._outbox: dict[str, list[tuple[CompletionItem, int, float]]] = collections.defaultdict(
+            list
+        )
         self._reserved = 0  # slots a claim in flight may fill
+        self._redeliveries: set[asyncio.Task[None]] = set()  # carried items sent again
         self._claimers: dict[str, asyncio.Task[None]] = {}
         self._idle: set[str] = set()  # nodes whose last claim found nothing
         self._per_node: dict[str, collections.Counter[str]] = collections.defaultdict(
@@ -306,6 +318,7 @@ class FleetRunner:
         claimer = asyncio.create_task(self._follow_nodes(), name="fleet-claim")
         renewer = asyncio.create_task(self._renew_loop(), name="fleet-renew")
         completer = asyncio.create_task(self._complete_loop(), name="fleet-complete")
+        outbox = asyncio.create_task(self._outbox_loop(), name="fleet-outbox")
         watcher = None
         if self.config.state_every_s > 0:
             watcher = asyncio.create_task(self._watch_node(), name="fleet-node-view")
@@ -318,12 +331,18 @@ class FleetRunner:
             self._claimers.clear()
             await self._drain_renders()
             await _cancel(renewer)
+            await _cancel(outbox)
+            if self._redeliveries:  # claims that carried results, cut off by the stop
+                await asyncio.wait(set(self._redeliveries), timeout=FLUSH_TIMEOUT_S)
+            self._flush_outbox(None)
             await self._completions.put(None)
             try:
                 async with asyncio.timeout(FLUSH_TIMEOUT_S):
                     await completer
             except TimeoutError:
                 self._log("stopped before every completion was delivered")
+            if self._redeliveries:
+                await asyncio.wait(set(self._redeliveries), timeout=FLUSH_TIMEOUT_S)
             if watcher is not None:
                 await _cancel(watcher)
         return self.statistics()
@@ -405,14 +424,30 @@ class FleetRunner:
                 continue
             self._reserved += want
             asked_at = _now_ms()
-            try:
-                leases = await client.claim(
-                    want, lease_s=config.lease_s, wait_s=config.wait_s, max_unready_s=unready_s
+            carried = self._outbox.pop(node, [])
+            # A claim that carries results does not long-poll, and a stop lets it finish:
+            # cut off, it could not tell which of them the node applied.
+            call = _task(
+                client.claim_completing(
+                    want,
+                    [item for item, _, _ in carried],
+                    lease_s=config.lease_s,
+                    wait_s=0 if carried else config.wait_s,
+                    max_unready_s=unready_s,
                 )
+            )
+            try:
+                leases, results = await (asyncio.shield(call) if carried else call)
             except FleetRequestError as exc:
+                if carried:
+                    # Maybe an item's fault: they go on their own, the claim goes again.
+                    self._requeue(node, carried)
+                    self._reserved -= want
+                    continue
                 self._fail(f"{'node ' + node if node else 'the node'} refused a claim: {exc}")
                 return
             except FleetUnavailable as exc:
+                self._requeue(node, carried)
                 failures += 1
                 self._log(f"claims failing{' at ' + node if node else ''}: {exc}")
                 self._idle.add(node)
@@ -422,9 +457,16 @@ class FleetRunner:
                 continue
             except BaseException:
                 self._reserved -= want
+                if carried:
+                    self._track(self._settle_later(node, call, carried))
                 raise
             self._reserved -= want
             failures = 0
+            if carried:
+                ends = {item.key: end for item, end, _ in carried}
+                again = self._settle(node, [item for item, _, _ in carried], results, True, ends)
+                if again:
+                    self._track(self._deliver_again(node, carried, again, ends))
             self._counts["claimed"] += len(leases)
             self._per_node[node]["claimed"] += len(leases)
             if leases:
@@ -509,20 +551,18 @@ class FleetRunner:
                 self._log(f"failed {job.lease.key}: {result.detail}")
             # the token of the lease as it is now: a regrant may have replaced it
             lease = job.lease
-            await self._completions.put(
-                (
-                    job.node,
-                    CompletionItem(
-                        key=lease.key,
-                        token=lease.token,
-                        outcome=result.outcome,
-                        next_render_at=result.next_render_at,
-                        site_retry_after_s=result.site_retry_after_s,
-                        changed=result.changed if result.outcome == "rendered" else None,
-                    ),
-                    job.expires_at,
-                )
+            item = CompletionItem(
+                key=lease.key,
+                token=lease.token,
+                outcome=result.outcome,
+                next_render_at=result.next_render_at,
+                site_retry_after_s=result.site_retry_after_s,
+                changed=result.changed if result.outcome == "rendered" else None,
             )
+            if self.config.carry_completions and not self._stopping.is_set():
+                self._outbox[job.node].append((item, job.expires_at, time.monotonic()))
+            else:
+                await self._completions.put((job.node, item, job.expires_at))
         finally:
             if job.timer is not None:
                 job.timer.cancel()
@@ -614,6 +654,64 @@ class FleetRunner:
                 self._log(f"lease lost on {job.lease.key} ({why}); render abandoned")
                 self._cancel_render(job, "lease_lost")
 
+    def _track(self, work: Coroutine[Any, Any, None]) -> None:
+        """Carried results still on their way: a stop waits for them."""
+        task = asyncio.create_task(work)
+        self._redeliveries.add(task)
+        task.add_done_callback(self._redeliveries.discard)
+
+    async def _settle_later(
+        self,
+        node: str,
+        call: asyncio.Future[tuple[list[Lease], list[ItemResult]]],
+        carried: list[tuple[CompletionItem, int, float]],
+    ) -> None:
+        """The answer to a claim whose claimer was cancelled: its carried results count
+        (its leases are left to expire, as any claim's cut off)."""
+        try:
+            _, results = await call
+        except Exception:
+            self._requeue(node, carried)
+            return
+        ends = {item.key: end for item, end, _ in carried}
+        again = self._settle(node, [item for item, _, _ in carried], results, True, ends)
+        if again:
+            await self._deliver_again(node, carried, again, ends)
+
+    def _requeue(self, node: str, carried: list[tuple[CompletionItem, int, float]]) -> None:
+        """Carried items whose claim failed: the completer sends them on their own."""
+        for item, end, _ in carried:
+            self._completions.put_nowait((node, item, end))
+
+    def _flush_outbox(self, older_than: float | None) -> None:
+        """Hand the completer each item no claim has taken since `older_than` (None: all)."""
+        for node in list(self._outbox):
+            waiting = self._outbox[node]
+            stale = [x for x in waiting if older_than is None or x[2] <= older_than]
+            if not stale:
+                continue
+            if len(stale) == len(waiting):
+                del self._outbox[node]
+            else:
+                self._outbox[node] = [x for x in waiting if x not in stale]
+            self._requeue(node, stale)
+
+    async def _outbox_loop(self) -> None:
+        linger = max(self.config.completion_linger_s, 0.001)
+        while True:
+            await asyncio.sleep(linger)
+            self._flush_outbox(time.monotonic() - linger)
+
+    async def _deliver_again(
+        self,
+        node: str,
+        carried: list[tuple[CompletionItem, int, float]],
+        again: set[str],
+        ends: dict[str, int],
+    ) -> None:
+        await asyncio.sleep(COMPLETION_RETRY_MS / 1000)
+        await self._deliver_to(node, [item for item, _, _ in carried if item.key in again], ends)
+
     async def _complete_loop(self) -> None:
         closing = False
         # Against a cluster each batch is delivered on a task of its own, at most a few at
@@ -696,6 +794,21 @@ class FleetRunner:
             self._counts["completions_lost"] += len(batch)
             self._log(f"{len(batch)} completion(s) not delivered: {exc}")
             return
+        again = self._settle(node, batch, results, own, ends)
+        if again:
+            await asyncio.sleep(COMPLETION_RETRY_MS / 1000)
+            await self._deliver_to(node, [item for item in batch if item.key in again], ends)
+
+    def _settle(
+        self,
+        node: str,
+        batch: list[CompletionItem],
+        results: list[ItemResult],
+        own: bool,
+        ends: dict[str, int],
+    ) -> set[str]:
+        """Count a batch's results; the keys answered `node_unavailable` to send again, while
+        their leases last (`ends`)."""
         outcomes = {
             item.key: "pushed_back" if item.site_retry_after_s else item.outcome for item in batch
         }
@@ -724,9 +837,7 @@ class FleetRunner:
             first = refused[0]
             where = f" (leases of {node}{'' if own else ', sent to another node'})" if node else ""
             self._log(f"{len(refused)} completion(s) refused{where}: {first.detail or first.error}")
-        if again:
-            await asyncio.sleep(COMPLETION_RETRY_MS / 1000)
-            await self._deliver_to(node, [item for item in batch if item.key in again], ends)
+        return again
 
     async def _watch_node(self) -> None:
         while True:
@@ -747,6 +858,10 @@ class FleetRunner:
             except Exception as exc:  # a view only: never let it stop the fleet
                 self.node_view = NodeView(status=f"unreachable ({type(exc).__name__})")
             await asyncio.sleep(self.config.state_every_s)
+
+
+def _task(work: Coroutine[Any, Any, T]) -> asyncio.Task[T]:
+    return asyncio.create_task(work)
 
 
 async def _cancel(task: asyncio.Task[object] | asyncio.Task[None] | asyncio.Task[bool]) -> None:

@@ -8,8 +8,9 @@ into its CLI by tests/schemathesis.toml's `hooks` for tests/test_api_contract.py
   tests/test_api_openapi.py holds the node to the byte rule itself.
 - The sitemap upload's body is a sitemap document, which no schema describes; valid ones
   are drawn here (any URL imports: the default route rules).
-- Claims' `wait_s` is cut to 0.2 s: a long poll with nothing due waits it out, and a run of
-  30 s waits would only measure sleeping. A `wait_s` past the limit is sent as drawn.
+- Claims' `wait_s` is cut to 0.2 s, in every phase: a long poll with nothing due waits it
+  out, and a run of 30 s waits would only measure sleeping. A `wait_s` past the limit is
+  sent as drawn.
 """
 
 from __future__ import annotations
@@ -72,10 +73,8 @@ schemathesis.openapi.media_type(
 )
 
 
-@schemathesis.hook
-def map_body(context: Any, body: Any) -> Any:
-    operation = context.operation
-    if operation is not None and operation.path == "/v1/claims" and isinstance(body, dict):
+def _wait_cut(path: str | None, body: Any) -> Any:
+    if path == "/v1/claims" and isinstance(body, dict):
         wait = body.get("wait_s")
         # Only a valid wait is cut: one past the limit stays, to be refused.
         if (
@@ -85,3 +84,15 @@ def map_body(context: Any, body: Any) -> Any:
         ):
             return {**body, "wait_s": LONGEST_POLL_S}
     return body
+
+
+@schemathesis.hook
+def map_body(context: Any, body: Any) -> Any:
+    operation = context.operation
+    return _wait_cut(None if operation is None else operation.path, body)
+
+
+@schemathesis.hook
+def before_call(context: Any, case: Any, kwargs: Any) -> None:
+    # The coverage phase's cases are not drawn through map_body.
+    case.body = _wait_cut(case.operation.path, case.body)

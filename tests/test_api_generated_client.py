@@ -1,6 +1,7 @@
 """A client generated from the node's own `/openapi.json` by openapi-python-client (a
-standard generator, run here as a fleet in another codebase would run it) claims, renews
-and completes against a live node: the document is enough to build a fleet from.
+standard generator, run here as a fleet in another codebase would run it) claims, renews,
+completes, and claims carrying completions against a live node: the document is enough to
+build a fleet from.
 
 The client is generated at test time into tmp_path from the live document, never
 committed, so it is always the current document's client.
@@ -115,6 +116,29 @@ def test_a_generated_client_claims_renews_and_completes(
         assert isinstance(done, models.ItemResults)
         assert [(r.key, r.ok) for r in done.results] == [(first.key, True), (second.key, False)]
         assert done.results[1].error == "lease_not_held"
+
+        # The next claim carries the second lease's result: applied first, answered beside
+        # the new leases.
+        carried = claims.sync(
+            client=fleet,
+            body=models.ClaimRequest(
+                max_=1,
+                worker="generated",
+                lease_s=30,
+                complete=[
+                    models.CompletionItem(
+                        key=second.key,
+                        token=second.token,
+                        outcome=models.CompletionItemOutcome.FAILED,
+                    )
+                ],
+            ),
+        )
+        assert isinstance(carried, models.ClaimResponse)
+        assert len(carried.leases) == 1 and carried.leases[0].key not in (first.key, second.key)
+        assert isinstance(carried.completed, list)
+        (applied,) = carried.completed
+        assert (applied.key, applied.ok) == (second.key, True) and applied.held_until > now_ms()
 
         # The fleet token opens nothing else: the generated client hears the 403 as a Problem.
         refused = get_row.sync_detailed(client=fleet, key=first.key)

@@ -13,6 +13,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
 import msgspec
@@ -44,6 +45,8 @@ class ScriptedNode:
         self.unavailable_completions = 0
         self.renewals: list[str] = []
         self.claims = 0
+        self.completion_requests = 0
+        self.carried = 0  # completion items that came on claims
         self._token = 0
         # The node's clock less the fleet's: its lease_expires_at are in its own clock,
         # and each lease says its term (lease_ms) as a real node does.
@@ -54,6 +57,11 @@ class ScriptedNode:
         path = request.url.path
         if path == "/v1/claims":
             self.claims += 1
+            # Completions it carries are applied first, as /v1/completions applies them.
+            completed = None
+            if "complete" in body:
+                self.carried += len(body["complete"])
+                completed = self._complete(body["complete"])
             granted: list[dict[str, object]] = []
             while self.due and len(granted) < body["max"]:
                 key = self.due.pop(0)
@@ -74,23 +82,13 @@ class ScriptedNode:
                 )
             if not granted and body.get("wait_s"):
                 await asyncio.sleep(min(body["wait_s"], 0.05))
-            return httpx.Response(200, json={"leases": granted, "status": "ready"})
+            answer: dict[str, object] = {"leases": granted, "status": "ready"}
+            if completed is not None:
+                answer["completed"] = completed
+            return httpx.Response(200, json=answer)
         if path == "/v1/completions":
-            results = []
-            if self.unavailable_completions > 0:
-                self.unavailable_completions -= 1
-                unavailable = {"ok": False, "error": "node_unavailable", "detail": "restarting"}
-                results = [{"key": item["key"], **unavailable} for item in body["items"]]
-                return httpx.Response(200, json={"results": results})
-            for item in body["items"]:
-                held = self.leases.get(item["key"])
-                if held is None or held[0] != item["token"]:
-                    results.append({"key": item["key"], "ok": False, "error": "lease_not_held"})
-                    continue
-                del self.leases[item["key"]]
-                self.completed.append((item["key"], item["outcome"]))
-                results.append({"key": item["key"], "ok": True})
-            return httpx.Response(200, json={"results": results})
+            self.completion_requests += 1
+            return httpx.Response(200, json={"results": self._complete(body["items"])})
         if path == "/v1/leases/renew":
             results = []
             for item in body["items"]:
@@ -109,6 +107,22 @@ class ScriptedNode:
         if path == "/prerender_admin/queue-state":
             return httpx.Response(200, json={"now": {"due": len(self.due), "status": "ready"}})
         return httpx.Response(404)
+
+    def _complete(self, items: list[dict[str, Any]]) -> list[dict[str, object]]:
+        if self.unavailable_completions > 0:
+            self.unavailable_completions -= 1
+            unavailable = {"ok": False, "error": "node_unavailable", "detail": "restarting"}
+            return [{"key": item["key"], **unavailable} for item in items]
+        results: list[dict[str, object]] = []
+        for item in items:
+            held = self.leases.get(item["key"])
+            if held is None or held[0] != item["token"]:
+                results.append({"key": item["key"], "ok": False, "error": "lease_not_held"})
+                continue
+            del self.leases[item["key"]]
+            self.completed.append((item["key"], item["outcome"]))
+            results.append({"key": item["key"], "ok": True})
+        return results
 
 
 def run_fleet(
@@ -285,6 +299,47 @@ def test_a_completion_answered_node_unavailable_is_sent_again_while_its_lease_la
     )
     assert sorted(node.completed) == [("a", "rendered"), ("b", "rendered")]
     assert node.unavailable_completions == 0 and stats.refused == 0
+
+
+def test_results_ride_on_the_next_claim_to_their_node() -> None:
+    keys = [f"k{i}" for i in range(120)]
+    node = ScriptedNode(keys)
+    stats, _ = run_fleet(
+        node,
+        quick,
+        FleetConfig(concurrency=8, wait_s=1, state_every_s=0, completion_linger_s=1.0),
+        stop_when=lambda runner: len(node.completed) == len(keys),
+    )
+    assert sorted(key for key, _ in node.completed) == sorted(keys)
+    assert (stats.rendered, stats.refused, stats.completions_lost) == (120, 0, 0)
+    # Every slot a render frees is claimed again at once, with its result on that claim; the
+    # results left when the keys run out go on their own.
+    assert node.carried >= 100 and node.carried + node.completion_requests * 8 >= 120
+
+
+def test_without_carrying_results_go_on_their_own() -> None:
+    node = ScriptedNode([f"k{i}" for i in range(40)])
+    stats, _ = run_fleet(
+        node,
+        quick,
+        FleetConfig(concurrency=8, wait_s=1, state_every_s=0, carry_completions=False),
+        stop_when=lambda runner: len(node.completed) == 40,
+    )
+    assert node.carried == 0 and stats.rendered == 40 and node.completion_requests > 0
+
+
+def test_a_carried_result_answered_node_unavailable_is_sent_again() -> None:
+    node = ScriptedNode([f"k{i}" for i in range(6)])
+    node.unavailable_completions = 1
+    stats, _ = run_fleet(
+        node,
+        quick,
+        FleetConfig(concurrency=1, lease_s=30, wait_s=1, state_every_s=0, completion_linger_s=1.0),
+        stop_when=lambda _: len(node.completed) == 6,
+    )
+    assert node.carried > 0 and node.unavailable_completions == 0
+    assert sorted(key for key, _ in node.completed) == [f"k{i}" for i in range(6)]
+    assert (stats.rendered, stats.refused, stats.completions_lost) == (6, 0, 0)
 
 
 def test_a_renewal_refused_for_any_reason_abandons_the_render_and_names_the_owner() -> None:

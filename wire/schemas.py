@@ -122,6 +122,20 @@ class ClaimRequest(Request, frozen=True, omit_defaults=True):
     # Absent: DEFAULT_LEASE_S, or the node's max_lease_s when that is shorter (a cluster's cap).
     lease_s: LeaseS | None = None
     wait_s: Annotated[float, Meta(ge=0, le=MAX_WAIT_S)] = 0
+    # The previous batch's results, applied before anything is granted, as a completions
+    # request's items are: one round trip does both.
+    complete: (
+        Annotated[
+            list[CompletionItem],
+            Meta(
+                min_length=1,
+                max_length=MAX_ITEMS,
+                description="Results to apply first, as `POST /v1/completions` items; "
+                "answered in the response's `completed`.",
+            ),
+        ]
+        | None
+    ) = None
 
 
 class Lease(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -152,6 +166,8 @@ class ClaimResponse(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
     # from another node whose leases on them may live), and why, until when.
     fenced: int | None = None
     detail: str | None = None
+    # The request's `complete` items, each answered as `POST /v1/completions` answers it.
+    completed: list[ItemResult] | None = None
 
 
 class NodeStatus(Body, frozen=True):
@@ -160,6 +176,8 @@ class NodeStatus(Body, frozen=True):
     status: str
     detail: str | None = None
     retry_after_s: int | None = None
+    # A claim's `complete` items, applied before the node found it could not grant.
+    completed: list[ItemResult] | None = None
 
 
 # An origin's Retry-After, in seconds: at most a day.
