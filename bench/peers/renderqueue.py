@@ -393,6 +393,29 @@ class HttpPeer:
     def spec(self) -> Spec:
         return Spec(kind="renderqueue-http", params={"url": f"http://127.0.0.1:{self.port}"})
 
+    def carried_spec(self) -> Spec:
+        """Claimants that carry each batch's completions on their next claim."""
+        return Spec(
+            kind="renderqueue-http",
+            params={"url": f"http://127.0.0.1:{self.port}", "carry": "1"},
+        )
+
+    def cpu_s(self) -> float:
+        """The node's CPU so far: the supervisor and every worker (psutil)."""
+        import psutil
+
+        if self.process is None:
+            return 0.0
+        root = psutil.Process(self.process.pid)
+        total = 0.0
+        for process in [root, *root.children(recursive=True)]:
+            try:
+                times = process.cpu_times()
+            except psutil.Error:
+                continue
+            total += times.user + times.system
+        return total
+
     def drop(self) -> None:
         if self.process is not None and self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
@@ -416,30 +439,48 @@ class HttpClaimant:
         )
         self.tokens: dict[str, str] = {}
         self.worker = f"bench-{os.getpid()}"
+        # Carrying: the last batch's completions, sent on the next claim.
+        self.carry = params.get("carry") == "1"
+        self.pending: list[dict[str, str]] = []
         # Open the keep-alive connection now, so the first timed claim doesn't pay for it.
         self.client.get("/healthz")
 
     def claim(self, n: int, now_ms: int, lease_ms: int) -> list[str]:
-        response = self.client.post(
-            "/v1/claims", json={"max": n, "lease_s": lease_ms // 1000, "worker": self.worker}
-        )
+        body: dict[str, Any] = {"max": n, "lease_s": lease_ms // 1000, "worker": self.worker}
+        if self.pending:
+            body["complete"], self.pending = self.pending, []
+        response = self.client.post("/v1/claims", json=body)
         response.raise_for_status()
+        answer = response.json()
+        _all_applied(answer.get("completed", []))
         keys = []
-        for lease in response.json()["leases"]:
+        for lease in answer["leases"]:
             self.tokens[lease["key"]] = lease["token"]
             keys.append(lease["key"])
         return keys
 
     def complete(self, keys: list[str], now_ms: int) -> None:
         items = [{"key": k, "token": self.tokens.pop(k), "outcome": "rendered"} for k in keys]
+        if self.carry:
+            self.pending += items  # on the next claim
+            return
+        self._send(items)
+
+    def _send(self, items: list[dict[str, str]]) -> None:
         response = self.client.post("/v1/completions", json={"items": items})
         response.raise_for_status()
-        refused = [r for r in response.json()["results"] if not r["ok"]]
-        if refused:
-            raise RuntimeError(f"{len(refused)} completions refused, e.g. {refused[0]}")
+        _all_applied(response.json()["results"])
 
     def close(self) -> None:
+        if self.pending:
+            self._send(self.pending)
         self.client.close()
+
+
+def _all_applied(results: list[dict[str, Any]]) -> None:
+    refused = [r for r in results if not r["ok"]]
+    if refused:
+        raise RuntimeError(f"{len(refused)} completions refused, e.g. {refused[0]}")
 
 
 def open_renderqueue_claimant(spec: Spec) -> Claimant:

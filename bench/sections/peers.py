@@ -93,6 +93,9 @@ class ArmResult(msgspec.Struct, kw_only=True):
     empty_claims: int
     claims: int
     claimant_cpu_s: float = 0.0  # every claimant process's CPU, summed
+    # The completions rode on the next claim (`complete` on POST /v1/claims).
+    carried: bool = False
+    node_cpu_s: float | None = None  # the server's CPU over the arm, where the bench runs it
 
 
 class Growth(msgspec.Struct, kw_only=True):
@@ -309,14 +312,30 @@ def run_peer(name: str, factory: PeerFactory, config: Config) -> PeerRun:
                 run.growth.append(growth_probe(spec, size, due, config))
             if size == config.rows:
                 max_keys = min(config.arm_max_keys, int(due * config.arm_share_of_due))
-                for complete in (False, True):
+                carried = getattr(peer, "carried_spec", None)
+                cpu_s = getattr(peer, "cpu_s", None)
+                plan_arms = [(False, False), (True, False)]
+                if carried is not None:
+                    plan_arms.append((True, True))
+                for complete, carry in plan_arms:
                     for batch in BATCHES:
                         what = "claim then complete" if complete else "claim"
+                        what += " (carried on claims)" if carry else ""
                         report.progress(f"peers: {name}: {what}, batch {batch}, {max_keys} keys")
-                        arm = run_arm(spec, batch, complete, max_keys, config)
+                        cpu0 = cpu_s() if cpu_s is not None else 0.0
+                        arm_spec = carried() if carry and carried is not None else spec
+                        arm = run_arm(arm_spec, batch, complete, max_keys, config)
+                        arm.carried = carry
+                        if cpu_s is not None:
+                            arm.node_cpu_s = round(cpu_s() - cpu0, 4)
                         report.progress(
                             f"peers: {name}: {arm.keys_per_s:,.0f} keys/s, "
                             f"claim p50 {arm.claim_p50_us} us p99 {arm.claim_p99_us} us"
+                            + (
+                                f", node CPU {arm.node_cpu_s / arm.keys * 1e6:.1f} us/key"
+                                if arm.node_cpu_s is not None and arm.keys
+                                else ""
+                            )
                         )
                         run.arms.append(arm)
         finally:
@@ -366,10 +385,19 @@ def figures(runs: dict[str, PeerRun], config: Config) -> list[report.Figure]:
     table = f"Claims: {config.rows:,} rows, 20% due, churned; {CLAIMANTS} claimant processes"
     out: list[report.Figure] = []
 
-    def arm_of(run: PeerRun | None, batch: int, complete: bool) -> ArmResult | None:
+    def arm_of(
+        run: PeerRun | None, batch: int, complete: bool, carried: bool = False
+    ) -> ArmResult | None:
         if run is None:
             return None
-        return next((a for a in run.arms if a.batch == batch and a.complete == complete), None)
+        return next(
+            (
+                a
+                for a in run.arms
+                if a.batch == batch and a.complete == complete and a.carried == carried
+            ),
+            None,
+        )
 
     metrics: list[tuple[str, str, str, report.Better]] = [
         ("keys/s", "keys_per_s", "keys/s", "higher"),
@@ -397,6 +425,45 @@ def figures(runs: dict[str, PeerRun], config: Config) -> list[report.Figure]:
                         peers=values,
                     )
                 )
+    for batch in BATCHES:
+        # The node's CPU per completed key (HTTP only: the server is a process of its own),
+        # with completions sent on their own and carried on the next claim.
+        for carried in (False, True):
+            mode = "carried on claims" if carried else "sent on their own"
+            arm = arm_of(runs.get(OURS_HTTP), batch, True, carried)
+            per_key = (
+                None
+                if arm is None or arm.node_cpu_s is None or not arm.keys
+                else round(arm.node_cpu_s / arm.keys * 1e6, 1)
+            )
+            out.append(
+                report.Figure(
+                    table=table,
+                    what=f"claim then complete, batch {batch}: HTTP node CPU per key, "
+                    f"completions {mode}",
+                    unit="µs",
+                    note="the node's processes (psutil) over the arm ÷ keys; target at "
+                    "batch 100: <= 35",
+                    peers={OURS_HTTP: per_key},
+                )
+            )
+        values = {}
+        for name in PEER_ORDER:
+            arm = arm_of(runs.get(name), batch, True, name == OURS_HTTP)
+            values[name] = None if arm is None else arm.keys_per_s
+        out.append(
+            report.Figure(
+                table=table,
+                what=f"claim then complete, batch {batch}: keys/s, renderqueue HTTP carrying "
+                "completions on claims",
+                unit="keys/s",
+                better="higher",
+                note="renderqueue HTTP's column is its carried arm; the others are the same "
+                "claim-then-complete arm as above",
+                ours=values.pop(OURS),
+                peers=values,
+            )
+        )
     twice = {
         name: float(sum(a.granted_twice for a in runs[name].arms)) if name in runs else None
         for name in PEER_ORDER
