@@ -6,7 +6,6 @@ router serves the rest."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import Any
 
 from starlette.applications import Starlette
@@ -26,6 +25,7 @@ from api.params import read_params
 from api.problems import ApiError, problem_response
 from api.services import Services
 from api.status import supervisor_statistics
+from store.base import cluster_membership
 from store.errors import StoreBusy, StoreFull, StoreUnavailable
 from store.rows import MemberList
 
@@ -141,8 +141,7 @@ def build_services(node: Node) -> Services:
         return int((supervisor_statistics(node) or {}).get("started_at") or 0)
 
     def members(ttl_s: float) -> MemberList:
-        read: Callable[[float], MemberList] = node.store.members  # type: ignore[attr-defined]
-        return read(ttl_s)
+        return cluster_membership(node.store).members(ttl_s)  # read in a cluster only
 
     return Services(
         completions=CompletionQueue(

@@ -8,7 +8,18 @@ from typing import Protocol
 import msgspec
 
 from store.cadence import Adaptation
-from store.rows import Completion, FeedEvent, Route, Row, RowWrite, SiteSettings
+from store.errors import StoreError
+from store.rows import (
+    Completion,
+    FeedEvent,
+    Handover,
+    MemberList,
+    NodeRecord,
+    Route,
+    Row,
+    RowWrite,
+    SiteSettings,
+)
 
 # How long a write waits for the lock other writers hold before it raises StoreBusy, in
 # either backend; a caller that waits on its own (api.completions) keeps the same bound.
@@ -177,7 +188,44 @@ class Subscription(Protocol):
     def close(self) -> None: ...
 
 
+class Membership(Protocol):
+    """A cluster's member list, kept by a backend that nodes share (PostgreSQL): each node's
+    keeper and API read it, and the keeper writes what its node has adopted, on the store's
+    own connections. Liveness is judged by the database's clock and the TTL given. A node's
+    own row (join, heartbeat, leave) is its supervisor's: store.postgres.membership."""
+
+    def nodes(self, ttl_s: float) -> list[NodeRecord]:
+        """Every known node, live or not, by name."""
+        ...
+
+    def members(self, ttl_s: float, handovers: bool = False) -> MemberList:
+        """The member list with the database's clock (and the live lease hand-overs)."""
+        ...
+
+    def acknowledge(
+        self, node: str, incarnation: int, view: Sequence[int], handover: Handover
+    ) -> bool:
+        """Say this incarnation enforces `view` (the live incarnations) and hand over its
+        live leases on keys it does not own there, at once. False when the row is no longer
+        this incarnation's (superseded: it acknowledges nothing)."""
+        ...
+
+    def raise_lease_ceiling(
+        self, node: str, ttl_s: float, incarnation: int, horizon_ms: int
+    ) -> bool:
+        """Publish that no lease of this incarnation ends after `horizon_ms` (the database's
+        clock; the ceiling only rises). False when the row did not take it: superseded,
+        left, or its heartbeat older than half the TTL (keeper.ceiling)."""
+        ...
+
+
 class ScheduleStore(Protocol):
+    @property
+    def membership(self) -> Membership | None:
+        """The cluster's member list where this backend keeps one (PostgreSQL); None where
+        a node is alone (SQLite)."""
+        ...
+
     @property
     def remote(self) -> bool:
         """True when every call is a round trip to a server, which a server or network gone
@@ -290,3 +338,15 @@ class ScheduleStore(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+def cluster_membership(store: ScheduleStore) -> Membership:
+    """The member list of a clustered node's store; StoreError where its backend keeps none
+    (a node alone, on SQLite)."""
+    membership = store.membership
+    if membership is None:
+        raise StoreError(
+            f"a cluster needs a store that keeps its member list (PostgreSQL); "
+            f"{type(store).__name__} keeps none"
+        )
+    return membership

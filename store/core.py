@@ -19,6 +19,7 @@ import msgspec
 
 from store.base import (
     Cursor,
+    Membership,
     PostgresCounters,
     RowsRead,
     SqliteCounters,
@@ -139,6 +140,11 @@ class SqlStore(ABC, Generic[C, S]):
 
     @abstractmethod
     def _backend_counters(self, states: list[S]) -> SqliteCounters | PostgresCounters: ...
+
+    @property
+    def membership(self) -> Membership | None:
+        """None: a backend that keeps a cluster's member list says so."""
+        return None
 
     # -- threads -------------------------------------------------------------------------
 

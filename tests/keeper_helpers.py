@@ -155,6 +155,7 @@ class MemoryStore:
     """A schedule table with a change log; delivery re-reads the current row."""
 
     remote = False
+    membership = None  # a node alone
 
     def __init__(self) -> None:
         self.rows: dict[str, Row] = {}

@@ -26,8 +26,9 @@ from store_helpers import (
     subscribed_after,
 )
 
+from store.base import cluster_membership
 from store.errors import StoreBusy, StoreError
-from store.rows import Completion, Outcome, Route, Row, RowEvent, SiteSettings
+from store.rows import Completion, Handover, Outcome, Route, Row, RowEvent, SiteSettings
 
 SPAWN = multiprocessing.get_context("spawn")
 
@@ -699,3 +700,22 @@ def test_counters_count_this_objects_writes_and_the_writes_it_gave_up(store_url:
             assert refused.sqlite.busy_retries > 0  # it tried again until the wait ran out
     finally:
         store.close()
+
+
+def test_a_store_shared_by_nodes_keeps_their_member_list(
+    any_store: ContractStore, store_url: str
+) -> None:
+    if not is_postgres(store_url):
+        assert any_store.membership is None
+        with pytest.raises(StoreError, match="keeps its member list"):
+            cluster_membership(any_store)
+        return
+    membership = cluster_membership(any_store)
+    assert membership is any_store.membership
+    listed = membership.members(12.0, handovers=True)
+    assert listed.records == [] and listed.db_now_ms > 0 and listed.with_handovers
+    assert membership.nodes(12.0) == []
+    # A node that never joined is no incarnation's row: nothing is acknowledged or raised.
+    handover = Handover(node="nobody", incarnation=1, key_hashes=[], expires_at_ms=[])
+    assert not membership.acknowledge("nobody", 1, [1], handover)
+    assert not membership.raise_lease_ceiling("nobody", 12.0, 1, 60_000)

@@ -368,12 +368,12 @@ def test_urls_lose_their_passwords_in_statistics_and_errors(pg_url: str) -> None
 def test_a_node_with_another_site_policy_is_refused_at_join(pg_url: str) -> None:
     """The site defaults are cluster settings: a cap enforced by some nodes only would not
     be one."""
-    from store.postgres.membership import Membership, SettingsDiffer
+    from store.postgres.membership import NodeMembership, SettingsDiffer
 
     PostgresStore(pg_url).close()  # the schema
     common = {"instance": "i", "advertised_url": "http://127.0.0.1:1", "ttl_s": 30.0}
-    first = Membership(pg_url, "a", site_policy="max_in_flight=4", **common)  # type: ignore[arg-type]
-    second = Membership(pg_url, "b", site_policy="max_in_flight=none", **common)  # type: ignore[arg-type]
+    first = NodeMembership(pg_url, "a", site_policy="max_in_flight=4", **common)  # type: ignore[arg-type]
+    second = NodeMembership(pg_url, "b", site_policy="max_in_flight=none", **common)  # type: ignore[arg-type]
     try:
         first.join()
         with pytest.raises(
@@ -387,12 +387,12 @@ def test_a_node_with_another_site_policy_is_refused_at_join(pg_url: str) -> None
 
 def test_a_node_that_divides_keys_otherwise_is_refused_at_join(pg_url: str) -> None:
     """Ownership by key on one node and by site on another would give a key two owners."""
-    from store.postgres.membership import Membership, SettingsDiffer
+    from store.postgres.membership import NodeMembership, SettingsDiffer
 
     PostgresStore(pg_url).close()  # the schema
     common = {"instance": "i", "advertised_url": "http://127.0.0.1:1", "ttl_s": 30.0}
-    first = Membership(pg_url, "a", ownership="site", **common)  # type: ignore[arg-type]
-    second = Membership(pg_url, "b", **common)  # type: ignore[arg-type]
+    first = NodeMembership(pg_url, "a", ownership="site", **common)  # type: ignore[arg-type]
+    second = NodeMembership(pg_url, "b", **common)  # type: ignore[arg-type]
     try:
         first.join()
         with pytest.raises(SettingsDiffer, match="ownership: this node key, the cluster site"):

@@ -29,7 +29,7 @@ import msgspec
 from shm.leases import LeaseTable
 from shm.segment import monotonic_ms, now_ms
 from store.errors import StoreError
-from store.postgres.membership import Joined, Membership
+from store.postgres.membership import Joined, NodeMembership
 from store.rows import HandedBlock, Handover
 from workers import logs
 
@@ -54,7 +54,7 @@ class MembershipStatistics(msgspec.Struct, frozen=True, kw_only=True):
 class MembershipHeartbeat:
     def __init__(
         self,
-        membership: Membership,
+        membership: NodeMembership,
         interval_s: float,
         on_superseded: Callable[[], None] | None = None,
         keeper_heard_at: Callable[[], int] | None = None,

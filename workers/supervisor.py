@@ -324,10 +324,10 @@ class Supervisor:
     def _join_cluster(self) -> None:
         """Become a member, as a new incarnation, before any worker spawns: a name a live
         process holds, or settings that differ from the live cluster's, stop here."""
-        from store.postgres.membership import Membership
+        from store.postgres.membership import NodeMembership
 
         settings = self.settings
-        membership = Membership(
+        membership = NodeMembership(
             settings.store_url(),
             self.node,
             instance=self.instance,

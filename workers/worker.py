@@ -129,8 +129,15 @@ KEEPER_PAGE_CACHE_KIB = 2_000
 
 
 def start_keeper(spec: WorkerSpec, segments: Segments) -> KeeperHost:
-    from keeper.runner import ClusterSettings, Keeper
+    from keeper.runner import (
+        Acknowledge,
+        ClusterSettings,
+        Keeper,
+        Members,
+        RaiseLeaseCeiling,
+    )
     from store import open_store
+    from store.base import cluster_membership
 
     config = keeper_config(spec.settings)
 
@@ -151,20 +158,19 @@ def start_keeper(spec: WorkerSpec, segments: Segments) -> KeeperHost:
 
     def run_once(stop: threading.Event) -> None:
         store = open_store(settings.store_url(), page_cache_kib=KEEPER_PAGE_CACHE_KIB)
-        # A clustered node's store is a PostgresStore: it reads the member list and
-        # acknowledges views.
-        members = (
-            None if cluster is None else functools.partial(store.members, cluster.ttl_s)  # type: ignore[attr-defined]
-        )
-        acknowledge = (
-            None if cluster is None else functools.partial(store.acknowledge, spec.node)  # type: ignore[attr-defined]
-        )
-        raise_lease_ceiling = (
-            None
-            if cluster is None
-            else functools.partial(store.raise_lease_ceiling, spec.node, cluster.ttl_s)  # type: ignore[attr-defined]
-        )
+        members: Members | None = None
+        acknowledge: Acknowledge | None = None
+        raise_lease_ceiling: RaiseLeaseCeiling | None = None
         try:
+            if cluster is not None:
+                # The keeper reads the member list, acknowledges views and publishes its
+                # lease ceiling through the store.
+                membership = cluster_membership(store)
+                members = functools.partial(membership.members, cluster.ttl_s)
+                acknowledge = functools.partial(membership.acknowledge, spec.node)
+                raise_lease_ceiling = functools.partial(
+                    membership.raise_lease_ceiling, spec.node, cluster.ttl_s
+                )
             keeper = Keeper(
                 store,
                 segments.ring,

@@ -185,7 +185,7 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-class Membership:
+class NodeMembership:
     """One node's membership: join, heartbeat, leave, and reading the member list.
 
     On a connection of its own (a heartbeat must not wait behind the node's other work).

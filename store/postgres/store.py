@@ -29,6 +29,7 @@ from store.base import (
     Cursor,
     CursorAhead,
     CursorBelowFloor,
+    Membership,
     PostgresCounters,
     RowsRead,
 )
@@ -479,6 +480,10 @@ class PostgresStore(SqlStore[Conn, _ThreadState]):
 
     # -- the cluster's members -----------------------------------------------------------
 
+    @property
+    def membership(self) -> Membership:
+        return self  # store.base.Membership, read on this store's connections
+
     def nodes(self, ttl_s: float) -> list[NodeRecord]:
         """Every known node, live (by the database's clock and `ttl_s`) or not."""
         return self._read("nodes", lambda conn: read_nodes(conn, ttl_s))
@@ -490,7 +495,7 @@ class PostgresStore(SqlStore[Conn, _ThreadState]):
     def acknowledge(
         self, node: str, incarnation: int, view: Sequence[int], handover: Handover
     ) -> bool:
-        """store.postgres.membership.acknowledge, on the store's connection."""
+        """store.base.Membership.acknowledge (store.postgres.membership.acknowledge)."""
         return self._read(
             "acknowledge", lambda conn: acknowledge(conn, node, incarnation, view, handover)
         )
@@ -498,7 +503,7 @@ class PostgresStore(SqlStore[Conn, _ThreadState]):
     def raise_lease_ceiling(
         self, node: str, ttl_s: float, incarnation: int, horizon_ms: int
     ) -> bool:
-        """store.postgres.membership.raise_lease_ceiling, on the store's connection."""
+        """store.base.Membership.raise_lease_ceiling (store.postgres.membership's)."""
         return self._read(
             "lease ceiling",
             lambda conn: raise_lease_ceiling(conn, node, incarnation, horizon_ms, ttl_s),
