@@ -2,8 +2,9 @@
 answers what to do next.
 
 It owns the keeper's phase and status, every deadline of its loop (publish, refill,
-report, verification, cursor save, member list, walk retry), which walk runs and why,
-and the trust it reports (live, exact, and why not). It never reads a store, a feed,
+report, verification, cursor save, member list, walk retry), a clustered keeper's
+wait to be admitted before it loads, which walk runs and why, and the trust it
+reports (live, exact, and why not). It never reads a store, a feed,
 shared memory or a clock: the runner (keeper/runner.py) does the I/O each action
 names, drives the core as told, and reports the outcome as an event.
 
@@ -23,7 +24,10 @@ walk's sweep's, a top check's) ends that action, and the failure is its outcome.
 The runner performs what `handle` answers ahead of everything still pending, so a
 failed feed drops the pending reads before anything else runs.
 
-The order of a start: write queue-state (unready, starting), subscribe at the
+A clustered keeper first waits to be admitted: it reads the member list until it
+is in it and, when peers are named, has seen one of them live or waited
+`peer_wait_s` (ownership is not knowable before), saying in queue-state why it
+waits. The order of a start: write queue-state (unready, starting), subscribe at the
 feed's head, read routes and the default cadence (so a change after the
 subscription arrives as an event), then walk the table by primary key in chunks,
 publishing from the first round on. A failed feed is reopened at its backoff
@@ -35,7 +39,7 @@ walks only when rows may have moved here.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 
 import msgspec
 
@@ -48,7 +52,8 @@ REFILL_COST_SHARE = 5
 # Rows dropped per round after an ownership change (KeeperCore.drop_unowned): a few
 # milliseconds of the keeper's loop, between which it follows the feed and publishes.
 DROP_CHUNK = 2_000
-# Before loading, a clustered keeper reads the member list again this often (s).
+# Before loading, a clustered keeper reads the member list again this often (s), and
+# after a failed read, this long after it.
 MEMBERS_RETRY_S = 0.5
 MEMBERS_ERROR_RETRY_S = 1.0
 
@@ -61,6 +66,18 @@ class OpenFeed(msgspec.Struct, frozen=True):
     routes and the default cadence. Answer FeedOpened or FeedFailed."""
 
     resume: bool
+
+
+class AwaitMembers(msgspec.Struct, frozen=True):
+    """Before loading: read the member list with the live hand-overs, keeping the read
+    for Admit. Answer MembersSeen, or MembersUnreadable."""
+
+
+class Admit(msgspec.Struct, frozen=True):
+    """Take the member list AwaitMembers read into the cluster view: ownership is
+    known, and loading starts. `peers_unseen`: the wait for a named peer ran out."""
+
+    peers_unseen: bool
 
 
 class ReadMembers(msgspec.Struct, frozen=True):
@@ -146,6 +163,8 @@ class Wait(msgspec.Struct, frozen=True):
 
 Action = (
     OpenFeed
+    | AwaitMembers
+    | Admit
     | ReadMembers
     | MarkUnowned
     | DropUnowned
@@ -167,14 +186,16 @@ Action = (
 # -- events: what happened ----------------------------------------------------------
 
 
-class Waiting(msgspec.Struct, frozen=True):
-    """Not loading yet, for this reason."""
-
-    reason: str
-
-
 class Started(msgspec.Struct, frozen=True):
-    pass
+    """The keeper's thread began."""
+
+
+class MembersSeen(msgspec.Struct, frozen=True):
+    live: frozenset[str]  # the nodes the member list says are live
+
+
+class MembersUnreadable(msgspec.Struct, frozen=True):
+    error: str
 
 
 class FeedOpened(msgspec.Struct, frozen=True):
@@ -232,8 +253,9 @@ class PublishRefused(msgspec.Struct, frozen=True):
 
 
 Event = (
-    Waiting
-    | Started
+    Started
+    | MembersSeen
+    | MembersUnreadable
     | FeedOpened
     | FeedFailed
     | MembersRead
@@ -258,19 +280,24 @@ class Lifecycle:
         config: KeeperConfig,
         *,
         members_poll_ms: int | None = None,
+        node: str = "local",
+        peers: Sequence[str] = (),
         peer_wait_s: float = 0.0,
     ) -> None:
         """`members_poll_ms` makes this a clustered keeper's: it reads the member list
-        this often, and ownership can change under it; before it loads, it waits up to
-        `peer_wait_s` to see a named peer live."""
+        this often, and ownership can change under it; before it loads, it waits to see
+        its `node` live and up to `peer_wait_s` to see one of `peers` live."""
         self.config = config
         self.members_poll_ms = members_poll_ms
+        self.node = node
+        self.peers = list(peers)
         self.peer_wait_s = peer_wait_s
         self.phase: Phase = "starting"
         self.status: Status = "unready"
         self.status_reason = "the keeper has not published yet"
         self.exact_reason = "loading"
-        self.started = False
+        self.started = False  # admitted and under way
+        self.awaiting_since: int | None = None  # when the wait to be admitted began
         self.loaded = False
         self.feed_open = False
         self.reopen_at = 0
@@ -320,40 +347,55 @@ class Lifecycle:
 
     # -- before the start --------------------------------------------------------------
 
-    def members_wait(
-        self, me: str, peers: Sequence[str], live: Collection[str], waited_s: float
-    ) -> tuple[str, float] | None:
-        """A clustered keeper loads only once it is in the member list and, when peers are
-        named, has seen one of them live or waited `peer_wait_s`: ownership is not
-        knowable before. None when it may load; else why not, and when to look again."""
-        waiting = [p for p in peers if p not in live]
-        if peers and len(waiting) == len(peers) and waited_s < self.peer_wait_s:
-            return f"waiting to see a peer live ({', '.join(waiting)})", MEMBERS_RETRY_S
-        if me not in live:
-            return "this node is not in the member list yet", MEMBERS_RETRY_S
+    def _members_wait(self, live: frozenset[str], waited_ms: int) -> str | None:
+        """Why a clustered keeper may not load yet, having seen `live` after waiting
+        `waited_ms`; None when it may."""
+        waiting = [p for p in self.peers if p not in live]
+        if waiting and len(waiting) == len(self.peers) and waited_ms < self.peer_wait_s * 1000:
+            return f"waiting to see a peer live ({', '.join(waiting)})"
+        if self.node not in live:
+            return "this node is not in the member list yet"
         return None
 
-    def admitted(self, now: int) -> None:
-        """The member list was read and ownership known: read it again in a poll."""
-        assert self.members_poll_ms is not None
-        self.next_members = now + self.members_poll_ms
+    def _waiting(self, reason: str) -> list[Action]:
+        """Not admitted yet, for this reason: said in queue-state once."""
+        if reason == self.status_reason:
+            return []
+        self.status_reason = self.exact_reason = reason
+        return [WriteState(full=True)]
+
+    def _start(self, now: int) -> list[Action]:
+        self.started = True
+        self.awaiting_since = None
+        self.next_publish = now
+        self.next_report = now + _ms(self.config.report_interval_s)
+        self.next_verify = now + _ms(self.config.verify_interval_s)
+        if self.members_poll_ms is not None:
+            self.next_members = now + self.members_poll_ms
+        return [WriteState(full=True), OpenFeed(resume=False)]
 
     # -- what happened -----------------------------------------------------------------
 
     def handle(self, event: Event, now: int) -> list[Action]:
         """Take what happened at `now`; the actions it calls for, to perform at once."""
         match event:
-            case Waiting(reason):
-                if reason == self.status_reason:
-                    return []
-                self.status_reason = self.exact_reason = reason
-                return [WriteState(full=True)]
             case Started():
-                self.started = True
-                self.next_publish = now
-                self.next_report = now + _ms(self.config.report_interval_s)
-                self.next_verify = now + _ms(self.config.verify_interval_s)
-                return [WriteState(full=True), OpenFeed(resume=False)]
+                if self.clustered:
+                    self.awaiting_since = now
+                    self.next_members = now + _ms(MEMBERS_RETRY_S)
+                    return [AwaitMembers()]
+                return self._start(now)
+            case MembersSeen(live):
+                assert self.awaiting_since is not None
+                reason = self._members_wait(live, now - self.awaiting_since)
+                if reason is not None:
+                    self.next_members = now + _ms(MEMBERS_RETRY_S)
+                    return self._waiting(reason)
+                unseen = bool(self.peers) and not live.intersection(self.peers)
+                return [Admit(peers_unseen=unseen), *self._start(now)]
+            case MembersUnreadable(error):
+                self.next_members = now + _ms(MEMBERS_ERROR_RETRY_S)
+                return self._waiting(f"cannot read the member list ({error})")
             case FeedOpened():
                 self.feed_open = True
                 actions: list[Action] = []
@@ -522,6 +564,12 @@ class Lifecycle:
         config = self.config
         if self._queued:
             return self._queued.pop(0)
+        if self.awaiting_since is not None:
+            # A clustered keeper waiting to be admitted: nothing but the member list.
+            if now >= self.next_members:
+                self.next_members = now + _ms(MEMBERS_RETRY_S)
+                return AwaitMembers()
+            return Wait(max(0.0, (self.next_members - now) / 1000))
         while True:
             stage = self._stage
             self._stage += 1

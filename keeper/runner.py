@@ -42,9 +42,10 @@ from keeper.core import KeeperCore
 from keeper.counts import SiteCounts, count_queue, count_sites, due_in_minute, due_key_hashes
 from keeper.feed import Feed
 from keeper.lifecycle import (
-    MEMBERS_ERROR_RETRY_S,
     AbandonWalk,
     Action,
+    Admit,
+    AwaitMembers,
     BeginWalk,
     CheckTop,
     ChunkApplied,
@@ -63,6 +64,8 @@ from keeper.lifecycle import (
     Marked,
     MarkUnowned,
     MembersRead,
+    MembersSeen,
+    MembersUnreadable,
     OpenFeed,
     Publish,
     Published,
@@ -72,7 +75,6 @@ from keeper.lifecycle import (
     SettleAfterLoad,
     Started,
     Wait,
-    Waiting,
     WalkChunk,
     WalkFinished,
     WriteState,
@@ -229,8 +231,12 @@ class Keeper:
         self.lifecycle = Lifecycle(
             config,
             members_poll_ms=None if cluster is None else int(cluster.poll_s * 1000),
+            node=node,
+            peers=() if cluster is None else cluster.peers,
             peer_wait_s=0.0 if cluster is None else cluster.peer_wait_s,
         )
+        # The member list read while waiting to be admitted, and when (see Admit).
+        self._members_read: tuple[MemberList, int] | None = None
         self.feed = Feed(
             store,
             config.consumer,
@@ -279,8 +285,6 @@ class Keeper:
         # commit wakes it: ask for a short scheduler slice (see store.scheduling).
         self._short_slice = ask_short_slice()
         try:
-            if self.cluster is not None and not self._await_members(stop):
-                return
             self.start()
             while not stop.is_set():
                 wait_s = self.step()
@@ -288,39 +292,6 @@ class Keeper:
                     self._wait(min(wait_s, MAX_WAIT_S), stop)
         finally:
             self.close()
-
-    def _await_members(self, stop: threading.Event) -> bool:
-        """Read the member list until the lifecycle lets a clustered keeper load (see
-        Lifecycle.members_wait); queue-state says unready meanwhile. False when stopped
-        first."""
-        settings = self.cluster_settings
-        assert settings is not None and self.members is not None and self.cluster is not None
-        began = time.monotonic()
-        while not stop.is_set():
-            self._heard()
-            now = self.clock()
-            try:
-                read = self.members(True)
-            except Exception as exc:
-                self._tell(Waiting(f"cannot read the member list ({exc})"), now)
-                stop.wait(MEMBERS_ERROR_RETRY_S)
-                continue
-            live = {r.node for r in read.records if r.live}
-            verdict = self.lifecycle.members_wait(
-                self.node, settings.peers, live, time.monotonic() - began
-            )
-            if verdict is not None:
-                reason, retry_s = verdict
-                self._tell(Waiting(reason), now)
-                stop.wait(retry_s)
-                continue
-            if settings.peers and not live & set(settings.peers):
-                log.warning("keeper: no peer of %s seen live; loading anyway", settings.peers)
-            self._observe(read, now)
-            self._ownership_generation = self.core.ownership.generation
-            self.lifecycle.admitted(now)
-            return True
-        return False
 
     def start(self) -> None:
         self._tell(Started(), self.clock())
@@ -383,6 +354,10 @@ class Keeper:
         match action:
             case OpenFeed(resume):
                 return self._open_feed(resume)
+            case AwaitMembers():
+                return self._await_members()
+            case Admit(peers_unseen):
+                self._admit(peers_unseen)
             case ReadMembers():
                 return self._read_members()
             case MarkUnowned():
@@ -465,6 +440,28 @@ class Keeper:
                 self._site_settings_unapplied += 1
 
     # -- the cluster ---------------------------------------------------------------
+
+    def _await_members(self) -> Outcome:
+        """Before loading: read the member list and who it says is live, keeping the read
+        for Admit (it enters the cluster view only then)."""
+        assert self.members is not None
+        now = self.clock()
+        try:
+            read = self.members(True)
+        except Exception as exc:
+            return MembersUnreadable(str(exc)), now
+        self._members_read = read, now
+        return MembersSeen(live=frozenset(r.node for r in read.records if r.live)), now
+
+    def _admit(self, peers_unseen: bool) -> None:
+        assert self._members_read is not None and self.cluster_settings is not None
+        (read, now), self._members_read = self._members_read, None
+        if peers_unseen:
+            log.warning(
+                "keeper: no peer of %s seen live; loading anyway", self.cluster_settings.peers
+            )
+        self._observe(read, now)
+        self._ownership_generation = self.core.ownership.generation
 
     def _read_members(self) -> Outcome | None:
         assert self.cluster is not None and self.members is not None

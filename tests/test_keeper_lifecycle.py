@@ -15,6 +15,8 @@ from keeper.lifecycle import (
     REFILL_COST_SHARE,
     AbandonWalk,
     Action,
+    Admit,
+    AwaitMembers,
     BeginWalk,
     CheckTop,
     ChunkApplied,
@@ -33,6 +35,8 @@ from keeper.lifecycle import (
     Marked,
     MarkUnowned,
     MembersRead,
+    MembersSeen,
+    MembersUnreadable,
     OpenFeed,
     Publish,
     Published,
@@ -42,7 +46,6 @@ from keeper.lifecycle import (
     SettleAfterLoad,
     Started,
     Wait,
-    Waiting,
     WalkChunk,
     WalkFinished,
     WriteState,
@@ -109,6 +112,8 @@ class Script:
         match action:
             case OpenFeed():
                 return FeedOpened()
+            case AwaitMembers():
+                return MembersSeen(frozenset({self.lc.node}))
             case BeginWalk(reason):
                 self.walk, self.walked = reason, 0
             case AbandonWalk():
@@ -386,29 +391,52 @@ def test_a_load_reads_in_load_chunks_and_a_verification_in_walk_chunks() -> None
     assert script.chunks == [("verify", 10)] * 4 and script.lc.verify.last_rows == 35
 
 
-def test_a_waiting_reason_is_written_once() -> None:
-    lc = Lifecycle(CONFIG, members_poll_ms=1000, peer_wait_s=120)
-    assert lc.handle(Waiting("this node is not in the member list yet"), NOW) == [
-        WriteState(full=True)
-    ]
-    assert lc.handle(Waiting("this node is not in the member list yet"), NOW + 500) == []
+def test_a_clustered_keeper_reads_the_member_list_until_it_is_in_it_then_starts() -> None:
+    lc = Lifecycle(CONFIG, members_poll_ms=1000, node="a")
+    assert lc.handle(Started(), NOW) == [AwaitMembers()]
+    assert lc.live() == (False, "not started") and lc.phase == "starting"
+    assert lc.handle(MembersSeen(frozenset({"b"})), NOW) == [WriteState(full=True)]
     assert lc.status_reason == lc.exact_reason == "this node is not in the member list yet"
+    assert lc.next_action(NOW + 499, 0) == Wait(0.001), "nothing but the member list"
+    assert lc.next_action(NOW + 500, 0) == AwaitMembers()
+    assert lc.handle(MembersSeen(frozenset({"b"})), NOW + 500) == [], "the reason is said once"
+    assert lc.handle(MembersSeen(frozenset({"a", "b"})), NOW + 1000) == [
+        Admit(peers_unseen=False),
+        WriteState(full=True),
+        OpenFeed(resume=False),
+    ]
+    assert lc.started and lc.live() == (True, "starting: first publish pending")
+    assert lc.next_members == NOW + 2000 and lc.next_publish == NOW + 1000
 
 
-def test_a_clustered_keeper_waits_for_a_named_peer_then_for_itself() -> None:
-    lc = Lifecycle(CONFIG, members_poll_ms=1000, peer_wait_s=120)
-    wait = lc.members_wait("a", ["b", "c"], {"a"}, waited_s=1)
-    assert wait is not None and wait[0] == "waiting to see a peer live (b, c)"
-    assert lc.members_wait("a", ["b", "c"], {"a", "c"}, waited_s=1) is None
-    assert lc.members_wait("a", ["b"], {"a"}, waited_s=120) is None, "waited long enough"
-    wait = lc.members_wait("a", [], {"b"}, waited_s=0)
-    assert wait is not None and wait[0] == "this node is not in the member list yet"
-    assert lc.members_wait("a", [], {"a"}, waited_s=0) is None
+def test_a_clustered_keeper_waits_up_to_peer_wait_s_to_see_a_named_peer_live() -> None:
+    lc = Lifecycle(CONFIG, members_poll_ms=1000, node="a", peers=["b", "c"], peer_wait_s=120)
+    lc.handle(Started(), NOW)
+    assert lc.handle(MembersSeen(frozenset({"a"})), NOW + 1000) == [WriteState(full=True)]
+    assert lc.status_reason == "waiting to see a peer live (b, c)" and not lc.started
+    assert lc.handle(MembersSeen(frozenset({"a"})), NOW + 119_999) == []
+    admitted = lc.handle(MembersSeen(frozenset({"a"})), NOW + 120_000)
+    assert admitted[0] == Admit(peers_unseen=True) and lc.started, "waited long enough"
+
+    lc = Lifecycle(CONFIG, members_poll_ms=1000, node="a", peers=["b", "c"], peer_wait_s=120)
+    lc.handle(Started(), NOW)
+    lc.handle(MembersSeen(frozenset({"c"})), NOW)
+    assert lc.status_reason == "this node is not in the member list yet", "a peer is live"
+    assert lc.handle(MembersSeen(frozenset({"a", "c"})), NOW + 500)[0] == Admit(peers_unseen=False)
+
+
+def test_an_unreadable_member_list_is_said_and_read_again_a_second_later() -> None:
+    lc = Lifecycle(CONFIG, members_poll_ms=1000, node="a")
+    lc.handle(Started(), NOW)
+    assert lc.handle(MembersUnreadable("connection refused"), NOW) == [WriteState(full=True)]
+    assert lc.status_reason == "cannot read the member list (connection refused)"
+    assert lc.next_action(NOW + 999, 0) == Wait(0.001)
+    assert lc.next_action(NOW + 1000, 0) == AwaitMembers()
+    assert lc.handle(MembersSeen(frozenset({"a"})), NOW + 1000)[0] == Admit(peers_unseen=False)
 
 
 def clustered_live() -> Script:
-    script = Script(Lifecycle(CONFIG, members_poll_ms=1000, peer_wait_s=0))
-    script.lc.admitted(NOW)
+    script = Script(Lifecycle(CONFIG, members_poll_ms=1000, node="a"))
     script.tell(Started())
     while script.lc.phase != "live":
         script.round()
@@ -461,8 +489,7 @@ def test_a_change_that_may_bring_rows_walks_for_them_and_is_exact_once_both_are_
 
 
 def test_an_ownership_change_during_a_walk_restarts_it() -> None:
-    script = Script(Lifecycle(CONFIG, members_poll_ms=1000))
-    script.lc.admitted(NOW)
+    script = Script(Lifecycle(CONFIG, members_poll_ms=1000, node="a"))
     script.tell(Started())
     script.round()
     assert script.lc.walk == "load"

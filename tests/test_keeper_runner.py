@@ -765,7 +765,6 @@ def test_a_transaction_holding_the_feed_back_shows_in_queue_state_with_its_pid(
 
 
 def test_a_clustered_keeper_holds_its_share_and_rebalances_when_a_node_dies() -> None:
-    import threading
 
     from keeper_helpers import (
         NOW,
@@ -805,7 +804,6 @@ def test_a_clustered_keeper_holds_its_share_and_rebalances_when_a_node_dies() ->
         cluster=settings,
         members=lambda handovers: MemberList(records=members, db_now_ms=clock()),
     )
-    assert keeper._await_members(threading.Event())
     keeper.start()
 
     def held() -> set[str]:
@@ -854,7 +852,6 @@ def test_a_clustered_keeper_counts_its_fenced_due_rows_at_each_full_report() -> 
     """Its due rows stay counted in now.due; the ones a fence holds back are counted apart
     (queue-state's fenced, the statistics record), and left out of now.claimable and of
     autoscale.due_now. A single node has no fenced group, and every due row claimable."""
-    import threading
 
     from keeper_helpers import ManualClock, MemoryStore
 
@@ -888,7 +885,6 @@ def test_a_clustered_keeper_counts_its_fenced_due_rows_at_each_full_report() -> 
         # on them have surely ended.
         members=lambda handovers: MemberList(records=[member("a"), member("b")], db_now_ms=clock()),
     )
-    assert keeper._await_members(threading.Event())
     keeper.start()
 
     def full_report(after: int) -> Any:
@@ -938,7 +934,6 @@ def test_a_change_of_view_reaches_the_workers_before_the_hand_over_is_acknowledg
     """On every change of view the keeper publishes the live names to its workers (the
     write marks' owners view), then acknowledges the view with its live leases on the
     keys it no longer owns, their ends in the database's clock."""
-    import threading
     import time
     import uuid
 
@@ -989,7 +984,7 @@ def test_a_change_of_view_reaches_the_workers_before_the_hand_over_is_acknowledg
             marks=marks,
             acknowledge=acknowledge,
         )
-        assert keeper._await_members(threading.Event())
+        keeper.start()
         view = marks.owners()
         assert view is not None and view.nodes == ("a", "b")
         assert marks.confirmed_until() > time.monotonic() * 1000
@@ -998,7 +993,6 @@ def test_a_change_of_view_reaches_the_workers_before_the_hand_over_is_acknowledg
         assert (incarnation, acked) == (1, [1, 2])
         assert sorted(handover.key_hashes) == sorted(lost.tolist())
         assert set(handover.expires_at_ms) == {clock() + 60_000 + offset}
-        keeper.start()
         members.append(member("c", 3))  # c joins: a loses the keys c now wins
         for _ in range(30):
             clock.advance(100)
@@ -1017,7 +1011,6 @@ def test_a_change_of_view_reaches_the_workers_before_the_hand_over_is_acknowledg
 def test_a_wall_clock_stepped_forward_ends_no_fence_early() -> None:
     """Fences and the grant window run on the monotonic clock: a step of the wall clock
     (an NTP correction, an operator's `date -s`) leaves a fenced key fenced."""
-    import threading
 
     from keeper_helpers import (
         NOW,
@@ -1054,7 +1047,6 @@ def test_a_wall_clock_stepped_forward_ends_no_fence_early() -> None:
             records=members, db_now_ms=wall(), with_handovers=handovers
         ),
     )
-    assert keeper._await_members(threading.Event())
     keeper.start()
     for _ in range(20):
         wall.advance(100)
@@ -1179,7 +1171,6 @@ def test_a_lone_clustered_keeper_whose_membership_lapsed_walks_its_rows_back() -
     """Its heartbeat went past the TTL (a database outage): the first read after shows it
     not live, so it owns nothing and drops every row; when its heartbeat lands it owns
     them all again, though no other node's keys moved to it, and must walk them back."""
-    import threading
 
     from keeper_helpers import NOW, ManualClock, MemoryStore
 
@@ -1203,7 +1194,6 @@ def test_a_lone_clustered_keeper_whose_membership_lapsed_walks_its_rows_back() -
         cluster=ClusterSettings(ttl_s=4, max_lease_s=10, poll_s=1),
         members=lambda handovers: MemberList(records=members, db_now_ms=clock()),
     )
-    assert keeper._await_members(threading.Event())
     keeper.start()
 
     def held() -> set[str]:
@@ -1255,3 +1245,56 @@ def test_a_feed_that_fails_in_the_top_checks_drain_drops_its_read_before_anythin
     assert rig.keeper.statistics().feed_failures == 1
     assert done[done.index(CheckTop()) + 1] == DropTopCheck()
     assert rig.keeper._top.pending is None and not rig.keeper.statistics().exact
+
+
+def test_a_clustered_keeper_says_why_it_waits_and_loads_once_the_member_list_has_it() -> None:
+    from keeper_helpers import ManualClock, MemoryStore
+
+    from keeper.runner import ClusterSettings
+    from store.rows import MemberList, NodeRecord
+
+    clock = ManualClock()
+    store = MemoryStore()
+    for i in range(35):
+        store.put(f"/k{i:03}", NOW - 1000 * i)
+    members: list[NodeRecord] = []
+    refusals = [ConnectionError("refused")]
+
+    def read(handovers: bool) -> MemberList:
+        if refusals:
+            raise refusals.pop()
+        return MemberList(records=members, db_now_ms=clock())
+
+    state = MemoryStateBuffer()
+    keeper = Keeper(
+        store,
+        MemoryRing(),
+        MemoryLeases(),
+        state,
+        CONFIG,
+        node="a",
+        clock=clock,
+        cluster=ClusterSettings(ttl_s=4, max_lease_s=10, poll_s=1, peer_wait_s=0),
+        members=read,
+    )
+
+    def now() -> tuple[str, str, str]:
+        record = decode_queue_state(state.last())
+        return record.now.status, record.trust.phase, record.now.status_reason
+
+    keeper.start()
+    assert now() == ("unready", "starting", "cannot read the member list (refused)")
+    assert keeper.step() == 1.0 and not keeper.feed.open
+    clock.advance(1000)
+    keeper.step()
+    assert now() == ("unready", "starting", "this node is not in the member list yet")
+    members.append(member_record("a"))
+    clock.advance(499)
+    keeper.step()
+    assert now()[2] == "this node is not in the member list yet", "read again at 0.5 s"
+    clock.advance(1)
+    keeper.step()
+    assert keeper.feed.open and keeper.statistics().cluster is not None
+    for _ in range(5):
+        keeper.step()
+    assert now() == ("ready", "live", "publishing")
