@@ -29,17 +29,19 @@ from store.base import (
 )
 from store.cadence import Adaptation, forgets_learned
 from store.errors import StoreError
-from store.rows import Route, Row, SiteSettings, route_from, row_from, site_settings_from
+from store.rows import Route, Row, RowWrite, SiteSettings, route_from, row_from, site_settings_from
 from store.schema import Executes
 from store.secret import checked
 from store.validate import (
     check_cadence,
+    check_deletes,
     check_key,
     check_keys,
     check_page,
     check_route_change,
     check_site_pattern_change,
     check_site_settings,
+    check_upserts,
 )
 
 T = TypeVar("T")
@@ -132,6 +134,10 @@ class SqlStore(ABC, Generic[C, S]):
         together (a single statement is all or nothing on its own)."""
 
     @abstractmethod
+    def _write_rows(self, upsert: Sequence[RowWrite], delete: Sequence[str]) -> None:
+        """Upsert and delete in one logged transaction; both checked, not both empty."""
+
+    @abstractmethod
     def _read_at(self, what: str, statement: str, params: tuple[object, ...]) -> RowsRead:
         """The rows an `*_AT` statement reads and the feed's head, in one snapshot."""
 
@@ -200,6 +206,16 @@ class SqlStore(ABC, Generic[C, S]):
         self.close()
 
     # -- rows ----------------------------------------------------------------------------
+
+    def write(self, upsert: Sequence[RowWrite] = (), delete: Sequence[str] = ()) -> None:
+        if not isinstance(upsert, list | tuple):
+            upsert = list(upsert)  # iterated twice below: an iterator would write nothing
+        if not isinstance(delete, list | tuple | str):
+            delete = list(delete)
+        check_upserts(upsert)
+        check_deletes(delete, upsert)
+        if upsert or delete:
+            self._write_rows(upsert, delete)
 
     def get(self, key: str) -> Row | None:
         check_key(key)

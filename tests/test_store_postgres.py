@@ -7,6 +7,7 @@ ordering under concurrent transactions in test_store_postgres_feed.py."""
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import threading
 import time
@@ -371,9 +372,11 @@ def test_a_node_with_another_site_policy_is_refused_at_join(pg_url: str) -> None
     from store.postgres.membership import NodeMembership, SettingsDiffer
 
     PostgresStore(pg_url).close()  # the schema
-    common = {"instance": "i", "advertised_url": "http://127.0.0.1:1", "ttl_s": 30.0}
-    first = NodeMembership(pg_url, "a", site_policy="max_in_flight=4", **common)  # type: ignore[arg-type]
-    second = NodeMembership(pg_url, "b", site_policy="max_in_flight=none", **common)  # type: ignore[arg-type]
+    member = functools.partial(
+        NodeMembership, pg_url, instance="i", advertised_url="http://127.0.0.1:1", ttl_s=30.0
+    )
+    first = member("a", site_policy="max_in_flight=4")
+    second = member("b", site_policy="max_in_flight=none")
     try:
         first.join()
         with pytest.raises(
@@ -390,9 +393,11 @@ def test_a_node_that_divides_keys_otherwise_is_refused_at_join(pg_url: str) -> N
     from store.postgres.membership import NodeMembership, SettingsDiffer
 
     PostgresStore(pg_url).close()  # the schema
-    common = {"instance": "i", "advertised_url": "http://127.0.0.1:1", "ttl_s": 30.0}
-    first = NodeMembership(pg_url, "a", ownership="site", **common)  # type: ignore[arg-type]
-    second = NodeMembership(pg_url, "b", **common)  # type: ignore[arg-type]
+    member = functools.partial(
+        NodeMembership, pg_url, instance="i", advertised_url="http://127.0.0.1:1", ttl_s=30.0
+    )
+    first = member("a", ownership="site")
+    second = member("b")
     try:
         first.join()
         with pytest.raises(SettingsDiffer, match="ownership: this node key, the cluster site"):

@@ -68,7 +68,7 @@ from store.rows import (
     learned_from,
     row_from,
 )
-from store.validate import check_completions, check_consumer, check_deletes, check_upserts
+from store.validate import check_completions, check_consumer
 
 # COMPLETE's last row carries the transaction's xid in the version column.
 _VERSION_AT = ROW_COLUMNS.split(", ").index("version")
@@ -289,15 +289,7 @@ class PostgresStore(SqlStore[Conn, _ThreadState]):
 
     # -- the schedule --------------------------------------------------------------------
 
-    def write(self, upsert: Sequence[RowWrite] = (), delete: Sequence[str] = ()) -> None:
-        if not isinstance(upsert, list | tuple):
-            upsert = list(upsert)  # iterated twice below: an iterator would write nothing
-        if not isinstance(delete, list | tuple | str):
-            delete = list(delete)
-        check_upserts(upsert)
-        check_deletes(delete, upsert)
-        if not upsert and not delete:
-            return
+    def _write_rows(self, upsert: Sequence[RowWrite], delete: Sequence[str]) -> None:
         # ON CONFLICT touches a row once per statement: the last write of a key wins, as
         # if the batch had been applied in order.
         last = {row.key: row for row in upsert}

@@ -59,7 +59,7 @@ from store.sqlite.wake import (
     open_waiter,
     wake_prefix,
 )
-from store.validate import check_completions, check_consumer, check_deletes, check_upserts
+from store.validate import check_completions, check_consumer
 
 T = TypeVar("T")
 # Reads a write transaction's log records before it commits, given the seq before them.
@@ -266,15 +266,7 @@ class SqliteStore(SqlStore[sqlite3.Connection, _ThreadState]):
 
     # -- the schedule --------------------------------------------------------------------
 
-    def write(self, upsert: Sequence[RowWrite] = (), delete: Sequence[str] = ()) -> None:
-        if not isinstance(upsert, list | tuple):
-            upsert = list(upsert)  # iterated twice below: an iterator would write nothing
-        if not isinstance(delete, list | tuple | str):
-            delete = list(delete)
-        check_upserts(upsert)
-        check_deletes(delete, upsert)
-        if not upsert and not delete:
-            return
+    def _write_rows(self, upsert: Sequence[RowWrite], delete: Sequence[str]) -> None:
         params = [
             (r.key, r.route, r.cadence_s, 1 if r.sitemap else 0, r.next_render_at) for r in upsert
         ]
