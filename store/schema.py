@@ -1,4 +1,5 @@
-"""`migrate`: how either backend brings a database to its latest schema version.
+"""What both backends' schemas share: the change log's kinds, the global default cadence,
+and `migrate`, which brings a database to its backend's latest schema version.
 
 Each backend keeps its own statements (`Steps`) and its own way of making one migration
 at a time (`lock`): SQLite's write lock, a PostgreSQL advisory lock.
@@ -12,6 +13,15 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
 from store.errors import refuse_newer
+
+# What a change log entry names: a row's key, a route, a setting or a site.
+KIND_ROW = 0
+KIND_ROUTE = 1
+KIND_SETTINGS = 2
+KIND_SITE = 3
+# The global default cadence: its row in the settings table, and its value while unset.
+DEFAULT_CADENCE_SETTING = "default_cadence_s"
+DEFAULT_CADENCE_S = 86_400
 
 
 class Executes(Protocol):

@@ -18,6 +18,7 @@ import pytest
 from shm.segment import LayoutMismatch
 from shm.state import StateBuffer
 from store.rows import Completion, Row, RowEvent, RowWrite
+from store.schema import KIND_ROUTE, KIND_ROW
 from store.sqlite import SqliteStore
 from store.sqlite import feed as sqlite_feed
 from store.sqlite import sql as sqlite_sql
@@ -31,7 +32,6 @@ from store.sqlite.feed_ring import (
     decode_record,
     ring_name,
 )
-from store.sqlite.schema import KIND_ROUTE, KIND_ROW
 
 SLOTS = 16
 

@@ -36,14 +36,7 @@ from typing import Any, NamedTuple
 from store.base import Cursor, CursorAhead, CursorBelowFloor, FeedBatch, FeedStatistics
 from store.postgres import sql
 from store.postgres.conn import Conn, connect, long_statements, translated
-from store.postgres.schema import (
-    DEFAULT_CADENCE_S,
-    KIND_ROUTE,
-    KIND_ROW,
-    KIND_SETTINGS,
-    KIND_SITE,
-    NOTIFY_CHANNEL,
-)
+from store.postgres.schema import NOTIFY_CHANNEL
 from store.rows import (
     FeedEvent,
     Route,
@@ -55,6 +48,7 @@ from store.rows import (
     route_from,
     row_from,
 )
+from store.schema import DEFAULT_CADENCE_S, KIND_ROUTE, KIND_ROW, KIND_SETTINGS, KIND_SITE
 
 log = logging.getLogger("renderqueue.store")
 

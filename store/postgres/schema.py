@@ -28,14 +28,9 @@ import psycopg
 from store import schema
 from store.errors import StoreError
 from store.rows import DEFAULT_RETIRE_AFTER, MAX_RETIRE_AFTER
+from store.schema import KIND_ROUTE, KIND_ROW, KIND_SETTINGS, KIND_SITE
 from store.secret import new_secret
 
-KIND_ROW = 0
-KIND_ROUTE = 1
-KIND_SETTINGS = 2
-KIND_SITE = 3
-DEFAULT_CADENCE_SETTING = "default_cadence_s"
-DEFAULT_CADENCE_S = 86_400
 NOTIFY_CHANNEL = "renderqueue_feed"
 # Taken for the whole of a migration, so nodes starting at once migrate one at a time.
 MIGRATION_LOCK = 0x7265_6E64_6572_7175  # "renderqu"

@@ -11,8 +11,8 @@ become Python ints here.
 
 from __future__ import annotations
 
-from store.postgres.schema import DEFAULT_CADENCE_S, DEFAULT_CADENCE_SETTING
 from store.rows import DEFAULT_RETIRE_AFTER, LEARNING_COLUMNS, ROUTE_COLUMNS, ROW_COLUMNS
+from store.schema import DEFAULT_CADENCE_S, DEFAULT_CADENCE_SETTING
 
 _R_COLUMNS = ", ".join(f"r.{c}" for c in ROW_COLUMNS.split(", "))
 

@@ -36,6 +36,7 @@ from store.rows import (
     row_from,
     site_settings_from,
 )
+from store.schema import DEFAULT_CADENCE_S, KIND_ROUTE, KIND_ROW, KIND_SETTINGS, KIND_SITE
 from store.sqlite import sql
 from store.sqlite.conn import Retry, configure, connect
 from store.sqlite.feed_ring import (
@@ -45,7 +46,6 @@ from store.sqlite.feed_ring import (
     decode_record,
     remove_ring,
 )
-from store.sqlite.schema import DEFAULT_CADENCE_S, KIND_ROUTE, KIND_ROW, KIND_SETTINGS, KIND_SITE
 from store.sqlite.upkeep import WRITER_CHECKPOINT_PAGES
 from store.sqlite.wake import REFRESH_S, WakeWaiter, unlink
 

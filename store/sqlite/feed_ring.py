@@ -45,7 +45,7 @@ import numpy as np
 
 from shm._atomics import Words
 from shm.segment import HEADER_BYTES, Segment, SegmentError, align, remove
-from store.sqlite.schema import KIND_ROW
+from store.schema import KIND_ROW
 
 KIND = "feed_ring"
 SLOT_BYTES = 512

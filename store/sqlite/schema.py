@@ -23,14 +23,9 @@ from contextlib import contextmanager
 from store import schema
 from store.errors import StoreError
 from store.rows import DEFAULT_RETIRE_AFTER, MAX_RETIRE_AFTER
+from store.schema import KIND_SITE
 from store.secret import new_secret
 
-KIND_ROW = 0
-KIND_ROUTE = 1
-KIND_SETTINGS = 2
-KIND_SITE = 3
-DEFAULT_CADENCE_SETTING = "default_cadence_s"
-DEFAULT_CADENCE_S = 86_400
 # Every TRIM_EVERY-th log entry's write removes up to TRIM_ENTRIES below the floor (about a
 # page): the log can shrink four times as fast as it grows, and the page holding its oldest
 # entries is rewritten once per 16 writes rather than by every one.

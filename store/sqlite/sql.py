@@ -5,7 +5,8 @@ from __future__ import annotations
 import msgspec
 
 from store.rows import DEFAULT_RETIRE_AFTER, LEARNING_COLUMNS, ROUTE_COLUMNS, ROW_COLUMNS
-from store.sqlite.schema import DEFAULT_CADENCE_S, DEFAULT_CADENCE_SETTING, NEXT_SEQ
+from store.schema import DEFAULT_CADENCE_S, DEFAULT_CADENCE_SETTING
+from store.sqlite.schema import NEXT_SEQ
 
 UPSERT = f"""
 INSERT INTO render_schedule (key, route, cadence_s, sitemap, next_render_at, version)

@@ -36,6 +36,7 @@ from store.rows import (
     learned_from,
     row_from,
 )
+from store.schema import KIND_ROW
 from store.sqlite import sql
 from store.sqlite.conn import PAGE_CACHE_KIB, Retry, configure, connect
 from store.sqlite.feed import (
@@ -50,7 +51,7 @@ from store.sqlite.feed import (
     release,
 )
 from store.sqlite.feed_ring import HANDOFF_LIMIT, FeedHandoff, LogRecord, create_ring
-from store.sqlite.schema import KIND_ROW, migrate, schema_version
+from store.sqlite.schema import migrate, schema_version
 from store.sqlite.upkeep import PRUNE_INTERVAL_S, WRITER_CHECKPOINT_PAGES, Upkeep, UpkeepStatistics
 from store.sqlite.wake import (
     WakePoster,
