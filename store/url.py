@@ -30,8 +30,15 @@ def open_store(
             )
         path = rest[1:]
     elif scheme in ("postgresql", "postgres"):
-        from store.postgres import PostgresStore
-
+        try:
+            from store.postgres import PostgresStore
+        except ModuleNotFoundError as exc:
+            if not (exc.name or "").startswith("psycopg"):
+                raise
+            raise ValueError(
+                f"store URL {url!r}: PostgreSQL support is not installed "
+                "(pip install 'renderqueue[postgres]')"
+            ) from exc
         return PostgresStore(url)
     else:
         raise ValueError(

@@ -23,15 +23,18 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import msgspec
 
 from shm.leases import LeaseTable
 from shm.segment import monotonic_ms, now_ms
 from store.errors import StoreError
-from store.postgres.membership import Joined, NodeMembership
 from store.rows import HandedBlock, Handover
 from workers import logs
+
+if TYPE_CHECKING:  # PostgreSQL support is an extra; a SQLite node never loads it
+    from store.postgres.membership import Joined, NodeMembership
 
 log = logs.get_logger("membership")
 
