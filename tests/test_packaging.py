@@ -290,3 +290,24 @@ def test_a_sqlite_node_loads_no_postgresql_module() -> None:
     said, loaded = done.stdout.strip().splitlines()
     assert "pip install 'renderqueue[postgres]'" in said
     assert loaded == "[]"
+
+
+def test_every_package_of_the_checkout_is_in_the_wheels_list() -> None:
+    """pyproject.toml lists the packages by hand; one left off would be missing from the
+    wheel while every test run from the checkout still imports it."""
+    import tomllib
+
+    listed = set(
+        tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    )
+    found = {
+        ".".join(module.parent.relative_to(REPO).parts)
+        for module in REPO.rglob("*.py")
+        # sitecustomize.py: a directory a bench puts on a node's PYTHONPATH, no package
+        if len(module.relative_to(REPO).parts) > 1
+        and module.name != "sitecustomize.py"
+        and (REPO / module.relative_to(REPO).parts[0] / "__init__.py").exists()
+        and not {"tests", ".venv", "build", "var", "__pycache__"}
+        & set(module.relative_to(REPO).parts)
+    }
+    assert listed == found
