@@ -69,6 +69,15 @@ def test_an_entry_is_got_whole_right_after_its_previous_stamp(ring: FeedRing) ->
     )
 
 
+def test_a_commits_entries_go_in_with_one_call_each_as_put_would(ring: FeedRing) -> None:
+    entries = [(seq, seq - 1, encode(record(seq, seq))) for seq in range(3, 8)]
+    too_large = (8, 7, b"x" * (PAYLOAD_BYTES + 1))
+    assert ring.put_many([*entries, too_large]) == len(entries)
+    for seq, prev, payload in entries:
+        assert ring.get(seq, prev) == payload
+    assert ring.get(8, 7) is None and ring.statistics().too_large == 1
+
+
 def test_an_entry_after_another_stamp_or_for_another_seq_is_refused(ring: FeedRing) -> None:
     ring.put(5, 3, encode(record(5, 11)))
     assert ring.get(5, 4) is None  # another log: does not continue this cursor
@@ -464,10 +473,10 @@ def test_a_handoff_that_fails_never_fails_the_commit(
     sub.poll()
     (ring,) = store._handoff.rings
 
-    def broken(seq: int, prev_stamp: int, payload: bytes) -> bool:
+    def broken(entries: object) -> int:
         raise RuntimeError("a ring in a state this build did not foresee")
 
-    monkeypatch.setattr(ring, "put", broken)
+    monkeypatch.setattr(ring, "put_many", broken)
     store.write([put("/b")])  # committed: no error reaches the caller
     assert store._handoff.failed == 1 and ring.missed() == 1
     assert [e.key for e in sub.poll().events if isinstance(e, RowEvent)] == ["/b"]

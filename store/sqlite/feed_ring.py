@@ -119,22 +119,31 @@ class FeedRing:
     def put(self, seq: int, prev_stamp: int, payload: bytes) -> bool:
         """Copy entry `seq` into its slot; False (counted) when it is too large or the slot
         is held by another writer. The caller then calls `miss()` before it posts."""
-        words = self._words
-        size = len(payload)
-        if size > PAYLOAD_BYTES:
-            words.fetch_add(_TOO_LARGE, 1)
-            return False
-        base = self._first + (seq % self.slots) * _SLOT_WORDS
-        current = words.load(base + _SEQ)
-        if current == 0 or not words.cas(base + _SEQ, current, 0):
-            words.fetch_add(_BUSY, 1)
-            return False
-        start = base * 8 + _DATA
-        self._segment.mmap[start : start + size] = payload
-        words.store(base + _LENGTH, size)
-        words.store(base + _PREV, prev_stamp & _U64)
-        words.store(base + _SEQ, seq)
-        return True
+        return self.put_many([(seq, prev_stamp, payload)]) == 1
+
+    def put_many(self, entries: Sequence[tuple[int, int, bytes]]) -> int:
+        """`put` each (seq, prev_stamp, payload) in turn; how many went in. One call per
+        commit: the per-entry work is a few atomics, less than a method call's own cost."""
+        words, first, slots = self._words, self._first, self.slots
+        mapped = self._segment.mmap
+        written = 0
+        for seq, prev_stamp, payload in entries:
+            size = len(payload)
+            if size > PAYLOAD_BYTES:
+                words.fetch_add(_TOO_LARGE, 1)
+                continue
+            base = first + (seq % slots) * _SLOT_WORDS
+            current = words.load(base + _SEQ)
+            if current == 0 or not words.cas(base + _SEQ, current, 0):
+                words.fetch_add(_BUSY, 1)
+                continue
+            start = base * 8 + _DATA
+            mapped[start : start + size] = payload
+            words.store(base + _LENGTH, size)
+            words.store(base + _PREV, prev_stamp & _U64)
+            words.store(base + _SEQ, seq)
+            written += 1
+        return written
 
     def published(self, entries: int) -> None:
         self._words.fetch_add(_PUBLISHED, entries)
@@ -257,9 +266,7 @@ class FeedHandoff:
                 prev_stamp = record[3]
         for ring in rings:
             try:
-                written = 0
-                for seq, prev, payload in encoded:
-                    written += ring.put(seq, prev, payload)
+                written = ring.put_many(encoded)
                 ring.published(written)
                 if not complete or written < len(encoded):
                     ring.miss()
