@@ -2,11 +2,13 @@
 answers what to do next.
 
 It owns the keeper's phase and status, every deadline of its loop (publish, refill,
-report, verification, cursor save, member list, walk retry), a clustered keeper's
-wait to be admitted before it loads, which walk runs and why, and the trust it
-reports (live, exact, and why not). It never reads a store, a feed,
-shared memory or a clock: the runner (keeper/runner.py) does the I/O each action
-names, drives the core as told, and reports the outcome as an event.
+report, verification, cursor save, member list, walk retry, the drain before a
+walk's sweep), a clustered keeper's wait to be admitted before it loads, which walk
+runs and why, the trust it reports (live, exact, and why not, and how old its
+counts may grow) and when a queue-state record too large for its buffer is cut. It
+never reads a store, a feed, shared memory or a clock: the runner (keeper/runner.py)
+does the I/O each action names, drives the core as told, and reports the outcome as
+an event.
 
 Two calls, in the manner of h11:
 
@@ -56,6 +58,10 @@ DROP_CHUNK = 2_000
 # after a failed read, this long after it.
 MEMBERS_RETRY_S = 0.5
 MEMBERS_ERROR_RETRY_S = 1.0
+# Before a walk's sweep the feed is drained for up to this long (ms). The sweep needs
+# only what the chunks' reads saw, which each chunk waited for; the drain brings the
+# feed nearer the present before the keeper says it is exact.
+SWEEP_DRAIN_MS = 1000
 
 
 # -- actions: what the runner is to do ---------------------------------------------
@@ -111,8 +117,10 @@ class WalkChunk(msgspec.Struct, frozen=True):
 
 
 class FinishWalk(msgspec.Struct, frozen=True):
-    """Bring the feed up to date, then sweep the walk. Answer WalkFinished, unless the
-    feed failed meanwhile (the failure abandons the walk instead)."""
+    """Drain the feed for up to `drain_ms`, then sweep the walk. Answer WalkFinished,
+    or FeedFailed if the feed failed in the drain (the walk is then not swept)."""
+
+    drain_ms: int
 
 
 class AbandonWalk(msgspec.Struct, frozen=True):
@@ -145,9 +153,13 @@ class SaveCursor(msgspec.Struct, frozen=True):
 
 
 class WriteState(msgspec.Struct, frozen=True):
-    """Write queue-state (counts taken afresh when `full`) and the statistics record."""
+    """Write queue-state (counts taken afresh when `full`) and the statistics record.
+    `trim`: the record as last taken, without its per-class and per-route detail
+    (keeper.report.trimmed_queue_state). Answer StateTooLarge if the record (untrimmed)
+    is too large for its buffer; a failure otherwise is counted only."""
 
     full: bool = False
+    trim: bool = False
 
 
 class SettleAfterLoad(msgspec.Struct, frozen=True):
@@ -252,6 +264,10 @@ class PublishRefused(msgspec.Struct, frozen=True):
     reason: str
 
 
+class StateTooLarge(msgspec.Struct, frozen=True):
+    """The queue-state record did not fit its buffer, and was not written."""
+
+
 Event = (
     Started
     | MembersSeen
@@ -268,6 +284,7 @@ Event = (
     | Drained
     | Published
     | PublishRefused
+    | StateTooLarge
 )
 
 # The round's stages, in order (see next_action).
@@ -338,6 +355,12 @@ class Lifecycle:
         if self.heartbeat_at == 0:
             return True, "starting: first publish pending"
         return True, "publishing"
+
+    @property
+    def counts_max_age_ms(self) -> int:
+        """How old queue-state's counts may be before readers distrust them: they are
+        taken at each full report, so two report intervals, and a second for a slow one."""
+        return _ms(2 * self.config.report_interval_s) + 1000
 
     @property
     def exact(self) -> bool:
@@ -436,7 +459,9 @@ class Lifecycle:
                         unreadable=walk.unreadable,
                         skipped_touched=walk.repairs.skipped_touched,
                     )
-                return [FinishWalk()] if rows < self._chunk_rows(walk.reason) else []
+                if rows < self._chunk_rows(walk.reason):
+                    return [FinishWalk(drain_ms=SWEEP_DRAIN_MS)]
+                return []
             case WalkFinished(walk):
                 return self._walk_finished(now, walk)
             case Drained(emptied):
@@ -446,6 +471,10 @@ class Lifecycle:
                 return self._published(now, stats)
             case PublishRefused(reason):
                 return self._set_status("stalled", reason)
+            case StateTooLarge():
+                # Readers need the totals and the trust more than the detail: write the
+                # record again without the per-class and per-route rows.
+                return [WriteState(trim=True)]
 
     def _feed_failed(self, error: str, reopen_at: int) -> list[Action]:
         self.feed_open = False

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import msgspec
+
 from keeper.classes import ClassTable
 from keeper.counts import LATENESS_EDGES, ClassCounts, QueueCounts, SiteCounts
 from keeper.flow import FlowMinute
@@ -73,6 +75,17 @@ def lateness_group(
         by_route={r: by_route[r] for r in routes[:rows_max]},
         classes=[class_row(c, classes, now_ms) for c in ordered[:rows_max]],
         classes_truncated=len(ordered) > rows_max or len(routes) > rows_max,
+    )
+
+
+def trimmed_queue_state(state: QueueState) -> QueueState:
+    """`state` without its per-class and per-route lateness, flagged as cut: what is
+    left of a record too large for its buffer."""
+    return msgspec.structs.replace(
+        state,
+        lateness=msgspec.structs.replace(
+            state.lateness, classes=[], by_route={}, classes_truncated=True
+        ),
     )
 
 

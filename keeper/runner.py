@@ -74,6 +74,7 @@ from keeper.lifecycle import (
     SaveCursor,
     SettleAfterLoad,
     Started,
+    StateTooLarge,
     Wait,
     WalkChunk,
     WalkFinished,
@@ -88,7 +89,7 @@ from keeper.protocols import (
     WriteMarksLike,
 )
 from keeper.publish import Publisher, PublishFailed
-from keeper.report import build_queue_state, build_site_list
+from keeper.report import build_queue_state, build_site_list, trimmed_queue_state
 from keeper.state import (
     SITES_LISTED,
     ClusterStatistics,
@@ -370,8 +371,8 @@ class Keeper:
                 self._walk_read = None
             case WalkChunk(rows):
                 return self._walk_chunk(rows)
-            case FinishWalk():
-                return self._finish_walk()
+            case FinishWalk(drain_ms):
+                return self._finish_walk(drain_ms)
             case AbandonWalk():
                 if self._walk is not None:
                     self.core.abandon_walk(self._walk)
@@ -386,8 +387,8 @@ class Keeper:
                 return self._check_top()
             case SaveCursor():
                 return self._save_cursor()
-            case WriteState(full):
-                self._write_state(self.clock(), full=full)
+            case WriteState(full, trim):
+                return self._write_state(self.clock(), full=full, trim=trim)
             case SettleAfterLoad():
                 # The load's objects stay as long as the keeper (see workers.worker.serve).
                 gc.freeze()
@@ -669,14 +670,14 @@ class Keeper:
         self.core.apply_walked(walk, read.rows, now)
         return ChunkApplied(rows=len(read.rows), walk=walk.summary()), now
 
-    def _finish_walk(self) -> Outcome:
+    def _finish_walk(self, drain_ms: int) -> Outcome:
         # The feed has delivered every chunk's head (see _walk_chunk): a delete any read
         # showed has been applied, its key touched, before the sweep looks for rows gone.
         # (A walk that judges nothing has no untouched held rows to sweep.) The drain
         # brings the feed nearer the present before the keeper says it is exact.
         walk = self._walk
         assert walk is not None
-        drained = self._drain(self.clock() + 1000)
+        drained = self._drain(self.clock() + drain_ms)
         if isinstance(drained[0], FeedFailed):
             return drained  # no sweep: the lifecycle abandons the walk at the failure
         now = self.clock()
@@ -761,7 +762,7 @@ class Keeper:
             heartbeat_at=heartbeat_at or now,
             stall_after_ms=int(self.config.stall_after_s * 1000),
             counts_at=counts_at,
-            counts_max_age_ms=int(2 * self.config.report_interval_s * 1000 + 1000),
+            counts_max_age_ms=lifecycle.counts_max_age_ms,
             feed_lag_ms=max(0, now - self.feed.caught_up_at, held_back_ms)
             if self.feed.open
             else -1,
@@ -846,28 +847,27 @@ class Keeper:
         self._fenced = (fenced, max(0, due - fenced.due), now)
         return fenced
 
-    def _write_state(self, now: int, *, full: bool = False) -> None:
+    def _write_state(self, now: int, *, full: bool, trim: bool) -> Outcome | None:
+        """Queue-state, then the sites listing and the statistics record; StateTooLarge
+        (and nothing written) when the record, untrimmed, outgrows its buffer."""
         try:
             state = self.queue_state(now, full=full)
             self._state = state
-            payload = encode_queue_state(state)
+            if trim:
+                state = trimmed_queue_state(state)
             try:
-                self.state_buffer.write(payload, now)
-            except ValueError:
-                # Too large for the buffer: drop the per-class and per-route detail.
-                trimmed = msgspec.structs.replace(
-                    state,
-                    lateness=msgspec.structs.replace(
-                        state.lateness, classes=[], by_route={}, classes_truncated=True
-                    ),
-                )
-                self.state_buffer.write(encode_queue_state(trimmed), now)
+                self.state_buffer.write(encode_queue_state(state), now)
+            except ValueError:  # too large for the buffer
+                if not trim:
+                    return StateTooLarge(), now
+                raise
             self._state_writes += 1
         except Exception:
             self._state_write_failures += 1
             log.exception("keeper: writing queue-state failed")
         self._write_site_list(now)
         self._write_statistics(now)
+        return None
 
     def _write_site_list(self, now: int) -> None:
         """The last full report's sites listing, once; a listing too large for its buffer

@@ -13,6 +13,7 @@ from keeper.config import KeeperConfig
 from keeper.lifecycle import (
     DROP_CHUNK,
     REFILL_COST_SHARE,
+    SWEEP_DRAIN_MS,
     AbandonWalk,
     Action,
     Admit,
@@ -45,6 +46,7 @@ from keeper.lifecycle import (
     SaveCursor,
     SettleAfterLoad,
     Started,
+    StateTooLarge,
     Wait,
     WalkChunk,
     WalkFinished,
@@ -505,3 +507,33 @@ def test_the_top_check_follows_every_publish_and_is_dropped_when_the_feed_fails(
     script.round(advance_ms=1000)
     assert CheckTop() in script.done
     assert script.lc.handle(FeedFailed("OSError", reopen_at=NOW), script.now)[0] == DropTopCheck()
+
+
+def test_a_walk_ends_with_a_drain_of_at_most_a_second_before_its_sweep() -> None:
+    script = started()
+    lc = script.lc
+    assert lc.handle(ChunkApplied(rows=10, walk=summary("load", 10)), NOW) == [], "a full chunk"
+    finish = lc.handle(ChunkApplied(rows=5, walk=summary("load", 15)), NOW)
+    assert finish == [FinishWalk(drain_ms=SWEEP_DRAIN_MS)] and SWEEP_DRAIN_MS == 1000
+
+
+def test_a_feed_failing_in_the_drain_before_the_sweep_abandons_the_walk_unswept() -> None:
+    script = started()
+    script.once(FinishWalk, FeedFailed("OSError", reopen_at=NOW + 100))
+    while "FinishWalk" not in script.kinds():
+        script.round()
+    after = script.done[script.kinds().index("FinishWalk") + 1 :]
+    assert after[:3] == [DropTopCheck(), AbandonWalk(), WriteState()], "before anything else"
+    assert script.lc.walk is None and not script.lc.loaded and script.lc.phase == "loading"
+    script.round(advance_ms=100)
+    assert script.done[0] == OpenFeed(resume=True) and BeginWalk("load") in script.done
+
+
+def test_counts_may_age_two_report_intervals_and_a_second() -> None:
+    config = msgspec.structs.replace(CONFIG, report_interval_s=5)
+    assert Lifecycle(config).counts_max_age_ms == 11_000
+
+
+def test_a_record_too_large_for_its_buffer_is_written_again_trimmed() -> None:
+    lc = live().lc
+    assert lc.handle(StateTooLarge(), NOW) == [WriteState(trim=True)]

@@ -1298,3 +1298,26 @@ def test_a_clustered_keeper_says_why_it_waits_and_loads_once_the_member_list_has
     for _ in range(5):
         keeper.step()
     assert now() == ("ready", "live", "publishing")
+
+
+class _NoRoomForClasses(MemoryStateBuffer):
+    """A state buffer too small for a record with per-class rows."""
+
+    def write(self, payload: bytes, now_ms: int) -> int:
+        if decode_queue_state(payload).lateness.classes:
+            raise ValueError("too large for the buffer")
+        return super().write(payload, now_ms)
+
+
+def test_a_record_too_large_for_its_buffer_is_written_without_its_per_class_detail() -> None:
+    rig = Rig()
+    rig.keeper.state_buffer = rig.state = _NoRoomForClasses()
+    rig.keeper.start()
+    rig.steps(5)
+    rig.steps(1, advance_ms=5000)  # a full report, with its counts
+    last = rig.last()
+    assert not last.lateness.classes and not last.lateness.by_route
+    assert last.lateness.classes_truncated and last.now.due == 35 and last.trust.exact
+    stats = rig.keeper.statistics()
+    assert stats.state_writes == len(rig.state.writes) and stats.state_write_failures == 0
+    assert len(rig.statistics.writes) == len(rig.state.writes), "one statistics record each"
