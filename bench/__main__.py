@@ -323,6 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     if args.section == "publish":
         # The last full run's summary, rebuilt from its results, into bench/results/.
+        if not (report.RESULTS_DIR / "summary.json").is_file():
+            parser.error(f"no full run to publish in {report.RESULTS_DIR}: run `make bench` first")
         for path in publish(resummarize(quick=False)):
             report.progress(f"published: {_shown(path)}")
         return 0

@@ -287,3 +287,13 @@ def test_a_quick_section_run_leaves_the_tracked_tree_as_it_was(tmp_path: Path) -
     )
     assert (tmp_path / "results" / "shm-quick.json").is_file()
     assert status() == before
+
+
+def test_publish_without_a_full_run_says_so_and_changes_nothing(
+    sandbox: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("bench.__main__.signal.signal", lambda *args: None)  # keep ours
+    with pytest.raises(SystemExit) as stopped:
+        runner.main(["publish"])
+    assert stopped.value.code == 2
+    assert not report.RESULTS_DIR.exists()
