@@ -203,7 +203,6 @@ class Supervisor:
     _snapshot_on_exit: bool = False  # the stop was graceful (SIGTERM) and not overridden
     _lease_recovery: LeaseRecovery | None = None
     _membership: MembershipHeartbeat | None = None
-    _joined_mono_ms: int = 0
     _incarnation: int = 0
     _predecessor_until_ms: int = 0
     _inherited_leases: bool = False  # the previous run's leases were restored or adopted
@@ -339,7 +338,6 @@ class Supervisor:
             site_policy=settings.site_policy(),
             ownership=settings.ownership,
         )
-        self._joined_mono_ms = monotonic_ms()
         self._membership = MembershipHeartbeat(
             membership,
             settings.heartbeat_s,
@@ -353,11 +351,18 @@ class Supervisor:
 
     def _keeper_heard_at(self) -> int:
         """When the keeper was last heard going round (monotonic ms), for the heartbeat
-        thread. The join and worker 0's latest spawn count as heard: a keeper starting
-        up, or restarted after a crash, has a TTL to go round before it must."""
+        thread. A worker 0 not spawned yet, or still booting (its keeper not heard since
+        its spawn), is not judged: a boot slowed by a loaded machine must not cost the
+        node its membership, and a boot that fails is the respawn's business. A worker 0
+        that has died is silent from its last spawn."""
         heard = self._segments.marks.keeper_heard_at() if self._segments is not None else 0
-        spawned = int(self.slots[0].started_at * 1000) if self.slots else 0
-        return max(heard, spawned, self._joined_mono_ms)
+        slot = self.slots[0] if self.slots else None
+        if slot is None or not slot.started_at:
+            return monotonic_ms()
+        spawned = int(slot.started_at * 1000)
+        if slot.process is not None and heard < spawned:
+            return monotonic_ms()
+        return max(heard, spawned)
 
     def _predecessor_fence(self, predecessor: NodeRecord | None) -> int:
         """Until when the leases of the incarnation this start replaced may live (this
