@@ -2,13 +2,13 @@
 answers what to do next.
 
 It owns the keeper's phase and status, every deadline of its loop (publish, refill,
-report, verification, cursor save, member list, walk retry, the drain before a
-walk's sweep), a clustered keeper's wait to be admitted before it loads, which walk
-runs and why, the trust it reports (live, exact, and why not, and how old its
-counts may grow) and when a queue-state record too large for its buffer is cut. It
-never reads a store, a feed, shared memory or a clock: the runner (keeper/runner.py)
-does the I/O each action names, drives the core as told, and reports the outcome as
-an event.
+report, verification, cursor save, member list, walk retry, the drains before a
+walk's sweep and in a top check), a clustered keeper's wait to be admitted before it
+loads, which walk runs and why, the trust it reports (live, exact, and why not, and
+how old its counts may grow) and when a queue-state record too large for its buffer
+is cut. It never reads a store, a feed, shared memory or a clock: the runner
+(keeper/runner.py) does the I/O each action names, drives the core as told, and
+reports the outcome as an event.
 
 Two calls, in the manner of h11:
 
@@ -62,6 +62,9 @@ MEMBERS_ERROR_RETRY_S = 1.0
 # only what the chunks' reads saw, which each chunk waited for; the drain brings the
 # feed nearer the present before the keeper says it is exact.
 SWEEP_DRAIN_MS = 1000
+# After a top check's read the feed is drained for up to this long (ms): usually the
+# read is then covered and judged at once, and a busy feed is kept ahead of publishing.
+TOP_CHECK_DRAIN_MS = 1000
 
 
 # -- actions: what the runner is to do ---------------------------------------------
@@ -145,7 +148,11 @@ class Publish(msgspec.Struct, frozen=True):
 
 
 class CheckTop(msgspec.Struct, frozen=True):
-    """Take or judge the top check's read of the keys just published."""
+    """Take or judge the top check's read of the keys just published, draining the feed
+    for up to `drain_ms` after a new read. Answer FeedFailed if the feed failed in that
+    drain (the read then waits unjudged)."""
+
+    drain_ms: int
 
 
 class SaveCursor(msgspec.Struct, frozen=True):
@@ -572,7 +579,7 @@ class Lifecycle:
         actions: list[Action] = []
         if self.status != "ready":
             actions += self._set_status("ready", "publishing")
-        actions.append(CheckTop())
+        actions.append(CheckTop(drain_ms=TOP_CHECK_DRAIN_MS))
         if now >= self.next_cursor_save:
             self.next_cursor_save = now + _ms(self.config.cursor_save_interval_s)
             actions.append(SaveCursor())

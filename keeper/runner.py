@@ -383,8 +383,8 @@ class Keeper:
                 return self._drain(until_ms)
             case Publish(refill):
                 return self._publish(refill)
-            case CheckTop():
-                return self._check_top()
+            case CheckTop(drain_ms):
+                return self._check_top(drain_ms)
             case SaveCursor():
                 return self._save_cursor()
             case WriteState(full, trim):
@@ -713,14 +713,14 @@ class Keeper:
         self._published_keys = keys
         return Published(self._publisher.stats), now
 
-    def _check_top(self) -> Outcome | None:
+    def _check_top(self, drain_ms: int) -> Outcome | None:
         """The top check after a publish; the feed's failure, if it failed in the check's
         drain (the read then waits unjudged, and the failure drops it)."""
         failed: Outcome | None = None
 
-        def drain(until_ms: int) -> bool:
+        def drain() -> bool:
             nonlocal failed
-            outcome = self._drain(until_ms)
+            outcome = self._drain(self.clock() + drain_ms)
             if isinstance(outcome[0], FeedFailed):
                 failed = outcome
                 return False

@@ -62,13 +62,14 @@ class TopCheck:
         self.waited = 0  # reads judged only once the feed caught up with them
 
     def after_publish(
-        self, keys: list[bytes], now: int, drain: Callable[[int], bool]
+        self, keys: list[bytes], now: int, drain: Callable[[], bool]
     ) -> TopChecked | None:
         """Take a read of the published `keys` (best first) or judge the waiting one.
 
-        `drain(until_ms)` applies the feed, False when the feed failed in it: the read
-        is then left unjudged, for the keeper to drop (`drop`) before it does anything
-        else. Returns what a judged read found, None if nothing was judged.
+        `drain()` applies the feed after a new read, as far as the keeper's budget for
+        it goes (usually the read is then covered); False when the feed failed in it:
+        the read is then left unjudged, for the keeper to drop (`drop`) before it does
+        anything else. Returns what a judged read found, None if nothing was judged.
         """
         check = self.pending
         if check is None:
@@ -76,9 +77,7 @@ class TopCheck:
             if check is None:
                 return None
             self.pending = check
-            # As much of the feed as a second allows (the check's old budget, which also
-            # keeps a busy feed ahead of publishing); usually the read is then covered.
-            if not drain(self.clock() + 1000):
+            if not drain():
                 return None  # the feed failed meanwhile: its position judges nothing
         if not self.feed.has_delivered(check.read.head):
             if not check.waited:

@@ -14,6 +14,7 @@ from keeper.lifecycle import (
     DROP_CHUNK,
     REFILL_COST_SHARE,
     SWEEP_DRAIN_MS,
+    TOP_CHECK_DRAIN_MS,
     AbandonWalk,
     Action,
     Admit,
@@ -505,7 +506,7 @@ def test_an_ownership_change_during_a_walk_restarts_it() -> None:
 def test_the_top_check_follows_every_publish_and_is_dropped_when_the_feed_fails() -> None:
     script = live()
     script.round(advance_ms=1000)
-    assert CheckTop() in script.done
+    assert CheckTop(drain_ms=TOP_CHECK_DRAIN_MS) in script.done and TOP_CHECK_DRAIN_MS == 1000
     assert script.lc.handle(FeedFailed("OSError", reopen_at=NOW), script.now)[0] == DropTopCheck()
 
 

@@ -1221,7 +1221,7 @@ def test_a_feed_that_fails_in_the_top_checks_drain_drops_its_read_before_anythin
 ) -> None:
     """The failure is the check's outcome, told once the check is over: what it calls for
     (the read dropped unjudged first) is done before the round's other actions."""
-    from keeper.lifecycle import Action, CheckTop, DropTopCheck
+    from keeper.lifecycle import TOP_CHECK_DRAIN_MS, Action, CheckTop, DropTopCheck
 
     rig = Rig()
     rig.keeper.start()
@@ -1243,7 +1243,7 @@ def test_a_feed_that_fails_in_the_top_checks_drain_drops_its_read_before_anythin
     monkeypatch.setattr(rig.keeper, "_do", recorded)
     rig.steps(1, advance_ms=61_000)
     assert rig.keeper.statistics().feed_failures == 1
-    assert done[done.index(CheckTop()) + 1] == DropTopCheck()
+    assert done[done.index(CheckTop(drain_ms=TOP_CHECK_DRAIN_MS)) + 1] == DropTopCheck()
     assert rig.keeper._top.pending is None and not rig.keeper.statistics().exact
 
 

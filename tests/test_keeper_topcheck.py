@@ -16,7 +16,7 @@ CONFIG = KeeperConfig(top_check=3, top_check_every_s=60)
 KEYS = [b"/k9", b"/k8", b"/k7"]  # the most overdue first, as a publish offers them
 
 
-def _nothing(until_ms: int) -> bool:
+def _nothing() -> bool:
     """A drain that applies nothing: the feed lags the read."""
     return True
 
@@ -35,7 +35,7 @@ class Setup:
         self.drain()
         self.top = TopCheck(self.core, self.store, self.feed, CONFIG, self.clock)
 
-    def drain(self, until_ms: int = 0) -> bool:
+    def drain(self) -> bool:
         self.feed.drain(self.core.apply_events, self.clock() + 1000)
         return True
 
@@ -74,7 +74,7 @@ def test_a_feed_that_fails_during_the_drain_drops_the_read_unjudged() -> None:
     s = Setup()
     s.store.silent(None, key="/k9")  # would be a repair, if judged
 
-    def failing_drain(until_ms: int) -> bool:
+    def failing_drain() -> bool:
         return False
 
     assert s.top.after_publish(KEYS, s.clock(), failing_drain) is None
