@@ -16,6 +16,7 @@ import asyncio
 import functools
 import time
 from collections.abc import Callable, Generator
+from itertools import repeat
 from typing import Any, Literal
 
 import numpy as np
@@ -33,8 +34,8 @@ from api.status import (
 )
 from keeper.ceiling import capped_term_ms
 from keeper.ownership import placements, winners
-from shm import Grant, key_hash
-from shm.keys import key_site_hash
+from shm import key_hash
+from shm.keys import key_site_hash, key_site_hashes
 from shm.segment import now_ms
 from store.rows import Row
 from wire.schemas import (
@@ -167,34 +168,34 @@ def owners_now(node: Node, hashes: list[int], sites: list[int]) -> list[str | No
     return [view.nodes[i] for i in picked.tolist()]
 
 
-def _keep_owned(node: Node, granted: list[Granted], now: int) -> list[Lease]:
+def _keep_owned(
+    node: Node, granted: list[Lease], hashes: list[int], tokens: list[int], now: int
+) -> list[Lease]:
     """Hand back any granted key this node no longer owns (its view moved on during the
-    claim): never answered, so no one holds it but the lease table, briefly."""
+    claim): never answered, so no one holds it but the lease table, briefly. `hashes`
+    and `tokens`: each lease's, in the same order."""
     settings = node.settings
     if not settings.clustered:
-        return [lease for lease, _, _, _ in granted]
+        return granted
     # Placed by the host's site, not the entry's (a route's site pattern moves no key
     # between nodes: keeper.core.KeeperCore.placements_of).
-    by_site = settings.ownership == "site"
-    owners = owners_now(
-        node,
-        [hashed for _, hashed, _, _ in granted],
-        [key_site_hash(lease.key.encode()) if by_site else 0 for lease, _, _, _ in granted],
+    sites = (
+        key_site_hashes([lease.key.encode() for lease in granted]).tolist()
+        if settings.ownership == "site"
+        else [0] * len(granted)
     )
+    owners = owners_now(node, hashes, sites)
     if owners is None:
-        return [lease for lease, _, _, _ in granted]
+        return granted
     me = node.settings.node
     kept: list[Lease] = []
-    for (lease, hashed, token, _), owner in zip(granted, owners, strict=True):
+    for lease, hashed, token, owner in zip(granted, hashes, tokens, owners, strict=True):
         if owner == me:
             kept.append(lease)
         else:
             node.leases.complete(hashed, token, now)
     return kept
 
-
-# A lease granted by a claim: (the lease, its key hash, its token, its site hash).
-Granted = tuple[Lease, int, int, int]
 
 # A store call the claim path needs made: a read, or the route book's refresh. The driver
 # makes it where the worker makes its store calls (api.lane) and sends back its value.
@@ -242,24 +243,30 @@ async def grant(node: Node, want: int, lease_ms: int) -> list[Lease]:
 def _granting(node: Node, want: int, lease_ms: int) -> Generator[StoreCall, Any, list[Lease]]:
     """The claim, yielding each store call it needs made and taking back its value.
 
-    Grant first, then check. The grant's hold cap is the cadence the entry was published
-    with (its class's, as of that publish). A completion commits its row and stamps its
-    write mark before it releases its lease, so after our grant either the mark shows
-    the write (and the row is read) or the key's mark is below the view its generation
-    was selected from, and the entry is what the keeper published from a view that
-    already held every write this node made to it: answered unread. A row read after
-    the grant is the one trusted: a key that is gone, no longer due or on a paused route
-    is handed back instead of granted twice. Entries published without a cadence (0)
-    are read once before their grant too, to learn it.
+    Grant first, then check. The ring's entries come as arrays and are granted in one C
+    call (`LeaseTable.grant_batch`: each key's site permit and spacing, then its lease),
+    with the cadence each entry was published with (its class's, as of that publish) as
+    the hold cap; the write marks are read for the granted keys in one call after it. A
+    completion commits its row and stamps its write mark before it releases its lease,
+    so after our grant either the mark shows the write (and the row is read) or the
+    key's mark is below the view its generation was selected from, and the entry is what
+    the keeper published from a view that already held every write this node made to
+    it: answered unread, its lease built from the arrays. A row read after the grant is
+    the one trusted: a key that is gone, no longer due or on a paused route is handed
+    back instead of granted twice. Entries published without a cadence (0) are read
+    once before their grant too, to learn it. A key not granted gets no Python object.
 
     A store call that fails (the store unavailable, the claim cancelled) hands back every
     lease the claim took before it is raised: none was answered, so nobody renders them.
     """
     ring, store, leases, routes, marks = node.ring, node.store, node.leases, node.routes, node.marks
-    # A cluster's node checks ownership after its CASes.
-    granted: list[Granted] = []
-    held: list[tuple[str, int, int, int, int]] = []  # key, key hash, token, expiry, site
+    granted: list[Lease] = []
+    # Each granted lease's key hash and token, in `granted`'s order.
+    granted_hashes: list[int] = []
+    granted_tokens: list[int] = []
+    held: list[tuple[str, int, int, int]] = []  # key, key hash, token, expiry: to read
     clustered = node.settings.clustered
+    granter = node.settings.node if clustered else None
     try:
         while len(granted) < want:
             if not routes.fresh:
@@ -269,8 +276,8 @@ def _granting(node: Node, want: int, lease_ms: int) -> Generator[StoreCall, Any,
             view = 0 if marks is None else marks.view_of(ring.generation)
             if lease_term_ms(node, lease_ms, now_ms()) < MIN_TERM_MS:
                 break  # the lease ceiling has run out (api.status.membership_lapsed)
-            entries = ring.claim(want - len(granted))
-            if not entries:
+            claimed = ring.claim_batch(want - len(granted))
+            if not len(claimed):
                 break
             if view and marks is not None:
                 marks.refresh_classes()
@@ -278,88 +285,124 @@ def _granting(node: Node, want: int, lease_ms: int) -> Generator[StoreCall, Any,
             term_ms = lease_term_ms(node, lease_ms, now)
             if term_ms < MIN_TERM_MS:
                 break  # ran out since the check: these entries are in the next publish
-            unknown = [entry.key.decode() for entry in entries if not entry.cadence_s]
-            before: dict[str, Row] = (
-                (yield functools.partial(store.get_many, unknown)) if unknown else {}
-            )
-            answered = 0
-            for entry in entries:
-                key = entry.key.decode()
-                cadence_s: int | None = entry.cadence_s
-                if not cadence_s:
+            entries = claimed.entries
+            cadence_s = entries["cadence_s"]
+            hashes = entries["key_hash"].copy()  # a hash of 0 is not granted
+            cadence_ms = cadence_s.astype(np.uint64) * np.uint64(1000)
+            unknown = np.flatnonzero(cadence_s == 0)
+            if unknown.size:
+                unknown_keys = claimed.keys_of(unknown)
+                before: dict[str, Row] = yield functools.partial(store.get_many, unknown_keys)
+                for index, key in zip(unknown.tolist(), unknown_keys, strict=True):
                     row = before.get(key)
                     # Gone, or rendered since the keeper published it: not claimable now.
-                    if row is None or row.next_render_at > now:
-                        continue
-                    cadence_s = routes.grant_cadence_s(row)
-                    if cadence_s is None:
-                        continue
-                # The site's permit first (its spacing, its block), then the lease: a skipped
-                # key is only consumed from this generation of the ring, never rescheduled.
-                outcome = leases.grant(
-                    entry.key_hash, now, term_ms, cadence_s * 1000, entry.site_hash
-                )
-                if type(outcome) is not Grant:
-                    continue
-                named = (
-                    marks.class_of(entry.class_id)
-                    if marks is not None
-                    and entry.cadence_s
-                    and marks.unwritten_since(entry.key_hash, view)
-                    else None
-                )
-                if named is not None and not routes.paused(named[0]):
-                    answered += 1
-                    lease = Lease(
-                        key=key,
-                        token=format_token(node, outcome.token),
-                        route=named[0],
-                        due_at=entry.due_at,
-                        lease_expires_at=outcome.expires_at,
-                        sitemap=named[1],
-                        cadence_s=entry.cadence_s,
-                        node=node.settings.node if clustered else None,
-                        lease_ms=outcome.expires_at - now,
+                    learned = (
+                        None
+                        if row is None or row.next_render_at > now
+                        else routes.grant_cadence_s(row)
                     )
-                    granted.append((lease, entry.key_hash, outcome.token, entry.site_hash))
-                    continue
-                held.append(
-                    (key, entry.key_hash, outcome.token, outcome.expires_at, entry.site_hash)
+                    if learned is None:
+                        hashes[index] = 0
+                    else:
+                        cadence_ms[index] = learned * 1000
+            # The site's permit first (its spacing, its block), then the lease: a skipped
+            # key is only consumed from this generation of the ring, never rescheduled.
+            tokens, expires = leases.grant_batch(
+                hashes, entries["site_hash"], cadence_ms, now, term_ms
+            )
+            won = np.flatnonzero(tokens)
+            won_hashes = entries["key_hash"][won]
+            # Answered from the entry: published with a cadence, unwritten here since its
+            # generation's view, its class named and its route not paused.
+            fresh = (
+                marks.unwritten_mask(won_hashes, view) & (cadence_s[won] != 0)
+                if marks is not None and view
+                else np.zeros(won.size, dtype=np.bool_)
+            )
+            class_ids = entries["class_id"][won]
+            route_of: dict[int, str] = {}
+            sitemap_of: dict[int, bool] = {}
+            if marks is not None:
+                for class_id in np.unique(class_ids[fresh]).tolist():
+                    named = marks.class_of(class_id)
+                    if named is not None and not routes.paused(named[0]):
+                        route_of[class_id], sitemap_of[class_id] = named
+            answer = fresh & np.isin(class_ids, list(route_of)) if route_of else fresh & False
+            answered = won[answer]
+            if answered.size:
+                ids = class_ids[answer].tolist()
+                granted_tokens_now = tokens[answered].tolist()
+                expiries = expires[answered]
+                granted.extend(
+                    map(
+                        Lease,
+                        claimed.keys_of(answered),
+                        map(str, granted_tokens_now)
+                        if granter is None
+                        else map(f"{granter}:".__add__, map(str, granted_tokens_now)),
+                        map(route_of.__getitem__, ids),
+                        entries["due_at"][answered].tolist(),
+                        expiries.tolist(),
+                        map(sitemap_of.__getitem__, ids),
+                        cadence_s[answered].tolist(),
+                        repeat(granter),
+                        (expiries.astype(np.int64) - now).tolist(),
+                    )
+                )
+                granted_hashes.extend(won_hashes[answer].tolist())
+                granted_tokens.extend(granted_tokens_now)
+            unread = won[~answer]
+            if unread.size:
+                held.extend(
+                    zip(
+                        claimed.keys_of(unread),
+                        won_hashes[~answer].tolist(),
+                        tokens[unread].tolist(),
+                        expires[unread].tolist(),
+                        strict=True,
+                    )
                 )
             if marks is not None:
-                marks.count_claimed(answered, len(held))
+                marks.count_claimed(int(answered.size), len(held))
             if not held:
                 continue
             rows: dict[str, Row] = yield functools.partial(
-                store.get_many, [key for key, _, _, _, _ in held]
+                store.get_many, [key for key, _, _, _ in held]
             )
             reading, held = held, []
-            for key, hashed, token, expires_at, site in reading:
+            for key, hashed, token, expires_at in reading:
                 row = rows.get(key)
-                cadence_s = None if row is None else routes.grant_cadence_s(row)
-                if row is None or row.next_render_at > now or cadence_s is None:
+                learned = None if row is None else routes.grant_cadence_s(row)
+                if row is None or row.next_render_at > now or learned is None:
                     # Hand it back: ending the lease is not a missed render.
                     leases.complete(hashed, token, now)
                     continue
-                lease = Lease(
-                    key=key,
-                    token=format_token(node, token),
-                    route=row.route,
-                    due_at=row.next_render_at,
-                    lease_expires_at=expires_at,
-                    sitemap=row.sitemap,
-                    cadence_s=cadence_s,
-                    node=node.settings.node if clustered else None,
-                    lease_ms=expires_at - now,
+                granted.append(
+                    Lease(
+                        key=key,
+                        token=format_token(node, token),
+                        route=row.route,
+                        due_at=row.next_render_at,
+                        lease_expires_at=expires_at,
+                        sitemap=row.sitemap,
+                        cadence_s=learned,
+                        node=granter,
+                        lease_ms=expires_at - now,
+                    )
                 )
-                granted.append((lease, hashed, token, site))
+                granted_hashes.append(hashed)
+                granted_tokens.append(token)
     except BaseException:
         now = now_ms()
-        taken = [(h, t) for _, h, t, _ in granted] + [(h, t) for _, h, t, _, _ in held]
+        taken = [*zip(granted_hashes, granted_tokens, strict=True)] + [
+            (h, t) for _, h, t, _ in held
+        ]
         for hashed, token in taken:
             leases.complete(hashed, token, now)
         raise
-    return _keep_owned(node, granted, now_ms()) if granted else []
+    if not granted:
+        return []
+    return _keep_owned(node, granted, granted_hashes, granted_tokens, now_ms())
 
 
 async def next_publish(node: Node, deadline: float) -> bool:

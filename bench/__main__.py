@@ -32,6 +32,7 @@ SECTIONS = (
     "site_owners",
     "cadence",
     "stages",
+    "hot",
     "sitemap",
     "single",
     "peers",

@@ -49,6 +49,8 @@ import os
 from collections.abc import Sequence
 
 import msgspec
+import numpy as np
+import numpy.typing as npt
 
 from shm._atomics import STRIPE_WORDS, STRIPES, Words
 from shm.segment import HEADER_BYTES, Segment, align, stripe_sums
@@ -266,6 +268,17 @@ class WriteMarks:
         """True when every write through this node to the key's bucket is below `view`
         (0 vouches for nothing)."""
         return view > 0 and self._marks.load(key_hash & self._mask) < view
+
+    def unwritten_mask(
+        self, key_hashes: npt.NDArray[np.uint64], view: int
+    ) -> npt.NDArray[np.bool_]:
+        """`unwritten_since` for each key, in one call."""
+        out = np.zeros(key_hashes.shape[0], dtype=np.bool_)
+        if view > 0:
+            self._marks.below(
+                np.ascontiguousarray(key_hashes, dtype=np.uint64), self._mask, view, out
+            )
+        return out
 
     def refresh_classes(self) -> None:
         """Drop this reader's copy if the keeper has renamed classes since: a new keeper

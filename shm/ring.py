@@ -139,6 +139,33 @@ class ReadyEntry(msgspec.Struct, frozen=True):
     site_hash: int = 0
 
 
+class ClaimedEntries:
+    """A claim's entries as arrays (`claim_batch`): `entries` in the ring's `ENTRY` layout,
+    their keys end to end in one bytes (an entry's key_off names its key there), so a
+    claim makes a str only for the keys it answers (`keys_of`)."""
+
+    __slots__ = ("_keys", "_raw", "_ring", "entries")
+
+    def __init__(self, ring: Ring, raw: bytes, keys: bytes) -> None:
+        self._ring, self._raw, self._keys = ring, raw, keys
+        self.entries: np.ndarray = np.frombuffer(raw, dtype=ENTRY)
+
+    def __len__(self) -> int:
+        return int(self.entries.shape[0])
+
+    def keys_of(self, indexes: npt.NDArray[np.int64]) -> list[str]:
+        """The keys of the entries at `indexes`, decoded."""
+        keys: list[str] = self._ring.keys_of(
+            self._raw, self._keys, np.ascontiguousarray(indexes, dtype=np.int64)
+        )
+        return keys
+
+    def key_bytes(self, index: int) -> bytes:
+        entry = self.entries[index]
+        offset = int(entry["key_off"])
+        return self._keys[offset : offset + int(entry["key_len"])]
+
+
 class RingStatistics(msgspec.Struct, frozen=True):
     capacity: int
     arena_bytes: int
@@ -296,6 +323,11 @@ class ReadyRing:
         """Up to n entries, in published order, each taken by exactly one claimant."""
         entries: list[ReadyEntry] = self._ring.claim(n)
         return entries
+
+    def claim_batch(self, n: int) -> ClaimedEntries:
+        """`claim`, as arrays: no Python object per entry."""
+        raw, keys = self._ring.claim_batch(n)
+        return ClaimedEntries(self._ring, raw, keys)
 
     @property
     def generation(self) -> int:

@@ -193,6 +193,8 @@ class SiteTable:
         # and a Struct per key would be a third of a grant's cost.
         self.acquire_codes = self._c.acquire
         self.undo_codes = self._c.undo
+        # The table itself, for the lease table's batch grant, which calls it inside C.
+        self.c_table = self._c
 
     @classmethod
     def create(

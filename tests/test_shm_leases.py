@@ -373,6 +373,65 @@ def test_a_spacing_or_a_block_refuses_with_the_sites_reason(
     assert table.grant(K3, 1_400, 100, 10_000, SITE) == Refusal("site_blocked", 5_000)
 
 
+def _batch(
+    table: LeaseTable, hashes: list[int], sites: list[int], now: int, lease_ms: int
+) -> list[tuple[int, int]]:
+    tokens, expires = table.grant_batch(
+        np.array(hashes, dtype=np.uint64),
+        np.array(sites, dtype=np.uint64),
+        np.full(len(hashes), 10_000, dtype=np.uint64),
+        now,
+        lease_ms,
+    )
+    return list(zip(tokens.tolist(), expires.tolist(), strict=True))
+
+
+def test_a_batch_grant_decides_each_key_as_grant_does_in_order(
+    sited: tuple[LeaseTable, SiteTable],
+) -> None:
+    table, sites = sited
+    sites.configure(SITE, 2, None)
+    held = _lease(table.grant(K3, 900, 100, 10_000))
+    assert table.fail(K3, held.token, 950) is not None  # K3 held back until 1_150
+    k4, k5 = (key_hash(b"/s/%d" % i) for i in (4, 5))
+    # K1 twice: the first takes it, the second finds it taken; SITE's cap of 2 takes K2 and
+    # refuses k4 (a permit and no lease); a hash of 0 is skipped; k5 names no site.
+    got = _batch(table, [K1, K1, K2, K3, k4, 0, k5], [SITE, SITE, SITE, 0, SITE, 0, 0], 1_000, 100)
+    (t1, e1), taken, (t2, e2), refused_held, capped, skipped, (t5, e5) = got
+    assert t1 and t2 and t5 and e1 == e2 == e5 == 1_100
+    assert taken == (0, 1_100) and refused_held == (0, 1_150) and skipped == (0, 0)
+    assert capped == (0, 1_100)  # the earliest permit's end
+    assert table.holds(K1, t1, 1_050) and table.holds(K2, t2, 1_050) and table.holds(k5, t5, 1_050)
+    assert table.lease_site(K1, t1, 1_050) == SITE and table.lease_site(k5, t5, 1_050) == 0
+    # The refused second K1 gave its permit back: only the two leases hold one.
+    assert sites.info(SITE, 1_050).in_flight == 2 and sites.statistics().undone == 1
+    assert table.complete(K1, t1, 1_060)  # frees a permit, as a single grant's would
+    assert sites.info(SITE, 1_060).in_flight == 1
+    ((t4, _),) = _batch(table, [k4], [SITE], 1_070, 100)
+    assert t4 and table.lease_site(k4, t4, 1_070) == SITE
+
+
+def test_a_batch_grant_without_a_site_table_takes_no_permit(table: LeaseTable) -> None:
+    ((token, expires),) = _batch(table, [K1], [SITE], 1_000, 100)
+    assert token and expires == 1_100 and table.lease_site(K1, token, 1_000) == SITE
+    _, _, permit = table._c.lease_of(K1, token, 1_000) or (0, 0, True)
+    assert not permit
+
+
+def test_a_batch_grant_refuses_arrays_of_other_lengths(table: LeaseTable) -> None:
+    hashes = np.array([K1, K2], dtype=np.uint64)
+    with pytest.raises(ValueError, match="site_hashes"):
+        table._c.grant_batch(hashes, np.zeros(1, np.uint64), np.zeros(2, np.uint64), 1, 1, None,
+                             np.zeros(2, np.uint64), np.zeros(2, np.uint64))  # fmt: skip
+    with pytest.raises(ValueError, match="lease_ms"):
+        table.grant_batch(hashes, np.zeros(2, np.uint64), np.zeros(2, np.uint64), 1, 0)
+    with pytest.raises(TypeError, match="Sites"):
+        table._c.grant_batch(hashes, np.zeros(2, np.uint64), np.zeros(2, np.uint64), 1, 1,
+                             object(), np.zeros(2, np.uint64),  # type: ignore[arg-type]
+                             np.zeros(2, np.uint64))  # fmt: skip
+    assert table.statistics().grants == 0
+
+
 def test_renewals_move_the_permit_with_the_lease(sited: tuple[LeaseTable, SiteTable]) -> None:
     table, sites = sited
     sites.configure(SITE, 1, None)

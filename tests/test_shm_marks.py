@@ -6,6 +6,7 @@ from __future__ import annotations
 import multiprocessing
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 from node_harness import unique
 
@@ -35,6 +36,15 @@ def test_a_bucket_only_rises_and_is_shared_by_hashes_alike_below_the_mask(
     assert marks.unwritten_since(6, 1)
     assert not marks.unwritten_since(6, 0)  # a view of 0 vouches for nothing
     assert marks.statistics().stamped == 2
+
+
+def test_the_mask_of_many_keys_reads_as_each_key_alone(marks: WriteMarks) -> None:
+    marks.stamp([5, 9], 100)
+    hashes = np.array([5, 6, 5 + (1 << 10), 9, 2**64 - 1], dtype=np.uint64)
+    for view in (0, 50, 100, 101):
+        expected = [marks.unwritten_since(int(h), view) for h in hashes.tolist()]
+        assert marks.unwritten_mask(hashes, view).tolist() == expected
+    assert marks.unwritten_mask(np.zeros(0, dtype=np.uint64), 7).size == 0
 
 
 def test_a_view_is_read_only_for_its_own_generation(marks: WriteMarks) -> None:

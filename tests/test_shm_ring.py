@@ -109,6 +109,31 @@ def test_claims_come_in_published_order_until_drained(name: str) -> None:
         ring.unlink()
 
 
+def test_a_batch_claim_takes_the_entries_claim_would_as_arrays(name: str) -> None:
+    ring = ReadyRing.create(name, capacity=32, arena_bytes=1024)
+    try:
+        assert len(ring.claim_batch(5)) == 0  # nothing published
+        keys = [f"/p/{i}/é".encode() for i in range(10)]
+        _publish(ring, keys)
+        first = ring.claim_batch(4)
+        assert len(first) == 4
+        assert first.entries["key_hash"].tolist() == [key_hash(k) for k in keys[:4]]
+        assert first.entries["due_at"].tolist() == [0, 10, 20, 30]
+        assert first.entries["class_id"].tolist() == [0, 1, 2, 3]
+        assert first.keys_of(np.array([3, 0])) == [keys[3].decode(), keys[0].decode()]
+        assert first.key_bytes(1) == keys[1]
+        # The rest goes to the next claim, batch or not, each entry once.
+        assert [e.key for e in ring.claim(2)] == keys[4:6]
+        rest = ring.claim_batch(100)
+        assert rest.keys_of(np.arange(len(rest))) == [k.decode() for k in keys[6:]]
+        assert len(ring.claim_batch(1)) == 0 and ring.statistics().claimed == 10
+        with pytest.raises(IndexError):
+            rest.keys_of(np.array([4]))
+    finally:
+        ring.close()
+        ring.unlink()
+
+
 def test_a_batch_larger_than_the_ring_is_cut_to_the_prefix_that_fits(name: str) -> None:
     ring = ReadyRing.create(name, capacity=8, arena_bytes=100)
     try:

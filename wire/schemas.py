@@ -138,7 +138,8 @@ class ClaimRequest(Request, frozen=True, omit_defaults=True):
     ) = None
 
 
-class Lease(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+# Positional too: a claim builds its leases column by column (api.claims).
+class Lease(msgspec.Struct, frozen=True, omit_defaults=True):
     key: str
     token: LeaseToken
     route: str

@@ -123,6 +123,18 @@ SHM_INTERNAL PyObject *shm_released_error(void);
 SHM_INTERNAL int shm_add_layout(PyObject *m, const char *name, const char *const *keys,
                                 const long *values, int n);
 
+/* ------------------------------------------------------------- sites.c */
+
+/* What the lease table's batch grant (leases.c) calls of a site table inside its loop,
+ * with the meaning of Sites.acquire and Sites.undo. */
+enum { SHM_SITE_GRANTED = 0, SHM_SITE_PERMIT = 1 };
+/* 1 if `sites` is a Sites still holding its buffer, 0 if None, -1 with an error set. */
+SHM_INTERNAL int shm_sites_usable(PyObject *sites);
+SHM_INTERNAL int shm_sites_acquire(PyObject *sites, uint64_t h, uint64_t now, uint64_t lease_ms,
+                                   uint64_t *until, int64_t *previous_last);
+SHM_INTERNAL void shm_sites_undo(PyObject *sites, uint64_t h, uint64_t expires, uint64_t now,
+                                 int64_t previous_last);
+
 /* ------------------------------------------------------ each file's entry */
 
 /* Ready the file's type (or functions) and add them, and its layout, to the module;

@@ -449,22 +449,20 @@ probe(LeasesObject *self, uint64_t h, uint64_t now, probe_t *p)
  * winners at least one sees the other (both CAS before they re-read, all
  * sequentially consistent), so at most one grant survives; a reverted grant was
  * never returned. */
-static PyObject *
-Leases_grant(LeasesObject *self, PyObject *const *args, Py_ssize_t nargs)
+static inline int
+granted_as(int code, uint64_t tok, uint64_t at, uint64_t *token, uint64_t *until)
 {
-    if (check_nargs("grant", nargs, 6) < 0) return NULL;
-    if (!self->held) return shm_released_error();
-    uint64_t h, now, lease_ms, cadence_ms, site;
-    int with_permit = PyObject_IsTrue(args[5]);
-    if (with_permit < 0 || parse_hash(args[0], &h) < 0 || parse_time(args[1], &now, "now") < 0 ||
-        parse_time(args[2], &lease_ms, "lease") < 0 ||
-        parse_time(args[3], &cadence_ms, "cadence") < 0 || parse_u64(args[4], &site) < 0) {
-        return NULL;
-    }
-    if (lease_ms == 0 || now + lease_ms > TIME_MAX) {
-        PyErr_SetString(PyExc_ValueError, "lease_ms must be positive and now + lease in range");
-        return NULL;
-    }
+    *token = tok;
+    *until = at;
+    return code;
+}
+
+/* grant's decision for one key, its arguments checked: the code, and through `token`
+ * and `until` what grant() returns beside it. */
+static int
+grant_one(LeasesObject *self, uint64_t h, uint64_t now, uint64_t lease_ms, uint64_t cadence_ms,
+          uint64_t site, int with_permit, uint64_t *token, uint64_t *until)
+{
     probe_t p;
     for (int attempt = 0; attempt < LEASE_MAX_ATTEMPTS; attempt++) {
         probe(self, h, now, &p);
@@ -486,11 +484,11 @@ Leases_grant(LeasesObject *self, PyObject *const *args, Py_ssize_t nargs)
         if (settled) continue;
         if (taken_until) {
             bump(self, LS_REFUSED_TAKEN, 1);
-            return Py_BuildValue("(iKK)", REFUSED_TAKEN, 0ull, (unsigned long long)taken_until);
+            return granted_as(REFUSED_TAKEN, 0, taken_until, token, until);
         }
         if (held_until) {
             bump(self, LS_REFUSED_HELD, 1);
-            return Py_BuildValue("(iKK)", REFUSED_HELD, 0ull, (unsigned long long)held_until);
+            return granted_as(REFUSED_HELD, 0, held_until, token, until);
         }
         uint64_t s, w;
         if (p.n == 0) {
@@ -507,7 +505,7 @@ Leases_grant(LeasesObject *self, PyObject *const *args, Py_ssize_t nargs)
             }
             if (p.empty < 0) {
                 bump(self, LS_REFUSED_PROBE_FULL, 1);
-                return Py_BuildValue("(iKK)", REFUSED_PROBE_FULL, 0ull, 0ull);
+                return granted_as(REFUSED_PROBE_FULL, 0, 0, token, until);
             }
             s = (uint64_t)p.empty;
             if (!cas_word(slot_word(self, s, SLOT_KEY), 0, h)) continue;
@@ -547,12 +545,131 @@ Leases_grant(LeasesObject *self, PyObject *const *args, Py_ssize_t nargs)
             continue;
         }
         bump(self, LS_GRANTS, 1);
-        return Py_BuildValue("(iKK)", GRANTED, (unsigned long long)((s << 16) | tok),
-                             (unsigned long long)expires);
+        return granted_as(GRANTED, (s << 16) | tok, expires, token, until);
     }
     /* Only a storm of concurrent changes to this one window gets here. */
     bump(self, LS_REFUSED_TAKEN, 1);
-    return Py_BuildValue("(iKK)", REFUSED_TAKEN, 0ull, (unsigned long long)now);
+    return granted_as(REFUSED_TAKEN, 0, now, token, until);
+}
+
+
+static PyObject *
+Leases_grant(LeasesObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs("grant", nargs, 6) < 0) return NULL;
+    if (!self->held) return shm_released_error();
+    uint64_t h, now, lease_ms, cadence_ms, site;
+    int with_permit = PyObject_IsTrue(args[5]);
+    if (with_permit < 0 || parse_hash(args[0], &h) < 0 || parse_time(args[1], &now, "now") < 0 ||
+        parse_time(args[2], &lease_ms, "lease") < 0 ||
+        parse_time(args[3], &cadence_ms, "cadence") < 0 || parse_u64(args[4], &site) < 0) {
+        return NULL;
+    }
+    if (lease_ms == 0 || now + lease_ms > TIME_MAX) {
+        PyErr_SetString(PyExc_ValueError, "lease_ms must be positive and now + lease in range");
+        return NULL;
+    }
+    uint64_t token, until;
+    int code = grant_one(self, h, now, lease_ms, cadence_ms, site, with_permit, &token, &until);
+    return Py_BuildValue("(iKK)", code, (unsigned long long)token, (unsigned long long)until);
+}
+
+/* A contiguous, aligned array of n 8-byte items from a buffer, writable if asked. */
+static int
+u64_array(PyObject *o, Py_buffer *view, Py_ssize_t n, int writable, const char *what)
+{
+    if (PyObject_GetBuffer(o, view, PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0)) < 0) {
+        return -1;
+    }
+    if (view->len != n * 8 || ((uintptr_t)view->buf & 7u)) {
+        PyErr_Format(PyExc_ValueError, "grant_batch: %s must be %zd aligned 8-byte items", what, n);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+/* grant_batch(hashes, site_hashes, cadence_ms, now, lease_ms, sites, tokens, expires)
+ *   -> keys granted
+ *
+ * grant() over a batch, in order, as the claim path made it one key at a time: for each
+ * key with a non-zero hash (0: skip it), first its site's permit and spacing when `sites`
+ * (a Sites, or None) is given and the key names a site, then the lease with the key's
+ * cadence as the hold cap, the site's take given back if the lease is refused.
+ * tokens[i] gets the lease's token, 0 when none was granted; expires[i] the lease's
+ * expiry, or the refusal's `until` (the lease's or the site's; 0 when there is none).
+ * hashes, site_hashes, cadence_ms: uint64[n]; tokens, expires: writable uint64[n]. */
+static PyObject *
+Leases_grant_batch(LeasesObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs("grant_batch", nargs, 8) < 0) return NULL;
+    if (!self->held) return shm_released_error();
+    uint64_t now, lease_ms;
+    if (parse_time(args[3], &now, "now") < 0 || parse_time(args[4], &lease_ms, "lease") < 0) {
+        return NULL;
+    }
+    if (lease_ms == 0 || now + lease_ms > TIME_MAX) {
+        PyErr_SetString(PyExc_ValueError, "lease_ms must be positive and now + lease in range");
+        return NULL;
+    }
+    int with_sites = shm_sites_usable(args[5]);
+    if (with_sites < 0) return NULL;
+    Py_buffer in[3], out[2];
+    int taken = 0;
+    Py_ssize_t n = 0;
+    PyObject *result = NULL;
+    if (PyObject_GetBuffer(args[0], &in[0], PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    taken = 1;
+    n = in[0].len / 8;
+    if ((in[0].len & 7) || ((uintptr_t)in[0].buf & 7u)) {
+        PyErr_SetString(PyExc_ValueError, "grant_batch: hashes must be aligned 8-byte items");
+        goto done;
+    }
+    if (u64_array(args[1], &in[1], n, 0, "site_hashes") < 0) goto done;
+    taken = 2;
+    if (u64_array(args[2], &in[2], n, 0, "cadence_ms") < 0) goto done;
+    taken = 3;
+    if (u64_array(args[6], &out[0], n, 1, "tokens") < 0) goto done;
+    taken = 4;
+    if (u64_array(args[7], &out[1], n, 1, "expires") < 0) goto done;
+    taken = 5;
+    const uint64_t *hashes = in[0].buf, *sites = in[1].buf, *cadences = in[2].buf;
+    uint64_t *tokens = out[0].buf, *expires = out[1].buf;
+    Py_ssize_t granted = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint64_t h = hashes[i], site = sites[i], token = 0, until = 0;
+        tokens[i] = 0;
+        expires[i] = 0;
+        if (h == 0) continue;
+        uint64_t site_until = 0;
+        int64_t previous = -1;
+        int site_code = SHM_SITE_GRANTED;
+        if (site && with_sites) {
+            site_code = shm_sites_acquire(args[5], site, now, lease_ms, &site_until, &previous);
+            if (site_code != SHM_SITE_GRANTED && site_code != SHM_SITE_PERMIT) {
+                expires[i] = site_until;
+                continue;
+            }
+        }
+        int code = grant_one(self, h, now, lease_ms, cadences[i], site,
+                             site_code == SHM_SITE_PERMIT, &token, &until);
+        if (code != GRANTED) {
+            if (site && with_sites) shm_sites_undo(args[5], site, site_until, now, previous);
+            expires[i] = until;
+            continue;
+        }
+        tokens[i] = token;
+        expires[i] = until;
+        granted++;
+    }
+    result = PyLong_FromSsize_t(granted);
+done:
+    if (taken >= 1) PyBuffer_Release(&in[0]);
+    if (taken >= 2) PyBuffer_Release(&in[1]);
+    if (taken >= 3) PyBuffer_Release(&in[2]);
+    if (taken >= 4) PyBuffer_Release(&out[0]);
+    if (taken >= 5) PyBuffer_Release(&out[1]);
+    return result;
 }
 
 /* The slot and 16-bit counter a token names; 0 if it names no slot. */
@@ -1060,6 +1177,8 @@ Leases_release(LeasesObject *self, PyObject *Py_UNUSED(ignored))
 static PyMethodDef Leases_methods[] = {
     {"grant", (PyCFunction)(void (*)(void))Leases_grant, METH_FASTCALL,
      "grant($self, key_hash, now, lease_ms, cadence_ms, site_hash, permit, /)\n--\n\ngrant(key_hash, now, lease_ms, cadence_ms, site_hash, permit) -> (code, token, until)."},
+    {"grant_batch", (PyCFunction)(void (*)(void))Leases_grant_batch, METH_FASTCALL,
+     "grant_batch($self, hashes, site_hashes, cadence_ms, now, lease_ms, sites, tokens, expires, /)\n--\n\ngrant_batch(...) -> keys granted: grant() over arrays, site permits taken inside."},
     {"holds", (PyCFunction)(void (*)(void))Leases_holds, METH_FASTCALL,
      "holds($self, key_hash, token, now, /)\n--\n\nholds(key_hash, token, now) -> bool."},
     {"renew", (PyCFunction)(void (*)(void))Leases_renew, METH_FASTCALL,

@@ -174,24 +174,12 @@ ring_cursor(RingObject *self, uint64_t b)
  * superseded generation is dropped (that generation is gone anyway); one made
  * on the live generation is always honoured, because the writer resets the
  * cursor only after the buffer's generation is final. */
-static PyObject *
-Ring_claim(RingObject *self, PyObject *const *args, Py_ssize_t nargs)
+static int64_t
+claim_copy(RingObject *self, uint64_t n, scratch_t *sc, uint64_t *key_bytes_out)
 {
-    if (check_nargs("claim", nargs, 1) < 0) return NULL;
-    if (!self->held) return shm_released_error();
-    Py_ssize_t want = PyLong_AsSsize_t(args[0]);
-    if (want == -1 && PyErr_Occurred()) return NULL;
-    if (want <= 0) return PyList_New(0);
-    if ((uint64_t)want > self->capacity) want = (Py_ssize_t)self->capacity;
-    uint64_t n = (uint64_t)want;
     atomic_fetch_add_explicit(&self->stripe[RS_CLAIM_CALLS], 1, memory_order_relaxed);
-    /* Taken, not borrowed: building objects can run arbitrary Python (a finalizer,
-     * another thread), which may claim on this ring meanwhile. */
-    scratch_t sc = self->scratch;
-    memset(&self->scratch, 0, sizeof(self->scratch));
-    PyObject *out = NULL;
-    if (scratch_reserve(&sc, n, 0) < 0) goto done;
-
+    if (scratch_reserve(sc, n, 0) < 0) return -1;
+    *key_bytes_out = 0;
     uint64_t got = 0;
     for (int attempt = 0; attempt < RING_MAX_ATTEMPTS; attempt++) {
         uint64_t b = LOAD(&self->ctrl[RING_ACTIVE]) & 1u;
@@ -227,11 +215,11 @@ Ring_claim(RingObject *self, PyObject *const *args, Py_ssize_t nargs)
         got = end - idx;
         const ring_entry *src = (const ring_entry *)(self->entries + b * self->capacity *
                                                                        sizeof(ring_entry));
-        memcpy(sc.entries, src + idx, got * sizeof(ring_entry));
+        memcpy(sc->entries, src + idx, got * sizeof(ring_entry));
         uint64_t key_bytes = 0;
         int bad = 0;
         for (uint64_t i = 0; i < got; i++) {
-            const ring_entry *e = &sc.entries[i];
+            const ring_entry *e = &sc->entries[i];
             if (e->key_len > RING_KEY_MAX ||
                 (uint64_t)e->key_off + e->key_len > self->arena_bytes) {
                 bad = 1; /* only a torn copy can look like this; the check keeps memcpy inside */
@@ -240,14 +228,15 @@ Ring_claim(RingObject *self, PyObject *const *args, Py_ssize_t nargs)
             key_bytes += e->key_len;
         }
         if (!bad) {
-            if (scratch_reserve(&sc, 0, key_bytes) < 0) goto done;
+            if (scratch_reserve(sc, 0, key_bytes) < 0) return -1;
             const char *arena = self->arena + b * self->arena_bytes;
-            char *dst = sc.keys;
+            char *dst = sc->keys;
             for (uint64_t i = 0; i < got; i++) {
-                const ring_entry *e = &sc.entries[i];
+                const ring_entry *e = &sc->entries[i];
                 memcpy(dst, arena + e->key_off, e->key_len);
                 dst += e->key_len;
             }
+            *key_bytes_out = key_bytes;
         }
         atomic_thread_fence(memory_order_acquire);
         uint64_t g2 = atomic_load_explicit(&desc[BUF_GEN], memory_order_relaxed);
@@ -260,10 +249,62 @@ Ring_claim(RingObject *self, PyObject *const *args, Py_ssize_t nargs)
     }
     if (got == 0) {
         atomic_fetch_add_explicit(&self->stripe[RS_EMPTY], 1, memory_order_relaxed);
+        return 0;
+    }
+    atomic_fetch_add_explicit(&self->stripe[RS_CLAIMED], got, memory_order_relaxed);
+    /* Each copied entry's key_off now names its key in the scratch's keys (claim_batch
+     * hands them out together); the arena's offsets are no longer needed. */
+    uint64_t at = 0;
+    for (uint64_t i = 0; i < got; i++) {
+        sc->entries[i].key_off = (uint32_t)at;
+        at += sc->entries[i].key_len;
+    }
+    return (int64_t)got;
+}
+
+/* The claim's count, clamped to the ring; -1 with an error set, 0 for nothing. */
+static int64_t
+claim_want(PyObject *arg, uint64_t capacity)
+{
+    Py_ssize_t want = PyLong_AsSsize_t(arg);
+    if (want == -1 && PyErr_Occurred()) return -1;
+    if (want <= 0) return 0;
+    return (uint64_t)want > capacity ? (int64_t)capacity : (int64_t)want;
+}
+
+/* Give the scratch back unless a nested claim already did, or it grew large. */
+static void
+scratch_return(RingObject *self, scratch_t *sc)
+{
+    if (self->scratch.entries == NULL && self->scratch.keys == NULL && sc->cap <= 4096 &&
+        sc->keys_cap <= 4096 * 256) {
+        self->scratch = *sc;
+    } else {
+        scratch_free(sc);
+    }
+}
+
+static PyObject *
+Ring_claim(RingObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs("claim", nargs, 1) < 0) return NULL;
+    if (!self->held) return shm_released_error();
+    int64_t want = claim_want(args[0], self->capacity);
+    if (want < 0) return NULL;
+    if (want == 0) return PyList_New(0);
+    /* Taken, not borrowed: building objects can run arbitrary Python (a finalizer,
+     * another thread), which may claim on this ring meanwhile. */
+    scratch_t sc = self->scratch;
+    memset(&self->scratch, 0, sizeof(self->scratch));
+    PyObject *out = NULL;
+    uint64_t key_bytes;
+    int64_t copied = claim_copy(self, (uint64_t)want, &sc, &key_bytes);
+    if (copied < 0) goto done;
+    uint64_t got = (uint64_t)copied;
+    if (got == 0) {
         out = PyList_New(0);
         goto done;
     }
-    atomic_fetch_add_explicit(&self->stripe[RS_CLAIMED], got, memory_order_relaxed);
     out = PyList_New((Py_ssize_t)got);
     if (out == NULL) goto done;
     const char *kp = sc.keys;
@@ -289,13 +330,87 @@ Ring_claim(RingObject *self, PyObject *const *args, Py_ssize_t nargs)
         PyList_SET_ITEM(out, (Py_ssize_t)i, item);
     }
 done:
-    /* Give the scratch back unless a nested claim already did, or it grew large. */
-    if (self->scratch.entries == NULL && self->scratch.keys == NULL && sc.cap <= 4096 &&
-        sc.keys_cap <= 4096 * 256) {
-        self->scratch = sc;
-    } else {
-        scratch_free(&sc);
+    scratch_return(self, &sc);
+    return out;
+}
+
+/* claim_batch(n) -> (entries, keys): claim()'s entries as one bytes of ring entries
+ * (RING_LAYOUT's entry layout; each key_off names its key in `keys`, not in the arena)
+ * and one bytes of their keys, end to end: two objects per claim, none per entry. */
+static PyObject *
+Ring_claim_batch(RingObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs("claim_batch", nargs, 1) < 0) return NULL;
+    if (!self->held) return shm_released_error();
+    int64_t want = claim_want(args[0], self->capacity);
+    if (want < 0) return NULL;
+    scratch_t sc = self->scratch;
+    memset(&self->scratch, 0, sizeof(self->scratch));
+    PyObject *out = NULL;
+    uint64_t key_bytes = 0;
+    int64_t got = want == 0 ? 0 : claim_copy(self, (uint64_t)want, &sc, &key_bytes);
+    if (got >= 0) {
+        out = Py_BuildValue("(y#y#)", got ? (const char *)sc.entries : "",
+                            (Py_ssize_t)((uint64_t)got * sizeof(ring_entry)),
+                            got ? sc.keys : "", (Py_ssize_t)key_bytes);
     }
+    scratch_return(self, &sc);
+    return out;
+}
+
+/* keys_of(entries, keys, indexes) -> list[str]: the keys of claim_batch's entries at
+ * `indexes` (int64), decoded from UTF-8: a str only for the entries a claim answers. */
+static PyObject *
+Ring_keys_of(RingObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (check_nargs("keys_of", nargs, 3) < 0) return NULL;
+    Py_buffer entries, keys, indexes;
+    if (PyObject_GetBuffer(args[0], &entries, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    if (PyObject_GetBuffer(args[1], &keys, PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&entries);
+        return NULL;
+    }
+    if (PyObject_GetBuffer(args[2], &indexes, PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&entries);
+        PyBuffer_Release(&keys);
+        return NULL;
+    }
+    PyObject *out = NULL;
+    Py_ssize_t count = entries.len / (Py_ssize_t)sizeof(ring_entry);
+    Py_ssize_t n = indexes.len / 8;
+    if (entries.len % (Py_ssize_t)sizeof(ring_entry) || (indexes.len & 7) ||
+        ((uintptr_t)indexes.buf & 7u)) {
+        PyErr_SetString(PyExc_ValueError, "keys_of wants claim_batch's entries and int64 indexes");
+        goto done;
+    }
+    out = PyList_New(n);
+    if (out == NULL) goto done;
+    const int64_t *at = indexes.buf;
+    for (Py_ssize_t j = 0; j < n; j++) {
+        ring_entry e;
+        if (at[j] < 0 || at[j] >= count) {
+            PyErr_Format(PyExc_IndexError, "entry %lld of %zd", (long long)at[j], count);
+            Py_CLEAR(out);
+            goto done;
+        }
+        memcpy(&e, (const char *)entries.buf + at[j] * (Py_ssize_t)sizeof(ring_entry), sizeof(e));
+        if ((Py_ssize_t)e.key_off + (Py_ssize_t)e.key_len > keys.len) {
+            PyErr_SetString(PyExc_ValueError, "keys_of: an entry's key lies outside the keys");
+            Py_CLEAR(out);
+            goto done;
+        }
+        PyObject *key = PyUnicode_DecodeUTF8((const char *)keys.buf + e.key_off, e.key_len, NULL);
+        if (key == NULL) {
+            Py_CLEAR(out);
+            goto done;
+        }
+        PyList_SET_ITEM(out, j, key);
+    }
+done:
+    PyBuffer_Release(&entries);
+    PyBuffer_Release(&keys);
+    PyBuffer_Release(&indexes);
     return out;
 }
 
@@ -465,6 +580,10 @@ static PyMethodDef Ring_methods[] = {
      "(generation, written): the writer's side, keys as slices of one buffer."},
     {"claim", (PyCFunction)(void (*)(void))Ring_claim, METH_FASTCALL,
      "claim($self, n, /)\n--\n\nclaim(n) -> list: up to n entries of the active buffer, in order, each to one claimant."},
+    {"claim_batch", (PyCFunction)(void (*)(void))Ring_claim_batch, METH_FASTCALL,
+     "claim_batch($self, n, /)\n--\n\nclaim_batch(n) -> (entries, keys): claim(n) as two bytes objects."},
+    {"keys_of", (PyCFunction)(void (*)(void))Ring_keys_of, METH_FASTCALL,
+     "keys_of($self, entries, keys, indexes, /)\n--\n\nkeys_of(entries, keys, indexes) -> list[str]: the keys of claim_batch's entries at indexes."},
     {"remaining", (PyCFunction)Ring_remaining, METH_NOARGS,
      "remaining($self)\n--\n\nremaining() -> int: unclaimed entries in the active buffer."},
     {"release", (PyCFunction)Ring_release, METH_NOARGS, "release($self)\n--\n\nGive the buffer back (idempotent)."},

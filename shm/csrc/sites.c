@@ -447,22 +447,21 @@ parse_stime(PyObject *o, uint64_t *out, const char *what)
  * or ACQ_GRANTED when it has none. A site with a spacing has its last-grant time moved
  * to now; previous_last is what it was (-1 if untouched), for undo. A site with no
  * entry, no default cap and no default spacing needs nothing: ACQ_GRANTED at once. */
-static PyObject *
-Sites_acquire(SitesObject *self, PyObject *const *args, Py_ssize_t nargs)
+static inline int
+acquired(int code, uint64_t at, int64_t previous, uint64_t *until, int64_t *previous_last)
 {
-    if (check_nargs("acquire", nargs, 4) < 0) return NULL;
-    if (!self->held) return shm_released_error();
-    uint64_t h, now, lease_ms;
-    int64_t flags;
-    if (parse_u64(args[0], &h) < 0 || parse_stime(args[1], &now, "now") < 0 ||
-        parse_stime(args[2], &lease_ms, "lease") < 0 || parse_i64(args[3], &flags) < 0) {
-        return NULL;
-    }
-    if (lease_ms == 0 || now + lease_ms > SITE_TIME_MAX) {
-        PyErr_SetString(PyExc_ValueError, "lease_ms must be positive and now + lease in range");
-        return NULL;
-    }
-    if (h == 0) return Py_BuildValue("(iKL)", ACQ_GRANTED, 0ull, -1ll);
+    *until = at;
+    *previous_last = previous;
+    return code;
+}
+
+/* acquire's decision, for one site: the code, and through `until` and `previous_last`
+ * what acquire() returns beside it. `now + lease_ms` is checked by the caller. */
+static int
+acquire_one(SitesObject *self, uint64_t h, uint64_t now, uint64_t lease_ms, int64_t flags,
+            uint64_t *until, int64_t *previous_last)
+{
+    if (h == 0) return acquired(ACQ_GRANTED, 0, -1, until, previous_last);
     uint64_t expires = now + lease_ms;
     int permit_only = (flags & ACQ_PERMIT_ONLY) != 0;
     sprobe_t p;
@@ -472,14 +471,14 @@ Sites_acquire(SitesObject *self, PyObject *const *args, Py_ssize_t nargs)
         effective(self, &p, &c);
         uint64_t interval = permit_only ? 0 : c.interval;
         if (p.n == 0 && c.cap < 0 && interval == 0) {
-            return Py_BuildValue("(iKL)", ACQ_GRANTED, 0ull, -1ll);
+            return acquired(ACQ_GRANTED, 0, -1, until, previous_last);
         }
         if (!permit_only && p.n > 0) {
-            uint64_t reason, until = block_of(self, &p, &reason);
-            if (until > now) {
+            uint64_t reason, blocked_until = block_of(self, &p, &reason);
+            if (blocked_until > now) {
                 sbump(self, SS_BLOCKED, 1);
                 atomic_fetch_add_explicit(body(self, p.slot[0], B_SKIPS), 1, memory_order_relaxed);
-                return Py_BuildValue("(iKL)", ACQ_BLOCKED, (unsigned long long)until, -1ll);
+                return acquired(ACQ_BLOCKED, blocked_until, -1, until, previous_last);
             }
         }
         if (interval > 0 && p.n > 0) {
@@ -487,18 +486,17 @@ Sites_acquire(SitesObject *self, PyObject *const *args, Py_ssize_t nargs)
             if (now < last + interval) {
                 sbump(self, SS_SPACING, 1);
                 atomic_fetch_add_explicit(body(self, p.slot[0], B_SKIPS), 1, memory_order_relaxed);
-                return Py_BuildValue("(iKL)", ACQ_SPACING, (unsigned long long)(last + interval),
-                                     -1ll);
+                return acquired(ACQ_SPACING, last + interval, -1, until, previous_last);
             }
         }
         if (c.cap < 0 && interval == 0) {
             atomic_fetch_add_explicit(body(self, p.slot[0], B_GRANTS), 1, memory_order_relaxed);
-            return Py_BuildValue("(iKL)", ACQ_GRANTED, 0ull, -1ll);
+            return acquired(ACQ_GRANTED, 0, -1, until, previous_last);
         }
         if (p.n == 0) {
             if (!ensure(self, h, &p)) {
                 sbump(self, SS_FULL, 1);
-                return Py_BuildValue("(iKL)", ACQ_FULL, 0ull, -1ll);
+                return acquired(ACQ_FULL, 0, -1, until, previous_last);
             }
             continue; /* decide again with the entry's own state */
         }
@@ -511,7 +509,7 @@ Sites_acquire(SitesObject *self, PyObject *const *args, Py_ssize_t nargs)
             if (r == 0) {
                 sbump(self, SS_CAPPED, 1);
                 atomic_fetch_add_explicit(body(self, p.slot[0], B_SKIPS), 1, memory_order_relaxed);
-                return Py_BuildValue("(iKL)", ACQ_CAPPED, (unsigned long long)soonest, -1ll);
+                return acquired(ACQ_CAPPED, soonest, -1, until, previous_last);
             }
             have = 1;
         }
@@ -544,16 +542,53 @@ Sites_acquire(SitesObject *self, PyObject *const *args, Py_ssize_t nargs)
         sbump(self, SS_GRANTS, 1);
         if (have) sbump(self, SS_PERMITS, 1);
         atomic_fetch_add_explicit(body(self, p.slot[0], B_GRANTS), 1, memory_order_relaxed);
-        return Py_BuildValue("(iKL)", have ? ACQ_PERMIT : ACQ_GRANTED,
-                             (unsigned long long)(have ? expires : 0), (long long)previous);
+        return acquired(have ? ACQ_PERMIT : ACQ_GRANTED, have ? expires : 0, previous, until,
+                        previous_last);
     }
     sbump(self, SS_CAPPED, 1);
-    return Py_BuildValue("(iKL)", ACQ_CAPPED, (unsigned long long)now, -1ll);
+    return acquired(ACQ_CAPPED, now, -1, until, previous_last);
+}
+
+
+static PyObject *
+Sites_acquire(SitesObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs("acquire", nargs, 4) < 0) return NULL;
+    if (!self->held) return shm_released_error();
+    uint64_t h, now, lease_ms;
+    int64_t flags;
+    if (parse_u64(args[0], &h) < 0 || parse_stime(args[1], &now, "now") < 0 ||
+        parse_stime(args[2], &lease_ms, "lease") < 0 || parse_i64(args[3], &flags) < 0) {
+        return NULL;
+    }
+    if (lease_ms == 0 || now + lease_ms > SITE_TIME_MAX) {
+        PyErr_SetString(PyExc_ValueError, "lease_ms must be positive and now + lease in range");
+        return NULL;
+    }
+    uint64_t until;
+    int64_t previous;
+    int code = acquire_one(self, h, now, lease_ms, flags, &until, &previous);
+    return Py_BuildValue("(iKL)", code, (unsigned long long)until, (long long)previous);
 }
 
 /* undo(site_hash, expires, now, previous_last) -> None: give back what acquire took when
  * the lease grant after it failed: the permit until `expires` (0: none) and the
  * last-grant time, back to previous_last if it is still `now` (-1: untouched). */
+static void
+undo_one(SitesObject *self, uint64_t h, uint64_t expires, uint64_t now, int64_t previous)
+{
+    if (h == 0) return;
+    move_permit(self, h, expires, 0);
+    if (previous >= 0) {
+        sprobe_t p;
+        sprobe(self, h, &p, 0);
+        for (int i = 0; i < p.n; i++) {
+            if (cas_word(body(self, p.slot[i], B_LAST), now, (uint64_t)previous)) break;
+        }
+    }
+    sbump(self, SS_UNDONE, 1);
+}
+
 static PyObject *
 Sites_undo(SitesObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -565,16 +600,7 @@ Sites_undo(SitesObject *self, PyObject *const *args, Py_ssize_t nargs)
         parse_stime(args[2], &now, "now") < 0 || parse_i64(args[3], &previous) < 0) {
         return NULL;
     }
-    if (h == 0) Py_RETURN_NONE;
-    move_permit(self, h, expires, 0);
-    if (previous >= 0) {
-        sprobe_t p;
-        sprobe(self, h, &p, 0);
-        for (int i = 0; i < p.n; i++) {
-            if (cas_word(body(self, p.slot[i], B_LAST), now, (uint64_t)previous)) break;
-        }
-    }
-    sbump(self, SS_UNDONE, 1);
+    undo_one(self, h, expires, now, previous);
     Py_RETURN_NONE;
 }
 
@@ -1084,6 +1110,40 @@ static PyTypeObject SitesType = {
     .tp_dealloc = (destructor)Sites_dealloc,
     .tp_methods = Sites_methods,
 };
+
+_Static_assert((int)SHM_SITE_GRANTED == (int)ACQ_GRANTED && (int)SHM_SITE_PERMIT == (int)ACQ_PERMIT,
+               "the site codes a batch grant reads");
+
+int
+shm_sites_usable(PyObject *sites)
+{
+    if (sites == Py_None) return 0;
+    if (!PyObject_TypeCheck(sites, &SitesType)) {
+        PyErr_SetString(PyExc_TypeError, "sites must be a Sites or None");
+        return -1;
+    }
+    if (!((SitesObject *)sites)->held) {
+        shm_released_error();
+        return -1;
+    }
+    return 1;
+}
+
+int
+shm_sites_acquire(PyObject *sites, uint64_t h, uint64_t now, uint64_t lease_ms, uint64_t *until,
+                  int64_t *previous_last)
+{
+    if (lease_ms == 0 || now + lease_ms > SITE_TIME_MAX) {
+        return acquired(ACQ_FULL, 0, -1, until, previous_last); /* fails closed */
+    }
+    return acquire_one((SitesObject *)sites, h, now, lease_ms, 0, until, previous_last);
+}
+
+void
+shm_sites_undo(PyObject *sites, uint64_t h, uint64_t expires, uint64_t now, int64_t previous)
+{
+    undo_one((SitesObject *)sites, h, expires, now, previous);
+}
 
 int
 shm_sites_add(PyObject *m)

@@ -161,6 +161,46 @@ Words_seqlock_read(WordsObject *self, PyObject *const *args, Py_ssize_t nargs)
     return out;
 }
 
+/* below(hashes, mask, bound, out) -> how many: out[i] = 1 when word (hashes[i] & mask)
+ * is below `bound`, each a sequentially consistent load (as after a CAS: the write marks'
+ * check follows a lease's). hashes: uint64[n]; out: writable bytes[n]; mask + 1 words at
+ * most. */
+static PyObject *
+Words_below(WordsObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs("below", nargs, 4) < 0) return NULL;
+    if (!self->held) return shm_released_error();
+    uint64_t mask, bound;
+    if (parse_u64(args[1], &mask) < 0 || parse_u64(args[2], &bound) < 0) return NULL;
+    if (mask >= (uint64_t)self->nwords) {
+        PyErr_Format(PyExc_IndexError, "mask %llu reaches past a region of %zd words",
+                     (unsigned long long)mask, self->nwords);
+        return NULL;
+    }
+    Py_buffer in, out;
+    if (PyObject_GetBuffer(args[0], &in, PyBUF_C_CONTIGUOUS) < 0) return NULL;
+    if (PyObject_GetBuffer(args[3], &out, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+        PyBuffer_Release(&in);
+        return NULL;
+    }
+    Py_ssize_t n = in.len / 8, below = 0;
+    if ((in.len & 7) || out.len != n || ((uintptr_t)in.buf & 7u)) {
+        PyBuffer_Release(&in);
+        PyBuffer_Release(&out);
+        PyErr_SetString(PyExc_ValueError, "below wants aligned uint64 hashes and a byte per hash");
+        return NULL;
+    }
+    const uint64_t *hs = in.buf;
+    unsigned char *o = out.buf;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        o[i] = LOAD_SC(&self->words[hs[i] & mask]) < bound;
+        below += o[i];
+    }
+    PyBuffer_Release(&in);
+    PyBuffer_Release(&out);
+    return PyLong_FromSsize_t(below);
+}
+
 static PyObject *
 Words_release(WordsObject *self, PyObject *Py_UNUSED(ignored))
 {
@@ -198,6 +238,8 @@ static PyMethodDef Words_methods[] = {
      "begin_write($self, index, value, /)\n--\n\nbegin_write(i, value): seqlock writer's invalidating store, then a full fence."},
     {"seqlock_read", (PyCFunction)(void (*)(void))Words_seqlock_read, METH_FASTCALL,
      "seqlock_read($self, seq, length, written_at, data_offset, capacity, /)\n--\n\nseqlock_read(seq, length, written_at, data_offset, capacity) -> (seq, at, bytes) | None."},
+    {"below", (PyCFunction)(void (*)(void))Words_below, METH_FASTCALL,
+     "below($self, hashes, mask, bound, out, /)\n--\n\nbelow(hashes, mask, bound, out) -> int: out[i] = word (hashes[i] & mask) < bound."},
     {"release", (PyCFunction)Words_release, METH_NOARGS,
      "release($self)\n--\n\nGive the buffer back (idempotent); later operations raise ValueError."},
     {NULL, NULL, 0, NULL},
