@@ -322,12 +322,16 @@ def _granting(node: Node, want: int, lease_ms: int) -> Generator[StoreCall, Any,
             class_ids = entries["class_id"][won]
             route_of: dict[int, str] = {}
             sitemap_of: dict[int, bool] = {}
-            if marks is not None:
-                for class_id in np.unique(class_ids[fresh]).tolist():
-                    named = marks.class_of(class_id)
+            # Which class ids name a route not paused: a lookup by id (a claim's entries
+            # carry a few classes of the keeper's thousands at most).
+            named_class = np.zeros(int(class_ids.max(initial=0)) + 1, dtype=np.bool_)
+            if marks is not None and fresh.any():
+                for class_id in set(class_ids[fresh].tolist()):
+                    named = marks.class_of(class_id) if class_id >= 0 else None
                     if named is not None and not routes.paused(named[0]):
                         route_of[class_id], sitemap_of[class_id] = named
-            answer = fresh & np.isin(class_ids, list(route_of)) if route_of else fresh & False
+                        named_class[class_id] = True
+            answer = fresh & (class_ids >= 0) & named_class[np.maximum(class_ids, 0)]
             answered = won[answer]
             if answered.size:
                 ids = class_ids[answer].tolist()
