@@ -59,6 +59,20 @@ def test_a_lease_is_joined_from_its_grant_renewals_and_end(
     assert {x.node for x in leases} == {"a"}
 
 
+def test_a_batch_grant_records_each_lease_it_grants(table: LeaseTable, tmp_path: Path) -> None:
+    table.journal = LeaseJournal(tmp_path, "a", clock=lambda: 1_005)
+    other = key_hash(b"/other")
+    hashes = np.array([H, H, other], dtype=np.uint64)  # the second H is refused: taken
+    tokens, _ = table.grant_batch(
+        hashes, np.zeros(3, np.uint64), np.full(3, 10_000, np.uint64), 1_000, 100
+    )
+    assert tokens.tolist()[1] == 0
+    leases = sorted(read_journals(tmp_path), key=lambda lease: lease.key_hash)
+    assert sorted((x.key_hash, x.token, x.granted_ms, x.held_until_ms) for x in leases) == sorted(
+        [(H, int(tokens[0]), 1_005, 1_100), (other, int(tokens[2]), 1_005, 1_100)]
+    )
+
+
 def test_a_torn_tail_is_dropped_and_a_foreign_file_refused(tmp_path: Path) -> None:
     journal = LeaseJournal(tmp_path, "a", pid=7)
     journal.write(GRANTED, [H], [5], 1_000, [2_000])

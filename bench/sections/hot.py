@@ -2,7 +2,7 @@
 
 `python -m bench hot [--quick]`
 
-- In process, as bench/stages.py runs the node (its store, its segments, a keeper thread,
+- In process, as bench/sections/stages.py runs the node (its store, its segments, a keeper thread,
   the API's own `grant_from_ring` and `apply`), on SQLite and on PostgreSQL, batches of
   10, 100 and 1000: claim then complete, all rendered, and the calling thread's CPU per
   key in each stage. A claim: decode (its body), ring, grant, marks, post-grant read,
@@ -11,7 +11,7 @@
   and the keeper thread's CPU per completed key (keeper apply).
 - Through HTTP, a SQLite node with two workers: claims alone (leases left to run), two
   claimant processes, each batch size: every node process's CPU over the arm per
-  claimed key (psutil, as bench/node.py measures it), against 4 µs at batch 100.
+  claimed key (psutil, as bench/sections/node.py measures it), against 4 µs at batch 100.
 
 A stage is timed by wrapping the functions that do it while an arm runs (`CLAIM_STAGES`,
 `COMPLETION_STAGES`: each names every function that does the stage, so the table reads
@@ -35,8 +35,8 @@ from typing import Any
 
 import msgspec
 
-from bench import report
-from bench.peer_base import PG_DSN, Rows, Workload, due_count, generate, reachable
+from bench.harness import report
+from bench.harness.workload import PG_DSN, Rows, Workload, due_count, generate, reachable
 
 BATCHES = (10, 100, 1000)
 BACKENDS = ("sqlite", "postgres")
@@ -57,6 +57,7 @@ CLAIM_STAGES: dict[str, tuple[Hook, ...]] = {
         ("shm.marks", "WriteMarks.class_of"),
     ),
     "post-grant read": (
+        ("store.core", "SqlStore.get_many"),
         ("store.sqlite.store", "SqliteStore.get_many"),
         ("store.postgres.store", "PostgresStore.get_many"),
     ),
@@ -228,14 +229,14 @@ def in_process(config: Config, rows: Rows, backend: str) -> list[Arm]:
     from api.body import decode_json
     from api.claims import grant_from_ring
     from api.completions import apply, check
-    from api.schemas import ClaimRequest, ClaimResponse, CompletionsRequest
-    from bench.peer_renderqueue import InProcessClaimant, LocalNode, RenderqueuePeer
+    from bench.peers.renderqueue import InProcessClaimant, LocalNode, RenderqueuePeer
+    from wire.schemas import ClaimRequest, ClaimResponse, CompletionsRequest
 
     encode = msgspec.json.Encoder().encode  # as api.body encodes every answer
     scratch = None
     peer = RenderqueuePeer()
     if backend == "postgres":
-        from bench.postgres import Scratch, db_url
+        from bench.harness.postgres import Scratch, db_url
 
         scratch = Scratch()
         peer.drop()
@@ -374,7 +375,8 @@ def arm_of(
 
 def http_claims(config: Config, rows: Rows) -> dict[int, dict[str, Any]]:
     """Claims alone through HTTP on a SQLite node: node CPU per claimed key, by batch."""
-    from bench.node import Node, process_cpu_s, run_our_arm
+    from bench.harness.node import Node, process_cpu_s
+    from bench.sections.node import run_our_arm
 
     node = Node(rows)
     out: dict[int, dict[str, Any]] = {}
@@ -382,7 +384,7 @@ def http_claims(config: Config, rows: Rows) -> dict[int, dict[str, Any]]:
         node.start()
         for batch in BATCHES:
             # The node's idle rate (its keeper publishes every second, its supervisor
-            # watches), taken off the arm's CPU as bench/stages.py takes it off a request's:
+            # watches), taken off the arm's CPU as the stages section takes it off a request's:
             # on a loaded machine an arm's length, not its claims, would decide it.
             processes = node.processes()
             before, started = sum(process_cpu_s(processes).values()), time.perf_counter()
@@ -462,9 +464,7 @@ def figures(arms: list[Arm], http: dict[int, dict[str, Any]]) -> list[report.Fig
 
 def chart(result: report.SectionResult, arms: list[Arm]) -> str:
     """A stacked bar per backend and batch: the claim's stages, then the completion's."""
-    import matplotlib.pyplot as plt
-
-    from bench.report_chart import save
+    from bench.harness.charts import plt, save
 
     figure, axes = plt.subplots(1, 2, figsize=(15, 2.6 + 0.5 * len(arms)))
     for axis, kind, rows in ((axes[0], "claim", CLAIM_ROWS), (axes[1], "completion",
