@@ -8,7 +8,7 @@ import os
 import sqlite3
 import subprocess
 import sys
-import time
+from multiprocessing.synchronize import Event
 from pathlib import Path
 
 import pytest
@@ -21,12 +21,12 @@ from store.sqlite import backup as backup_module
 from store.sqlite.backup import backup
 
 
-def keep_writing(db: str, stop_at: float) -> None:
-    """A writer process: one new row a commit until `stop_at` (time.time())."""
+def keep_writing(db: str, stop: Event) -> None:
+    """A writer process: one new row a commit until `stop` is set."""
     store = SqliteStore(db)
     i = 0
     try:
-        while time.time() < stop_at:
+        while not stop.is_set():
             store.write([RowWrite(key=f"https://w.example/{i}", route="w", next_render_at=i)])
             i += 1
     finally:
@@ -44,20 +44,22 @@ def test_a_backup_under_a_writer_is_one_consistent_checked_copy(
     monkeypatch.setattr(backup_module, "PROGRESS_EVERY_S", 0.001)
     db = tmp_path / "node.sqlite"
     seed_rows(db, 20_000)
-    writer = multiprocessing.get_context("spawn").Process(
-        target=keep_writing, args=(str(db), time.time() + 4)
-    )
+    spawn = multiprocessing.get_context("spawn")
+    stop = spawn.Event()
+    writer = spawn.Process(target=keep_writing, args=(str(db), stop))
     writer.start()
     try:
-        time.sleep(1.0)  # the writer is committing
+        wait_for(lambda: count(db) > 20_000, 60, "the writer to commit")
         before = count(db)
         reports: list[tuple[int, int]] = []
         done = backup(db, tmp_path / "copy.sqlite", lambda w, e: reports.append((w, e)))
         after = count(db)
+        wait_for(lambda: count(db) > before, 60, "the writer to go on")  # it was writing
     finally:
+        stop.set()
         writer.join(30)
     assert writer.exitcode == 0
-    assert before <= done.rows <= after and after > before  # the writer went on meanwhile
+    assert before <= done.rows <= after
     assert done.rows == count(tmp_path / "copy.sqlite") and done.bytes > 0
     assert not list(tmp_path.glob(".*partial"))
     assert reports and max(w for w, _ in reports) > 0 and all(e > 0 for _, e in reports)
