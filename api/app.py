@@ -15,7 +15,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from api.auth import Authenticator
-from api.body import json_response, read_json
+from api.body import check_media_type, json_response, read_json
 from api.cluster import ClusterLink
 from api.completions import CompletionQueue, apply
 from api.endpoints import ENDPOINTS, Call, Endpoint
@@ -57,6 +57,8 @@ def make_handler(endpoint: Endpoint, node: Node, services: Services, auth: Authe
             params = read_params(endpoint.path_params, request.path_params)
             params.update(read_params(endpoint.query, request.query_params))
             body: Any = None
+            if endpoint.raw_body:
+                check_media_type(request.headers.get("content-type"), endpoint.raw_body)
             if endpoint.body is not None:
                 body = await read_json(request, endpoint.body, limit)
             call = Call(request, node, services, body, params)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any, TypeVar
 
 import msgspec
@@ -17,6 +18,20 @@ _decoders: dict[Any, msgspec.json.Decoder[Any]] = {}
 
 def too_large(limit: int) -> ApiError:
     return ApiError(413, "Request body too large", f"the body must be at most {limit} bytes")
+
+
+def check_media_type(content_type: str | None, accepted: Iterable[str]) -> None:
+    """415 unless the Content-Type's media type (its parameters aside, in any case) is one
+    of `accepted`."""
+    media_type = (content_type or "").partition(";")[0].strip().lower()
+    names = list(accepted)
+    if media_type not in names:
+        sent = f"Content-Type {content_type!r}" if content_type else "no Content-Type"
+        raise ApiError(
+            415,
+            "Unsupported media type",
+            f"{sent}: send the body as one of {', '.join(names)}",
+        )
 
 
 async def read_body(request: Request, limit: int) -> bytes:

@@ -7,8 +7,8 @@ a client (or the fuzz test) reads is the API that runs.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.requests import Request
@@ -77,11 +77,6 @@ class Call:
     params: dict[str, str]  # the query and path parameters, checked (api.params)
 
 
-# An uploaded sitemap: the body is the document itself (api.sitemaps), XML or its gzip,
-# whatever its Content-Type says; stated as the one binary media type generators know.
-SITEMAP_MEDIA_TYPES = ("application/octet-stream",)
-
-
 @dataclass(frozen=True, eq=False)
 class Endpoint:
     method: str
@@ -96,8 +91,9 @@ class Endpoint:
     path_params: tuple[Param, ...] = ()
     errors: tuple[int, ...] = ()  # documented problem statuses beyond 401/403/413/422
     unavailable: type | None = None  # the 503 body, when the endpoint has one
-    # The body is read raw, in one of these media types, instead of as JSON into `body`.
-    raw_body: tuple[str, ...] = ()
+    # The body is read raw, in one of these media types (each with the schema the document
+    # states), instead of as JSON into `body`; another Content-Type is refused (415).
+    raw_body: Mapping[str, dict[str, Any]] = field(default_factory=dict)
     # Reads or writes the store, so a busy or unreachable store answers 503 (api.app).
     uses_store: bool = True
     # Writes to the store, so a full or failing disk answers 507 (api.app).
@@ -223,11 +219,11 @@ ENDPOINTS: tuple[Endpoint, ...] = (
         "POST",
         "/v1/sitemaps",
         "admin",
-        "Import one sitemap (XML or gzip, as the raw body) with the node's route rules; "
+        "Import one sitemap (XML, or its gzip, as the raw body) with the node's route rules; "
         "a refused document writes nothing.",
         _import_sitemap,
         response=ImportReport,
-        raw_body=SITEMAP_MEDIA_TYPES,
+        raw_body=sitemaps.MEDIA_TYPES,
         writes_store=True,
     ),
     Endpoint(

@@ -122,10 +122,12 @@ def _param_schema(param: Param) -> dict[str, Any]:
 def _request_body(endpoint: Endpoint, refs: dict[type, Any], limit: int) -> dict[str, Any]:
     if endpoint.raw_body:
         content = {
-            media_type: {"schema": {"type": "string", "format": "binary"}}
-            for media_type in endpoint.raw_body
+            media_type: {"schema": schema} for media_type, schema in endpoint.raw_body.items()
         }
-        what = "The sitemap document itself (XML, or its gzip) as the body, any Content-Type"
+        what = (
+            "The document itself as the body, in one of these media types (another: 415); "
+            "bytes that are not one are refused (422)"
+        )
     else:
         assert endpoint.body is not None
         content = {"application/json": {"schema": refs[endpoint.body]}}
@@ -167,6 +169,10 @@ def _responses(
         responses["404"] = _problem("No row has that key.", problem)
     if has_body:
         responses["413"] = _problem("The body is over the node's limit.", problem)
+    if endpoint.raw_body:
+        responses["415"] = _problem(
+            f"The Content-Type is none of {', '.join(endpoint.raw_body)}.", problem
+        )
     if has_body or endpoint.query or endpoint.path_params:
         responses["422"] = _problem(
             "A field or parameter breaks the schema or a rule stated beside it; `field` names "

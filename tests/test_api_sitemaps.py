@@ -1,5 +1,6 @@
 """`POST /v1/sitemaps` over real HTTP: an upload is imported with the node's route rules;
-a refused document (unsafe, an index, empty, too large) writes nothing."""
+a refused document (unsafe, an index, not XML, empty, too large, under a media type the
+document does not state) writes nothing."""
 
 from __future__ import annotations
 
@@ -56,15 +57,14 @@ def node(tmp_path: Path, node_backend: str) -> Iterator[ThreadNode]:
         yield running
 
 
-def post(node: ThreadNode, body: bytes) -> Any:
+def post(node: ThreadNode, body: bytes, content_type: str | None = "application/xml") -> Any:
+    headers = {} if content_type is None else {"content-type": content_type}
     with node.client() as client:
-        return client.post(
-            "/v1/sitemaps", content=body, headers={"content-type": "application/xml"}
-        )
+        return client.post("/v1/sitemaps", content=body, headers=headers)
 
 
 def test_an_uploaded_gzipped_sitemap_is_imported_with_the_rules(node: ThreadNode) -> None:
-    response = post(node, gzip.compress(URLSET))
+    response = post(node, gzip.compress(URLSET), "application/gzip")
     assert response.status_code == 200, response.text
     report = response.json()
     assert (report["imported"], report["skipped"]) == (3, 1)
@@ -81,14 +81,50 @@ def test_an_uploaded_gzipped_sitemap_is_imported_with_the_rules(node: ThreadNode
 
 @pytest.mark.parametrize(
     ("body", "status"),
-    [(EXTERNAL_ENTITY, 422), (INDEX, 422), (b"<urlset", 422), (b"", 400), (b"  ", 400)],
-    ids=["external-entity", "index", "truncated", "empty", "blank"],
+    [
+        (EXTERNAL_ENTITY, 422),
+        (INDEX, 422),
+        (b"<urlset", 422),
+        (b"not xml at all", 422),
+        (b"\x1f\x8b not a gzip stream", 422),
+        (b"", 400),
+        (b"  ", 400),
+    ],
+    ids=["external-entity", "index", "truncated", "not-xml", "broken-gzip", "empty", "blank"],
 )
 def test_a_refused_upload_writes_nothing(node: ThreadNode, body: bytes, status: int) -> None:
     before = node.store.count()
     response = post(node, body)
     assert response.status_code == status
     assert response.headers["content-type"].startswith("application/problem+json")
+    assert node.store.count() == before
+
+
+@pytest.mark.parametrize(
+    "content_type", ["text/xml; charset=utf-8", "APPLICATION/XML", "application/x-gzip"]
+)
+def test_every_stated_media_type_is_taken(node: ThreadNode, content_type: str) -> None:
+    body = gzip.compress(URLSET) if "gzip" in content_type else URLSET
+    response = post(node, body, content_type)
+    assert response.status_code == 200, response.text
+    assert response.json()["imported"] == 3
+
+
+@pytest.mark.parametrize(
+    "content_type",
+    [None, "application/octet-stream", "application/json", "text/plain", "application/xml+x"],
+)
+def test_an_unstated_media_type_is_415_and_writes_nothing(
+    node: ThreadNode, content_type: str | None
+) -> None:
+    before = node.store.count()
+    response = post(node, URLSET, content_type)
+    assert response.status_code == 415, response.text
+    assert response.headers["content-type"].startswith("application/problem+json")
+    assert (
+        "application/xml, text/xml, application/gzip, application/x-gzip"
+        in (response.json()["detail"])
+    )
     assert node.store.count() == before
 
 
