@@ -96,5 +96,8 @@ def map_body(context: Any, body: Any) -> Any:
 
 @schemathesis.hook
 def before_call(context: Any, case: Any, kwargs: Any) -> None:
-    # The coverage phase's cases are not drawn through map_body.
-    case.body = _wait_cut(case.operation.path, case.body)
+    # The coverage phase's cases are not drawn through map_body. Only a claim's body is
+    # set again: setting one resets what schemathesis knows of how the case was drawn (a
+    # sitemap drawn for its media type would count as a body that breaks the schema).
+    if case.operation.path == "/v1/claims":
+        case.body = _wait_cut(case.operation.path, case.body)
