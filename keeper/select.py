@@ -39,23 +39,35 @@ are never limited.
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from keeper._native import Picked
-from keeper.sites import NO_SITE_ID
-
-if TYPE_CHECKING:
-    from keeper.queue import HeldQueue
+from keeper._native import Picked, QueueView
+from keeper.classes import ClassTable
+from keeper.sites import NO_SITE_ID, HeldSites
 
 BlockedMask = Callable[[npt.NDArray[np.uint64]], npt.NDArray[np.bool_]]
 # For each site hash (distinct, never NO_SITE), how many more grants its site can take
 # now: -1 no limit, 0 none (full, blocked, or inside its spacing).
 Allowances = Callable[[npt.NDArray[np.uint64]], npt.NDArray[np.int64]]
+
+
+class HeldRows(Protocol):
+    """What a selection reads of the rows held (keeper.queue.HeldQueue)."""
+
+    @property
+    def classes(self) -> ClassTable: ...
+    @property
+    def view(self) -> QueueView: ...
+    @property
+    def sites(self) -> HeldSites: ...
+    @property
+    def site_ids(self) -> array[int]: ...
 
 
 class Selection(msgspec.Struct, frozen=True, kw_only=True):
@@ -88,7 +100,7 @@ def _empty(considered: int, blocked: int) -> Selection:
 
 
 def site_budgets(
-    queue: HeldQueue,
+    queue: HeldRows,
     slots: npt.NDArray[np.int32],
     stopped: npt.NDArray[np.bool_],
     allowances: Allowances,
@@ -111,7 +123,7 @@ def site_budgets(
 
 
 def select_best(
-    queue: HeldQueue,
+    queue: HeldRows,
     k: int,
     now_ms: int,
     blocked: BlockedMask | None = None,
