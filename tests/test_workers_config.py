@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from workers.config import ConfigError, Settings, is_loopback_host, load_settings
+from wire.schemas import MAX_LEASE_S
+from workers.config import ConfigError, Settings, api_settings, is_loopback_host, load_settings
 
 ADMIN = "a" * 32
 FLEET = "f" * 32
@@ -186,3 +187,16 @@ def test_site_settings_are_validated_and_make_the_failure_policy() -> None:
         load_settings(
             environ={}, flags={"site_failure_block_s": 600, "site_failure_block_max_s": 60}
         )
+
+
+def test_the_api_reads_its_settings_from_the_nodes() -> None:
+    """One source: every value the API reads comes from the node's settings (or its
+    keeper's), and the lease cap is max_lease_s only in a cluster."""
+    single = Settings(max_body_bytes=8192, site_permits_max=16, max_lease_s=120)
+    api = api_settings(single, node="n", instance="i", worker=1, advertised_url="http://n")
+    assert (api.max_body_bytes, api.site_permits_max, api.clustered) == (8192, 16, False)
+    assert (api.node, api.instance, api.worker, api.advertised_url) == ("n", "i", 1, "http://n")
+    assert api.max_lease_s == single.lease_cap_s == MAX_LEASE_S
+    clustered = Settings(db="postgresql://db.example/rq", max_lease_s=120, node_ttl_s=30)
+    api = api_settings(clustered, node="n", instance="i", worker=0, advertised_url="")
+    assert (api.clustered, api.max_lease_s, api.node_ttl_s) == (True, 120, 30)
