@@ -244,12 +244,18 @@ def _fleet_client(port: int, book: Book, fleet: int, abandon: float, rng: random
     from fleet.client import AsyncFleetClient, FleetError, RetryPolicy
 
     class LoggingClient(AsyncFleetClient):
-        async def claim(self, max: int, **kw: Any) -> Any:
+        # Every claim goes through claim_completing (a plain claim completes nothing), and
+        # a claim may carry the previous batch's results: both are logged here.
+        async def claim_completing(self, max: int, items: Any, **kw: Any) -> Any:
+            items = self._abandoning(items)
             attempts = Attempts()
             mark = _ATTEMPTS.set(attempts)
             sent, started = now_ms(), time.perf_counter()
             try:
-                leases = await super().claim(max, **kw)
+                leases, results = await super().claim_completing(max, items, **kw)
+            except FleetError:
+                self._log_lost(items, attempts)
+                raise
             finally:
                 _ATTEMPTS.reset(mark)
             answered = now_ms()
@@ -261,8 +267,9 @@ def _fleet_client(port: int, book: Book, fleet: int, abandon: float, rng: random
                 )  # fmt: skip
             if leases and attempts.count == 1:
                 book.claims.append((answered, int((time.perf_counter() - started) * 1e6)))
+            self._log_results(items, results, attempts, answered)
             book.flush()
-            return leases
+            return leases, results
 
         async def renew(self, leases: Any, *, lease_s: int | None = None) -> Any:
             sent = now_ms()
@@ -282,9 +289,7 @@ def _fleet_client(port: int, book: Book, fleet: int, abandon: float, rng: random
             return results
 
         async def complete(self, items: Any) -> Any:
-            kept = [item for item in items if rng.random() >= abandon]
-            book.abandoned += len(items) - len(kept)
-            items = kept
+            items = self._abandoning(items)
             if not items:
                 return []
             attempts = Attempts()
@@ -292,17 +297,28 @@ def _fleet_client(port: int, book: Book, fleet: int, abandon: float, rng: random
             try:
                 results = await super().complete(items)
             except FleetError:
-                # Lost, unless no attempt ever reached the node.
-                fate = "lost" if attempts.reached else "unsent"
-                for item in items:
-                    book.completions.append(
-                        (fleet, item.key, item.token, item.outcome, item.next_render_at or 0,
-                         attempts.first_reached, 0, fate, attempts.reached)
-                    )  # fmt: skip
+                self._log_lost(items, attempts)
                 raise
             finally:
                 _ATTEMPTS.reset(mark)
-            answered = now_ms()
+            self._log_results(items, results, attempts, now_ms())
+            return results
+
+        def _abandoning(self, items: Any) -> list[Any]:
+            kept = [item for item in items if rng.random() >= abandon]
+            book.abandoned += len(items) - len(kept)
+            return kept
+
+        def _log_lost(self, items: Any, attempts: Attempts) -> None:
+            # Lost, unless no attempt ever reached the node.
+            fate = "lost" if attempts.reached else "unsent"
+            for item in items:
+                book.completions.append(
+                    (fleet, item.key, item.token, item.outcome, item.next_render_at or 0,
+                     attempts.first_reached, 0, fate, attempts.reached)
+                )  # fmt: skip
+
+        def _log_results(self, items: Any, results: Any, attempts: Attempts, answered: int) -> None:
             sent = attempts.first_reached
             by_key = {result.key: result for result in results}
             for item in items:
@@ -312,7 +328,6 @@ def _fleet_client(port: int, book: Book, fleet: int, abandon: float, rng: random
                     (fleet, item.key, item.token, item.outcome, item.next_render_at or 0,
                      sent, answered, verdict or "error", attempts.reached)
                 )  # fmt: skip
-            return results
 
     policy = RetryPolicy(attempts=60, base_s=0.05, factor=1.5, cap_s=1.0, max_retry_after_s=2.0)
     return LoggingClient(
