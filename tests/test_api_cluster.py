@@ -230,6 +230,28 @@ def test_a_completion_sent_to_the_wrong_node_completes_once(
     assert explained["lease"]["leased"] is False
 
 
+def test_a_claim_carrying_completions_of_both_nodes_sends_each_to_its_own(
+    pair: tuple[str, dict[str, NodeProcess]],
+) -> None:
+    """Completions carried on a claim are routed as a completions request's are: the items
+    another node granted are forwarded there and applied once, answered in `completed`."""
+    _, nodes = pair
+    mine, theirs = claim_at(nodes["b"], 1), claim_at(nodes["a"], 1)
+    items = [{"key": x["key"], "token": x["token"], "outcome": "rendered"} for x in mine + theirs]
+
+    def carried() -> Any:
+        response = post(
+            nodes["b"], "/v1/claims", {"max": 1, "worker": "test", "lease_s": 10, "complete": items}
+        )
+        assert response.status_code in (200, 503), response.text
+        return response.json() if response.status_code == 200 else None
+
+    body = wait_for(carried, 30, "a claim at b that grants")
+    assert body["completed"] == [{"key": x["key"], "ok": True} for x in mine + theirs]
+    again = post(nodes["a"], "/v1/completions", {"items": items}).json()["results"]
+    assert [r.get("error") for r in again] == ["lease_not_held"] * 2
+
+
 def test_items_of_both_nodes_in_one_request_each_go_to_their_own(
     pair: tuple[str, dict[str, NodeProcess]],
 ) -> None:
