@@ -286,14 +286,17 @@ def _granting(node: Node, want: int, lease_ms: int) -> Generator[StoreCall, Any,
             if term_ms < MIN_TERM_MS:
                 break  # ran out since the check: these entries are in the next publish
             entries = claimed.entries
-            cadence_s = entries["cadence_s"]
-            hashes = entries["key_hash"].copy()  # a hash of 0 is not granted
-            cadence_ms = cadence_s.astype(np.uint64) * np.uint64(1000)
-            unknown = np.flatnonzero(cadence_s == 0)
-            if unknown.size:
-                unknown_keys = claimed.keys_of(unknown)
+            # A round's columns as lists: its few numpy calls are fixed costs that a claim
+            # of ten keys would feel, its list work is a few tens of ns a key.
+            published = entries["cadence_s"].tolist()
+            hashes = entries["key_hash"]
+            cadence_ms = [cadence * 1000 for cadence in published]
+            unknown = [index for index, cadence in enumerate(published) if not cadence]
+            skipped: list[int] = []
+            if unknown:
+                unknown_keys = claimed.keys_of(np.array(unknown, dtype=np.int64))
                 before: dict[str, Row] = yield functools.partial(store.get_many, unknown_keys)
-                for index, key in zip(unknown.tolist(), unknown_keys, strict=True):
+                for index, key in zip(unknown, unknown_keys, strict=True):
                     row = before.get(key)
                     # Gone, or rendered since the keeper published it: not claimable now.
                     learned = (
@@ -302,72 +305,80 @@ def _granting(node: Node, want: int, lease_ms: int) -> Generator[StoreCall, Any,
                         else routes.grant_cadence_s(row)
                     )
                     if learned is None:
-                        hashes[index] = 0
+                        skipped.append(index)
                     else:
                         cadence_ms[index] = learned * 1000
+            if skipped:
+                hashes = hashes.copy()
+                hashes[skipped] = 0  # a hash of 0 is not granted
             # The site's permit first (its spacing, its block), then the lease: a skipped
             # key is only consumed from this generation of the ring, never rescheduled.
             tokens, expires = leases.grant_batch(
-                hashes, entries["site_hash"], cadence_ms, now, term_ms
+                hashes, entries["site_hash"], np.array(cadence_ms, dtype=np.uint64), now, term_ms
             )
-            won = np.flatnonzero(tokens)
-            won_hashes = entries["key_hash"][won]
+            token_list = tokens.tolist()
+            won = [index for index, token in enumerate(token_list) if token]
             # Answered from the entry: published with a cadence, unwritten here since its
-            # generation's view, its class named and its route not paused.
-            fresh = (
-                marks.unwritten_mask(won_hashes, view) & (cadence_s[won] != 0)
-                if marks is not None and view
-                else np.zeros(won.size, dtype=np.bool_)
-            )
-            class_ids = entries["class_id"][won]
-            route_of: dict[int, str] = {}
-            sitemap_of: dict[int, bool] = {}
-            # Which class ids name a route not paused: a lookup by id (a claim's entries
-            # carry a few classes of the keeper's thousands at most).
-            named_class = np.zeros(int(class_ids.max(initial=0)) + 1, dtype=np.bool_)
-            if marks is not None and fresh.any():
-                for class_id in set(class_ids[fresh].tolist()):
-                    named = marks.class_of(class_id) if class_id >= 0 else None
-                    if named is not None and not routes.paused(named[0]):
-                        route_of[class_id], sitemap_of[class_id] = named
-                        named_class[class_id] = True
-            answer = fresh & (class_ids >= 0) & named_class[np.maximum(class_ids, 0)]
-            answered = won[answer]
-            if answered.size:
-                ids = class_ids[answer].tolist()
-                granted_tokens_now = tokens[answered].tolist()
-                expiries = expires[answered]
+            # generation's view (the marks read after every CAS of the round), its class
+            # named and its route not paused.
+            answer: list[int] = []
+            unread: list[int] = won
+            if won and marks is not None and view:
+                fresh = marks.unwritten_mask(entries["key_hash"], view).tolist()
+                class_list = entries["class_id"].tolist()
+                named_of: dict[int, tuple[str, bool] | None] = {}
+                unread = []
+                for index in won:
+                    class_id = class_list[index]
+                    if fresh[index] and published[index] and class_id >= 0:
+                        if class_id not in named_of:
+                            named = marks.class_of(class_id)
+                            paused = named is None or routes.paused(named[0])
+                            named_of[class_id] = None if paused else named
+                        if named_of[class_id] is not None:
+                            answer.append(index)
+                            continue
+                    unread.append(index)
+            if answer:
+                expires_list = expires.tolist()
+                due_list = entries["due_at"].tolist()
+                class_list = entries["class_id"].tolist()
+                names = [named_of[class_list[index]] for index in answer]
+                answer_tokens = [token_list[index] for index in answer]
+                answer_expires = [expires_list[index] for index in answer]
                 granted.extend(
                     map(
                         Lease,
-                        claimed.keys_of(answered),
-                        map(str, granted_tokens_now)
+                        claimed.keys_of(np.array(answer, dtype=np.int64)),
+                        map(str, answer_tokens)
                         if granter is None
-                        else map(f"{granter}:".__add__, map(str, granted_tokens_now)),
-                        map(route_of.__getitem__, ids),
-                        entries["due_at"][answered].tolist(),
-                        expiries.tolist(),
-                        map(sitemap_of.__getitem__, ids),
-                        cadence_s[answered].tolist(),
+                        else map(f"{granter}:".__add__, map(str, answer_tokens)),
+                        [name[0] for name in names if name is not None],
+                        [due_list[index] for index in answer],
+                        answer_expires,
+                        [name[1] for name in names if name is not None],
+                        [published[index] for index in answer],
                         repeat(granter),
-                        (expiries.astype(np.int64) - now).tolist(),
+                        [expiry - now for expiry in answer_expires],
                     )
                 )
-                granted_hashes.extend(won_hashes[answer].tolist())
-                granted_tokens.extend(granted_tokens_now)
-            unread = won[~answer]
-            if unread.size:
+                hash_list = entries["key_hash"].tolist()
+                granted_hashes.extend(hash_list[index] for index in answer)
+                granted_tokens.extend(answer_tokens)
+            if unread:
+                hash_list = entries["key_hash"].tolist()
+                expires_list = expires.tolist()
                 held.extend(
                     zip(
-                        claimed.keys_of(unread),
-                        won_hashes[~answer].tolist(),
-                        tokens[unread].tolist(),
-                        expires[unread].tolist(),
+                        claimed.keys_of(np.array(unread, dtype=np.int64)),
+                        [hash_list[index] for index in unread],
+                        [token_list[index] for index in unread],
+                        [expires_list[index] for index in unread],
                         strict=True,
                     )
                 )
             if marks is not None:
-                marks.count_claimed(int(answered.size), len(held))
+                marks.count_claimed(len(answer), len(held))
             if not held:
                 continue
             rows: dict[str, Row] = yield functools.partial(
