@@ -119,11 +119,17 @@ def _param_schema(param: Param) -> dict[str, Any]:
     return schema
 
 
-def _request_body(endpoint: Endpoint, refs: dict[type, Any], limit: int) -> dict[str, Any]:
+def _request_body(
+    endpoint: Endpoint, refs: dict[type, Any], components: dict[str, Any], limit: int
+) -> dict[str, Any]:
     if endpoint.raw_body:
-        content = {
-            media_type: {"schema": schema} for media_type, schema in endpoint.raw_body.items()
-        }
+        content = {}
+        for media_type, schema in endpoint.raw_body.items():
+            # A titled schema is a component, so media types that share it share one model.
+            if "title" in schema:
+                components[schema["title"]] = schema
+                schema = {"$ref": f"#/components/schemas/{schema['title']}"}
+            content[media_type] = {"schema": schema}
         what = (
             "The document itself as the body, in one of these media types (another: 415); "
             "bytes that are not one are refused (422)"
@@ -215,7 +221,9 @@ def openapi_document(endpoints: Sequence[Endpoint], settings: ApiSettings) -> di
         if parameters:
             operation["parameters"] = parameters
         if endpoint.body is not None or endpoint.raw_body:
-            operation["requestBody"] = _request_body(endpoint, refs, settings.max_body_bytes)
+            operation["requestBody"] = _request_body(
+                endpoint, refs, components, settings.max_body_bytes
+            )
         operation["responses"] = _responses(endpoint, refs, problem)
         if endpoint.scope != "public":
             operation["security"] = [{"bearer": []}]

@@ -35,6 +35,7 @@ SITEMAP_NS = "http://www.sitemaps.org/schemas/sitemap/0.9"
 # well-formed, safe urlset; inside one, a <url> without a usable <loc> is skipped and
 # counted, and an element it does not know is passed over.
 URLSET_SCHEMA: dict[str, Any] = {
+    "title": "Urlset",
     "type": "object",
     "xml": {"name": "urlset", "namespace": SITEMAP_NS},
     "properties": {
@@ -46,7 +47,7 @@ URLSET_SCHEMA: dict[str, Any] = {
 }
 GZIP_SCHEMA: dict[str, Any] = {
     "type": "string",
-    "contentMediaType": "application/gzip",
+    "format": "binary",
     "description": "The gzip of a sitemap's XML.",
 }
 # What the upload takes, each media type with the schema the document states for it.
