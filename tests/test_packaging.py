@@ -277,11 +277,12 @@ def test_a_sqlite_node_loads_no_postgresql_module() -> None:
         "sys.modules['psycopg'] = None\n"
         "import api.app, workers.cli, workers.supervisor, workers.worker, keeper.runner\n"
         "from store import open_store\n"
+        "loaded = sorted(m for m in sys.modules if m.startswith('store.postgres'))\n"
         "try:\n"
         "    open_store('postgresql://127.0.0.1/test')\n"
         "except ValueError as exc:\n"
         "    print(exc)\n"
-        "print(sorted(m for m in sys.modules if m.startswith('store.postgres')))\n"
+        "print(loaded)\n"
     )
     done = subprocess.run(
         [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120
