@@ -125,8 +125,17 @@ class DoubleHold(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def double_holds(leases: Iterable[JournaledLease]) -> list[DoubleHold]:
-    """Every lease the nodes recorded that began while another lease on its key was held:
-    by grant order per key, against the longest-held lease before it."""
+    """Every pair of leases the nodes recorded as surely held on one key at once: by grant
+    order per key, against the longest-held lease before each.
+
+    Judged to the millisecond. A recorded grant is the millisecond read after its
+    compare-and-swap and a recorded end the one read before its own, so a lease is surely
+    held from the millisecond after its grant to its end, and was live at some instant of
+    the millisecond around its grant. Two leases surely overlap when their sure holds
+    share a millisecond, or when one's grant falls inside the other's sure hold with a
+    millisecond to spare each side. A grant and an end within one millisecond (a lease
+    ended and its key granted again at once, the lease table's everyday race) cannot be
+    ordered from the records and are not counted."""
     by_key: dict[int, list[JournaledLease]] = {}
     for lease in leases:
         by_key.setdefault(lease.key_hash, []).append(lease)
@@ -135,7 +144,9 @@ def double_holds(leases: Iterable[JournaledLease]) -> list[DoubleHold]:
         taken.sort(key=lambda lease: lease.granted_ms)
         longest = taken[0]
         for lease in taken[1:]:
-            if lease.granted_ms < longest.held_until_ms:
+            both_held = lease.granted_ms + 1 < min(lease.held_until_ms, longest.held_until_ms)
+            granted_inside = longest.granted_ms + 1 < lease.granted_ms < longest.held_until_ms - 1
+            if both_held or granted_inside:
                 found.append(DoubleHold(key_hash=key_hash, first=longest, second=lease))
             if lease.held_until_ms > longest.held_until_ms:
                 longest = lease
