@@ -103,9 +103,7 @@ def test_the_check_finds_two_leases_held_at_once() -> None:
     assert [(d.first.node, d.second.node, d.second.token) for d in found] == [("a", "b", 9)]
 
 
-def test_a_grant_and_an_end_in_one_millisecond_are_not_ordered_but_a_grant_inside_a_hold_is() -> (
-    None
-):
+def test_one_millisecond_is_not_ordered_but_a_grant_inside_a_hold_is() -> None:
     def lease(node: str, token: int, granted: int, until: int) -> JournaledLease:
         return JournaledLease(
             node=node, key_hash=1, token=token, granted_ms=granted, held_until_ms=until
