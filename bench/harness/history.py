@@ -23,7 +23,7 @@ from collections.abc import Iterable, Sequence
 
 import msgspec
 
-from shm.lease_journal import JournaledLease
+from shm.lease_journal import JournaledLease, read_journals
 
 
 class HeldLease(msgspec.Struct, kw_only=True):
@@ -203,8 +203,6 @@ def main(argv: list[str] | None = None) -> int:
     exit 1 if there is one."""
     import argparse
     from pathlib import Path
-
-    from shm.lease_journal import read_journals
 
     parser = argparse.ArgumentParser(
         prog="python -m bench.harness.history", description=main.__doc__

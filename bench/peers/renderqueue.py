@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.harness.node import free_port
 from bench.harness.workload import Rows, row_writes, unique_suffix
 from bench.peers.base import Claimant, Spec
 from shm.segment import now_ms
@@ -304,12 +304,6 @@ class InProcessClaimant:
     def close(self) -> None:
         self.store.close()
         self.segments.close()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class HttpPeer:

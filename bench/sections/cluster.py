@@ -1,6 +1,6 @@
 """The seed's "Two nodes" table on PostgreSQL: a cluster of real nodes sharing one database.
 
-`python -m bench cluster [--quick]` (or `python -m bench cluster [--quick]`)
+`python -m bench cluster [--quick]` (or `python -m bench.sections.cluster [--quick]`)
 
 One scratch database on RENDERQUEUE_TEST_PG's server (`rq_bench_<pid>_cluster`,
 dropped at the end), loaded with 250k rows per node of bench.harness.workload's workload

@@ -1,6 +1,6 @@
 """The cluster under faults: real nodes on one PostgreSQL, a simulated fleet, a history.
 
-`python -m bench faults [--quick]` (or `python -m bench faults [--quick]`)
+`python -m bench faults [--quick]` (or `python -m bench.sections.faults [--quick]`)
 
 Each scenario gets a scratch database (`rq_bench_<pid>_faults_<scenario>`, dropped at
 the end) of due rows, three nodes (`renderqueue serve --workers 1 --node NAME`) and a
@@ -46,7 +46,7 @@ Scenarios, on default settings unless named:
   and c grants each of those only once its lease at a ended: the earliest such grant,
   measured from that end.
 - worker 0 stopped: c's worker 0 (its keeper and, with one worker, its HTTP) SIGSTOPped
-  for 60 s (quick: 15 s), then SIGCONTed; the share of PostgreSQL's NOTIFY queue in use
+  for 60 s (quick: 40 s), then SIGCONTed; the share of PostgreSQL's NOTIFY queue in use
   (`pg_notification_queue_usage()`, read every second: one queue per server, held back
   by its slowest listener), how far into the stop a and b kept granting and their
   longest stretch without a grant, how soon c's keys were granted elsewhere (its

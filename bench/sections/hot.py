@@ -36,6 +36,7 @@ from typing import Any
 import msgspec
 
 from bench.harness import report
+from bench.harness.postgres import host_port
 from bench.harness.workload import PG_DSN, Rows, Workload, due_count, generate, reachable
 
 BATCHES = (10, 100, 1000)
@@ -526,11 +527,10 @@ def main(argv: list[str] | None = None) -> int:
     failures: list[str] = []
     arms: list[Arm] = []
     http: dict[int, dict[str, Any]] = {}
-    pg_host, _, pg_port = PG_DSN.split("://", 1)[-1].split("/", 1)[0].split("@")[-1].partition(":")
     steps: list[tuple[str, Callable[[], None]]] = []
     for backend in [] if args.http_only else args.backend or BACKENDS:
-        down = reachable(pg_host or "127.0.0.1", int(pg_port or 5432))
-        if backend == "postgres" and down:
+        down = reachable(*host_port(PG_DSN)) if backend == "postgres" else None
+        if down:
             failures.append(f"postgres: {down}")
             continue
         steps.append((backend, lambda b=backend: arms.extend(in_process(config, rows, b))))  # type: ignore[misc]

@@ -31,6 +31,7 @@ import msgspec
 
 from bench.harness import report
 from bench.harness.node import Node, NodeClient, connect, process_cpu_s
+from bench.harness.postgres import host_port
 from bench.harness.race import race
 from bench.harness.workload import (
     PG_DSN,
@@ -303,9 +304,6 @@ def run_our_arm(
 
 def us(ns: float | None) -> float | None:
     return None if ns is None else round(ns / 1000, 1)
-
-
-# --- the node under test ----------------------------------------------------------------
 
 
 # --- single-row writes and the worker probe ---------------------------------------------
@@ -681,7 +679,7 @@ def main(argv: list[str] | None = None) -> int:
     due = due_count(rows, time.time_ns() // 1_000_000)
     arms: list[ArmResult] = []
     failures: list[str] = []
-    pg_down = reachable(*_pg_host_port())
+    pg_down = reachable(*host_port(PG_DSN))
     if pg_down:
         result.pending[POSTGRES] = f"PostgreSQL {pg_down}"
     for name in (SQLITE, POSTGRES):
@@ -749,12 +747,6 @@ def main(argv: list[str] | None = None) -> int:
         report.progress("node: FAILED: " + "; ".join(failures))
         return 1
     return status
-
-
-def _pg_host_port() -> tuple[str, int]:
-    rest = PG_DSN.split("://", 1)[-1].split("/", 1)[0].split("@")[-1]
-    host, _, port = rest.partition(":")
-    return host or "127.0.0.1", int(port or 5432)
 
 
 if __name__ == "__main__":

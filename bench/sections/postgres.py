@@ -1,7 +1,7 @@
 """renderqueue on PostgreSQL: puts and the change feed, NOTIFY's cost, claims through HTTP
 beside `FOR UPDATE SKIP LOCKED`, and the keeper's rebuild.
 
-`python -m bench postgres [--quick]` (or `python -m bench postgres [--quick]`)
+`python -m bench postgres [--quick]` (or `python -m bench.sections.postgres [--quick]`)
 
 Runs on the PostgreSQL at RENDERQUEUE_TEST_PG's server (default 127.0.0.1:5432, trust
 auth) in two scratch databases made for the run (`rq_bench_<pid>_a`, `_b`) and dropped
@@ -144,12 +144,6 @@ PUT_ARMS = (
     PutArm("8 writers, synchronous_commit on", 8, True, True),
     PutArm("8 writers, synchronous_commit on, NOTIFY off", 8, False, True),
 )
-
-
-# --- the server, and scratch databases on it ----------------------------------------------
-
-
-# --- CPU: PostgreSQL's processes ------------------------------------------------------------
 
 
 # --- 1. puts --------------------------------------------------------------------------------
