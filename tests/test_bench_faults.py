@@ -191,7 +191,10 @@ def test_a_process_under_the_faketime_environment_keeps_its_waits() -> None:
     done = subprocess.run(
         [sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=20
     )
+    after = time.time()
     assert done.returncode == 0, done.stderr
     waited, then = done.stdout.split()
-    assert float(waited) == pytest.approx(0.2, abs=0.15)
-    assert int(then) - before == pytest.approx(30, abs=3)
+    # The waits waited (a busy machine may stretch them; the run's return shows they end).
+    assert float(waited) >= 0.2
+    # Read while the process ran, 30 s ahead of the machine's clock (to the second).
+    assert before + 29 <= int(then) <= after + 31
