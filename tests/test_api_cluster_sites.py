@@ -250,16 +250,18 @@ def _retry_after(node: NodeProcess, lease: dict[str, Any], seconds: int) -> int:
 def test_a_retry_after_sent_to_any_node_blocks_its_site_at_every_node(trio: Trio) -> None:
     _, nodes = trio
     taken: list[Grant] = []  # this test's own grants, tallied with the claimants'
-    first = _first_of(SLOW, nodes, taken)
-    owner = first["node"]
-    elsewhere = next(node for name, node in nodes.items() if name != owner)
-    block: list[int] = []
+    block: list[tuple[str, int]] = []
 
-    def blocked() -> None:  # sent to another node than the owner: forwarded there
-        block.append(_retry_after(elsewhere, first, 4))
+    def blocked() -> None:
+        # Granted once the claimants have started, so the lease is held when its completion
+        # arrives however slow their start was; sent to another node than the owner:
+        # forwarded there.
+        first = _first_of(SLOW, nodes, taken)
+        elsewhere = next(node for name, node in nodes.items() if name != first["node"])
+        block.append((first["node"], _retry_after(elsewhere, first, 4)))
 
     seen = _race(nodes, lambda s: len({g[0] for g in _of(SLOW, s)}) >= 3, prepare=blocked)
-    (until,) = block
+    ((owner, until),) = block
     slow = _of(SLOW, seen)
     assert all(at >= until for _, _, at, _ in slow), (until, slow[:3])
     assert {name for _, name, _, _ in slow} == {owner}  # its keys are all one node's
@@ -279,7 +281,10 @@ def test_a_block_moves_with_its_site_when_the_owner_leaves(trio: Trio) -> None:
     block: list[int] = []
 
     def blocked_and_left() -> None:
-        block.append(_retry_after(leaver, first, 10))
+        # A lease of the site taken anew once the claimants have started: the first may
+        # have ended during their start.
+        held = _first_of(MOVING, {owner: leaver}, taken)
+        block.append(_retry_after(leaver, held, 10))
         leaver.stop()  # a clean leave: its leases and its blocks handed over
         block.append(now_ms())
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +56,14 @@ def hold_write_lock(db: Path) -> sqlite3.Connection:
     return holder
 
 
+async def until(condition: Callable[[], bool], what: str) -> None:
+    """Wait on the loop for `condition`, well inside the queue's busy timeout."""
+    deadline = time.monotonic() + 10
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.001)
+
+
 def is_due(store: Any, key: str) -> bool:
     row = store.get(key)
     return row is not None and row.next_render_at <= now_ms()
@@ -89,9 +98,16 @@ def test_a_held_lock_is_waited_for_on_the_loop_and_waiting_requests_commit_toget
         ticking = asyncio.create_task(ticker())
         first = asyncio.create_task(queue.complete(request(leases[:2])))
         second = asyncio.create_task(queue.complete(request(leases[2:5], outcome="failed")))
-        await asyncio.sleep(0.06)
+        # Both wait on the lock; from then the loop must go on ticking between the queue's
+        # attempts on it, however slowly the machine runs.
+        await until(lambda: queue.statistics().waited == 2, "both requests waiting")
+        start, attempts = ticks, queue.statistics().busy_attempts
+        await until(
+            lambda: ticks - start >= 10 and queue.statistics().busy_attempts > attempts,
+            "ticks and another attempt on the lock",
+        )
         assert not first.done() and not second.done()
-        ticks_while_locked = ticks
+        ticks_while_locked = ticks - start
         holder.execute("COMMIT")
         holder.close()
         answers = [await first, await second]
@@ -122,7 +138,7 @@ def test_a_key_in_two_waiting_requests_is_completed_once(node_with_leases: Any) 
         holder = hold_write_lock(db)
         first = asyncio.create_task(queue.complete(request(leases[:2])))
         again = asyncio.create_task(queue.complete(request(leases[:1])))  # a client's retry
-        await asyncio.sleep(0.02)
+        await until(lambda: queue.statistics().waited == 2, "both requests waiting")
         holder.execute("COMMIT")
         holder.close()
         return [await first, await again]
@@ -166,7 +182,7 @@ def test_a_cancelled_request_is_left_out(node_with_leases: Any) -> None:
         holder = hold_write_lock(db)
         gone = asyncio.create_task(queue.complete(request(leases[:2])))
         kept = asyncio.create_task(queue.complete(request(leases[2:4])))
-        await asyncio.sleep(0.01)
+        await until(lambda: queue.statistics().waited == 2, "both requests waiting")
         gone.cancel()
         await asyncio.sleep(0.01)
         holder.execute("COMMIT")
@@ -192,7 +208,7 @@ def test_a_key_the_store_would_refuse_is_422_before_anything_waits(
     async def scenario() -> None:
         holder = hold_write_lock(db)
         waiting = asyncio.create_task(queue.complete(request(leases[:1])))
-        await asyncio.sleep(0.005)
+        await until(lambda: queue.statistics().waited == 1, "the request waiting")
         with pytest.raises(ApiError) as refused:
             await queue.complete(bad)
         assert refused.value.status == 422 and "UTF-8 bytes" in str(refused.value.detail)
