@@ -8,6 +8,7 @@ import socket
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote
 
 import hash_secret  # noqa: F401  (the session hashes keys under the tests' secret)
@@ -107,6 +108,17 @@ def node_backend(request: pytest.FixtureRequest) -> Iterator[str]:
 
     with nodes_on(db_of):
         yield "postgres"
+
+
+@pytest.fixture
+def live_node(tmp_path: Path, node_backend: str) -> Iterator[Any]:
+    """A thread node (node_harness) on 40 rows, half of them due, its first publish made."""
+    from node_harness import node_db, seed_rows, thread_node
+
+    seed_rows(node_db(tmp_path), 40, due_share=0.5)
+    with thread_node(tmp_path) as node:
+        node.wait_published()
+        yield node
 
 
 @pytest.fixture

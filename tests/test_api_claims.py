@@ -62,14 +62,6 @@ def test_503_with_retry_after_before_the_first_publish(tmp_path: Path) -> None:
         assert client.get("/readyz").status_code == 200
 
 
-@pytest.fixture
-def live_node(tmp_path: Path, node_backend: str) -> Any:
-    seed_rows(node_db(tmp_path), 40, due_share=0.5)
-    with thread_node(tmp_path) as node:
-        node.wait_published()
-        yield node
-
-
 def test_a_lease_carries_the_row_and_a_decimal_token(live_node: ThreadNode) -> None:
     before = now_ms()
     with live_node.client() as client:

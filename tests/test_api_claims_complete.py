@@ -23,14 +23,6 @@ def item(lease: dict[str, Any], outcome: str, **extra: Any) -> dict[str, Any]:
     return {"key": lease["key"], "token": lease["token"], "outcome": outcome, **extra}
 
 
-@pytest.fixture
-def live_node(tmp_path: Path, node_backend: str) -> Any:
-    seed_rows(node_db(tmp_path), 40, due_share=0.5)
-    with thread_node(tmp_path) as node:
-        node.wait_published()
-        yield node
-
-
 def test_a_claim_without_complete_answers_no_completed(live_node: ThreadNode) -> None:
     with live_node.client() as client:
         body = claim(client, 2).json()
