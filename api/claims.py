@@ -339,10 +339,11 @@ def _granting(node: Node, want: int, lease_ms: int) -> Generator[StoreCall, Any,
                             answer.append(index)
                             continue
                     unread.append(index)
-            if answer:
+            if won:
+                hash_list = entries["key_hash"].tolist()
                 expires_list = expires.tolist()
+            if answer:
                 due_list = entries["due_at"].tolist()
-                class_list = entries["class_id"].tolist()
                 names = [named_of[class_list[index]] for index in answer]
                 answer_tokens = [token_list[index] for index in answer]
                 answer_expires = [expires_list[index] for index in answer]
@@ -362,12 +363,9 @@ def _granting(node: Node, want: int, lease_ms: int) -> Generator[StoreCall, Any,
                         [expiry - now for expiry in answer_expires],
                     )
                 )
-                hash_list = entries["key_hash"].tolist()
                 granted_hashes.extend(hash_list[index] for index in answer)
                 granted_tokens.extend(answer_tokens)
             if unread:
-                hash_list = entries["key_hash"].tolist()
-                expires_list = expires.tolist()
                 held.extend(
                     zip(
                         claimed.keys_of(np.array(unread, dtype=np.int64)),
