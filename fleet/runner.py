@@ -685,16 +685,18 @@ class FleetRunner:
 
     def _flush_outbox(self, older_than: float | None) -> None:
         """Hand the completer each item no claim has taken since `older_than` (None: all)."""
-        for node in list(self._outbox):
-            waiting = self._outbox[node]
-            stale = [x for x in waiting if older_than is None or x[2] <= older_than]
-            if not stale:
+        for node, waiting in list(self._outbox.items()):
+            # Queued in time order, so the stale items are a prefix.
+            cut = len(waiting)
+            if older_than is not None:
+                cut = next((i for i, x in enumerate(waiting) if x[2] > older_than), cut)
+            if not cut:
                 continue
-            if len(stale) == len(waiting):
+            if cut == len(waiting):
                 del self._outbox[node]
             else:
-                self._outbox[node] = [x for x in waiting if x not in stale]
-            self._requeue(node, stale)
+                self._outbox[node] = waiting[cut:]
+            self._requeue(node, waiting[:cut])
 
     async def _outbox_loop(self) -> None:
         linger = max(self.config.completion_linger_s, 0.001)
