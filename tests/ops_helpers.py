@@ -57,14 +57,13 @@ def dashboard_expressions() -> dict[str, str]:
 
 
 def expressions() -> dict[str, str]:
-    """Every expression of the rules and, once it exists, the dashboard, by where it is."""
+    """Every expression of the rules and the dashboard, by where it is."""
     found = {
         f"rule {rule.get('alert') or rule['record']}": str(rule["expr"])
         for group in rule_groups()
         for rule in group["rules"]
     }
-    if DASHBOARD.exists():
-        found.update(dashboard_expressions())
+    found.update(dashboard_expressions())
     return found
 
 

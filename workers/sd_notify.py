@@ -28,6 +28,8 @@ MAX_STATUS_CHARS = 400
 # A status whose kind (before the colon) is unchanged is said again at most this often: its
 # reason carries ages that change at every look.
 STATUS_REFRESH_S = 5.0
+# While a ping is overdue, the keeper is looked at this many times a ping interval.
+OVERDUE_LOOKS = 10
 
 
 def socket_address(value: str) -> str | bytes | None:
@@ -110,10 +112,14 @@ class Notices:
         return status != last and now - self.last_status_at >= STATUS_REFRESH_S
 
     def wait_s(self, now: float) -> float | None:
-        """How long until a ping may be due (None: no watchdog, or stopping)."""
+        """How long until the next look for a ping (None: no watchdog, or stopping). Once a
+        ping is overdue (the keeper was not live at the last look), the next look is a
+        fraction of the interval on: a resumed keeper's ping is that late at most, and the
+        supervisor's loop does not spin while its keeper is silent."""
         if self.watchdog_s is None or self.stopping_sent:
             return None
-        return max(0.0, self.next_ping_at - now)
+        due_in = self.next_ping_at - now
+        return due_in if due_in > 0 else self.watchdog_s / OVERDUE_LOOKS
 
 
 class Notifier:

@@ -257,18 +257,19 @@ class Supervisor:
             sites=SiteTableSettings.of(settings),
         )
         self._restore_leases(survivor)
-        self._view = SegmentView(
-            settings=api_settings(
-                settings,
-                node=self.node,
-                instance=self.instance,
-                worker=-1,  # none: the supervisor serves nothing
-                advertised_url=settings.advertised(self.port),
-            ),
-            ring=self._segments.ring,
-            marks=self._segments.marks,
-            keeper_statistics=self._segments.keeper,
-        )
+        if self._notifier is not None:  # only the notices read it
+            self._view = SegmentView(
+                settings=api_settings(
+                    settings,
+                    node=self.node,
+                    instance=self.instance,
+                    worker=-1,  # none: the supervisor serves nothing
+                    advertised_url=settings.advertised(self.port),
+                ),
+                ring=self._segments.ring,
+                marks=self._segments.marks,
+                keeper_statistics=self._segments.keeper,
+            )
         try:
             if settings.clustered:
                 self._join_cluster()
