@@ -26,7 +26,6 @@ from __future__ import annotations
 import gc
 import logging
 import threading
-import time
 from collections import deque
 from collections.abc import Callable, Sequence
 
@@ -108,6 +107,7 @@ from keeper.topcheck import TopCheck
 from keeper.walk import Walk
 from shm.keys import site_hash
 from shm.segment import monotonic_ms
+from shm.segment import now_ms as wall_clock_ms
 from shm.sites import BlockReason
 from store.base import RowsRead, ScheduleStore
 from store.rows import HandedBlock, Handover, MemberList
@@ -152,10 +152,6 @@ class ClusterSettings(msgspec.Struct, frozen=True, kw_only=True):
         # A node that has not read itself live for this long grants nothing: well inside
         # the TTL, so it stops before the others can call it dead and take its keys.
         return int(self.ttl_s * 500)
-
-
-def wall_clock_ms() -> int:
-    return time.time_ns() // 1_000_000
 
 
 class Keeper:
