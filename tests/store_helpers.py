@@ -8,9 +8,8 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from store.base import Cursor, ScheduleStore, Subscription
-from store.cadence import Adaptation
 from store.postgres import PostgresStore
-from store.rows import Route, RowEvent, RowWrite
+from store.rows import RowEvent, RowWrite
 from store.sqlite import SqliteStore
 
 SETTLE_PROBE = "settle-probe"
@@ -18,20 +17,6 @@ SETTLE_PROBE = "settle-probe"
 
 class ContractStore(ScheduleStore, Protocol):
     """What both backends offer beside ScheduleStore: consumers, pruning, statistics."""
-
-    def set_route(
-        self,
-        route: str,
-        *,
-        default_cadence_s: int | None = None,
-        paused: bool | None = None,
-        clear_default_cadence: bool = False,
-        adapt: Adaptation | None = None,
-        clear_adapt: bool = False,
-        site_pattern: str | None = None,
-        clear_site_pattern: bool = False,
-        retire_after: int | None = None,
-    ) -> Route: ...
 
     def consumers(self) -> dict[str, Cursor]: ...
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -20,7 +21,7 @@ from keeper_helpers import (
 from store_helpers import open_url
 
 from keeper.config import KeeperConfig
-from keeper.runner import Keeper
+from keeper.runner import ClusterSettings, Keeper
 from keeper.state import (
     decode_keeper_statistics,
     decode_queue_state,
@@ -33,9 +34,33 @@ from shm import key_hash, segment_name
 from shm.keys import site_hash
 from shm.sites import SiteTable
 from store.base import FeedStatistics
-from store.rows import Row, SiteSettings
+from store.rows import MemberList, Row, SiteSettings
 
 CONFIG = RIG_CONFIG
+
+
+def clustered_keeper(
+    store: Any,
+    clock: Callable[[], int],
+    members: Callable[[bool], MemberList],
+    *,
+    state: MemoryStateBuffer | None = None,
+    cluster: ClusterSettings | None = None,
+    **extra: Any,
+) -> Keeper:
+    """Node a's keeper over the in-memory stand-ins, reading the member list `members`."""
+    return Keeper(
+        store,
+        MemoryRing(),
+        MemoryLeases(),
+        MemoryStateBuffer() if state is None else state,
+        CONFIG,
+        node="a",
+        clock=clock,
+        cluster=ClusterSettings(ttl_s=4, max_lease_s=10, poll_s=1) if cluster is None else cluster,
+        members=members,
+        **extra,
+    )
 
 
 def test_status_is_unready_until_the_first_publish_which_comes_after_the_first_chunk() -> None:
@@ -856,7 +881,6 @@ def test_a_clustered_keeper_counts_its_fenced_due_rows_at_each_full_report() -> 
     from keeper_helpers import ManualClock, MemoryStore
 
     from keeper.ownership import winners
-    from keeper.runner import ClusterSettings
     from shm import key_hashes
     from store.rows import MemberList
 
@@ -871,19 +895,14 @@ def test_a_clustered_keeper_counts_its_fenced_due_rows_at_each_full_report() -> 
     due_mine = sum(1 for i, o in enumerate(owners) if o == 0 and i % 4)
     state = MemoryStateBuffer()
     statistics = MemoryStateBuffer()
-    keeper = Keeper(
+    keeper = clustered_keeper(
         store,
-        MemoryRing(),
-        MemoryLeases(),
-        state,
-        CONFIG,
-        node="a",
-        clock=clock,
-        statistics_buffer=statistics,
-        cluster=ClusterSettings(ttl_s=4, max_lease_s=10, poll_s=1),
+        clock,
         # b never acknowledges a's join: every key a owns was b's, fenced until b's leases
         # on them have surely ended.
-        members=lambda handovers: MemberList(records=[member("a"), member("b")], db_now_ms=clock()),
+        lambda handovers: MemberList(records=[member("a"), member("b")], db_now_ms=clock()),
+        state=state,
+        statistics_buffer=statistics,
     )
     keeper.start()
 
@@ -1174,7 +1193,6 @@ def test_a_lone_clustered_keeper_whose_membership_lapsed_walks_its_rows_back() -
 
     from keeper_helpers import NOW, ManualClock, MemoryStore
 
-    from keeper.runner import ClusterSettings
     from store.rows import MemberList
 
     clock = ManualClock()
@@ -1183,16 +1201,8 @@ def test_a_lone_clustered_keeper_whose_membership_lapsed_walks_its_rows_back() -
     for i, key in enumerate(keys):
         store.put(key, NOW - 1000 * i)
     members = [member_record("a")]
-    keeper = Keeper(
-        store,
-        MemoryRing(),
-        MemoryLeases(),
-        MemoryStateBuffer(),
-        CONFIG,
-        node="a",
-        clock=clock,
-        cluster=ClusterSettings(ttl_s=4, max_lease_s=10, poll_s=1),
-        members=lambda handovers: MemberList(records=members, db_now_ms=clock()),
+    keeper = clustered_keeper(
+        store, clock, lambda handovers: MemberList(records=members, db_now_ms=clock())
     )
     keeper.start()
 
@@ -1266,16 +1276,12 @@ def test_a_clustered_keeper_says_why_it_waits_and_loads_once_the_member_list_has
         return MemberList(records=members, db_now_ms=clock())
 
     state = MemoryStateBuffer()
-    keeper = Keeper(
+    keeper = clustered_keeper(
         store,
-        MemoryRing(),
-        MemoryLeases(),
-        state,
-        CONFIG,
-        node="a",
-        clock=clock,
+        clock,
+        read,
+        state=state,
         cluster=ClusterSettings(ttl_s=4, max_lease_s=10, poll_s=1, peer_wait_s=0),
-        members=read,
     )
 
     def now() -> tuple[str, str, str]:
