@@ -17,7 +17,7 @@ from starlette.routing import Route
 from api.auth import Authenticator
 from api.body import check_media_type, json_response, read_json
 from api.cluster import ClusterLink
-from api.completions import CompletionQueue, apply
+from api.completions import CompletionQueue, apply, complete_handed_over
 from api.endpoints import ENDPOINTS, Call, Endpoint
 from api.node import Node
 from api.openapi import OPENAPI_PATH, openapi_document
@@ -149,7 +149,13 @@ def build_services(node: Node) -> Services:
         completions=CompletionQueue(
             commit=lambda requests: apply(node, requests, wait=False), lane=node.lane
         ),
-        cluster=ClusterLink(node.settings, node.lane, members, started_at_ms),
+        cluster=ClusterLink(
+            node.settings,
+            node.lane,
+            members,
+            started_at_ms,
+            settle_completions=lambda owner, items: complete_handed_over(node, owner, items),
+        ),
     )
 
 

@@ -8,11 +8,15 @@ that granted the lease, and the cluster's queue-state.
   handed an item another node granted forwards the item there (one hop: a forwarded
   request is never forwarded again) and answers every item in one response. The
   granting node applies it exactly as if it had been sent there; a forward that fails
-  changes nothing here and says which node did not answer (`node_unavailable`). An
-  item whose granting node is no longer live is `node_unavailable` too while that
-  node's leases may live (it stopped or died; restarted by then, it takes its leases
-  back, so the completion lands there), and `lease_not_held` after (its leases ended
-  with it), each with a `detail` naming the node.
+  changes nothing here and says which node did not answer (`node_unavailable`).
+- A completion whose granting node has left (a clean stop, a rolling restart) lands here
+  while its lease lives: the node handed the lease over in the database with its token,
+  and this node writes the completion in the transaction that settles the hand-over, so
+  it lands once (api.completions.complete_handed_over). Any other item whose granting
+  node is no longer live is `node_unavailable` while that node's leases may live (it
+  died; restarted by then, it takes its leases back, so the completion lands there), and
+  `lease_not_held` after (its leases ended with it), each with a `detail` naming the
+  node. Renewals are never taken this way: a lease outlives its node only to its end.
 - `GET /prerender_admin/cluster/queue-state` asks every live node for its queue-state at
   once; what is made of the answers is api.cluster_queue_state's.
 """
@@ -39,10 +43,12 @@ from api.schedule import check_items
 from api.version import VERSION
 from keeper.cluster import leases_end
 from shm.segment import now_ms
+from store.errors import StoreError
 from store.rows import MemberList, NodeRecord
 from wire.schemas import (
     ClusterMember,
     ClusterNodes,
+    CompletionItem,
     CompletionsRequest,
     ItemResult,
     ItemResults,
@@ -61,6 +67,9 @@ MEMBERS_MAX_AGE_S = 1.0  # the member list is re-read at most this often per wor
 _encoder = msgspec.json.Encoder()
 Item = TypeVar("Item")
 Result = TypeVar("Result")
+# What answers, without the node, items a node that left granted: each item's answer,
+# or None where it cannot (run on the worker's store lane).
+Settle = Callable[[str, list[Item]], list[Result | None]]
 
 
 class ClusterLink:
@@ -73,9 +82,12 @@ class ClusterLink:
         lane: StoreLane,
         members: Callable[[float], MemberList],
         started_at_ms: Callable[[], int],
+        settle_completions: Settle[CompletionItem, ItemResult] | None = None,
     ) -> None:
         self.settings = settings
         self.lane = lane
+        # Completions of a node that left, through its hand-over (api.completions).
+        self._settle_completions = settle_completions
         self._read_members = members  # the store's member list, as of a TTL (on the lane)
         self._started_at_ms = started_at_ms  # this node's start, for the list of one
         self._records: list[NodeRecord] = []
@@ -187,8 +199,10 @@ class ClusterLink:
         refuse: Callable[[str, str, str], Result],
         authorization: str | None,
         forwarded_by: str | None,
+        settle: Settle[Item, Result] | None = None,
     ) -> list[Result]:
-        """Each item answered by the node that granted it, in the request's order."""
+        """Each item answered by the node that granted it, in the request's order; where
+        that node has left, by `settle` (the items it can answer without the node)."""
         here: list[int] = []
         elsewhere: dict[str, list[int]] = {}
         for index, item in enumerate(items):
@@ -203,7 +217,16 @@ class ClusterLink:
         async def at(owner: str, indices: list[int]) -> None:
             group = [items[i] for i in indices]
             results = await self._forward(
-                owner, group, key_of, path, encode, decode, refuse, authorization, forwarded_by
+                owner,
+                group,
+                key_of,
+                path,
+                encode,
+                decode,
+                refuse,
+                authorization,
+                forwarded_by,
+                settle,
             )
             for i, result in zip(indices, results, strict=True):
                 answers[i] = result
@@ -237,6 +260,7 @@ class ClusterLink:
         refuse: Callable[[str, str, str], Result],
         authorization: str | None,
         forwarded_by: str | None,
+        settle: Settle[Item, Result] | None,
     ) -> list[Result]:
         me = self.settings.node
         if forwarded_by is not None:
@@ -247,22 +271,15 @@ class ClusterLink:
             )
             return [refuse(key_of(item), LEASE_NOT_HELD, detail) for item in group]
         url = await self.url_of(owner) if self.settings.clustered else None
-        lasting = None if url is not None else self.leases_may_live(owner)
-        if lasting is not None:
-            detail = (
-                f"granted by node {owner!r}, which is not a live member of this cluster now, "
-                f"but its leases may live {lasting / 1000:.1f} s more: started again by then, "
-                "it takes them back; nothing changed, retry while your lease lasts"
-            )
-            return [refuse(key_of(item), NODE_UNAVAILABLE, detail) for item in group]
         if url is None:
-            detail = (
-                f"granted by node {owner!r}, which is not a live member of this cluster: "
-                "its leases ended with it; claim the key again"
-                if self.settings.clustered
-                else f"granted by node {owner!r}; this node ({me!r}) is a single node"
-            )
-            return [refuse(key_of(item), LEASE_NOT_HELD, detail) for item in group]
+            refused = self._gone(owner, group, key_of, refuse)
+            if settle is None or not self.settings.clustered:
+                return refused
+            try:
+                settled = await self.lane.call(lambda: settle(owner, group))
+            except StoreError:  # answered as if nothing could be settled: nothing was
+                return refused
+            return [s if s is not None else r for s, r in zip(settled, refused, strict=True)]
         headers = {"content-type": "application/json", FORWARDED_BY: me}
         if authorization:
             headers["authorization"] = authorization
@@ -297,6 +314,30 @@ class ClusterLink:
             return [refuse(key_of(item), NODE_UNAVAILABLE, detail) for item in group]
         return results
 
+    def _gone(
+        self,
+        owner: str,
+        group: list[Item],
+        key_of: Callable[[Item], str],
+        refuse: Callable[[str, str, str], Result],
+    ) -> list[Result]:
+        """The refusals of items granted by `owner`, which is not a live member."""
+        lasting = self.leases_may_live(owner)
+        if lasting is not None:
+            detail = (
+                f"granted by node {owner!r}, which is not a live member of this cluster now, "
+                f"but its leases may live {lasting / 1000:.1f} s more: started again by then, "
+                "it takes them back; nothing changed, retry while your lease lasts"
+            )
+            return [refuse(key_of(item), NODE_UNAVAILABLE, detail) for item in group]
+        detail = (
+            f"granted by node {owner!r}, which is not a live member of this cluster: "
+            "its leases ended with it; claim the key again"
+            if self.settings.clustered
+            else f"granted by node {owner!r}; this node ({self.settings.node!r}) is a single node"
+        )
+        return [refuse(key_of(item), LEASE_NOT_HELD, detail) for item in group]
+
     async def complete(
         self,
         request: CompletionsRequest,
@@ -324,6 +365,7 @@ class ClusterLink:
             lambda key, error, detail: ItemResult(key=key, ok=False, error=error, detail=detail),
             authorization,
             forwarded_by,
+            self._settle_completions,
         )
         return ItemResults(results=results)
 

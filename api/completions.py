@@ -49,12 +49,13 @@ from api.schedule import check_items
 from api.status import claim_status
 from shm import key_hash
 from shm.segment import now_ms
-from store.base import DEFAULT_BUSY_TIMEOUT_S
+from store.base import DEFAULT_BUSY_TIMEOUT_S, cluster_membership
 from store.errors import StoreBusy
-from store.rows import Completion
+from store.rows import Completion, Row
 from wire.schemas import (
     ClaimRequest,
     ClaimResponse,
+    CompletionItem,
     CompletionsRequest,
     ItemResult,
     ItemResults,
@@ -134,18 +135,66 @@ def apply(node: Node, requests: Sequence[CompletionsRequest], *, wait: bool) -> 
             leases.complete(hashed, token, now)
             if completion.outcome in ("rendered", "not_found") and sites and site:
                 sites.outcome(site, now, failed=False)
-            if row is None and completion.outcome != "gone":
-                results[number][index] = ItemResult(key=completion.key, ok=False, error=NOT_FOUND)
-            elif completion.outcome == "not_found" and row is not None:
-                results[number][index] = ItemResult(
-                    key=completion.key,
-                    ok=True,
-                    not_found_streak=row.not_found_streak,
-                    retired_at=row.retired_at,
-                )
-            else:
-                results[number][index] = ItemResult(key=completion.key, ok=True)
+            results[number][index] = written(completion, row)
     return [ItemResults(results=[r for r in mine if r is not None]) for mine in results]
+
+
+def written(completion: Completion, row: Row | None) -> ItemResult:
+    """A written completion's answer, from the row the store returned (None: gone)."""
+    if row is None and completion.outcome != "gone":
+        return ItemResult(key=completion.key, ok=False, error=NOT_FOUND)
+    if completion.outcome == "not_found" and row is not None:
+        return ItemResult(
+            key=completion.key,
+            ok=True,
+            not_found_streak=row.not_found_streak,
+            retired_at=row.retired_at,
+        )
+    return ItemResult(key=completion.key, ok=True)
+
+
+def complete_handed_over(
+    node: Node, owner: str, items: Sequence[CompletionItem]
+) -> list[ItemResult | None]:
+    """Items `owner` granted and handed over when it left (store.postgres.membership):
+    each written once, in the transaction that settles its hand-over. None for an item
+    not taken this way: its lease was not handed over live, another node or `owner`'s
+    next start settled it, or it says `site_retry_after_s`, whose site block only the
+    site's owner could keep. Nothing is released here: the lease table that held the
+    lease left with its node, and the new owner fences the key until the lease's end
+    (so a `failed` result holds the key back until then, not by the failure backoff)."""
+    now = now_ms()
+    chosen: list[int] = []
+    leases: list[tuple[int, int]] = []
+    seen: set[str] = set()
+    for index, item in enumerate(items):
+        token = parse_token(item.token, owner)
+        if token is None or item.site_retry_after_s is not None or item.key in seen:
+            continue
+        seen.add(item.key)
+        chosen.append(index)
+        leases.append((key_hash(item.key.encode()), token))
+    answers: list[ItemResult | None] = [None] * len(items)
+    if not chosen:
+        return answers
+    completions = [
+        Completion(
+            key=items[i].key,
+            outcome=items[i].outcome,
+            now=now,
+            next_render_at=items[i].next_render_at,
+            changed=items[i].changed,
+        )
+        for i in chosen
+    ]
+    try:
+        rows = cluster_membership(node.store).complete_handed_over(owner, completions, leases)
+    except ValueError as exc:
+        raise ApiError(422, "Invalid completion", str(exc)) from None
+    for i, completion, row in zip(chosen, completions, rows, strict=True):
+        if row is not False:
+            answers[i] = written(completion, row if isinstance(row, Row) else None)
+    return answers
 
 
 def check(request: CompletionsRequest) -> None:

@@ -76,8 +76,8 @@ class LeaseTableLike(Protocol):
 
     def live_leases(
         self, now_ms: int
-    ) -> tuple[npt.NDArray[Any], npt.NDArray[Any], npt.NDArray[Any]]:
-        """(key hashes, expiries, site hashes) of the leases live at `now_ms`."""
+    ) -> tuple[npt.NDArray[Any], npt.NDArray[Any], npt.NDArray[Any], npt.NDArray[Any]]:
+        """(key hashes, expiries, site hashes, tokens) of the leases live at `now_ms`."""
         ...
 
 

@@ -509,7 +509,7 @@ class Keeper:
         # from its previous run, or restored from its snapshot), a scan of the whole table.
         leases_end = 0
         if ceiling.published_ms == 0:
-            _, expiries, _ = self.leases.live_leases(now)
+            _, expiries, _, _ = self.leases.live_leases(now)
             leases_end = int(expiries.max(initial=0))
         target = ceiling.target(now, leases_end)
         try:
@@ -544,7 +544,7 @@ class Keeper:
         if self.acknowledge is None:
             cluster.acknowledged()
             return
-        hashes, expiries, sites = self.leases.live_leases(now)
+        hashes, expiries, sites, tokens = self.leases.live_leases(now)
         lost, sites = self._lost(hashes, sites)
         to_db = cluster.offset_ms - cluster.to_wall_ms  # the wall clock to the database's
         handover = Handover(
@@ -553,6 +553,7 @@ class Keeper:
             key_hashes=hashes[lost].tolist(),
             expires_at_ms=(expiries[lost] + to_db).tolist(),
             site_hashes=sites[lost].tolist(),
+            tokens=tokens[lost].tolist(),
             blocks=self._handed_blocks(now, to_db),
         )
         try:

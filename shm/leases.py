@@ -486,9 +486,9 @@ class LeaseTable:
             removing=removing,
         )
 
-    def live_leases(self, now_ms: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(key hashes, expiries, site hashes) of every lease live at `now_ms`, from a
-        scan of the slots: what a node hands over when it loses keys or leaves. A slot
+    def live_leases(self, now_ms: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(key hashes, expiries, site hashes, tokens) of every lease live at `now_ms`, from
+        a scan of the slots: what a node hands over when it loses keys or leaves. A slot
         changed during the scan is read as either its old or its new word, each a whole
         64-bit load; a slot's site word is written just after its lease's CAS, so a lease
         granted during the scan may show the slot's previous site (or 0)."""
@@ -506,7 +506,11 @@ class LeaseTable:
         expiry = (state >> np.uint64(LEASE_LAYOUT["time_shift"])).astype(np.int64)
         phase = state & np.uint64(LEASE_LAYOUT["phase_mask"])
         live = (phase == _PHASE_LEASED) & (expiry > now_ms)
-        return hashes[live], expiry[live], sites[live]
+        slots = np.flatnonzero(live).astype(np.uint64)
+        counters = (state[live] >> np.uint64(LEASE_LAYOUT["token_shift"])) & np.uint64(
+            LEASE_LAYOUT["token_mask"]
+        )
+        return hashes[live], expiry[live], sites[live], (slots << np.uint64(16)) | counters
 
     def live_by_site(self, now_ms: int) -> tuple[np.ndarray, np.ndarray]:
         """(site hashes, live leases of each) at `now_ms`, from a scan of the slots and

@@ -218,6 +218,14 @@ class Membership(Protocol):
         left, or its heartbeat older than half the TTL (keeper.ceiling)."""
         ...
 
+    def complete_handed_over(
+        self, node: str, items: Sequence[Completion], leases: Sequence[tuple[int, int]]
+    ) -> list[Row | bool | None]:
+        """Complete items whose leases (key hash, token) `node` handed over when it left,
+        each in the transaction that settles its hand-over, so it lands once: its row
+        (None: gone or missing), or False where no such live, unsettled lease was there."""
+        ...
+
 
 class ScheduleStore(Protocol):
     @property

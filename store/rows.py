@@ -271,6 +271,9 @@ class Handover(msgspec.Struct, frozen=True, kw_only=True):
     # Each lease's site hash (unsigned 64-bit, 0: none): a cluster that owns keys by site
     # counts the leases of a site it gains against the site's cap until they end.
     site_hashes: list[int] = []
+    # Each lease's token (shm.leases: slot << 16 | counter; 0: not known), so a completion
+    # of the lease can land once its node has left (store.postgres.membership).
+    tokens: list[int] = []
     # Owned by site: the blocks of the sites it no longer owns, which go with them.
     blocks: list[HandedBlock] = []
 

@@ -48,6 +48,7 @@ from store.rows import (
 )
 
 NOW = 1_800_000_000_000
+Hashes = npt.NDArray[np.uint64]
 ROUTES = ["product", "category", "home"]
 
 
@@ -436,14 +437,13 @@ class MemoryLeases:
     def statistics(self, now_ms: int | None = None) -> LeaseStats:
         return LeaseStats(live_leases=len(self.blocked))
 
-    def live_leases(
-        self, now_ms: int
-    ) -> tuple[npt.NDArray[np.uint64], npt.NDArray[np.int64], npt.NDArray[np.uint64]]:
+    def live_leases(self, now_ms: int) -> tuple[Hashes, npt.NDArray[np.int64], Hashes, Hashes]:
         """Every blocked hash as a lease that ends in a minute (what a hand-over sends),
-        of no site."""
+        of no site, its token its place in the list plus one."""
         hashes = np.array(sorted(self.blocked), dtype=np.uint64)
         ends = np.full(len(hashes), now_ms + 60_000, dtype=np.int64)
-        return hashes, ends, np.zeros(len(hashes), dtype=np.uint64)
+        tokens = np.arange(1, len(hashes) + 1, dtype=np.uint64)
+        return hashes, ends, np.zeros(len(hashes), dtype=np.uint64), tokens
 
 
 class MemoryStateBuffer:

@@ -405,3 +405,68 @@ def test_a_node_that_divides_keys_otherwise_is_refused_at_join(pg_url: str) -> N
     finally:
         first.close()
         second.close()
+
+
+def test_a_lease_a_left_node_handed_over_is_completed_once_and_its_restart_takes_back_the_rest(
+    pg_url: str,
+) -> None:
+    """Node a leaves handing over two leases (key hash, token). Another node completes one
+    through the hand-over, once: a second try, a wrong token and a lease past its end are
+    not taken, and the row is written with the settle. a's next start takes back the other
+    (no node completes it through the hand-over after that) and learns the first was
+    completed elsewhere, so it can end it in its restored table."""
+    from shm import key_hash
+    from store.postgres.membership import NodeMembership
+    from store.rows import Handover
+
+    store = PostgresStore(pg_url)
+    member = functools.partial(
+        NodeMembership, pg_url, "a", instance="i", advertised_url="http://127.0.0.1:1"
+    )
+    first, second = member(), member()
+    try:
+        store.write([put("/one"), put("/two"), put("/three")])
+        leases = {key: (key_hash(key.encode()), 100 + n) for n, key in enumerate(("/one", "/two"))}
+        late = (key_hash(b"/three"), 300)
+        first.join()
+        db_now = first.db_now_ms()
+
+        def complete(key: str, lease: tuple[int, int]) -> list[Any]:
+            item = Completion(key=key, outcome="rendered", now=db_now)
+            return store.complete_handed_over("a", [item], [lease])
+
+        # Handed over at a view change while a stays live: a completes it itself.
+        kept = Handover(
+            node="a",
+            incarnation=first.incarnation,
+            key_hashes=[leases["/one"][0]],
+            expires_at_ms=[db_now + 60_000],
+            tokens=[leases["/one"][1]],
+        )
+        assert store.acknowledge("a", first.incarnation, [first.incarnation], kept)
+        assert complete("/one", leases["/one"]) == [False], "a live incarnation keeps its own"
+        first.leave(
+            Handover(
+                node="a",
+                incarnation=first.incarnation,
+                key_hashes=[leases["/one"][0], leases["/two"][0], late[0]],
+                expires_at_ms=[db_now + 60_000, db_now + 60_000, db_now - 1],
+                tokens=[leases["/one"][1], leases["/two"][1], late[1]],
+            )
+        )
+        assert complete("/one", (leases["/one"][0], 999)) == [False], "another token"
+        assert complete("/three", late) == [False], "a lease past its end"
+        (row,) = complete("/one", leases["/one"])
+        assert row is not False and row.last_outcome == "rendered"
+        assert store.get("/one").last_outcome == "rendered"  # type: ignore[union-attr]
+        assert complete("/one", leases["/one"]) == [False], "completed once"
+
+        second.join()
+        assert second.incarnation != first.incarnation
+        assert second.take_back(list(leases.values())) == [leases["/one"]]
+        assert complete("/two", leases["/two"]) == [False], "taken back by the restart"
+        assert store.get("/two").last_outcome is None  # type: ignore[union-attr]
+    finally:
+        first.close()
+        second.close()
+        store.close()

@@ -175,7 +175,7 @@ class MembershipHeartbeat:
             return
         try:
             now = now_ms()
-            hashes, expiries, sites = leases.live_leases(now)
+            hashes, expiries, sites, tokens = leases.live_leases(now)
             # Owned by site, the sites' blocks go with them (each is this node's alone).
             table = leases.sites if self.membership.ownership == "site" else None
             handover = Handover(
@@ -184,6 +184,7 @@ class MembershipHeartbeat:
                 key_hashes=hashes.tolist(),
                 expires_at_ms=(expiries + self.offset_ms).tolist(),
                 site_hashes=sites.tolist(),
+                tokens=tokens.tolist(),
                 blocks=[
                     HandedBlock(block.site_hash, block.until + self.offset_ms, block.reason)
                     for block in (table.blocks(now) if table is not None else [])

@@ -349,6 +349,28 @@ class Supervisor:
         joined = self._membership.join()
         self._incarnation = joined.incarnation
         self._predecessor_until_ms = self._predecessor_fence(joined.predecessor)
+        if self._inherited_leases:
+            self._take_back_leases()
+
+    def _take_back_leases(self) -> None:
+        """Before any worker spawns: the leases restored from the previous run are taken
+        back from its hand-over, so no other node completes them from now on, and those
+        another node completed while this one was down end here (a second completion of
+        one lease must find it ended)."""
+        assert self._membership is not None and self._segments is not None
+        leases = self._segments.leases
+        now = now_ms()
+        hashes, _, _, tokens = leases.live_leases(now)
+        restored = list(zip(hashes.tolist(), tokens.tolist(), strict=True))
+        done = self._membership.membership.take_back(restored)
+        for hashed, token in done:
+            leases.complete(hashed, token, now)
+        logs.event(
+            log,
+            "leases_taken_back",
+            restored=len(restored),
+            completed_elsewhere=len(done),
+        )
 
     def _keeper_heard_at(self) -> int:
         """When the keeper was last heard going round (monotonic ms), for the heartbeat

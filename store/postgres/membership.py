@@ -19,6 +19,12 @@ own hash or their site's) are stored once (`cluster_settings`). A node whose
 values differ from the live cluster's is refused at join, with both values named; with
 no live node the joiner's values become the cluster's, so changing them means stopping
 every node first.
+
+A lease outlives its node's leave: the node hands it over (`lease_handover`, with its
+token), and until it ends a completion of it lands through any other node, which
+settles the hand-over row (`settle_completed`) in the completion's transaction. The
+node's next start takes back the leases it restored (`NodeMembership.take_back`) and
+drops those settled meanwhile, so one lease is completed once, wherever it lands.
 """
 
 from __future__ import annotations
@@ -143,13 +149,35 @@ RETURNING node
 _CLEAR_HANDOVER = (
     "DELETE FROM lease_handover WHERE node = %(node)s AND incarnation = %(incarnation)s"
 )
-_HANDOVER = """INSERT INTO lease_handover (node, incarnation, key_hash, expires_at_ms, site_hash)
-SELECT %(node)s, %(incarnation)s, h, e, s
-FROM unnest(%(hashes)s::bigint[], %(expires)s::bigint[], %(sites)s::bigint[]) AS t(h, e, s)"""
+_HANDOVER = """INSERT INTO lease_handover
+    (node, incarnation, key_hash, expires_at_ms, site_hash, token)
+SELECT %(node)s, %(incarnation)s, h, e, s, k
+FROM unnest(%(hashes)s::bigint[], %(expires)s::bigint[], %(sites)s::bigint[],
+            %(tokens)s::bigint[]) AS t(h, e, s, k)"""
 _HANDOVER_BLOCKS = """INSERT INTO lease_handover
     (node, incarnation, key_hash, expires_at_ms, site_hash, block_reason)
 SELECT %(node)s, %(incarnation)s, 0, e, s, r
 FROM unnest(%(ends)s::bigint[], %(sites)s::bigint[], %(reasons)s::text[]) AS t(e, s, r)"""
+# A lease handed over by an incarnation that has left (or been replaced), still live and
+# neither completed nor taken back by the node's next start: completed here, once. The
+# row stays, so the new owners fence the key until the lease would have ended.
+_SETTLE_COMPLETED = """UPDATE lease_handover AS h SET settled = 'completed'
+FROM unnest(%(hashes)s::bigint[], %(tokens)s::bigint[]) AS t(key_hash, token)
+WHERE h.node = %(node)s AND h.key_hash = t.key_hash AND h.token = t.token AND h.token <> 0
+  AND h.settled IS NULL
+  AND h.expires_at_ms > (extract(epoch FROM clock_timestamp()) * 1000)::bigint
+  AND NOT EXISTS (SELECT 1 FROM nodes AS n WHERE n.node = h.node
+                  AND n.incarnation = h.incarnation AND n.left_at IS NULL)
+RETURNING h.key_hash, h.token"""
+# A start's restored leases, taken back from its predecessors' hand-overs: from then on
+# only this node completes them.
+_TAKE_BACK = """UPDATE lease_handover AS h SET settled = 'taken_back'
+FROM unnest(%(hashes)s::bigint[], %(tokens)s::bigint[]) AS t(key_hash, token)
+WHERE h.node = %(node)s AND h.incarnation <> %(incarnation)s AND h.key_hash = t.key_hash
+  AND h.token = t.token AND h.token <> 0 AND h.settled IS NULL"""
+_COMPLETED_ELSEWHERE = """SELECT key_hash, token FROM lease_handover
+WHERE node = %(node)s AND incarnation <> %(incarnation)s AND settled = 'completed'
+  AND expires_at_ms > (extract(epoch FROM clock_timestamp()) * 1000)::bigint"""
 _READ_HANDOVERS = """SELECT node, incarnation, key_hash, expires_at_ms, site_hash, block_reason
 FROM lease_handover
 WHERE expires_at_ms > (extract(epoch FROM clock_timestamp()) * 1000)::bigint"""
@@ -171,6 +199,14 @@ def _signed(values: Sequence[int]) -> list[int]:
 
 def _unsigned(values: Sequence[int]) -> list[int]:
     return np.asarray(values, dtype=np.int64).view(np.uint64).tolist()  # type: ignore[no-any-return]
+
+
+def _lease_set(found: Sequence[tuple[Any, ...]]) -> set[tuple[int, int]]:
+    """(key hash, token) pairs read back from lease_handover, unsigned as the lease table
+    keeps them."""
+    hashes = _unsigned([int(row[0]) for row in found])
+    tokens = _unsigned([int(row[1]) for row in found])
+    return set(zip(hashes, tokens, strict=True))
 
 
 def _pid_alive(pid: int) -> bool:
@@ -333,6 +369,27 @@ class NodeMembership:
             conn.close()
             raise
 
+    def take_back(self, leases: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+        """Take back the restored `leases` (key hash, token) that this node's earlier
+        incarnations handed over, so no other node completes them from now on; returns
+        those of them another node completed meanwhile, which the caller ends."""
+        conn = self._connection()
+        params = {
+            "node": self.node,
+            "incarnation": self.incarnation,
+            "hashes": _signed([h for h, _ in leases]),
+            "tokens": _signed([t for _, t in leases]),
+        }
+        try:
+            with translated("take back"), conn.transaction():
+                conn.execute(_TAKE_BACK, params)
+                found = conn.execute(_COMPLETED_ELSEWHERE, params).fetchall()
+        except StoreError:
+            conn.close()
+            raise
+        done = _lease_set(found)
+        return [lease for lease in leases if lease in done]
+
     def nodes(self) -> list[NodeRecord]:
         """Every known node, live or not, by name."""
         return read_members(self._connection(), self.ttl_s).records
@@ -460,8 +517,10 @@ def write_handover(conn: Conn, node: str, incarnation: int, handover: Handover) 
                 "incarnation": incarnation,
                 "hashes": _signed(handover.key_hashes),
                 "expires": list(handover.expires_at_ms),
-                # A hand-over made without its sites (none known) says 0: no site.
+                # A hand-over made without its sites (none known) says 0: no site; without
+                # its tokens, 0: no completion can name the lease.
                 "sites": _signed(handover.site_hashes or [0] * len(handover.key_hashes)),
+                "tokens": _signed(handover.tokens or [0] * len(handover.key_hashes)),
             },
         )
     if handover.blocks:
@@ -491,6 +550,21 @@ def raise_lease_ceiling(
     }
     with translated("lease ceiling"):
         return bool(conn.execute(_RAISE_CEILING, params).fetchall())
+
+
+def settle_completed(conn: Conn, node: str, leases: Sequence[tuple[int, int]]) -> list[bool]:
+    """Which of `leases` (key hash, token), handed over by `node` once it left, this
+    transaction completes: each only once, and only while it lives (`_SETTLE_COMPLETED`)."""
+    found = conn.execute(
+        _SETTLE_COMPLETED,
+        {
+            "node": node,
+            "hashes": _signed([h for h, _ in leases]),
+            "tokens": _signed([t for _, t in leases]),
+        },
+    ).fetchall()
+    settled = _lease_set(found)
+    return [lease in settled for lease in leases]
 
 
 def acknowledge(

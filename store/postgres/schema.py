@@ -241,8 +241,18 @@ _V10 = [
     "CREATE INDEX render_schedule_retired ON render_schedule (key) WHERE retired_at IS NOT NULL",
 ]
 
+# A handed-over lease's token (shm.leases; 0 where it was not known), so a completion of
+# it can land after its node left, and what became of it: `completed` there (the new
+# owners still fence it until it ends), or `taken_back` by the node's next start, which
+# restored it into its own lease table and alone completes it from then on.
+_V11 = [
+    """ALTER TABLE lease_handover
+        ADD COLUMN token bigint NOT NULL DEFAULT 0,
+        ADD COLUMN settled text CHECK (settled IN ('completed', 'taken_back'))""",
+]
+
 # Index i holds the statements that take a database from version i to i + 1.
-MIGRATIONS: list[list[str]] = [_V1, _V2, _V3, _V4, _V5, _V6, _V7, _V8, _V9, _V10]
+MIGRATIONS: list[list[str]] = [_V1, _V2, _V3, _V4, _V5, _V6, _V7, _V8, _V9, _V10, _V11]
 LATEST = len(MIGRATIONS)
 
 

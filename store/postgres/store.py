@@ -54,7 +54,13 @@ from store.postgres.feed import (
     parse_cursor,
     prune,
 )
-from store.postgres.membership import acknowledge, raise_lease_ceiling, read_members, read_nodes
+from store.postgres.membership import (
+    acknowledge,
+    raise_lease_ceiling,
+    read_members,
+    read_nodes,
+    settle_completed,
+)
 from store.postgres.schema import LATEST, migrate
 from store.rows import (
     ROW_COLUMNS,
@@ -321,6 +327,46 @@ class PostgresStore(SqlStore[Conn, _ThreadState]):
         check_completions(items)
         if not items:
             return []
+
+        def body(conn: Conn) -> list[Row | None]:
+            out, xid = self._apply_completions(conn, items)
+            self._positioned(xid)  # committed: after the transaction, or autocommit
+            return out
+
+        return self._write("complete", body, rows=len(items), wait=wait)
+
+    def complete_handed_over(
+        self, node: str, items: Sequence[Completion], leases: Sequence[tuple[int, int]]
+    ) -> list[Row | bool | None]:
+        """store.base.Membership.complete_handed_over: each item, its lease (key hash,
+        token) handed over by `node` once it left, written in the transaction that
+        settles its hand-over row; False for an item whose lease was not there to settle."""
+        check_completions(items)
+        if not items:
+            return []
+
+        def body(conn: Conn) -> list[Row | bool | None]:
+            with conn.transaction():
+                taken = settle_completed(conn, node, leases)
+                chosen = [i for i, ok in enumerate(taken) if ok]
+                rows, xid = self._apply_completions(conn, [items[i] for i in chosen])
+            if chosen:
+                self._positioned(xid)
+            out: list[Row | bool | None] = [False] * len(items)
+            for i, row in zip(chosen, rows, strict=True):
+                out[i] = row
+            return out
+
+        return self._write("complete handed over", body, rows=len(items))
+
+    def _apply_completions(
+        self, conn: Conn, items: Sequence[Completion]
+    ) -> tuple[list[Row | None], int]:
+        """The completions' rows (None: gone or missing) and the writing transaction's
+        xid; one statement in autocommit where it can be, else one transaction (a
+        savepoint inside the caller's)."""
+        if not items:
+            return [], 0
         rounds = completion_rounds(items)
 
         # Rendered items that say whether the page changed: their rows are read, locked, in
@@ -365,18 +411,14 @@ class PostgresStore(SqlStore[Conn, _ThreadState]):
                 out[index] = found.get(item.key)  # gone or missing: None
             return int(xid)
 
-        def body(conn: Conn) -> list[Row | None]:
-            out: list[Row | None] = [None] * len(items)
-            if len(rounds) == 1 and not observes:
-                xid = apply_round(conn, rounds[0], out)
-            else:
-                with conn.transaction():
-                    for indices in rounds:
-                        xid = apply_round(conn, indices, out)
-            self._positioned(xid)  # committed: after the transaction, or autocommit
-            return out
-
-        return self._write("complete", body, rows=len(items), wait=wait)
+        out: list[Row | None] = [None] * len(items)
+        if len(rounds) == 1 and not observes:
+            xid = apply_round(conn, rounds[0], out)
+        else:
+            with conn.transaction():
+                for indices in rounds:
+                    xid = apply_round(conn, indices, out)
+        return out, xid
 
     def _read_at(self, what: str, statement: str, params: tuple[object, ...]) -> RowsRead:
         """Rows and the feed's head from one statement: one snapshot for both."""
