@@ -45,6 +45,9 @@ class Words:
     def seqlock_read(
         self, seq: int, length: int, written_at: int, data_offset: int, capacity: int, /
     ) -> tuple[int, int, bytes] | None: ...
+    def seqlock_run(
+        self, first: int, slot_words: int, slots: int, seq: int, limit: int, capacity: int, /
+    ) -> tuple[list[int], list[bytes]]: ...
     def release(self) -> None: ...
 
 @final

@@ -161,6 +161,67 @@ Words_seqlock_read(WordsObject *self, PyObject *const *args, Py_ssize_t nargs)
     return out;
 }
 
+/* seqlock_run(first, slot_words, slots, seq, limit, capacity) -> (tags, payloads)
+ *
+ * Up to `limit` consecutive entries of a ring of seqlocked slots, from entry `seq`:
+ * entry s lives in slot s % slots, whose words from first + slot * slot_words are its
+ * seq, its payload's length and a tag, then the payload (at most `capacity` bytes).
+ * Stops at the first slot that does not hold its entry whole (another seq, a writer
+ * in it, a torn read). Each slot is read as seqlock_read reads one; this is its loop
+ * in one call, for a consumer that takes a run of entries a poll (store.sqlite.
+ * feed_ring), where a Python call per entry cost more than the copy. The tags and the
+ * payloads' contents are the caller's to check. */
+static PyObject *
+Words_seqlock_run(WordsObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (check_nargs("seqlock_run", nargs, 6) < 0) return NULL;
+    if (!self->held) return shm_released_error();
+    Py_ssize_t first = PyLong_AsSsize_t(args[0]);
+    Py_ssize_t slot_words = PyLong_AsSsize_t(args[1]);
+    Py_ssize_t slots = PyLong_AsSsize_t(args[2]);
+    uint64_t seq;
+    if (PyErr_Occurred() || parse_u64(args[3], &seq) < 0) return NULL;
+    Py_ssize_t limit = PyLong_AsSsize_t(args[4]);
+    Py_ssize_t capacity = PyLong_AsSsize_t(args[5]);
+    if (PyErr_Occurred()) return NULL;
+    /* Every slot, its three words and its payload, inside the region. */
+    if (first < 0 || slots < 1 || slot_words < 3 || capacity < 0 || limit < 0 ||
+        capacity > (slot_words - 3) * 8 || slots > (self->nwords - first) / slot_words) {
+        PyErr_SetString(PyExc_IndexError, "seqlock_run: slots outside the region");
+        return NULL;
+    }
+    PyObject *tags = PyList_New(0);
+    PyObject *payloads = tags ? PyList_New(0) : NULL;
+    if (payloads == NULL) goto fail;
+    for (Py_ssize_t i = 0; i < limit; i++, seq++) {
+        aword *w = &self->words[first + (Py_ssize_t)(seq % (uint64_t)slots) * slot_words];
+        uint64_t s1 = LOAD(&w[0]);
+        if (s1 != seq || s1 == 0) break;
+        uint64_t n = LOAD(&w[1]);
+        uint64_t tag = LOAD(&w[2]);
+        if (n > (uint64_t)capacity) break; /* torn length: never copy past the slot */
+        PyObject *payload = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)n);
+        if (payload == NULL) goto fail;
+        memcpy(PyBytes_AS_STRING(payload), (char *)&w[3], (size_t)n);
+        atomic_thread_fence(memory_order_acquire);
+        if (atomic_load_explicit(&w[0], memory_order_relaxed) != s1) {
+            Py_DECREF(payload);
+            break;
+        }
+        PyObject *boxed = PyLong_FromUnsignedLongLong(tag);
+        int failed = boxed == NULL || PyList_Append(tags, boxed) < 0 ||
+                     PyList_Append(payloads, payload) < 0;
+        Py_XDECREF(boxed);
+        Py_DECREF(payload);
+        if (failed) goto fail;
+    }
+    return Py_BuildValue("(NN)", tags, payloads);
+fail:
+    Py_XDECREF(tags);
+    Py_XDECREF(payloads);
+    return NULL;
+}
+
 /* below(hashes, mask, bound, out) -> how many: out[i] = 1 when word (hashes[i] & mask)
  * is below `bound`, each a sequentially consistent load (as after a CAS: the write marks'
  * check follows a lease's). hashes: uint64[n]; out: writable bytes[n]; mask + 1 words at
@@ -238,6 +299,8 @@ static PyMethodDef Words_methods[] = {
      "begin_write($self, index, value, /)\n--\n\nbegin_write(i, value): seqlock writer's invalidating store, then a full fence."},
     {"seqlock_read", (PyCFunction)(void (*)(void))Words_seqlock_read, METH_FASTCALL,
      "seqlock_read($self, seq, length, written_at, data_offset, capacity, /)\n--\n\nseqlock_read(seq, length, written_at, data_offset, capacity) -> (seq, at, bytes) | None."},
+    {"seqlock_run", (PyCFunction)(void (*)(void))Words_seqlock_run, METH_FASTCALL,
+     "seqlock_run($self, first, slot_words, slots, seq, limit, capacity, /)\n--\n\nseqlock_run(first, slot_words, slots, seq, limit, capacity) -> (tags, payloads): the run of whole entries from seq."},
     {"below", (PyCFunction)(void (*)(void))Words_below, METH_FASTCALL,
      "below($self, hashes, mask, bound, out, /)\n--\n\nbelow(hashes, mask, bound, out) -> int: out[i] = word (hashes[i] & mask) < bound."},
     {"release", (PyCFunction)Words_release, METH_NOARGS,

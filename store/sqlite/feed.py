@@ -28,6 +28,7 @@ from store.rows import (
     FeedEvent,
     Route,
     RouteEvent,
+    Row,
     RowEvent,
     SettingsEvent,
     SiteEvent,
@@ -50,6 +51,7 @@ from store.sqlite.upkeep import WRITER_CHECKPOINT_PAGES
 from store.sqlite.wake import REFRESH_S, WakeWaiter, unlink
 
 _TOKEN_PREFIX = "sqlite"
+_U64 = (1 << 64) - 1  # a stamp as a ring's slot word holds it
 # data_version is checked this often while no post arrives. Only a writer outside
 # renderqueue (the sqlite3 shell) goes unposted once writers know a consumer, while every
 # timed wake-up costs CPU, most on a virtual machine: an idle keeper waits in these slices.
@@ -221,7 +223,7 @@ class SqliteSubscription:
             self._ring_entries += len(records)
         if records:
             self._polls += 1
-            return self._deliver(records, {}, DEFAULT_CADENCE_S, limit)
+            return self._deliver_rows(records, limit)
         after = self._seq
         # One statement is one snapshot: the log entries and the rows they name agree.
         records = self._retry.call(
@@ -245,12 +247,16 @@ class SqliteSubscription:
         return self._deliver(records, routes, default_cadence_s, limit, sites)
 
     def _from_ring(self, ring: FeedRing, limit: int) -> list[LogRecord]:
-        """The ring's entries that continue the cursor, up to `limit`."""
+        """The ring's entries that continue the cursor, up to `limit`: each entry's seq is
+        the one after the last's and its previous stamp the last one's stamp. The slots
+        are read in one call (FeedRing.get_run), the chain checked here."""
         out: list[LogRecord] = []
         seq, stamp = self._seq, self._stamp
-        while len(out) < limit:
-            payload = ring.get(seq + 1, stamp)
-            record = None if payload is None else decode_record(payload)
+        prevs, payloads = ring.get_run(seq + 1, limit)
+        for prev, payload in zip(prevs, payloads, strict=True):
+            if prev != stamp & _U64:
+                break
+            record = decode_record(payload)
             if record is None or record[0] != seq + 1 or record[1] != KIND_ROW:
                 break
             out.append(record)
@@ -290,6 +296,46 @@ class SqliteSubscription:
                 events[slot] = SiteEvent(settings=found or SiteSettings(site=key))
         last = records[-1]
         self._seq, self._stamp = int(last[0]), int(last[3])
+        self._entries += len(records)
+        self._events += len(events)
+        return FeedBatch(events=list(events.values()), cursor=self.cursor, more=self._more)
+
+    def _deliver_rows(self, records: list[LogRecord], limit: int) -> FeedBatch:
+        """`_deliver` for records that are all row entries (the ring's): the same events,
+        coalesced by key alone and each Row built inline (`row_from`'s call and its
+        tuple were a large share of an event's cost on the keeper's thread)."""
+        self._more = len(records) >= limit
+        self._delivered = True
+        events: dict[str, RowEvent] = {}
+        for record in records:
+            key = record[2]
+            if key in events:
+                del events[key]  # re-inserted below: the event sits at its key's last entry
+                self._coalesced += 1
+            if record[4] is None:
+                events[key] = RowEvent(key=key, row=None)
+                continue
+            (_, _, _, _, route, cadence_s, sitemap, next_render_at, last_rendered_at,
+             last_outcome, version, learned, history, not_found, retired_at, retired_reason,
+             ) = record  # fmt: skip
+            row = Row(
+                key=key,
+                route=route,  # type: ignore[arg-type]
+                cadence_s=cadence_s,
+                sitemap=bool(sitemap),
+                next_render_at=next_render_at,  # type: ignore[arg-type]
+                last_rendered_at=last_rendered_at,
+                last_outcome=last_outcome,
+                version=version,  # type: ignore[arg-type]
+                learned_cadence_s=learned,
+                change_history=history or 0,
+                not_found_streak=not_found,  # type: ignore[arg-type]
+                retired_at=retired_at,
+                retired_reason=retired_reason,  # type: ignore[arg-type]
+            )
+            events[key] = RowEvent(key=key, row=row)
+        last = records[-1]
+        self._seq, self._stamp = last[0], last[3]
         self._entries += len(records)
         self._events += len(events)
         return FeedBatch(events=list(events.values()), cursor=self.cursor, more=self._more)

@@ -176,6 +176,12 @@ class FeedRing:
             return None
         return got[2]
 
+    def get_run(self, seq: int, limit: int) -> tuple[list[int], list[bytes]]:
+        """Up to `limit` entries from `seq` that their slots hold whole, in one call: each
+        one's previous stamp and its payload. The caller checks that the stamps chain."""
+        return self._words.seqlock_run(self._first, _SLOT_WORDS, self.slots, seq, limit,
+                                       PAYLOAD_BYTES)  # fmt: skip
+
     def statistics(self) -> FeedRingStatistics:
         words = self._words
         return FeedRingStatistics(
