@@ -108,6 +108,38 @@ def test_a_slot_a_killed_writer_left_mid_copy_is_skipped_and_counted(ring: FeedR
     assert ring.statistics().busy == 1
 
 
+def test_a_run_is_read_in_one_call_up_to_the_first_slot_not_holding_its_entry(
+    ring: FeedRing,
+) -> None:
+    entries = [(seq, seq - 1, encode(record(seq, seq))) for seq in range(3, 9)]
+    ring.put_many(entries)
+    # As get reads them one by one: each entry's previous stamp and its payload.
+    assert ring.get_run(3, 100) == ([e[1] for e in entries], [e[2] for e in entries])
+    assert ring.get_run(3, 2) == ([2, 3], [entries[0][2], entries[1][2]])
+    assert ring.get_run(9, 100) == ([], [])  # never written: the slot is EMPTY
+    assert ring.get_run(3 + SLOTS, 100) == ([], [])  # the same slots, another lap
+    ring._words.store(ring._first + 6 * (512 // 8), 0)  # a writer mid-copy in entry 6
+    assert ring.get_run(3, 100) == ([2, 3, 4], [e[2] for e in entries[:3]])
+    ring.put(9 + SLOTS, 8, encode(record(9 + SLOTS, 9)))  # a lap ahead: not entry 9
+    assert ring.get_run(7, 100)[0] == [6, 7]
+
+
+def test_a_run_reads_wrap_around_the_ring(ring: FeedRing) -> None:
+    entries = [(seq, seq - 1, encode(record(seq, seq))) for seq in range(SLOTS - 2, SLOTS + 3)]
+    ring.put_many(entries)
+    assert ring.get_run(SLOTS - 2, 100)[1] == [e[2] for e in entries]
+
+
+def test_a_run_never_reads_outside_the_region(ring: FeedRing) -> None:
+    words, first = ring._words, ring._first
+    with pytest.raises(IndexError):
+        words.seqlock_run(first, 512 // 8, SLOTS + 1, 1, 10, PAYLOAD_BYTES)  # one slot too many
+    with pytest.raises(IndexError):
+        words.seqlock_run(first, 512 // 8, SLOTS, 1, 10, PAYLOAD_BYTES + 9)  # past a slot
+    with pytest.raises(IndexError):
+        words.seqlock_run(-1, 512 // 8, SLOTS, 1, 10, PAYLOAD_BYTES)
+
+
 def test_a_payload_that_does_not_decode_is_no_record() -> None:
     assert decode_record(b"\xc1 not msgpack") is None
     assert decode_record(msgspec.msgpack.encode([1, 2, 3])) is None  # wrong shape
