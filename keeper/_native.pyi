@@ -89,6 +89,18 @@ class QueueView:
         tally: list[int],
         /,
     ) -> int: ...
+    def apply_records(
+        self,
+        records: list[Any],
+        start: int,
+        hashes: list[int],
+        shape: FeedShape,
+        touched: dict[int, int] | None,
+        epoch: int,
+        now: int,
+        tally: list[int],
+        /,
+    ) -> int: ...
 
 @final
 class BucketOps:

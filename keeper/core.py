@@ -35,6 +35,7 @@ from shm.keys import key_site_hash, key_site_hashes
 from store.rows import (
     MAX_KEY_BYTES,
     FeedEvent,
+    LogRecord,
     Route,
     RouteEvent,
     Row,
@@ -42,12 +43,18 @@ from store.rows import (
     SettingsEvent,
     SiteEvent,
     SiteSettings,
+    row_event_from,
 )
 
 log = logging.getLogger("renderqueue.keeper")
 
 MAX_DUE_MS = 253_402_300_800_000  # year 10000: keeps a due minute inside its bucket-key span
 LOG_EVERY = 1000  # after the first few, log one unreadable row in this many
+# Records apply_records leaves to the Python path are taken one at a time, until more
+# than this many and more than 1 in _REFUSED_SHARE of the batch so far were: then the
+# rest of their batch goes as events (KeeperCore.apply_records).
+_REFUSED_ONE_BY_ONE = 8
+_REFUSED_SHARE = 4
 # A walked chunk, checked: encoded keys, their rows, class ids, due times, versions.
 CheckedRows = tuple[
     list[bytes], Sequence[Row], npt.NDArray[np.int32], npt.NDArray[np.int64], npt.NDArray[np.int64]
@@ -264,6 +271,59 @@ class KeeperCore:
             rescheduled=tally[RESCHEDULED],
             removed=tally[REMOVED],
         )
+
+    def apply_records(self, records: list[LogRecord], now_ms: int) -> None:
+        """apply_events for a batch of row records (store.base.RowRecords, the SQLite feed
+        ring's): the same decisions, made from the records themselves. Runs of held rows
+        moving within their class go through one C call (QueueView.apply_records) with no
+        Row or RowEvent made; a record it does not take (a new row, a delete, a retired
+        row, anything doubtful) is made an event and takes the Python path; once those
+        are a large share of the batch the rest goes that way too: a batch of new rows
+        is not slower for having been tried in C."""
+        tally = [0] * 6
+        self._apply_records(records, now_ms, tally)
+        self.counters.events += len(records)
+        self.flow.add(
+            now_ms,
+            added=tally[ADDED],
+            triggered=tally[TRIGGERED],
+            rescheduled=tally[RESCHEDULED],
+            removed=tally[REMOVED],
+        )
+
+    def _apply_records(self, records: list[LogRecord], now_ms: int, tally: list[int]) -> None:
+        n = len(records)
+        if not n:
+            return
+        keys: list[bytes] | None = None
+        if self.ownership.owns_all:  # else ownership is judged as _apply_rows judges it
+            try:
+                keys = [r[2].encode() for r in records]
+            except (AttributeError, UnicodeEncodeError):
+                keys = None  # _apply_rows sorts the bad key out, event by event
+        if keys is None:
+            self._apply_rows([row_event_from(r) for r in records], now_ms, tally)
+            return
+        hashes = key_hashes(keys).tolist()
+        self.queue.tallies.now_minute = now_ms // MINUTE_MS
+        apply_records = self.queue.apply_records
+        shape, touched, epoch = self._feed_shape, self._touched, self._epoch
+        i = taken = refused = 0
+        while i < n:
+            j = apply_records(records, i, hashes, shape, touched, epoch, now_ms, tally)
+            taken += j - i
+            if j > i:  # a run, ended by its end or by a bucket's rebuild or tidy
+                i = j
+                continue
+            refused += 1
+            # records[i] is not C's: it is taken by itself, as an event. Once refusals are
+            # many and a large share of the batch so far, the rest goes as events (a batch
+            # of new rows would otherwise pay both paths a row).
+            many = refused > _REFUSED_ONE_BY_ONE and refused * _REFUSED_SHARE > i
+            end = n if many else i + 1
+            self._apply_rows([row_event_from(r) for r in records[i:end]], now_ms, tally)
+            i = end
+        self.counters.row_events += taken
 
     def _apply_rows(self, events: Sequence[FeedEvent], now_ms: int, tally: list[int]) -> None:
         if not events:

@@ -16,15 +16,18 @@ from store.base import (
     Cursor,
     CursorAhead,
     CursorBelowFloor,
+    FeedBatch,
     FeedStatistics,
+    RowRecords,
     ScheduleStore,
     Subscription,
 )
-from store.rows import FeedEvent
+from store.rows import FeedEvent, LogRecord
 
 log = logging.getLogger("renderqueue.keeper")
 
 Apply = Callable[[Sequence[FeedEvent], int], None]
+ApplyRecords = Callable[[list[LogRecord], int], None]
 
 
 class Feed:
@@ -88,11 +91,13 @@ class Feed:
         self.reopen_at = now + int(self.backoff_s * 1000)
         self.backoff_s = min(self.backoff_s * 2, self._backoff_max_s)
 
-    def drain(self, apply: Apply, until_ms: int) -> bool:
+    def drain(self, apply: Apply, until_ms: int, apply_records: ApplyRecords | None = None) -> bool:
         """Apply batches until the feed is empty or `until_ms`; True when it was emptied.
 
         A batch short of its limit held everything committed when it was read: no empty
         poll after it (two read transactions a wake-up, under a steady stream of writes).
+        `apply_records`: where the subscription can answer with row records (a
+        RecordSubscription's RowRecords), they go there, no event made of them.
 
         Raises what the subscription raises; the caller calls `failed`.
         """
@@ -102,11 +107,17 @@ class Feed:
         if sub.quiet():  # nothing announced since the last read: as caught up as it was
             self.caught_up_at = self.clock()
             return True
+        poll: Callable[[int], FeedBatch | RowRecords] = sub.poll
+        if apply_records is not None:  # a RecordSubscription's, where it is one
+            poll = getattr(sub, "poll_records", poll)
         while True:
-            batch = sub.poll(self.poll_limit)
+            batch = poll(self.poll_limit)
             now = self.clock()
             self.cursor = batch.cursor
-            if batch.events:
+            if isinstance(batch, RowRecords):
+                if batch.records and apply_records is not None:
+                    apply_records(batch.records, now)
+            elif batch.events:
                 apply(batch.events, now)
             if not batch.more:
                 self.caught_up_at = now

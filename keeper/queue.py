@@ -82,6 +82,8 @@ class HeldQueue:
         self.moved = self.view.upsert_moved
         # The same for a run of feed events at once (KeeperCore._apply_rows).
         self.apply_moves = self.view.apply_moves
+        # And for a run of the feed's records themselves (KeeperCore.apply_records).
+        self.apply_records = self.view.apply_records
 
     def __len__(self) -> int:
         return len(self.slots)

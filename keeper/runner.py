@@ -418,7 +418,7 @@ class Keeper:
         """Apply feed batches until the feed is empty or `until_ms`; Drained, or the
         feed's failure, which ends the drain."""
         try:
-            emptied = self.feed.drain(self.core.apply_events, until_ms)
+            emptied = self.feed.drain(self.core.apply_events, until_ms, self.core.apply_records)
         except Exception as exc:
             return self._feed_failed(exc)
         finally:

@@ -13,12 +13,14 @@ from store.rows import (
     Completion,
     FeedEvent,
     Handover,
+    LogRecord,
     MemberList,
     NodeRecord,
     Route,
     Row,
     RowWrite,
     SiteSettings,
+    row_event_from,
 )
 
 # How long a write waits for the lock other writers hold before it raises StoreBusy, in
@@ -39,6 +41,23 @@ class FeedBatch(msgspec.Struct, frozen=True, kw_only=True):
     # everything committed when the poll read, so a consumer can go straight to wait(),
     # which returns at once for anything committed since.
     more: bool = False
+
+
+class RowRecords(msgspec.Struct, frozen=True, kw_only=True):
+    """A FeedBatch whose events are all row events, as the records they are made from
+    (store.rows.LogRecord, one a key, at its key's last entry: `row_event_from` makes
+    each one's event). `RecordSubscription.poll_records` answers one where it can, so a
+    consumer that reads the records' fields (the keeper, in C) makes no event at all."""
+
+    records: list[LogRecord]
+    cursor: Cursor
+    more: bool = False
+
+    def batch(self) -> FeedBatch:
+        """The FeedBatch `poll` answers for the same entries."""
+        return FeedBatch(
+            events=[row_event_from(r) for r in self.records], cursor=self.cursor, more=self.more
+        )
 
 
 class RowsRead(msgspec.Struct, frozen=True, kw_only=True):
@@ -186,6 +205,14 @@ class Subscription(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+class RecordSubscription(Subscription, Protocol):
+    """A Subscription that can also answer a poll with the entries' records."""
+
+    def poll_records(self, limit: int = 1000) -> FeedBatch | RowRecords:
+        """`poll`, but a batch of row events only may come as its records (RowRecords)."""
+        ...
 
 
 class Membership(Protocol):

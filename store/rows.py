@@ -231,6 +231,40 @@ class SiteEvent(msgspec.Struct, frozen=True, kw_only=True, tag="site"):
 
 FeedEvent = RowEvent | RouteEvent | SettingsEvent | SiteEvent
 
+# A change-log entry as the SQLite feed reads it (store.sqlite.feed_ring hands them over
+# as these): seq, kind, key, stamp, then the row's ROW_COLUMNS after its key (all None for
+# a key whose row is gone). keeper/csrc/moves.c (apply_records) reads a row entry's
+# fields by these places.
+LogRecord = tuple[
+    int, int, str, int, str | None, int | None, int | None, int | None, int | None,
+    str | None, int | None, int | None, int | None, int | None, int | None, str | None,
+]  # fmt: skip
+
+
+def row_event_from(record: LogRecord) -> RowEvent:
+    """A row entry's event: its key's row as the entry carries it, or None (gone). As
+    `row_from` makes the Row, its fields passed inline (this is a feed event's path)."""
+    (_, _, key, _, route, cadence_s, sitemap, next_render_at, last_rendered_at, last_outcome,
+     version, learned, history, not_found, retired_at, retired_reason) = record  # fmt: skip
+    if route is None:
+        return RowEvent(key=key, row=None)
+    row = Row(
+        key=key,
+        route=route,
+        cadence_s=cadence_s,
+        sitemap=bool(sitemap),
+        next_render_at=next_render_at,  # type: ignore[arg-type]
+        last_rendered_at=last_rendered_at,
+        last_outcome=last_outcome,
+        version=version,  # type: ignore[arg-type]
+        learned_cadence_s=learned,
+        change_history=history or 0,
+        not_found_streak=not_found,  # type: ignore[arg-type]
+        retired_at=retired_at,
+        retired_reason=retired_reason,  # type: ignore[arg-type]
+    )
+    return RowEvent(key=key, row=row)
+
 
 class NodeRecord(msgspec.Struct, frozen=True, kw_only=True):
     node: str

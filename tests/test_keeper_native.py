@@ -28,7 +28,7 @@ from keeper.queue import HeldQueue
 from keeper.slots import SlotTable
 from keeper.tallies import MINUTE_MS
 from shm import key_hash
-from store.rows import Row, RowEvent
+from store.rows import LogRecord, Row, RowEvent, row_event_from
 
 NOW = 1_800_000_000_000
 CLASSES = [
@@ -366,6 +366,131 @@ def test_the_feed_comparison_exercises_the_c_path(small_buckets: None) -> None:
             batch.append((i, ROUTES[i % 3], None, offset, kind))
         batches.append(batch)
     assert run_cores(batches, walking=True) > 2000
+
+
+# -- apply_records: the feed's records, no events made --------------------------------
+
+record_kind = st.sampled_from(
+    ["ok", "ok", "ok", "ok", "learned", "delete", "retired", "float due", "text version",
+     "sitemap 2", "not a tuple"]
+)  # fmt: skip
+Record = tuple[int, str, int | None, int, str]  # key, route, cadence, due offset, kind
+record_strategy = st.tuples(
+    st.integers(0, 30),
+    st.sampled_from(ROUTES),
+    st.sampled_from([None, 60, 3600, 0]),
+    st.one_of(due, st.sampled_from([-5, MAX_DUE_MS])),
+    record_kind,
+)
+
+
+def to_record(i: int, route: str, cadence: int | None, offset: int, kind: str, v: int) -> Any:
+    """A feed record (store.rows.LogRecord) as the SQLite feed ring hands it over."""
+    k = f"/k{i}"
+    if kind == "delete":
+        return (v, 0, k, v, *([None] * 12))
+    due_at: Any = NOW + offset if offset not in (-5, MAX_DUE_MS) else offset
+    version: Any = str(v) if kind == "text version" else v
+    if kind == "float due":
+        due_at = float(NOW)
+    sitemap = 2 if kind == "sitemap 2" else int(i % 3 == 0)
+    learned = 120 if kind == "learned" else None
+    retired = NOW if kind == "retired" else None
+    record = (v, 0, k, v, route, cadence, sitemap, due_at, None, None, version, learned, 0, 0,
+              retired, "not_found" if retired else None)  # fmt: skip
+    return list(record) if kind == "not a tuple" else record
+
+
+def run_record_cores(batches: list[list[Record]], walking: bool) -> int:
+    """A keeper fed records (apply_records) and one fed their events through the Python
+    loop alone, compared after each batch; returns the records the C path took."""
+    c_core, py_core = KeeperCore(KeeperConfig()), KeeperCore(KeeperConfig())
+    py_core.queue.apply_moves = lambda events, start, *rest: start
+    taken = [0]
+    c_apply = c_core.queue.apply_records
+
+    def counting(records: list[Any], start: int, *rest: Any) -> int:
+        stop = c_apply(records, start, *rest)
+        taken[0] += stop - start
+        return stop
+
+    c_core.queue.apply_records = counting
+    version = 0
+    for n, batch in enumerate(batches):
+        records: list[LogRecord] = []
+        for i, route, cadence, offset, kind in batch:
+            version += 1
+            records.append(to_record(i, route, cadence, offset, kind, version))
+        if walking and n == 1:
+            for core in (c_core, py_core):
+                core.begin_walk("verify", NOW)
+        # The events a poll makes of the same records (RowRecords.batch).
+        events = [row_event_from(tuple(r)) for r in records]  # type: ignore[arg-type]
+        c_core.apply_records(records, NOW)
+        py_core.apply_events(events, NOW)
+        assert core_state(c_core) == core_state(py_core)
+    c_flow, py_flow = c_core.flow.minutes(NOW), py_core.flow.minutes(NOW)
+    assert [msgspec.structs.asdict(m) for m in c_flow] == [
+        msgspec.structs.asdict(m) for m in py_flow
+    ]
+    return taken[0]
+
+
+@SETTINGS
+@given(batches=st.lists(st.lists(record_strategy, max_size=40), max_size=6), walking=st.booleans())
+def test_apply_records_leaves_the_keeper_as_the_python_loop_does_with_their_events(
+    small_buckets: None, batches: list[list[Record]], walking: bool
+) -> None:
+    run_record_cores(batches, walking)
+
+
+def test_the_record_comparison_exercises_the_c_path(small_buckets: None) -> None:
+    rng = random.Random(7)
+    batches: list[list[Record]] = []
+    for _ in range(20):
+        batch: list[Record] = []
+        for _ in range(200):
+            i = rng.randrange(30)
+            kind = "ok" if rng.random() < 0.95 else rng.choice(["delete", "retired", "learned"])
+            offset = rng.randrange(-86_400_000, 86_400_000)
+            batch.append((i, ROUTES[i % 3], None, offset, kind))
+        batches.append(batch)
+    assert run_record_cores(batches, walking=True) > 3000
+
+
+def test_a_batch_of_new_rows_goes_as_events_after_a_few_refusals() -> None:
+    core = KeeperCore(KeeperConfig())
+    calls: list[int] = []
+    c_apply = core.queue.apply_records
+
+    def counting(records: list[Any], start: int, *rest: Any) -> int:
+        calls.append(start)
+        return c_apply(records, start, *rest)
+
+    core.queue.apply_records = counting
+    core.apply_records([to_record(i, "product", None, 0, "ok", i + 1) for i in range(30)], NOW)
+    assert len(core.queue) == 30 and core.counters.row_events == 30
+    assert len(calls) == 9  # eight taken one by one, then the rest as events
+
+
+def test_a_few_refused_records_leave_the_rest_of_the_batch_to_the_c_path() -> None:
+    core = KeeperCore(KeeperConfig())
+    core.apply_records([to_record(i, "product", None, 0, "ok", i + 1) for i in range(40)], NOW)
+    taken = [0]
+    c_apply = core.queue.apply_records
+
+    def counting(records: list[Any], start: int, *rest: Any) -> int:
+        stop = c_apply(records, start, *rest)
+        taken[0] += stop - start
+        return stop
+
+    core.queue.apply_records = counting
+    moved = [to_record(i, "product", None, 60_000, "ok", 100 + i) for i in range(40)]
+    for at in range(0, 40, 5):  # one in five a delete: each taken by itself
+        moved[at] = to_record(at, "product", None, 0, "delete", 100 + at)
+    core.apply_records(moved, NOW)
+    assert len(core.queue) == 32 and core.counters.row_events == 80
+    assert taken[0] == 32  # every move in C
 
 
 # -- the best read's columns, and the slot index ------------------------------------

@@ -17,6 +17,7 @@ import pytest
 
 from shm.segment import LayoutMismatch
 from shm.state import StateBuffer
+from store.base import FeedBatch, RowRecords
 from store.rows import Completion, Row, RowEvent, RowWrite
 from store.schema import KIND_ROUTE, KIND_ROW
 from store.sqlite import SqliteStore
@@ -244,6 +245,26 @@ def test_a_consumer_takes_a_writers_entries_from_the_ring(store: SqliteStore) ->
     stats = sub.statistics()
     assert stats.ring_entries == 4 and stats.ring is not None and stats.ring.published == 4
     assert sub.wait(0) is False
+    sub.close()
+
+
+def test_a_poll_for_records_answers_the_rings_entries_as_records(store: SqliteStore) -> None:
+    sub = store.subscribe("keeper")
+    store.write([put("/a"), put("/b")])
+    store.write([put("/c")], delete=["/a"])
+    got = sub.poll_records()
+    assert isinstance(got, RowRecords)  # the ring's: row entries only, no event made
+    assert [r[2] for r in got.records] == ["/b", "/c", "/a"]  # each at its key's last entry
+    assert got.batch().events == [
+        RowEvent(key="/b", row=store.get("/b")),
+        RowEvent(key="/c", row=store.get("/c")),
+        RowEvent(key="/a", row=None),
+    ]
+    assert got.cursor == store.feed_head() and not got.more
+    assert sub.statistics().coalesced == 1 and sub.statistics().events == 3
+    store.set_route("product", default_cadence_s=60)  # not a row entry: read from SQLite
+    routed = sub.poll_records()
+    assert isinstance(routed, FeedBatch) and len(routed.events) == 1
     sub.close()
 
 

@@ -263,6 +263,74 @@ QueueView_upsert_moved(QueueViewObject *self, PyObject *const *args, Py_ssize_t 
     return PyLong_FromLong(result);
 }
 
+/* One feed row's fields (borrowed), checked as KeeperCore._apply_rows checks them, its
+ * class found in the shape's cache, touched recorded, then moved: moved_one's result,
+ * NOT_HANDLED having changed nothing (anything doubtful, for the Python loop, which logs
+ * and counts it), -2 on an error. `cadence`: the scheduled one (learned first). Both
+ * apply_moves (RowEvents) and apply_records (the feed's records) take a row through it. */
+static long
+move_checked(moved_ctx *c, FeedShapeObject *shape, PyObject *due_o, PyObject *version_o,
+             PyObject *cadence_o, PyObject *route_o, PyObject *sitemap_o, PyObject *boxed_hash,
+             uint64_t h, PyObject *touched, PyObject *epoch, long long now, Py_ssize_t *split,
+             Py_ssize_t *tidy)
+{
+    if (!PyLong_CheckExact(due_o) || !PyLong_CheckExact(version_o) ||
+        !(cadence_o == Py_None || PyLong_CheckExact(cadence_o))) {
+        return NOT_HANDLED;
+    }
+    int overflow = 0;
+    long long due = PyLong_AsLongLongAndOverflow(due_o, &overflow);
+    if (overflow || due < 0 || due >= shape->max_due) return NOT_HANDLED;
+    long long version = PyLong_AsLongLongAndOverflow(version_o, &overflow);
+    if (overflow || version < 0) return NOT_HANDLED;
+    if (cadence_o != Py_None) {
+        long long cadence = PyLong_AsLongLongAndOverflow(cadence_o, &overflow);
+        if (overflow || cadence <= 0) return NOT_HANDLED;
+    }
+    PyObject *class_key = PyTuple_Pack(3, route_o, cadence_o, sitemap_o);
+    if (class_key == NULL) return -2;
+    PyObject *cls = PyDict_GetItemWithError(shape->class_cache, class_key); /* borrowed */
+    Py_DECREF(class_key);
+    if (cls == NULL) {
+        if (PyErr_Occurred()) PyErr_Clear(); /* unhashable: the Python loop says so */
+        return NOT_HANDLED;
+    }
+    Py_ssize_t class_id = PyLong_AsSsize_t(cls);
+    if (class_id == -1 && PyErr_Occurred()) return -2;
+    if (touched != Py_None && PyDict_SetItem(touched, boxed_hash, epoch) < 0) return -2;
+    return moved_one(c, h, class_id, due, (unsigned long long)version, now, split, tidy);
+}
+
+/* A hash from the hashes list: 0 with *h set, 1 for a key the Python loop encodes by
+ * itself (-1, or anything negative), -1 on an error. */
+static int
+hash_at(PyObject *hashes, Py_ssize_t i, uint64_t *h)
+{
+    PyObject *boxed = PyList_GET_ITEM(hashes, i);
+    int negative = 0;
+    long long signed_hash = PyLong_AsLongLongAndOverflow(boxed, &negative);
+    if (signed_hash == -1 && PyErr_Occurred()) return -1;
+    if (negative < 0 || (negative == 0 && signed_hash < 0)) return 1;
+    *h = PyLong_AsUnsignedLongLong(boxed);
+    if (*h == (uint64_t)-1 && PyErr_Occurred()) return -1;
+    return 0;
+}
+
+/* tally[j] += counted[j] for the moves a run made (TRIGGERED, RESCHEDULED, UNCHANGED). */
+static int
+add_tally(PyObject *tally, const long *counted)
+{
+    for (int j = 1; j < 4; j++) {
+        if (!counted[j]) continue;
+        PyObject *more = PyLong_FromLong(counted[j]);
+        PyObject *sum = more ? PyNumber_Add(PyList_GET_ITEM(tally, j), more) : NULL;
+        Py_XDECREF(more);
+        if (sum == NULL) return -1;
+        PyList_SetItem(tally, j, sum); /* steals sum, releases old */
+    }
+    return 0;
+}
+
 /* apply_moves(events, start, hashes, shape, touched, epoch, now, tally) -> the next index
  *
  * KeeperCore._apply_rows's loop for a run of events that move held rows within their
@@ -286,8 +354,7 @@ QueueView_apply_moves(QueueViewObject *self, PyObject *const *args, Py_ssize_t n
         return NULL;
     }
     FeedShapeObject *shape = (FeedShapeObject *)args[3];
-    PyObject *row_event_type = shape->row_type, *cache = shape->class_cache;
-    long long max_due = shape->max_due;
+    PyObject *row_event_type = shape->row_type;
     Py_ssize_t start = PyLong_AsSsize_t(args[1]);
     long long now = PyLong_AsLongLong(args[6]);
     if (PyErr_Occurred()) return NULL;
@@ -335,18 +402,13 @@ QueueView_apply_moves(QueueViewObject *self, PyObject *const *args, Py_ssize_t n
         if ((PyObject *)Py_TYPE(event) != row_event_type) break;
         /* A hash is a uint64; -1 marks a key the Python loop encodes by itself. */
         PyObject *boxed_hash = PyList_GET_ITEM(hashes, i);
-        int negative = 0;
-        long long signed_hash = PyLong_AsLongLongAndOverflow(boxed_hash, &negative);
-        if (signed_hash == -1 && PyErr_Occurred()) {
+        uint64_t h = 0;
+        int hashed = hash_at(hashes, i, &h);
+        if (hashed < 0) {
             failed = 1;
             break;
         }
-        if (negative < 0 || (negative == 0 && signed_hash < 0)) break;
-        uint64_t h = PyLong_AsUnsignedLongLong(boxed_hash);
-        if (h == (uint64_t)-1 && PyErr_Occurred()) {
-            failed = 1;
-            break;
-        }
+        if (hashed > 0) break;
         PyObject *row = PyObject_GetAttr(event, s_row);
         if (row == NULL) {
             failed = 1;
@@ -374,21 +436,6 @@ QueueView_apply_moves(QueueViewObject *self, PyObject *const *args, Py_ssize_t n
         }
         /* A retired row leaves the queue and is counted apart: the Python loop's. */
         if (f[7] != Py_None) goto next;
-        /* The checks the Python loop makes (a bad field must not leave half a row):
-         * anything doubtful goes back to it, which logs and counts it. */
-        if (!PyLong_CheckExact(f[0]) || !PyLong_CheckExact(f[1]) ||
-            !(f[2] == Py_None || PyLong_CheckExact(f[2]))) {
-            goto next;
-        }
-        int overflow = 0;
-        long long due = PyLong_AsLongLongAndOverflow(f[0], &overflow);
-        if (overflow || due < 0 || due >= max_due) goto next;
-        long long version = PyLong_AsLongLongAndOverflow(f[1], &overflow);
-        if (overflow || version < 0) goto next;
-        if (f[2] != Py_None) {
-            long long cadence = PyLong_AsLongLongAndOverflow(f[2], &overflow);
-            if (overflow || cadence <= 0) goto next;
-        }
         if (!PyUnicode_CheckExact(f[3]) || !PyUnicode_CheckExact(f[4])) goto next;
         int same = PyUnicode_Compare(f[3], f[4]);
         if (same == -1 && PyErr_Occurred()) {
@@ -396,30 +443,8 @@ QueueView_apply_moves(QueueViewObject *self, PyObject *const *args, Py_ssize_t n
             goto next;
         }
         if (same != 0) goto next;
-        PyObject *class_key = PyTuple_Pack(3, f[5], f[2], f[6]);
-        if (class_key == NULL) {
-            result = -2;
-            goto next;
-        }
-        PyObject *cls = PyDict_GetItemWithError(cache, class_key); /* borrowed */
-        Py_DECREF(class_key);
-        if (cls == NULL) {
-            if (PyErr_Occurred()) PyErr_Clear(); /* unhashable: the Python loop says so */
-            goto next;
-        }
-        Py_ssize_t class_id = PyLong_AsSsize_t(cls);
-        if (class_id == -1 && PyErr_Occurred()) {
-            result = -2;
-            goto next;
-        }
-        if (touched != Py_None) {
-            if (PyDict_SetItem(touched, boxed_hash, epoch) < 0) {
-                result = -2;
-                goto next;
-            }
-        }
-        result = moved_one(&c, h, class_id, due, (unsigned long long)version, now,
-                           &split, &tidy);
+        result = move_checked(&c, shape, f[0], f[1], f[2], f[5], f[6], boxed_hash, h, touched,
+                              epoch, now, &split, &tidy);
     next:
         Py_DECREF(row);
         for (int j = 0; j < 8; j++) Py_XDECREF(f[j]);
@@ -431,17 +456,98 @@ QueueView_apply_moves(QueueViewObject *self, PyObject *const *args, Py_ssize_t n
         counted[result]++;
     }
     unhold(&c.h);
-    for (int j = 1; j < 4; j++) {
-        if (!counted[j]) continue;
-        PyObject *more = failed ? NULL : PyLong_FromLong(counted[j]);
-        PyObject *sum = more ? PyNumber_Add(PyList_GET_ITEM(tally, j), more) : NULL;
-        Py_XDECREF(more);
-        if (sum == NULL) {
+    if (!failed && add_tally(tally, counted) < 0) failed = 1;
+    if (failed || moved_finish(c.buckets, split, tidy) < 0) return NULL;
+    return PyLong_FromSsize_t(i);
+}
+
+/* The positions in a feed record (store.rows.RowRecord: seq, kind, key, stamp, then the
+ * row's columns after its key, all None for a key whose row is gone). */
+enum {
+    FEED_KEY = 2,
+    FEED_ROUTE = 4,
+    FEED_CADENCE = 5,
+    FEED_SITEMAP = 6,
+    FEED_DUE = 7,
+    FEED_VERSION = 10,
+    FEED_LEARNED = 11,
+    FEED_RETIRED = 14,
+    FEED_FIELDS = 16,
+};
+
+/* apply_records(records, start, hashes, shape, touched, epoch, now, tally) -> the next index
+ *
+ * apply_moves for the feed's records themselves (KeeperCore.apply_records), so a batch
+ * of moves makes no Row and no RowEvent: the same checks and moves, each field read
+ * from its place in the record, the sitemap flag as the bool a Row would hold. It
+ * stops where apply_moves would, and also at a record that is not a tuple of the
+ * record's length or whose sitemap is not 0 or 1; the caller takes the rest as events. */
+static PyObject *
+QueueView_apply_records(QueueViewObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (keeper_check_nargs("apply_records", nargs, 8) < 0 || view_bound(self) < 0) return NULL;
+    PyObject *records = args[0], *hashes = args[2];
+    PyObject *touched = args[4], *epoch = args[5], *tally = args[7];
+    if (!PyObject_TypeCheck(args[3], &FeedShapeType) ||
+        ((FeedShapeObject *)args[3])->class_cache == NULL) {
+        PyErr_SetString(PyExc_TypeError, "apply_records: the shape is a FeedShape");
+        return NULL;
+    }
+    FeedShapeObject *shape = (FeedShapeObject *)args[3];
+    Py_ssize_t start = PyLong_AsSsize_t(args[1]);
+    long long now = PyLong_AsLongLong(args[6]);
+    if (PyErr_Occurred()) return NULL;
+    if (!PyList_Check(records) || !PyList_Check(hashes) || !PyList_Check(tally) ||
+        PyList_GET_SIZE(tally) < 4 || PyList_GET_SIZE(hashes) != PyList_GET_SIZE(records) ||
+        (touched != Py_None && !PyDict_Check(touched))) {
+        PyErr_SetString(PyExc_TypeError, "apply_records: records and hashes lists of one "
+                                         "length, a tally list, touched a dict or None");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(records), i = start;
+    if (i < 0 || i >= n) return PyLong_FromSsize_t(i < 0 ? 0 : i);
+    moved_ctx c;
+    if (moved_open(&c, self) < 0) return NULL;
+    Py_ssize_t split = -1, tidy = -1;
+    long counted[4] = {0, 0, 0, 0};
+    int failed = 0;
+    for (; i < n && split < 0 && tidy < 0; i++) {
+        PyObject *r = PyList_GET_ITEM(records, i);
+        if (!PyTuple_CheckExact(r) || PyTuple_GET_SIZE(r) != FEED_FIELDS) break;
+        uint64_t h = 0;
+        int hashed = hash_at(hashes, i, &h);
+        if (hashed < 0) {
             failed = 1;
             break;
         }
-        PyList_SetItem(tally, j, sum); /* steals sum, releases old */
+        if (hashed > 0) break;
+        PyObject *route = PyTuple_GET_ITEM(r, FEED_ROUTE);
+        /* A delete (no row), a retired row, a key that is not text: the Python loop's. */
+        if (route == Py_None || PyTuple_GET_ITEM(r, FEED_RETIRED) != Py_None ||
+            !PyUnicode_CheckExact(PyTuple_GET_ITEM(r, FEED_KEY))) {
+            break;
+        }
+        /* The class cache's keys hold the Row's bool (row_from: bool(sitemap)). */
+        PyObject *flag = PyTuple_GET_ITEM(r, FEED_SITEMAP);
+        if (!PyLong_CheckExact(flag)) break;
+        int overflow = 0;
+        long long bit = PyLong_AsLongLongAndOverflow(flag, &overflow);
+        if (overflow || (bit != 0 && bit != 1)) break;
+        PyObject *cadence = PyTuple_GET_ITEM(r, FEED_LEARNED);
+        if (cadence == Py_None) cadence = PyTuple_GET_ITEM(r, FEED_CADENCE);
+        long result = move_checked(&c, shape, PyTuple_GET_ITEM(r, FEED_DUE),
+                                   PyTuple_GET_ITEM(r, FEED_VERSION), cadence, route,
+                                   bit ? Py_True : Py_False, PyList_GET_ITEM(hashes, i), h,
+                                   touched, epoch, now, &split, &tidy);
+        if (result == -2) {
+            failed = 1;
+            break;
+        }
+        if (result == NOT_HANDLED) break;
+        counted[result]++;
     }
+    unhold(&c.h);
+    if (!failed && add_tally(tally, counted) < 0) failed = 1;
     if (failed || moved_finish(c.buckets, split, tidy) < 0) return NULL;
     return PyLong_FromSsize_t(i);
 }
@@ -549,6 +655,10 @@ static PyMethodDef QueueView_methods[] = {
      "apply_moves($self, events, start, hashes, shape, touched, epoch, now, tally, /)\n--\n\n"
      "KeeperCore._apply_rows's loop over a run of held rows moving within their class: "
      "the index of the first event not taken."},
+    {"apply_records", (PyCFunction)(void (*)(void))QueueView_apply_records, METH_FASTCALL,
+     "apply_records($self, records, start, hashes, shape, touched, epoch, now, tally, /)\n--\n\n"
+     "apply_moves over the feed's records (seq, kind, key, stamp, the row's columns): "
+     "the index of the first record not taken."},
     {NULL, NULL, 0, NULL},
 };
 

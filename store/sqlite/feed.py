@@ -23,12 +23,19 @@ from typing import Any, Literal
 
 import msgspec
 
-from store.base import Cursor, CursorAhead, CursorBelowFloor, FeedBatch, FeedStatistics
+from store.base import (
+    Cursor,
+    CursorAhead,
+    CursorBelowFloor,
+    FeedBatch,
+    FeedStatistics,
+    RowRecords,
+)
 from store.rows import (
     FeedEvent,
+    LogRecord,
     Route,
     RouteEvent,
-    Row,
     RowEvent,
     SettingsEvent,
     SiteEvent,
@@ -43,7 +50,6 @@ from store.sqlite.conn import Retry, configure, connect
 from store.sqlite.feed_ring import (
     FeedRing,
     FeedRingStatistics,
-    LogRecord,
     decode_record,
     remove_ring,
 )
@@ -200,6 +206,10 @@ class SqliteSubscription:
         )
 
     def poll(self, limit: int = 1000) -> FeedBatch:
+        got = self.poll_records(limit)
+        return got.batch() if isinstance(got, RowRecords) else got
+
+    def poll_records(self, limit: int = 1000) -> FeedBatch | RowRecords:
         if limit < 1:
             raise ValueError(f"limit must be at least 1, got {limit}")
         if self._closed:
@@ -223,7 +233,7 @@ class SqliteSubscription:
             self._ring_entries += len(records)
         if records:
             self._polls += 1
-            return self._deliver_rows(records, limit)
+            return self._deliver_records(records, limit)
         after = self._seq
         # One statement is one snapshot: the log entries and the rows they name agree.
         records = self._retry.call(
@@ -300,45 +310,24 @@ class SqliteSubscription:
         self._events += len(events)
         return FeedBatch(events=list(events.values()), cursor=self.cursor, more=self._more)
 
-    def _deliver_rows(self, records: list[LogRecord], limit: int) -> FeedBatch:
-        """`_deliver` for records that are all row entries (the ring's): the same events,
-        coalesced by key alone and each Row built inline (`row_from`'s call and its
-        tuple were a large share of an event's cost on the keeper's thread)."""
+    def _deliver_records(self, records: list[LogRecord], limit: int) -> RowRecords:
+        """`_deliver` for records that are all row entries (the ring's), coalesced as it
+        coalesces them, left as records: the caller makes events of them only if it needs
+        them (RowRecords)."""
         self._more = len(records) >= limit
         self._delivered = True
-        events: dict[str, RowEvent] = {}
+        by_key: dict[str, LogRecord] = {}
         for record in records:
             key = record[2]
-            if key in events:
-                del events[key]  # re-inserted below: the event sits at its key's last entry
+            if key in by_key:
+                del by_key[key]  # re-inserted below: the event sits at its key's last entry
                 self._coalesced += 1
-            if record[4] is None:
-                events[key] = RowEvent(key=key, row=None)
-                continue
-            (_, _, _, _, route, cadence_s, sitemap, next_render_at, last_rendered_at,
-             last_outcome, version, learned, history, not_found, retired_at, retired_reason,
-             ) = record  # fmt: skip
-            row = Row(
-                key=key,
-                route=route,  # type: ignore[arg-type]
-                cadence_s=cadence_s,
-                sitemap=bool(sitemap),
-                next_render_at=next_render_at,  # type: ignore[arg-type]
-                last_rendered_at=last_rendered_at,
-                last_outcome=last_outcome,
-                version=version,  # type: ignore[arg-type]
-                learned_cadence_s=learned,
-                change_history=history or 0,
-                not_found_streak=not_found,  # type: ignore[arg-type]
-                retired_at=retired_at,
-                retired_reason=retired_reason,  # type: ignore[arg-type]
-            )
-            events[key] = RowEvent(key=key, row=row)
+            by_key[key] = record
         last = records[-1]
         self._seq, self._stamp = last[0], last[3]
         self._entries += len(records)
-        self._events += len(events)
-        return FeedBatch(events=list(events.values()), cursor=self.cursor, more=self._more)
+        self._events += len(by_key)
+        return RowRecords(records=list(by_key.values()), cursor=self.cursor, more=self._more)
 
     def _read(
         self, conn: sqlite3.Connection, after: int, limit: int

@@ -45,6 +45,7 @@ import numpy as np
 
 from shm._atomics import Words
 from shm.segment import HEADER_BYTES, Segment, SegmentError, align, remove
+from store.rows import LogRecord as LogRecord  # the records it carries (re-exported)
 from store.schema import KIND_ROW
 
 KIND = "feed_ring"
@@ -212,12 +213,7 @@ def remove_ring(wake_name: str) -> None:
     remove(ring_name(wake_name))
 
 
-# A log record as the feed's POLL statement reads it: seq, kind, key, stamp, then the
-# row's columns (all None for a key whose row is gone). In the ring it is a msgpack array.
-LogRecord = tuple[
-    int, int, str, int, str | None, int | None, int | None, int | None, int | None,
-    str | None, int | None, int | None, int | None, int | None, int | None, str | None,
-]  # fmt: skip
+# A log record (store.rows.LogRecord) is a msgpack array in the ring.
 _decode_record = msgspec.msgpack.Decoder(LogRecord).decode
 _encode_record = msgspec.msgpack.Encoder().encode
 
