@@ -93,7 +93,7 @@ class QueueView:
         self,
         records: list[Any],
         start: int,
-        hashes: list[int],
+        hashes: npt.NDArray[np.uint64],
         shape: FeedShape,
         touched: dict[int, int] | None,
         epoch: int,

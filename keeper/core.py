@@ -304,7 +304,7 @@ class KeeperCore:
         if keys is None:
             self._apply_rows([row_event_from(r) for r in records], now_ms, tally)
             return
-        hashes = key_hashes(keys).tolist()
+        hashes = key_hashes(keys)  # uint64: apply_records reads them as they are
         self.queue.tallies.now_minute = now_ms // MINUTE_MS
         apply_records = self.queue.apply_records
         shape, touched, epoch = self._feed_shape, self._touched, self._epoch

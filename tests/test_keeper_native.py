@@ -630,3 +630,16 @@ def test_find_many_answers_as_the_python_find_does(present: list[int], absent: l
     want = [table.find(int(h)) for h in probe]
     assert table.find_many(probe).tolist() == want
     assert all(s >= 0 for s in want[: len(present)])
+
+
+def test_apply_records_wants_a_uint64_hash_a_record() -> None:
+    core = KeeperCore(KeeperConfig())
+    records = [to_record(1, "product", None, 0, "ok", 1)]
+    args = (core._feed_shape, None, 0, NOW, [0] * 6)
+    with pytest.raises(TypeError, match="one a record"):
+        core.queue.apply_records(records, 0, np.zeros(2, dtype=np.uint64), *args)
+    with pytest.raises(TypeError, match="one a record"):
+        core.queue.apply_records(records, 0, np.zeros(1, dtype=np.int32), *args)
+    with pytest.raises(TypeError):
+        core.queue.apply_records(records, 0, [5], *args)  # type: ignore[arg-type]
+    assert core.queue.apply_records(records, 1, np.zeros(1, dtype=np.uint64), *args) == 1

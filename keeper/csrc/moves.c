@@ -475,18 +475,26 @@ enum {
     FEED_FIELDS = 16,
 };
 
+/* How far ahead apply_records touches the slot index (PREFETCH_SLOT) and then the
+ * record the index names (PREFETCH_RECORD): a batch's keys are random in tables of
+ * megabytes, so each move waits on a cache miss for each, one after the other, unless
+ * the next keys' are under way meanwhile. */
+#define PREFETCH_SLOT 8
+#define PREFETCH_RECORD 4
+
 /* apply_records(records, start, hashes, shape, touched, epoch, now, tally) -> the next index
  *
  * apply_moves for the feed's records themselves (KeeperCore.apply_records), so a batch
  * of moves makes no Row and no RowEvent: the same checks and moves, each field read
- * from its place in the record, the sitemap flag as the bool a Row would hold. It
- * stops where apply_moves would, and also at a record that is not a tuple of the
- * record's length or whose sitemap is not 0 or 1; the caller takes the rest as events. */
+ * from its place in the record, the sitemap flag as the bool a Row would hold.
+ * `hashes`: the records' key hashes, a uint64 array (shm.key_hashes). It stops where
+ * apply_moves would, and also at a record that is not a tuple of the record's length
+ * or whose sitemap is not 0 or 1; the caller takes those as events. */
 static PyObject *
 QueueView_apply_records(QueueViewObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     if (keeper_check_nargs("apply_records", nargs, 8) < 0 || view_bound(self) < 0) return NULL;
-    PyObject *records = args[0], *hashes = args[2];
+    PyObject *records = args[0];
     PyObject *touched = args[4], *epoch = args[5], *tally = args[7];
     if (!PyObject_TypeCheck(args[3], &FeedShapeType) ||
         ((FeedShapeObject *)args[3])->class_cache == NULL) {
@@ -497,30 +505,44 @@ QueueView_apply_records(QueueViewObject *self, PyObject *const *args, Py_ssize_t
     Py_ssize_t start = PyLong_AsSsize_t(args[1]);
     long long now = PyLong_AsLongLong(args[6]);
     if (PyErr_Occurred()) return NULL;
-    if (!PyList_Check(records) || !PyList_Check(hashes) || !PyList_Check(tally) ||
-        PyList_GET_SIZE(tally) < 4 || PyList_GET_SIZE(hashes) != PyList_GET_SIZE(records) ||
+    if (!PyList_Check(records) || !PyList_Check(tally) || PyList_GET_SIZE(tally) < 4 ||
         (touched != Py_None && !PyDict_Check(touched))) {
-        PyErr_SetString(PyExc_TypeError, "apply_records: records and hashes lists of one "
-                                         "length, a tally list, touched a dict or None");
+        PyErr_SetString(PyExc_TypeError, "apply_records: records a list, a tally list, touched "
+                                         "a dict or None");
         return NULL;
     }
+    Py_buffer hashes_view;
+    if (PyObject_GetBuffer(args[2], &hashes_view, PyBUF_C_CONTIGUOUS) < 0) return NULL;
     Py_ssize_t n = PyList_GET_SIZE(records), i = start;
-    if (i < 0 || i >= n) return PyLong_FromSsize_t(i < 0 ? 0 : i);
+    if (hashes_view.itemsize != 8 || hashes_view.len != n * 8) {
+        PyBuffer_Release(&hashes_view);
+        PyErr_SetString(PyExc_TypeError, "apply_records: hashes are uint64, one a record");
+        return NULL;
+    }
+    const uint64_t *hashes = hashes_view.buf;
+    if (i < 0 || i >= n) {
+        PyBuffer_Release(&hashes_view);
+        return PyLong_FromSsize_t(i < 0 ? 0 : i);
+    }
     moved_ctx c;
-    if (moved_open(&c, self) < 0) return NULL;
+    if (moved_open(&c, self) < 0) {
+        PyBuffer_Release(&hashes_view);
+        return NULL;
+    }
     Py_ssize_t split = -1, tidy = -1;
     long counted[4] = {0, 0, 0, 0};
     int failed = 0;
+    for (Py_ssize_t j = i; j < n && j < i + PREFETCH_SLOT; j++) {
+        __builtin_prefetch(&c.table[hashes[j] & c.mask]);
+    }
     for (; i < n && split < 0 && tidy < 0; i++) {
+        if (i + PREFETCH_SLOT < n) __builtin_prefetch(&c.table[hashes[i + PREFETCH_SLOT] & c.mask]);
+        if (i + PREFETCH_RECORD < n) {
+            int32_t ahead = c.table[hashes[i + PREFETCH_RECORD] & c.mask];
+            if (ahead >= 0 && ahead < c.n_slots) __builtin_prefetch(c.rec + (size_t)ahead * 4);
+        }
         PyObject *r = PyList_GET_ITEM(records, i);
         if (!PyTuple_CheckExact(r) || PyTuple_GET_SIZE(r) != FEED_FIELDS) break;
-        uint64_t h = 0;
-        int hashed = hash_at(hashes, i, &h);
-        if (hashed < 0) {
-            failed = 1;
-            break;
-        }
-        if (hashed > 0) break;
         PyObject *route = PyTuple_GET_ITEM(r, FEED_ROUTE);
         /* A delete (no row), a retired row, a key that is not text: the Python loop's. */
         if (route == Py_None || PyTuple_GET_ITEM(r, FEED_RETIRED) != Py_None ||
@@ -535,10 +557,21 @@ QueueView_apply_records(QueueViewObject *self, PyObject *const *args, Py_ssize_t
         if (overflow || (bit != 0 && bit != 1)) break;
         PyObject *cadence = PyTuple_GET_ITEM(r, FEED_LEARNED);
         if (cadence == Py_None) cadence = PyTuple_GET_ITEM(r, FEED_CADENCE);
+        /* touched is keyed by the hash as Python holds it: boxed only while a window is
+         * open (a walk). */
+        PyObject *boxed_hash = NULL;
+        if (touched != Py_None) {
+            boxed_hash = PyLong_FromUnsignedLongLong(hashes[i]);
+            if (boxed_hash == NULL) {
+                failed = 1;
+                break;
+            }
+        }
         long result = move_checked(&c, shape, PyTuple_GET_ITEM(r, FEED_DUE),
                                    PyTuple_GET_ITEM(r, FEED_VERSION), cadence, route,
-                                   bit ? Py_True : Py_False, PyList_GET_ITEM(hashes, i), h,
-                                   touched, epoch, now, &split, &tidy);
+                                   bit ? Py_True : Py_False, boxed_hash, hashes[i], touched,
+                                   epoch, now, &split, &tidy);
+        Py_XDECREF(boxed_hash);
         if (result == -2) {
             failed = 1;
             break;
@@ -547,6 +580,7 @@ QueueView_apply_records(QueueViewObject *self, PyObject *const *args, Py_ssize_t
         counted[result]++;
     }
     unhold(&c.h);
+    PyBuffer_Release(&hashes_view);
     if (!failed && add_tally(tally, counted) < 0) failed = 1;
     if (failed || moved_finish(c.buckets, split, tidy) < 0) return NULL;
     return PyLong_FromSsize_t(i);
