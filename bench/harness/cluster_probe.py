@@ -45,6 +45,7 @@ def install(directory: str) -> None:
 
     from keeper import feed as feed_module
     from keeper import runner
+    from store.rows import row_event_from
 
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
@@ -52,12 +53,18 @@ def install(directory: str) -> None:
     original_run = runner.Keeper.run
     original_step = runner.Keeper.step
 
-    def drain(self: Any, apply: Any, until_ms: int) -> bool:
+    def drain(self: Any, apply: Any, until_ms: int, apply_records: Any = None) -> bool:
         def stamped(events: Any, now: int) -> None:
             _STAMPS.append((time.monotonic_ns(), events))
             apply(events, now)
 
-        return bool(original_drain(self, stamped, until_ms))
+        def stamped_records(records: Any, now: int) -> None:
+            # A SQLite feed's row records (store.base.RowRecords): their events' keys.
+            _STAMPS.append((time.monotonic_ns(), [row_event_from(r) for r in records]))
+            apply_records(records, now)
+
+        records = None if apply_records is None else stamped_records
+        return bool(original_drain(self, stamped, until_ms, records))
 
     def run(self: Any, stop: threading.Event) -> None:
         (path / "keeper.json").write_text(
