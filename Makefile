@@ -60,17 +60,18 @@ test-stress: build
 
 # The C under AddressSanitizer and UndefinedBehaviorSanitizer: both extensions built
 # into build/sanitize (the in-place ones are left alone) beside copies of their
-# packages' Python, then the shared-memory tests (their cross-process races included)
-# and the keeper's C paths' tests run against them; the first command proves the
-# sanitized builds are the ones imported. Python itself is not instrumented, so the
-# ASan runtime is preloaded; PYTHONMALLOC=malloc puts every Python allocation (the
-# C's PyMem scratch too) under ASan's redzones; leaks are not checked (the interpreter
-# keeps memory at exit by design). Any report aborts the run; --capture=sys leaves
-# stderr alone so the report is printed.
+# packages' Python, then the shared-memory tests (their cross-process races included),
+# the feed ring's (Words.seqlock_run) and the keeper's C paths' tests run against them;
+# the first command proves the sanitized builds are the ones imported. Python itself is
+# not instrumented, so the ASan runtime is preloaded; PYTHONMALLOC=malloc puts every
+# Python allocation (the C's PyMem scratch too) under ASan's redzones; leaks are not
+# checked (the interpreter keeps memory at exit by design). Any report aborts the run;
+# --capture=sys leaves stderr alone so the report is printed.
 SAN_DIR   := build/sanitize
 SAN_FLAGS := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer
 SAN_TESTS := tests/test_shm_*.py tests/test_keeper_native.py tests/test_keeper_queue.py \
-             tests/test_keeper_select.py tests/test_keeper_slots.py tests/test_keeper_core.py
+             tests/test_keeper_select.py tests/test_keeper_slots.py tests/test_keeper_core.py \
+             tests/test_store_sqlite_feed_ring.py
 SAN_ENV    = LD_PRELOAD="$$(gcc -print-file-name=libasan.so)" PYTHONMALLOC=malloc \
              ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 \
              UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
