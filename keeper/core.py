@@ -263,14 +263,7 @@ class KeeperCore:
                 self.counters.site_events += 1
                 self._site_settings.append(event.settings)
         self._apply_rows(events[run_start:], now_ms, tally)
-        self.counters.events += len(events)
-        self.flow.add(
-            now_ms,
-            added=tally[ADDED],
-            triggered=tally[TRIGGERED],
-            rescheduled=tally[RESCHEDULED],
-            removed=tally[REMOVED],
-        )
+        self._applied(len(events), tally, now_ms)
 
     def apply_records(self, records: list[LogRecord], now_ms: int) -> None:
         """apply_events for a batch of row records (store.base.RowRecords, the SQLite feed
@@ -282,7 +275,11 @@ class KeeperCore:
         is not slower for having been tried in C."""
         tally = [0] * 6
         self._apply_records(records, now_ms, tally)
-        self.counters.events += len(records)
+        self._applied(len(records), tally, now_ms)
+
+    def _applied(self, events: int, tally: list[int], now_ms: int) -> None:
+        """Count a batch of feed events and what their moves did to the queue's flow."""
+        self.counters.events += events
         self.flow.add(
             now_ms,
             added=tally[ADDED],
