@@ -312,21 +312,34 @@ def core_state(core: KeeperCore) -> tuple[Any, ...]:
     return (queue_state(core.queue), counters, dict(core._touched or {}))
 
 
-def run_cores(batches: list[list[Event]], walking: bool) -> int:
-    """Both keepers fed the same batches, compared after each; returns the events the
-    C path took."""
+def paired_cores(c_path: str) -> tuple[KeeperCore, KeeperCore, list[int]]:
+    """A keeper whose C path `c_path` (a QueueView method) counts what it takes, and the
+    reference, whose C path takes no event, so the Python loop takes them all."""
     c_core, py_core = KeeperCore(KeeperConfig()), KeeperCore(KeeperConfig())
-    # The reference: the C path takes no event, so the Python loop takes them all.
     py_core.queue.apply_moves = lambda events, start, *rest: start
     taken = [0]
-    c_apply = c_core.queue.apply_moves
+    c_apply = getattr(c_core.queue, c_path)
 
-    def counting(events: list[Any], start: int, *rest: Any) -> int:
-        stop = c_apply(events, start, *rest)
+    def counting(items: list[Any], start: int, *rest: Any) -> int:
+        stop: int = c_apply(items, start, *rest)
         taken[0] += stop - start
         return stop
 
-    c_core.queue.apply_moves = counting
+    setattr(c_core.queue, c_path, counting)
+    return c_core, py_core, taken
+
+
+def assert_same_flow(c_core: KeeperCore, py_core: KeeperCore) -> None:
+    c_flow, py_flow = c_core.flow.minutes(NOW), py_core.flow.minutes(NOW)
+    assert [msgspec.structs.asdict(m) for m in c_flow] == [
+        msgspec.structs.asdict(m) for m in py_flow
+    ]
+
+
+def run_cores(batches: list[list[Event]], walking: bool) -> int:
+    """Both keepers fed the same batches, compared after each; returns the events the
+    C path took."""
+    c_core, py_core, taken = paired_cores("apply_moves")
     version = 0
     for n, batch in enumerate(batches):
         events = []
@@ -339,10 +352,7 @@ def run_cores(batches: list[list[Event]], walking: bool) -> int:
         for core in (c_core, py_core):
             core.apply_events(events, NOW)
         assert core_state(c_core) == core_state(py_core)
-    c_flow, py_flow = c_core.flow.minutes(NOW), py_core.flow.minutes(NOW)
-    assert [msgspec.structs.asdict(m) for m in c_flow] == [
-        msgspec.structs.asdict(m) for m in py_flow
-    ]
+    assert_same_flow(c_core, py_core)
     return taken[0]
 
 
@@ -404,17 +414,7 @@ def to_record(i: int, route: str, cadence: int | None, offset: int, kind: str, v
 def run_record_cores(batches: list[list[Record]], walking: bool) -> int:
     """A keeper fed records (apply_records) and one fed their events through the Python
     loop alone, compared after each batch; returns the records the C path took."""
-    c_core, py_core = KeeperCore(KeeperConfig()), KeeperCore(KeeperConfig())
-    py_core.queue.apply_moves = lambda events, start, *rest: start
-    taken = [0]
-    c_apply = c_core.queue.apply_records
-
-    def counting(records: list[Any], start: int, *rest: Any) -> int:
-        stop = c_apply(records, start, *rest)
-        taken[0] += stop - start
-        return stop
-
-    c_core.queue.apply_records = counting
+    c_core, py_core, taken = paired_cores("apply_records")
     version = 0
     for n, batch in enumerate(batches):
         records: list[LogRecord] = []
@@ -429,10 +429,7 @@ def run_record_cores(batches: list[list[Record]], walking: bool) -> int:
         c_core.apply_records(records, NOW)
         py_core.apply_events(events, NOW)
         assert core_state(c_core) == core_state(py_core)
-    c_flow, py_flow = c_core.flow.minutes(NOW), py_core.flow.minutes(NOW)
-    assert [msgspec.structs.asdict(m) for m in c_flow] == [
-        msgspec.structs.asdict(m) for m in py_flow
-    ]
+    assert_same_flow(c_core, py_core)
     return taken[0]
 
 
