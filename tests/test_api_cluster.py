@@ -90,6 +90,13 @@ def cluster_state(node: NodeProcess) -> dict[str, Any] | None:
     return response.json() if response.status_code == 200 else None
 
 
+def both_ready(state: dict[str, Any] | None) -> dict[str, Any] | None:
+    """`state` if every node it lists says `ready`."""
+    if state is None or any(n["status"] != "ready" for n in state["nodes"]):
+        return None
+    return state
+
+
 @pytest.fixture(scope="module")
 def pair(
     pg_database: str, tmp_path_factory: pytest.TempPathFactory
@@ -138,9 +145,15 @@ def test_cluster_queue_state_is_the_sum_of_the_nodes_exact_counts(
         assert body["node"] == name and body["trust"]["exact"] is True
         assert sorted(body["cluster"]["view"]) == ["a", "b"]
     for asked in nodes.values():
-        response = get(asked, "/prerender_admin/cluster/queue-state")
-        assert response.status_code == 200, response.text
-        body = response.json()
+        # A node on a loaded machine may miss its grant window for a moment (its keeper
+        # confirms membership every heartbeat) and say `unready` while its counts stay
+        # exact; the sums are read from a moment both nodes say `ready`.
+        body = wait_for(
+            lambda asked=asked: both_ready(cluster_state(asked)),
+            30,
+            f"a cluster queue-state from {asked.url} with both nodes ready",
+            0.25,
+        )
         assert body["exact"] is True
         due = sum(state["now"]["due"] for state in own.values())
         assert body["now"]["due"] == due == due_in_table(url, now_ms()) == ROWS // 2
@@ -161,7 +174,7 @@ def test_cluster_queue_state_is_the_sum_of_the_nodes_exact_counts(
         assert set(listed) == {"a", "b"}
         for name in nodes:
             assert listed[name]["now"]["due"] == own[name]["now"]["due"]
-            assert listed[name]["status"] == "ready" and listed[name]["missing"] is False
+            assert listed[name]["missing"] is False
     # The read-only scope: the fleet token does not open it.
     refused = get(nodes["a"], "/prerender_admin/cluster/queue-state", FLEET_TOKEN)
     assert refused.status_code == 403
