@@ -198,3 +198,15 @@ def test_a_process_under_the_faketime_environment_keeps_its_waits() -> None:
     assert float(waited) >= 0.2
     # Read while the process ran, 30 s ahead of the machine's clock (to the second).
     assert before + 29 <= int(then) <= after + 31
+
+
+def test_a_quick_run_leaves_out_only_scenarios_a_named_test_proves() -> None:
+    """Each scenario a quick run leaves out names a test that exists; the rest still run."""
+    from pathlib import Path
+
+    names = [name for name, _ in faults.SCENARIOS]
+    assert set(faults.TESTED_BY) <= set(names)
+    assert set(names) - set(faults.TESTED_BY), "a quick run must still run some scenario"
+    root = Path(__file__).resolve().parent.parent
+    for scenario, (path, test) in faults.TESTED_BY.items():
+        assert f"\ndef {test}(" in (root / path).read_text(), (scenario, path, test)

@@ -53,6 +53,9 @@ Scenarios, on default settings unless named:
   supervisor withholds its heartbeat once the keeper is silent for a TTL, so the others
   take its share over), and c's first grant after SIGCONT.
 
+A quick run (`--quick`, CI's) leaves out the scenarios the test suite proves on its own
+nodes (TESTED_BY names the test of each) and runs the rest scaled down.
+
 Every scenario is judged on the same history: no key held by two at once, no row lost.
 The history holds what the fleet saw and what the nodes recorded (each node keeps a
 lease journal): the nodes' leases must not overlap on a key, and every lease the fleet
@@ -1186,6 +1189,45 @@ SCENARIOS: tuple[tuple[str, Callable[[Scratch, Config], Outcome]], ...] = (
     ("renewals across a join", renewals),
     ("worker 0 stopped", worker_stopped),
 )
+# The scenarios `make test` proves on its own nodes (the test named beside each): a quick
+# run, which CI makes after the tests, leaves them out and says so. The full run has all.
+_CLUSTER_FAULTS = "tests/test_cluster_faults.py"
+TESTED_BY: dict[str, tuple[str, str]] = {
+    "cold start": (
+        _CLUSTER_FAULTS,
+        "test_a_fresh_cluster_on_default_settings_grants_within_seconds",
+    ),
+    "join": (
+        _CLUSTER_FAULTS,
+        "test_a_join_hands_over_live_leases_and_refuses_renewals_of_moved_keys",
+    ),
+    "sigkill": (
+        _CLUSTER_FAULTS,
+        "test_a_node_killed_silent_is_waited_out_by_its_lease_ceiling_not_max_lease",
+    ),
+    "blackhole 15 s": (
+        "tests/test_store_postgres_blackhole.py",
+        "test_a_node_answers_health_and_metrics_through_a_blackhole_and_claims_after",
+    ),
+    "leave": (
+        _CLUSTER_FAULTS,
+        "test_a_stopped_nodes_completions_land_through_its_hand_over_and_its_restart_keeps_the_rest",
+    ),
+    "duplicate name": (
+        "tests/test_cluster.py",
+        "test_a_node_naming_a_peer_waits_for_it_and_a_taken_name_is_refused",
+    ),
+    "clock +30 s": (_CLUSTER_FAULTS, "test_a_node_whose_clock_is_set_apart_grants_no_key_twice"),
+    "clock -30 s": (_CLUSTER_FAULTS, "test_a_node_whose_clock_is_set_apart_grants_no_key_twice"),
+    "renewals across a join": (
+        _CLUSTER_FAULTS,
+        "test_a_join_hands_over_live_leases_and_refuses_renewals_of_moved_keys",
+    ),
+    "worker 0 stopped": (
+        _CLUSTER_FAULTS,
+        "test_a_node_whose_keeper_stops_gives_its_share_up_and_takes_it_back",
+    ),
+}
 
 
 # --- the report --------------------------------------------------------------------------
@@ -1412,7 +1454,11 @@ def chart(result: report.SectionResult, outcomes: Sequence[Outcome]) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench faults", description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="small and fast: proves every row")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="small and fast, and only the scenarios the test suite does not run (TESTED_BY)",
+    )
     args = parser.parse_args(argv)
     report.exit_on_sigterm()
     config = QUICK if args.quick else FULL
@@ -1425,6 +1471,10 @@ def main(argv: list[str] | None = None) -> int:
     outcomes: list[Outcome] = []
     try:
         for name, scenario in SCENARIOS:
+            if args.quick and name in TESTED_BY:
+                path, test = TESTED_BY[name]
+                report.progress(f"faults: {name}: left out of a quick run ({path}::{test})")
+                continue
             report.progress(f"faults: {name} ...")
             outcomes.append(scenario(scratch, config))
     finally:

@@ -33,6 +33,7 @@ import msgspec
 
 from bench.harness import report
 from bench.harness.workload import Workload, generate
+from store.base import FeedBatch
 from store.sqlite.feed import NEW_FOR_S
 
 FEED_CONSUMER = "bench-feed"
@@ -80,13 +81,27 @@ class StampedSubscription:
         self._counter = counter
 
     def poll(self, limit: int = 1000) -> Any:
-        batch = self._inner.poll(limit)
+        return self._stamped(self._inner.poll(limit))
+
+    def _stamped(self, batch: FeedBatch) -> FeedBatch:
         now = time.monotonic_ns()
         for event in batch.events:
             key = getattr(event, "key", None)
             if key is not None:
                 self._log.events.append((key, now))
         self._counter[0] += len(batch.events)
+        return batch
+
+    def poll_records(self, limit: int = 1000) -> Any:
+        # The keeper reads a feed's records where it offers them (keeper.feed): stamped
+        # here too, one a key as the events they stand for.
+        poll_records = getattr(self._inner, "poll_records", None)
+        batch = self._inner.poll(limit) if poll_records is None else poll_records(limit)
+        if isinstance(batch, FeedBatch):
+            return self._stamped(batch)
+        now = time.monotonic_ns()
+        self._log.events.extend((record[2], now) for record in batch.records)
+        self._counter[0] += len(batch.records)
         return batch
 
     def __getattr__(self, name: str) -> Any:
