@@ -292,16 +292,20 @@ class KeeperCore:
         n = len(records)
         if not n:
             return
-        keys: list[bytes] | None = None
-        if self.ownership.owns_all:  # else ownership is judged as _apply_rows judges it
-            try:
-                keys = [r[2].encode() for r in records]
-            except (AttributeError, UnicodeEncodeError):
-                keys = None  # _apply_rows sorts the bad key out, event by event
-        if keys is None:
+        try:
+            keys = [r[2].encode() for r in records]
+        except (AttributeError, UnicodeEncodeError):
+            # _apply_rows sorts the bad key out, event by event
             self._apply_rows([row_event_from(r) for r in records], now_ms, tally)
             return
         hashes = key_hashes(keys)  # uint64: apply_records reads them as they are
+        if not self.ownership.owns_all:
+            kept = self._drop_unowned(keys, hashes, tally)
+            if kept is not None:
+                self.counters.row_events += n - len(kept)  # as _apply_rows counts them
+                records = [records[i] for i in kept]
+                hashes = hashes[kept]
+                n = len(records)
         self.queue.tallies.now_minute = now_ms // MINUTE_MS
         apply_records = self.queue.apply_records
         shape, touched, epoch = self._feed_shape, self._touched, self._epoch
@@ -426,26 +430,31 @@ class KeeperCore:
         hashes: list[int],
         tally: list[int],
     ) -> tuple[Sequence[FeedEvent], list[bytes], list[int]]:
-        """The batch's events for keys this node owns, judged at once; events for other
-        nodes' keys remove the key if it is held, and are counted. A key's events all
-        go the same way, so each key's order is kept."""
+        """The batch's events for keys this node owns (`_drop_unowned`)."""
+        kept = self._drop_unowned(keys, np.array(hashes, dtype=np.uint64), tally)
+        if kept is None:
+            return events, keys, hashes
+        return [events[i] for i in kept], [keys[i] for i in kept], [hashes[i] for i in kept]
+
+    def _drop_unowned(
+        self, keys: list[bytes], hashes: npt.NDArray[np.uint64], tally: list[int]
+    ) -> list[int] | None:
+        """The places of the batch's keys this node owns, judged at once (None: all of
+        them); a key another node owns is removed if it is held, and counted. A key's
+        entries all go the same way, so each key's order is kept."""
         ownership = self.ownership
         sites = key_site_hashes(keys) if ownership.by_site else None
-        owned = ownership.owns_many(
-            placements(np.array(hashes, dtype=np.uint64), sites, ownership.by_site)
-        )
+        owned = ownership.owns_many(placements(hashes, sites, ownership.by_site))
         if owned.all():
-            return events, keys, hashes
+            return None
         queue, touched, epoch = self.queue, self._touched, self._epoch
-        for index in np.flatnonzero(~owned).tolist():
-            h = hashes[index]
+        for h in hashes[~owned].tolist():
             if touched is not None:
                 touched[h] = epoch
             self.counters.unowned += 1
             tally[queue.remove(h)] += 1
             self.retired.discard(h)
-        kept = np.flatnonzero(owned).tolist()
-        return [events[i] for i in kept], [keys[i] for i in kept], [hashes[i] for i in kept]
+        return np.flatnonzero(owned).tolist()
 
     def _unreadable(self, row: Row | None, where: str, key: object = None) -> None:
         self.counters.unreadable += 1

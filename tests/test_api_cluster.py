@@ -7,6 +7,7 @@ than the one that granted the lease (forwarded there, applied once).
 from __future__ import annotations
 
 import contextlib
+import functools
 import signal
 import uuid
 from collections.abc import Iterator
@@ -90,8 +91,9 @@ def cluster_state(node: NodeProcess) -> dict[str, Any] | None:
     return response.json() if response.status_code == 200 else None
 
 
-def both_ready(state: dict[str, Any] | None) -> dict[str, Any] | None:
-    """`state` if every node it lists says `ready`."""
+def ready_state(node: NodeProcess) -> dict[str, Any] | None:
+    """`node`'s cluster queue-state if every node it lists says `ready`."""
+    state = cluster_state(node)
     if state is None or any(n["status"] != "ready" for n in state["nodes"]):
         return None
     return state
@@ -149,7 +151,7 @@ def test_cluster_queue_state_is_the_sum_of_the_nodes_exact_counts(
         # confirms membership every heartbeat) and say `unready` while its counts stay
         # exact; the sums are read from a moment both nodes say `ready`.
         body = wait_for(
-            lambda asked=asked: both_ready(cluster_state(asked)),
+            functools.partial(ready_state, asked),
             30,
             f"a cluster queue-state from {asked.url} with both nodes ready",
             0.25,

@@ -24,6 +24,7 @@ from keeper._native import BucketOps, FeedShape, Picked, QueueView, SlotIndex
 from keeper.classes import ClassTable, RenderClass
 from keeper.config import KeeperConfig
 from keeper.core import MAX_DUE_MS, KeeperCore
+from keeper.ownership import Rendezvous
 from keeper.queue import HeldQueue
 from keeper.slots import SlotTable
 from keeper.tallies import MINUTE_MS
@@ -312,10 +313,18 @@ def core_state(core: KeeperCore) -> tuple[Any, ...]:
     return (queue_state(core.queue), counters, dict(core._touched or {}))
 
 
-def paired_cores(c_path: str) -> tuple[KeeperCore, KeeperCore, list[int]]:
+def paired_cores(c_path: str, clustered: bool = False) -> tuple[KeeperCore, KeeperCore, list[int]]:
     """A keeper whose C path `c_path` (a QueueView method) counts what it takes, and the
-    reference, whose C path takes no event, so the Python loop takes them all."""
-    c_core, py_core = KeeperCore(KeeperConfig()), KeeperCore(KeeperConfig())
+    reference, whose C path takes no event, so the Python loop takes them all.
+    `clustered`: both are node a of two, so about half the keys are b's."""
+
+    def ownership() -> Rendezvous | None:
+        return Rendezvous("a", ["a", "b"]) if clustered else None
+
+    c_core, py_core = (
+        KeeperCore(KeeperConfig(), ownership()),
+        KeeperCore(KeeperConfig(), ownership()),
+    )
     py_core.queue.apply_moves = lambda events, start, *rest: start
     taken = [0]
     c_apply = getattr(c_core.queue, c_path)
@@ -411,10 +420,10 @@ def to_record(i: int, route: str, cadence: int | None, offset: int, kind: str, v
     return list(record) if kind == "not a tuple" else record
 
 
-def run_record_cores(batches: list[list[Record]], walking: bool) -> int:
+def run_record_cores(batches: list[list[Record]], walking: bool, clustered: bool = False) -> int:
     """A keeper fed records (apply_records) and one fed their events through the Python
     loop alone, compared after each batch; returns the records the C path took."""
-    c_core, py_core, taken = paired_cores("apply_records")
+    c_core, py_core, taken = paired_cores("apply_records", clustered)
     version = 0
     for n, batch in enumerate(batches):
         records: list[LogRecord] = []
@@ -434,11 +443,15 @@ def run_record_cores(batches: list[list[Record]], walking: bool) -> int:
 
 
 @SETTINGS
-@given(batches=st.lists(st.lists(record_strategy, max_size=40), max_size=6), walking=st.booleans())
+@given(
+    batches=st.lists(st.lists(record_strategy, max_size=40), max_size=6),
+    walking=st.booleans(),
+    clustered=st.booleans(),
+)
 def test_apply_records_leaves_the_keeper_as_the_python_loop_does_with_their_events(
-    small_buckets: None, batches: list[list[Record]], walking: bool
+    small_buckets: None, batches: list[list[Record]], walking: bool, clustered: bool
 ) -> None:
-    run_record_cores(batches, walking)
+    run_record_cores(batches, walking, clustered)
 
 
 def test_the_record_comparison_exercises_the_c_path(small_buckets: None) -> None:
@@ -453,6 +466,8 @@ def test_the_record_comparison_exercises_the_c_path(small_buckets: None) -> None
             batch.append((i, ROUTES[i % 3], None, offset, kind))
         batches.append(batch)
     assert run_record_cores(batches, walking=True) > 3000
+    # Node a of two: the records of b's keys are dropped first, a's still go through C.
+    assert run_record_cores(batches, walking=True, clustered=True) > 1000
 
 
 def test_a_batch_of_new_rows_goes_as_events_after_a_few_refusals() -> None:

@@ -383,3 +383,45 @@ def test_the_server_drops_a_listener_whose_socket_takes_nothing(pg_url: str) -> 
             sub.close()
     finally:
         store.close()
+
+
+def test_a_poll_for_records_answers_row_entries_as_the_records_of_polls_events(
+    pg_url: str,
+) -> None:
+    """The keeper's poll (poll_records) and the plain poll read the same entries: a batch
+    of row entries comes as records (one a key, at its last entry) whose events are the
+    plain poll's; a batch holding a route entry comes as events."""
+    from store.base import FeedBatch, RowRecords
+
+    store = PostgresStore(pg_url)
+    records_sub = store.subscribe("records", store.feed_head())
+    events_sub = store.subscribe("events", store.feed_head())
+    store.write([RowWrite(key="/a", route="product", next_render_at=1_000, sitemap=True)])
+    store.write([RowWrite(key="/b", route="product", next_render_at=2_000, cadence_s=60)])
+    store.write([RowWrite(key="/c", route="product", next_render_at=3_000)], delete=["/a"])
+    head = store.feed_head()
+    got = records_sub.poll_records()
+    plain = events_sub.poll()
+    assert isinstance(got, RowRecords)
+    assert [r[2] for r in got.records] == ["/b", "/c", "/a"]  # each at its key's last entry
+    assert all(type(r) is tuple and len(r) == 16 for r in got.records)  # as C reads them
+    assert type(got.records[0][6]) is int  # the sitemap flag: C takes an int, not a bool
+    assert (
+        got.batch().events
+        == plain.events
+        == [
+            RowEvent(key="/b", row=store.get("/b")),
+            RowEvent(key="/c", row=store.get("/c")),
+            RowEvent(key="/a", row=None),
+        ]
+    )
+    assert got.cursor == plain.cursor and records_sub.has_delivered(head)
+    assert records_sub.statistics().coalesced == 1 and records_sub.statistics().events == 3
+    store.set_route("product", default_cadence_s=60)
+    store.write([RowWrite(key="/d", route="product", next_render_at=4_000)])
+    routed = records_sub.poll_records()
+    assert isinstance(routed, FeedBatch)
+    assert routed.events == events_sub.poll().events and len(routed.events) == 2
+    for sub in (records_sub, events_sub):
+        sub.close()
+    store.close()

@@ -31,22 +31,37 @@ import select
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
-from store.base import Cursor, CursorAhead, CursorBelowFloor, FeedBatch, FeedStatistics
+from store.base import (
+    Cursor,
+    CursorAhead,
+    CursorBelowFloor,
+    FeedBatch,
+    FeedStatistics,
+    RowRecords,
+)
 from store.postgres import sql
 from store.postgres.conn import Conn, connect, long_statements, translated
 from store.postgres.schema import NOTIFY_CHANNEL
+from store.postgres.sql import (
+    POLL_KIND,
+    POLL_RECORD,
+    POLL_ROUTE,
+    POLL_SETTING,
+    POLL_SITE,
+    POLL_XID,
+)
 from store.rows import (
     FeedEvent,
+    LogRecord,
     Route,
     RouteEvent,
-    RowEvent,
     SettingsEvent,
     SiteEvent,
     SiteSettings,
     route_from,
-    row_from,
+    row_event_from,
 )
 from store.schema import DEFAULT_CADENCE_S, KIND_ROUTE, KIND_ROW, KIND_SETTINGS, KIND_SITE
 
@@ -193,6 +208,30 @@ class PostgresSubscription:
         return cursor_token(self._origin, self._xid, self._seq)
 
     def poll(self, limit: int = 1000) -> FeedBatch:
+        entries = self._read(limit)
+        return FeedBatch(events=self._events_of(entries), cursor=self.cursor, more=self._more)
+
+    def poll_records(self, limit: int = 1000) -> FeedBatch | RowRecords:
+        """`poll`, but a batch of row entries only comes as their records (RowRecords),
+        coalesced as `poll` coalesces them: no Row or event is made of them here."""
+        entries = self._read(limit)
+        if any(entry[POLL_KIND] != KIND_ROW for entry in entries):
+            return FeedBatch(events=self._events_of(entries), cursor=self.cursor, more=self._more)
+        by_key: dict[str, LogRecord] = {}
+        for entry in entries:
+            record = cast(LogRecord, entry[POLL_RECORD])
+            key = record[2]
+            if key in by_key:
+                del by_key[key]  # re-inserted below: the record sits at its key's last entry
+                self._coalesced += 1
+            by_key[key] = record
+        self._entries += len(entries)
+        self._events += len(by_key)
+        return RowRecords(records=list(by_key.values()), cursor=self.cursor, more=self._more)
+
+    def _read(self, limit: int) -> list[tuple[Any, ...]]:
+        """The next entries after the cursor, up to `limit`, each a POLL row; the cursor
+        moves past them."""
         if limit < 1:
             raise ValueError(f"limit must be at least 1, got {limit}")
         if self._closed:
@@ -202,14 +241,14 @@ class PostgresSubscription:
         with translated("poll"):
             self._discard_notifies()  # this poll answers every commit they announced
             self._stale, self._read_at = False, time.monotonic()
-            records = self._conn.execute(sql.POLL, params).fetchall()
-        xmin, xmax, floor_xid, floor_seq, pending = records[0][:5]
+            rows = self._conn.execute(sql.POLL, params).fetchall()
+        xmin, xmax, floor_xid, floor_seq, pending = rows[0][:5]
         if (self._xid, self._seq) < (floor_xid, floor_seq):
             raise CursorBelowFloor(
                 f"consumer {self.consumer!r}: cursor ({self._xid}, {self._seq}) is below the "
                 f"change log's pruned floor ({floor_xid}, {floor_seq}); resync (walk)"
             )
-        entries = [r[5:] for r in records if r[5] is not None]
+        entries = rows if rows[0][POLL_XID] is not None else []
         following = entries[limit] if len(entries) > limit else None
         del entries[limit:]
         self._polls += 1
@@ -218,49 +257,42 @@ class PostgresSubscription:
         self._pending = bool(pending)
         self._horizon = xmin
         self._more = following is not None
-        events = self._events_of(entries)
         if entries:
-            self._xid, self._seq = int(entries[-1][0]), int(entries[-1][1])
+            self._xid, self._seq = int(entries[-1][POLL_XID]), int(entries[-1][POLL_XID + 1])
         if following is not None:
-            if int(following[0]) > self._xid:
+            if int(following[POLL_XID]) > self._xid:
                 # Below the horizon nothing lies between the last entry and the next: the
                 # cursor stands before the next transaction's, so a head whose transactions
                 # were all delivered counts as delivered now, not one poll later.
-                self._xid, self._seq = int(following[0]), 0
+                self._xid, self._seq = int(following[POLL_XID]), 0
         elif (xmin, 0) > (self._xid, self._seq):
             self._xid, self._seq = xmin, 0  # everything below the horizon is delivered
-        return FeedBatch(events=events, cursor=self.cursor, more=self._more)
+        return entries
 
-    def _events_of(self, entries: Sequence[Sequence[Any]]) -> list[FeedEvent]:
+    def _events_of(self, entries: Sequence[tuple[Any, ...]]) -> list[FeedEvent]:
         events: dict[tuple[int, str], FeedEvent] = {}
         for entry in entries:
-            kind, key = int(entry[2]), str(entry[3])
+            record = cast(LogRecord, entry[POLL_RECORD])
+            kind, key = int(record[1]), str(record[2])
             slot = (kind, key)
             if slot in events:
                 del events[slot]  # re-inserted below: the event sits at its key's last entry
                 self._coalesced += 1
             if kind == KIND_ROW:
-                row = (
-                    None
-                    if entry[4] is None
-                    else row_from((key, *entry[4:11], *entry[17:19], *entry[24:27]))
-                )
-                events[slot] = RowEvent(key=key, row=row)
+                events[slot] = row_event_from(record)
             elif kind == KIND_ROUTE:
-                cadence, paused = entry[11], entry[12]
-                route = (
-                    Route(route=key)
-                    if paused is None
-                    else route_from((key, cadence, paused, *entry[19:24], entry[27]))
+                route = entry[POLL_ROUTE]
+                # paused is NOT NULL: a null one is a route that is gone
+                events[slot] = RouteEvent(
+                    route=Route(route=key) if route[1] is None else route_from((key, *route))
                 )
-                events[slot] = RouteEvent(route=route)
             elif kind == KIND_SETTINGS:
-                value = entry[13]
+                value = entry[POLL_SETTING]
                 events[slot] = SettingsEvent(
                     default_cadence_s=DEFAULT_CADENCE_S if value is None else int(value)
                 )
             elif kind == KIND_SITE:
-                found, most, interval = entry[14], entry[15], entry[16]
+                found, most, interval = entry[POLL_SITE]
                 events[slot] = SiteEvent(
                     settings=SiteSettings(site=key, max_in_flight=most, min_interval_ms=interval)
                     if found

@@ -226,6 +226,17 @@ HEAD = HORIZON
 # key lookup of its own (LATERAL, LIMIT 1 so the planner cannot turn it into a join that
 # reads the whole table), and `pending` is read once, from the log index's last entry,
 # in the materialized horizon: the cost of a poll follows its entries, not the table.
+# POLL's columns: the poll's own (horizon, floor, pending), then per entry its xid and a
+# store.rows.LogRecord (seq, kind, key, a stamp the SQLite ring has and this log has not,
+# the row's columns after its key, the sitemap flag as the integer SQLite stores), so a
+# row entry's record is one slice; then the route's columns after its name, the setting's
+# value, and the site's (found, max_in_flight, min_interval_ms).
+POLL_XID = 5
+POLL_KIND = 7
+POLL_RECORD = slice(6, 22)
+POLL_ROUTE = slice(22, 30)
+POLL_SETTING = 30
+POLL_SITE = slice(31, 34)
 POLL = """
 WITH h AS MATERIALIZED (
     SELECT pg_snapshot_xmin(s) AS xmin, pg_snapshot_xmax(s) AS xmax,
@@ -236,14 +247,16 @@ WITH h AS MATERIALIZED (
 SELECT h.xmin::text::bigint, h.xmax::text::bigint,
        f.floor_xid::text::bigint, f.floor_seq,
        h.pending,
-       l.xid::text::bigint, l.seq, l.kind, l.key,
-       r.route, r.cadence_s, r.sitemap, r.next_render_at, r.last_rendered_at,
-       r.last_outcome, r.version,
-       rt.default_cadence_s, rt.paused, st.value,
-       ss.site IS NOT NULL, ss.max_in_flight, ss.min_interval_ms,
-       r.learned_cadence_s, r.change_history,
+       l.xid::text::bigint,
+       l.seq, l.kind, l.key, 0,
+       r.route, r.cadence_s, r.sitemap::int, r.next_render_at, r.last_rendered_at,
+       r.last_outcome, r.version, r.learned_cadence_s, r.change_history,
+       r.not_found_streak, r.retired_at, r.retired_reason,
+       rt.default_cadence_s, rt.paused,
        rt.adapt_min_s, rt.adapt_max_s, rt.adapt_inc, rt.adapt_dec, rt.site_pattern,
-       r.not_found_streak, r.retired_at, r.retired_reason, rt.retire_after
+       rt.retire_after,
+       st.value,
+       ss.site IS NOT NULL, ss.max_in_flight, ss.min_interval_ms
 FROM h CROSS JOIN feed_state AS f
 LEFT JOIN LATERAL (
     SELECT * FROM change_log
