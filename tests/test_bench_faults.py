@@ -210,3 +210,17 @@ def test_a_quick_run_leaves_out_only_scenarios_a_named_test_proves() -> None:
     root = Path(__file__).resolve().parent.parent
     for scenario, (path, test) in faults.TESTED_BY.items():
         assert f"\ndef {test}(" in (root / path).read_text(), (scenario, path, test)
+
+
+def test_the_table_of_a_quick_run_has_rows_for_the_scenarios_it_ran_only() -> None:
+    ran = faults.Outcome(
+        scenario="sigkill all",
+        figures={"adopted": 3, "ready_s": 2.0, "first_grant_s": 0.8, "takeover_s": 9.0,
+                 "lease_horizon_s": 8.0, "regrant_margin_s": 1.0},
+        double_grants=0, rows_lost=0, grants=10, renewals_refused={}, completions_pending=0,
+        events=[], start_ms=0, end_ms=1,
+    )  # fmt: skip
+    rows = faults.figures_of([ran])
+    assert rows and {row.what.split(":")[0] for row in rows} == {"sigkill all"}
+    adopted = next(row for row in rows if "adopted" in row.what)
+    assert adopted.ours == 3
