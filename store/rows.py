@@ -241,6 +241,17 @@ LogRecord = tuple[
 ]  # fmt: skip
 
 
+def last_of_each_key(records: Sequence[LogRecord]) -> tuple[list[LogRecord], int]:
+    """A batch's records coalesced as a feed coalesces its events: one a key, at its key's
+    last entry, in that order; and how many were folded away."""
+    by_key: dict[str, LogRecord] = {}
+    for record in records:
+        key = record[2]
+        by_key.pop(key, None)  # re-inserted below: the record sits at its key's last entry
+        by_key[key] = record
+    return list(by_key.values()), len(records) - len(by_key)
+
+
 def row_event_from(record: LogRecord) -> RowEvent:
     """A row entry's event: its key's row as the entry carries it, or None (gone). As
     `row_from` makes the Row, its fields passed inline (this is a feed event's path)."""

@@ -60,6 +60,7 @@ from store.rows import (
     SettingsEvent,
     SiteEvent,
     SiteSettings,
+    last_of_each_key,
     route_from,
     row_event_from,
 )
@@ -217,17 +218,11 @@ class PostgresSubscription:
         entries = self._read(limit)
         if any(entry[POLL_KIND] != KIND_ROW for entry in entries):
             return FeedBatch(events=self._events_of(entries), cursor=self.cursor, more=self._more)
-        by_key: dict[str, LogRecord] = {}
-        for entry in entries:
-            record = cast(LogRecord, entry[POLL_RECORD])
-            key = record[2]
-            if key in by_key:
-                del by_key[key]  # re-inserted below: the record sits at its key's last entry
-                self._coalesced += 1
-            by_key[key] = record
+        kept, folded = last_of_each_key([cast(LogRecord, e[POLL_RECORD]) for e in entries])
+        self._coalesced += folded
         self._entries += len(entries)
-        self._events += len(by_key)
-        return RowRecords(records=list(by_key.values()), cursor=self.cursor, more=self._more)
+        self._events += len(kept)
+        return RowRecords(records=kept, cursor=self.cursor, more=self._more)
 
     def _read(self, limit: int) -> list[tuple[Any, ...]]:
         """The next entries after the cursor, up to `limit`, each a POLL row; the cursor

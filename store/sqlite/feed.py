@@ -40,6 +40,7 @@ from store.rows import (
     SettingsEvent,
     SiteEvent,
     SiteSettings,
+    last_of_each_key,
     route_from,
     row_from,
     site_settings_from,
@@ -316,18 +317,13 @@ class SqliteSubscription:
         them (RowRecords)."""
         self._more = len(records) >= limit
         self._delivered = True
-        by_key: dict[str, LogRecord] = {}
-        for record in records:
-            key = record[2]
-            if key in by_key:
-                del by_key[key]  # re-inserted below: the event sits at its key's last entry
-                self._coalesced += 1
-            by_key[key] = record
+        kept, folded = last_of_each_key(records)
         last = records[-1]
         self._seq, self._stamp = last[0], last[3]
+        self._coalesced += folded
         self._entries += len(records)
-        self._events += len(by_key)
-        return RowRecords(records=list(by_key.values()), cursor=self.cursor, more=self._more)
+        self._events += len(kept)
+        return RowRecords(records=kept, cursor=self.cursor, more=self._more)
 
     def _read(
         self, conn: sqlite3.Connection, after: int, limit: int
