@@ -255,14 +255,28 @@ def test_each_workers_counts_are_served_whichever_worker_answers(tmp_path: Path)
             0.2,
         )
         # The same counts from either worker: with one stopped, the other serves the
-        # stopped one's last report, which ages meanwhile.
+        # stopped one's last report, which ages meanwhile. The counts above may have come
+        # from the worker's own live answer before its report carried them: it is stopped
+        # only once the other serves its report whole (else let run on, to report again).
         for stopped in (0, 1):
-            os.kill(node.worker_pid(stopped), signal.SIGSTOP)
+
+            def stopped_with_its_report_served(stopped: int = stopped) -> bool:
+                os.kill(node.worker_pid(stopped), signal.SIGSTOP)
+                if per_worker(node, transactions) == expected:
+                    return True
+                os.kill(node.worker_pid(stopped), signal.SIGCONT)
+                return False
+
+            wait_for(stopped_with_its_report_served, 30, f"worker {stopped}'s report served", 0.2)
             try:
-                time.sleep(1.5)
-                assert per_worker(node, transactions) == expected
-                age = per_worker(node, "renderqueue_worker_report_age_seconds")
-                assert age[stopped] >= 1.0 > age[1 - stopped], age
+
+                def aged(stopped: int = stopped) -> dict[int, float] | None:
+                    assert per_worker(node, transactions) == expected
+                    age = per_worker(node, "renderqueue_worker_report_age_seconds")
+                    return age if age[stopped] >= 1.0 else None
+
+                age = wait_for(aged, 30, f"worker {stopped}'s report a second old", 0.2)
+                assert age[stopped] > age[1 - stopped], age
             finally:
                 os.kill(node.worker_pid(stopped), signal.SIGCONT)
         for name in ("renderqueue_store_writable", "renderqueue_sqlite_busy_retries_total"):
