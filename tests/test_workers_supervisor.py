@@ -262,10 +262,13 @@ def test_each_workers_counts_are_served_whichever_worker_answers(tmp_path: Path)
 
             def stopped_with_its_report_served(stopped: int = stopped) -> bool:
                 os.kill(node.worker_pid(stopped), signal.SIGSTOP)
-                if per_worker(node, transactions) == expected:
-                    return True
-                os.kill(node.worker_pid(stopped), signal.SIGCONT)
-                return False
+                served = False
+                try:
+                    served = per_worker(node, transactions) == expected
+                finally:
+                    if not served:
+                        os.kill(node.worker_pid(stopped), signal.SIGCONT)
+                return served
 
             wait_for(stopped_with_its_report_served, 30, f"worker {stopped}'s report served", 0.2)
             try:

@@ -1243,12 +1243,10 @@ class _NotRun(dict[str, float | None]):
 def figures_of(outcomes: Sequence[Outcome]) -> list[report.Figure]:
     """The table's rows, for the scenarios that ran."""
     ran = {o.scenario: o for o in outcomes}
-    by = {
-        name: ran.get(name)
-        or Outcome(scenario=name, figures=_NotRun(), double_grants=0, rows_lost=0, grants=0,
-                   renewals_refused={}, completions_pending=0, events=[], start_ms=0, end_ms=0)
-        for name, _ in SCENARIOS
-    }  # fmt: skip
+    not_run = Outcome(scenario="", figures=_NotRun(), double_grants=0, rows_lost=0, grants=0,
+                      renewals_refused={}, completions_pending=0, events=[], start_ms=0,
+                      end_ms=0)  # fmt: skip
+    by = {name: ran.get(name, not_run) for name, _ in SCENARIOS}
     rows: list[report.Figure] = []
 
     def add(
