@@ -444,8 +444,13 @@ async def claim(
     leases = await grant(node, request.max, lease_ms)
     # Long poll: nothing was claimable, so wait for the keeper's next publish (a new ring
     # generation) and try again, until something is granted or the wait is over.
-    while not leases and await next_publish(node, deadline):
-        leases = await grant(node, request.max, lease_ms)
+    if not leases and request.wait_s > 0:
+        node.claims_waiting += 1
+        try:
+            while not leases and await next_publish(node, deadline):
+                leases = await grant(node, request.max, lease_ms)
+        finally:
+            node.claims_waiting -= 1
     kind: Literal["ready", "draining"] = "draining" if status.status == "draining" else "ready"
     if not leases:
         # Said as of now: a set that drained during this claim, or a keeper that stopped

@@ -393,6 +393,13 @@ def _worker_metrics(out: Exposition, reports: dict[int, WorkerReport], now: int)
             lambda r: r.completions.timed_out,
         ),
         (
+            "renderqueue_claims_waiting",
+            "gauge",
+            "Claims long-polling on the worker (wait_s) for the keeper's next publish: fleet "
+            "workers idle for want of due work.",
+            lambda r: r.claims_waiting,
+        ),
+        (
             "renderqueue_store_lane_pending",
             "gauge",
             "Store calls the worker has queued or running on its store lane, the one thread "

@@ -99,6 +99,9 @@ class Node:
     routes: RouteBook = field(init=False)
     # This worker's own lease census (taken at, census) when the supervisor's is missing.
     own_census: tuple[int, dict[str, Any]] | None = field(default=None, init=False)
+    # Claims long-polling on this worker now (api.claims.claim): fleet workers idle for
+    # want of due work. Only the worker's event loop changes it.
+    claims_waiting: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
         self.lane.hot_inline = not self.store.remote

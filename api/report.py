@@ -36,6 +36,7 @@ class WorkerReport(msgspec.Struct, frozen=True, kw_only=True):
     store: StoreCounters
     completions: CompletionQueueStatistics
     lane: LaneStatistics | None = None  # its store lane (api.lane); None from older builds
+    claims_waiting: int = 0  # claims long-polling on it (api.node.Node.claims_waiting)
 
 
 def worker_report(node: Node, completions: CompletionQueueStatistics) -> WorkerReport:
@@ -51,6 +52,7 @@ def worker_report(node: Node, completions: CompletionQueueStatistics) -> WorkerR
         store=store,
         completions=completions,
         lane=node.lane.statistics(),
+        claims_waiting=node.claims_waiting,
     )
 
 

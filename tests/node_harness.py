@@ -610,3 +610,20 @@ def metric_samples(text: str) -> dict[str, float]:
         assert key not in samples, f"duplicate sample {key}"
         samples[key] = float(line.rsplit(" ", 1)[1])
     return samples
+
+
+def metric_total(client: httpx.Client, name: str, **labels: str) -> float:
+    """The sum of a `/metrics` series over the labels not given (a worker's series is as of
+    its last report to the supervisor, about a second old)."""
+    wanted = [f'{label}="{value}"' for label, value in labels.items()]
+    total = 0.0
+    for key, value in metric_samples(client.get("/metrics").text).items():
+        series, _, labelled = key.partition("{")
+        if series == name and all(pair in labelled.rstrip("}").split(",") for pair in wanted):
+            total += value
+    return total
+
+
+def claims_waiting(client: httpx.Client) -> int:
+    """Claims long-polling on the node now, summed over its workers."""
+    return int(metric_total(client, "renderqueue_claims_waiting"))

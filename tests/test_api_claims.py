@@ -16,6 +16,7 @@ from node_harness import (
     FLEET_TOKEN,
     ThreadNode,
     api_settings_for,
+    claims_waiting,
     due_in_table,
     feed_position,
     local_node,
@@ -230,7 +231,8 @@ def test_wait_s_long_polls_until_work_is_published(tmp_path: Path) -> None:
         assert claim(client, 5).json()["leases"] == []
 
         def add_due_row() -> None:
-            time.sleep(0.5)
+            # Once the claim is waiting: granted at once, it would prove nothing of the wait.
+            wait_for(lambda: claims_waiting(client), 20, "the claim to long-poll")
             body = {"upsert": [{"key": "https://shop.example/new", "route": "product"}]}
             assert client.post("/v1/schedule", json=body).status_code == 200
 
@@ -239,6 +241,7 @@ def test_wait_s_long_polls_until_work_is_published(tmp_path: Path) -> None:
         leases = claim(client, 5, wait_s=20).json()["leases"]
         writer.join()
         assert [lease["key"] for lease in leases] == ["https://shop.example/new"]
+        assert claims_waiting(client) == 0
 
 
 # --- eight processes racing through two workers ----------------------------------------

@@ -47,6 +47,7 @@ def a_report(reason: str = "") -> WorkerReport:
         completions=CompletionQueueStatistics(
             requests=9, waited=1, joined=2, transactions=6, busy_attempts=1, timed_out=0
         ),
+        claims_waiting=4,
     )
 
 
@@ -121,7 +122,7 @@ def test_a_long_disk_error_is_cut_so_the_report_still_goes() -> None:
         def counters(self) -> StoreCounters:
             return a_report(reason="\u00e9" * 10_000).store
 
-    node = cast(Node, SimpleNamespace(store=Store(), lane=StoreLane()))
+    node = cast(Node, SimpleNamespace(store=Store(), lane=StoreLane(), claims_waiting=0))
     report = worker_report(node, a_report().completions)
     reason = report.store.writability.reason
     assert len(reason) == MAX_REASON_CHARS and reason.endswith("…")

@@ -8,7 +8,7 @@ import asyncio
 import random
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -256,18 +256,8 @@ def node(tmp_path: Path) -> Iterator[object]:
         yield running
 
 
-def _wait(check: Callable[[], object], timeout_s: float, what: str) -> object:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def test_real_node_503_with_retry_after_during_start_up(tmp_path: Path) -> None:
-    from node_harness import thread_node
+    from node_harness import thread_node, wait_for
 
     # The keeper starts only after the client has met the node unready, so the 503 (and
     # its Retry-After) is certain rather than a race with the first publish.
@@ -278,7 +268,7 @@ def test_real_node_503_with_retry_after_during_start_up(tmp_path: Path) -> None:
             result: list[list[Lease]] = []
             claimer = threading.Thread(target=lambda: result.append(client.claim(10)))
             claimer.start()
-            _wait(lambda: client.statistics().unready_waits > 0, 10, "a 503 waited out")
+            wait_for(lambda: client.statistics().unready_waits > 0, 10, "a 503 waited out")
             node.start_keeper()
             claimer.join(30)
             stats = client.statistics()
@@ -287,14 +277,15 @@ def test_real_node_503_with_retry_after_during_start_up(tmp_path: Path) -> None:
 
 
 def test_real_node_long_poll_wakes_when_a_row_comes_due(node: object) -> None:
-    from node_harness import NodeProcess
+    from node_harness import NodeProcess, claims_waiting, wait_for
 
     assert isinstance(node, NodeProcess)
     with FleetClient(node.url, worker="poller") as client, node.client() as admin:
         result: list[list[Lease]] = []
         poller = threading.Thread(target=lambda: result.append(client.claim(5, wait_s=30)))
         poller.start()
-        time.sleep(0.5)
+        # Once the claim is waiting: granted at once, it would prove nothing of the wake.
+        wait_for(lambda: claims_waiting(admin), 30, "the claim to long-poll")
         response = admin.post(
             "/v1/schedule",
             json={"upsert": [{"key": "https://e.com/woken", "route": "product"}]},

@@ -18,6 +18,7 @@ from keeper_helpers import (
     Rig,
     member_record,
 )
+from node_harness import wait_for
 from store_helpers import open_url
 
 from keeper.config import KeeperConfig
@@ -420,6 +421,9 @@ def test_with_the_real_store_and_shared_memory_the_keeper_ends_equal_to_the_tabl
                 break
             time.sleep(0.2)
         assert held == table
+        # A publish begun before the queue settled may carry keys deleted since; the
+        # second publish after it was begun after.
+        settled_generation = ring.generation
         # The keeper's thread asked for a short slice, as a thread of its own here can,
         # and this thread's is untouched (see store.scheduling).
         granted: list[bool] = []
@@ -428,17 +432,33 @@ def test_with_the_real_store_and_shared_memory_the_keeper_ends_equal_to_the_tabl
         probe.join()
         assert keeper.statistics().short_slice is granted[0]
         assert scheduling.slice_ns() != scheduling.SHORTEST_SLICE_NS
-        time.sleep(1.2)  # a publish and its heartbeat after the last write
+
+        def settled_publish() -> bool:
+            """A ring published since the queue settled, and a report of it that counts
+            the churn's events, with the statistics written beside it."""
+            snapshot, written = state.read(), stats.read()
+            if snapshot is None or written is None:
+                return False
+            read = decode_queue_state(snapshot.payload)
+            record = decode_keeper_statistics(written.payload)
+            return (
+                liveness(read, NOW_REAL()).live
+                and read.trust.exact
+                and read.trust.events > 0
+                and record.phase == "live"
+                and ring.generation >= settled_generation + 2
+            )
+
+        wait_for(settled_publish, 60, "a report after the last write")
         snapshot = state.read()
         assert snapshot is not None
         read = decode_queue_state(snapshot.payload)
-        assert liveness(read, NOW_REAL()).live and read.trust.exact
         assert read.trust.events > 0 and read.trust.repairs.missed == 0
         # Its statistics, written beside queue-state at each publish, with the feed's.
         written = stats.read()
-        assert written is not None and written.age_ms(NOW_REAL()) < 5000
+        assert written is not None
         record = decode_keeper_statistics(written.payload)
-        assert record.phase == "live" and record.exact and record.events > 0
+        assert record.exact and record.events > 0
         assert record.short_slice is granted[0] and record.statistics_write_failures == 0
         assert record.feed is not None and type(record.feed) is FeedStatistics
         assert record.feed.events > 0 and record.feed.polls > 0

@@ -20,6 +20,7 @@ import msgspec
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
+from node_harness import wait_for
 from replica import Replica, ReplicaSnapshot, ReplicaStatistics, table_rows
 from store_helpers import ContractStore, close_all, open_url
 
@@ -188,7 +189,7 @@ class Run:
         ]
         for process in self.writers:
             process.start()
-        wait_until(lambda: self.started.value == 3, "the writers to start")
+        wait_for(lambda: self.started.value == 3, 120, "the writers to start", 0.005)
 
     def close(self) -> None:
         """Stop every process still running (after a failed assertion, say)."""
@@ -242,13 +243,6 @@ class Run:
         return store
 
 
-def wait_until(condition: Any, what: str, timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.005)
-
-
 plans = st.builds(
     Plan,
     seed=st.integers(0, 2**32 - 1),
@@ -279,10 +273,10 @@ def test_subscribe_then_walk_under_three_writers_ends_equal_to_the_table(
     try:
         process = run.start_consumer(resume=False)
         # Let the feed run a while beside the walk, pruning behind the consumer as it saves.
-        wait_until(lambda: run.events.value >= 500, "events to flow")
+        wait_for(lambda: run.events.value >= 500, 120, "events to flow", 0.005)
         pruner = open_url(run.url)
         pruner.prune()
-        wait_until(lambda: run.snapshots.value >= 2, "the consumer to save its cursor")
+        wait_for(lambda: run.snapshots.value >= 2, 120, "the consumer to save its cursor", 0.005)
         pruner.prune()
         pruner.close()
         outcome = run.finish(process)
@@ -308,7 +302,9 @@ def test_a_consumer_killed_mid_stream_resumes_from_its_saved_cursor(
     run = Run(tmp_path, store_url, plan)
     try:
         first = run.start_consumer(resume=False)
-        wait_until(lambda: run.events.value >= 2_000 and run.snapshots.value >= 3, "progress")
+        wait_for(
+            lambda: run.events.value >= 2_000 and run.snapshots.value >= 3, 120, "progress", 0.005
+        )
         os.kill(first.pid or 0, signal.SIGKILL)
         first.join(30)
         assert first.exitcode == -signal.SIGKILL
@@ -322,7 +318,9 @@ def test_a_consumer_killed_mid_stream_resumes_from_its_saved_cursor(
         store.close()
         events_before = run.events.value
         second = run.start_consumer(resume=True)
-        wait_until(lambda: run.events.value >= events_before + 1_000, "the restarted consumer")
+        wait_for(
+            lambda: run.events.value >= events_before + 1_000, 120, "the restarted consumer", 0.005
+        )
         outcome = run.finish(second)
     finally:
         run.close()

@@ -6,10 +6,10 @@ from __future__ import annotations
 import os
 import sqlite3
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from node_harness import wait_for
 
 from store.rows import RowEvent, RowWrite
 from store.sqlite import SqliteStore
@@ -17,15 +17,6 @@ from store.sqlite import store as sqlite_store_module
 from store.sqlite import upkeep as upkeep_module
 from store.sqlite.upkeep import WRITER_CHECKPOINT_PAGES, Upkeep
 from store.sqlite.wal import read_wal_state
-
-
-def wait_for(condition: Callable[[], bool], timeout_s: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.01)
-    return False
 
 
 def put(i: int) -> RowWrite:
@@ -39,12 +30,16 @@ def test_commits_are_checkpointed_by_the_thread(tmp_path: Path) -> None:
     assert conn.execute("PRAGMA wal_autocheckpoint").fetchone()[0] == WRITER_CHECKPOINT_PAGES
     for i in range(300):
         store.write([put(i)])
-    assert wait_for(lambda: store.statistics().upkeep.checkpoints > 0)
+    wait_for(lambda: store.statistics().upkeep.checkpoints > 0, 30, "a checkpoint")
     stats = store.statistics().upkeep
     assert stats.running and stats.errors == 0
     # Everything the thread saw is in the database file now: a checkpoint finds nothing left.
     probe = sqlite3.connect(tmp_path / "s.db")
-    assert wait_for(lambda: probe.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()[0] == 0)
+    wait_for(
+        lambda: probe.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()[0] == 0,
+        30,
+        "a checkpoint that finds nothing left",
+    )
     probe.close()
     upkeep = store._upkeep
     store.close()
@@ -63,10 +58,10 @@ def test_without_the_thread_writers_checkpoint_as_sqlite_does(tmp_path: Path) ->
 def test_the_thread_runs_at_idle_priority(tmp_path: Path) -> None:
     store = SqliteStore(tmp_path / "s.db")
     store.write([put(1)])
-    assert wait_for(lambda: store.statistics().upkeep.running)
+    wait_for(lambda: store.statistics().upkeep.running, 30, "the thread")
     upkeep = store._upkeep
     assert upkeep is not None and upkeep._thread is not None
-    assert wait_for(lambda: store.statistics().upkeep.idle_priority)
+    wait_for(lambda: store.statistics().upkeep.idle_priority, 30, "idle priority")
     native_id = upkeep._thread.native_id
     assert native_id is not None
     assert os.sched_getscheduler(native_id) == os.SCHED_IDLE
@@ -74,14 +69,33 @@ def test_the_thread_runs_at_idle_priority(tmp_path: Path) -> None:
     store.close()
 
 
-def test_writes_raise_the_floor_when_due_and_trim_below_it(tmp_path: Path) -> None:
-    # An interval the twelve writes below finish well inside, even on a loaded machine.
+class UpkeepClock:
+    """The upkeep's monotonic clock, moved only by the test: an interval passes exactly
+    where the test says, however slow the machine is."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> UpkeepClock:
+    clock = UpkeepClock()
+    monkeypatch.setattr(upkeep_module, "time", clock)
+    return clock
+
+
+def test_writes_raise_the_floor_when_due_and_trim_below_it(
+    tmp_path: Path, clock: UpkeepClock
+) -> None:
     store = SqliteStore(tmp_path / "s.db", prune_interval_s=1.0)
     sub = store.subscribe("keeper")
     store.write([put(i) for i in range(50)])
     sub.poll(limit=20)
     sub.save()  # passed entry 20
-    time.sleep(1.05)
+    clock.now += 1.05
     store.write([put(50)])  # seq 51: past the interval, this write raises the floor
     stats = store.statistics()
     assert (stats.floor, stats.log_rows, stats.upkeep.backlog) == (20, 51, 19)
@@ -99,7 +113,7 @@ def test_writes_raise_the_floor_when_due_and_trim_below_it(tmp_path: Path) -> No
     ]  # nothing it needs went
     sub.close()
     store.drop_consumer("keeper")
-    time.sleep(1.05)
+    clock.now += 1.05
     store.write([put(999)])  # nobody registered: all but the head may go
     assert store.statistics().floor == store.statistics().head
     for i in range(200, 240):
@@ -109,11 +123,12 @@ def test_writes_raise_the_floor_when_due_and_trim_below_it(tmp_path: Path) -> No
     store.close()
 
 
-def test_no_pruning_thread_when_asked_for_none(tmp_path: Path) -> None:
+def test_no_pruning_when_asked_for_none(tmp_path: Path, clock: UpkeepClock) -> None:
     store = SqliteStore(tmp_path / "s.db", prune_interval_s=None)
     store.write([put(i) for i in range(10)])
-    time.sleep(0.3)
-    assert store.statistics().log_rows == 10
+    clock.now += 3600
+    store.write([put(10)])
+    assert store.statistics().log_rows == 11
     assert store.statistics().upkeep.floor_raises == 0
     store.close()
 
@@ -139,14 +154,14 @@ def test_a_long_wal_is_restarted_by_the_restart_thread(
     store = SqliteStore(db)
     for i in range(120):
         store.write([put(i)])
-    assert wait_for(lambda: store.statistics().upkeep.restarts > 0)
+    wait_for(lambda: store.statistics().upkeep.restarts > 0, 30, "a restart")
 
     def starts_over() -> bool:
         store.write([put(1000)])  # the first writer after a restart writes from frame 1
         frames = wal_frames(db)
         return frames is not None and frames < 50
 
-    assert wait_for(starts_over)
+    wait_for(starts_over, 30, "the WAL to start over")
     stats = store.statistics().upkeep
     assert stats.errors == 0 and stats.running
     upkeep = store._upkeep

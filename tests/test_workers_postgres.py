@@ -83,16 +83,25 @@ def test_cut_connections_mid_run_lose_nothing_and_the_keeper_is_exact_again(
             unexpected: list[tuple[int, str]] = []
             thread = threading.Thread(target=writer)
             thread.start()
+
+            def writes_after(count: int) -> bool:
+                """A write acknowledged past `count`: the node writes (again)."""
+                if unexpected:
+                    raise AssertionError(f"unexpected answers: {unexpected}")
+                return len(acknowledged) > count
+
             try:
-                time.sleep(0.5)
+                wait_for(lambda: writes_after(100), 60, "writes in flight")
                 cut = terminate_node_connections(pg_url)
                 assert cut >= 3  # two workers and the keeper's feed, at least
-                time.sleep(0.5)
+                written = len(acknowledged)
+                wait_for(lambda: writes_after(written), 60, "a write after the cut")
                 with node.client() as client:
                     leases = client.post("/v1/claims", json={"max": 20, "worker": "t"})
                 assert leases.status_code == 200 and len(leases.json()["leases"]) == 20
                 cut += terminate_node_connections(pg_url)
-                time.sleep(1.0)
+                written = len(acknowledged)
+                wait_for(lambda: writes_after(written), 60, "a write after the second cut")
             finally:
                 stop.set()
                 thread.join(30)

@@ -25,6 +25,7 @@ from node_harness import (
     NodeProcess,
     due_in_table,
     metric_samples,
+    metric_total,
     node_db,
     node_process,
     nodes_on,
@@ -158,7 +159,24 @@ def test_the_wal_series_show_a_reader_holding_checkpoints_back(tmp_path: Path) -
             held = wait_for(lambda: metric(node, uncheckpointed), 30, "uncheckpointed frames")
             frames = metric(node, "renderqueue_sqlite_wal_frames")
             assert frames is not None and 0 < held <= frames
-            time.sleep(1.5)  # more than a census and many checkpoint rounds: still held
+
+            def checkpoints() -> float:
+                with node.client() as client:
+                    return metric_total(client, "renderqueue_sqlite_checkpoints_total")
+
+            # A further write, the checkpoint round after it and the WAL read after that:
+            # the reader's snapshot still keeps every page written since from the database.
+            rounds = checkpoints()
+            with node.client() as client:
+                client.post("/v1/schedule", json={"upsert": [{"key": "held-more", "route": "r"}]})
+            wait_for(
+                lambda: (
+                    checkpoints() > rounds
+                    and (metric(node, "renderqueue_sqlite_wal_frames") or 0) > frames
+                ),
+                30,
+                "a checkpoint round and a WAL reading after a further write",
+            )
             assert (metric(node, uncheckpointed) or 0) >= held
         finally:
             reader.execute("COMMIT")
