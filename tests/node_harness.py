@@ -240,7 +240,7 @@ class ThreadNode:
             BodyLimit(create_app(self.node, self.services), max_body_bytes),
             http=PROTOCOLS[http],
             proxy_headers=False,
-            loop="asyncio",
+            loop="uvloop",  # as a worker runs it (workers.worker)
             lifespan="off",
             log_config=None,
             access_log=False,

@@ -242,7 +242,9 @@ def serve(spec: WorkerSpec) -> int:
             BodyLimit(create_app(node, services), settings.max_body_bytes),
             http=PROTOCOLS[settings.http],
             proxy_headers=False,
-            loop="asyncio",
+            # uvloop: a request's fixed cost, the server's share of every claim, is a
+            # quarter to a third lower than on asyncio's own loop (bench stages).
+            loop="uvloop",
             lifespan="off",
             log_config=None,
             access_log=settings.access_log,

@@ -10,6 +10,9 @@
   keeper's feed ring), and the keeper thread's CPU per completed key.
 - Through HTTP, a node with one worker: a request's fixed cost, the worker's CPU per
   `GET /healthz` and per one-key claim, less what the idle worker spends meanwhile.
+- The app alone: the same requests, and claims of 100 keys, called on the worker's ASGI
+  app in process with no server or socket, the calling thread's CPU each. Beside the
+  HTTP figures it splits a request's cost between the app and the server.
 - The bodies: decoding and checking a 100-item completion, encoding a 100-lease answer.
 
 Each figure is thread or process CPU (user + system), so another process's load moves it
@@ -82,8 +85,9 @@ class Stopwatch:
             self._wrapped.clear()
 
 
-def in_process(config: Config, rows: Any) -> dict[int, dict[str, float]]:
-    """Per batch size: stage label -> CPU µs per key."""
+def in_process(config: Config, rows: Any, app: dict[str, float]) -> dict[int, dict[str, float]]:
+    """Per batch size: stage label -> CPU µs per key. `app` takes `app_costs`, measured on
+    the same node after the arms."""
     import store.sqlite.feed_ring
     import store.sqlite.store
     from bench.peers.renderqueue import InProcessClaimant, RenderqueuePeer
@@ -141,6 +145,10 @@ def in_process(config: Config, rows: Any) -> dict[int, dict[str, float]]:
                     f"{per_key['completion']:.1f}, keeper {per_key['keeper']:.1f} µs/key "
                     f"({keys:,} keys)"
                 )
+            due_left = due_count(rows, time.time_ns() // 1_000_000) - sum(
+                int(spent["keys"]) for spent in out.values()
+            )
+            app.update(app_costs(config, claimant.node, due_left))
         finally:
             claimant.close()
     finally:
@@ -192,6 +200,84 @@ def request_costs(config: Config) -> dict[str, float]:
     return out
 
 
+APP_CLAIM_KEYS = 100
+
+
+def app_costs(config: Config, node: Any, due_left: int) -> dict[str, float]:
+    """The worker's ASGI app called in process, no server: the calling thread's CPU per
+    request (and per key of a 100-key claim). A claim answered short (the ring ran low
+    before the keeper's refill) is not counted. The claims take at most half of the
+    `due_left` rows between them, so the ring's refills keep up."""
+    import asyncio
+
+    from api.app import build_services, create_app
+
+    app = create_app(node, build_services(node))
+
+    async def call(method: str, path: str, body: bytes) -> tuple[int, bytes]:
+        scope = {
+            "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+            "method": method, "scheme": "http", "path": path, "raw_path": path.encode(),
+            "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1),
+            "server": ("127.0.0.1", 80),
+            "headers": [(b"content-type", b"application/json"),
+                        (b"content-length", str(len(body)).encode())],
+        }  # fmt: skip
+        received = False
+        sent: list[Any] = []
+
+        async def receive() -> dict[str, Any]:
+            nonlocal received
+            if received:  # a request is whole in one message: nothing more comes
+                await asyncio.Event().wait()
+            received = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        async def send(message: Any) -> None:
+            sent.append(message)
+
+        await app(scope, receive, send)
+        return int(sent[0]["status"]), b"".join(m.get("body", b"") for m in sent[1:])
+
+    def claim_body(keys: int) -> bytes:
+        return msgspec.json.encode({"max": keys, "worker": "stages", "lease_s": 300})
+
+    # (method, path, body, keys a full answer holds, requests)
+    one_key = max(1, min(config.requests, due_left // 4))
+    hundred = max(1, min(config.requests // 10, due_left // 4 // APP_CLAIM_KEYS))
+    calls = {
+        "GET /healthz": ("GET", "/healthz", b"", 0, config.requests),
+        "POST /v1/claims, max 1": ("POST", "/v1/claims", claim_body(1), 1, one_key),
+        f"POST /v1/claims, max {APP_CLAIM_KEYS}": (
+            "POST", "/v1/claims", claim_body(APP_CLAIM_KEYS), APP_CLAIM_KEYS, hundred,
+        ),
+    }  # fmt: skip
+
+    async def run() -> dict[str, float]:
+        out: dict[str, float] = {}
+        for what, (method, path, body, keys, requests) in calls.items():
+            spent, counted, short = 0.0, 0, 0
+            while counted < requests:
+                started = time.thread_time()
+                status, answer = await call(method, path, body)
+                elapsed = time.thread_time() - started
+                if status != 200:
+                    raise RuntimeError(f"{what}: HTTP {status}: {answer[:200]!r}")
+                if keys and answer.count(b'"token"') < keys:
+                    short += 1
+                    if short > 10 * requests:
+                        raise RuntimeError(f"{what}: the ring kept running short")
+                    await asyncio.sleep(0.02)  # the keeper's refill
+                    continue
+                spent += elapsed
+                counted += 1
+            out[what] = spent / counted * 1e6
+            report.progress(f"stages: the app alone: {what}: {out[what]:.0f} µs a request")
+        return out
+
+    return asyncio.run(run())
+
+
 def body_costs(config: Config) -> dict[str, float]:
     from api.body import decode_json
     from api.completions import check
@@ -240,6 +326,7 @@ def figures(
     config: Config,
     stages: dict[int, dict[str, float]],
     requests: dict[str, float],
+    app: dict[str, float],
     bodies: dict[str, float],
 ) -> list[report.Figure]:
     table = (
@@ -267,6 +354,15 @@ def figures(
     fixed = "A request's fixed cost through HTTP (one worker; its CPU per request, less idle)"
     for what, value in requests.items():
         out.append(report.Figure(table=fixed, what=what, unit="µs", ours=round(value, 1)))
+    alone = "The worker's app alone, in process with no server (CPU per request)"
+    for what, value in app.items():
+        out.append(report.Figure(table=alone, what=what, unit="µs", ours=round(value, 1)))
+    claim = f"POST /v1/claims, max {APP_CLAIM_KEYS}"
+    if claim in app:
+        out.append(
+            report.Figure(table=alone, what=f"{claim}, per key", unit="µs/key",
+                          ours=round(app[claim] / APP_CLAIM_KEYS, 2))
+        )  # fmt: skip
     codec = "Bodies, msgspec (CPU per request)"
     for what, value in bodies.items():
         out.append(report.Figure(table=codec, what=what, unit="µs", ours=round(value, 1)))
@@ -291,9 +387,10 @@ def main(argv: list[str] | None = None) -> int:
     failures: list[str] = []
     stages: dict[int, dict[str, float]] = {}
     requests: dict[str, float] = {}
+    app: dict[str, float] = {}
     bodies: dict[str, float] = {}
     steps: list[tuple[str, Callable[[], None]]] = [
-        ("in process", lambda: stages.update(in_process(config, rows))),
+        ("in process", lambda: stages.update(in_process(config, rows, app))),
         ("HTTP", lambda: requests.update(request_costs(config))),
         ("bodies", lambda: bodies.update(body_costs(config))),
     ]
@@ -303,12 +400,13 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:
             failures.append(f"{name}: {type(exc).__name__}: {exc}")
             report.progress(f"stages: {name} FAILED: {exc}")
-    result.figures = figures(config, stages, requests, bodies)
+    result.figures = figures(config, stages, requests, app, bodies)
     result.promised = [figure.key for figure in result.figures]
     result.raw = {
         "config": msgspec.to_builtins(config),
         "stages": {str(b): v for b, v in stages.items()},
         "requests": requests,
+        "app": app,
         "bodies": bodies,
         "failures": failures,
     }
