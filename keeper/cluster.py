@@ -44,10 +44,11 @@ Member = tuple[str, int]  # (name, incarnation)
 # Key hashes to what ownership is judged on (keeper.ownership.placements); None: the keys'
 # own hashes.
 Place = Callable[[npt.NDArray[np.uint64]], npt.NDArray[np.uint64]]
-# A block handed over is put in force this much past its end: its end crossed two clocks
-# (the old owner's to the database's, the database's to this node's), each offset taken
-# over a round trip, and a block may end late but never early.
-HANDED_BLOCK_MARGIN_MS = 1_000
+# What another node handed over (a lease's fence, its site permit, a site's block) is held
+# this much past its end: the end crossed two clocks (the old owner's to the database's,
+# the database's to this node's), each offset taken over a round trip, and each may end
+# late but never early: a few ms early, a key is held twice or a site is over its cap.
+HANDED_MARGIN_MS = 1_000
 
 
 class _ShareFence:
@@ -248,7 +249,7 @@ class ClusterView:
         if record.live or record.left:
             # Until its word is read; at worst, until its leases end (module note).
             until = (
-                record.lease_horizon_ms - self.offset_ms
+                self._leases_end(record, now)
                 if record.left
                 else now + self.grant_window_ms + max_lease
             )
@@ -266,14 +267,18 @@ class ClusterView:
     ) -> _KeyFence | None:
         for handover in handovers:
             if handover.node == record.node and handover.incarnation == record.incarnation:
-                until = np.asarray(handover.expires_at_ms, dtype=np.int64) - self.offset_ms
+                until = (
+                    np.asarray(handover.expires_at_ms, dtype=np.int64)
+                    - self.offset_ms
+                    + HANDED_MARGIN_MS
+                )
                 hashes = np.asarray(handover.key_hashes, dtype=np.uint64)
                 live = until > now
                 if self.by_site:
                     self.handed_blocks.extend(
                         (
                             block.site_hash,
-                            block.until_ms - self.offset_ms + HANDED_BLOCK_MARGIN_MS,
+                            block.until_ms - self.offset_ms + HANDED_MARGIN_MS,
                             block.reason,
                         )
                         for block in handover.blocks
@@ -414,12 +419,14 @@ def leases_end(
     as old as the record says, and no lease of its ends past its longest after that, nor
     past the lease ceiling it published (keeper.ceiling), which cannot rise once it is
     dead."""
+    # The horizon is the database's instant: it crossed clocks (HANDED_MARGIN_MS).
+    horizon = record.lease_horizon_ms - offset_ms + HANDED_MARGIN_MS
     if record.left:
-        return record.lease_horizon_ms - offset_ms
+        return horizon
     longest = record.max_lease_ms or max_lease_ms
     worst = now - record.heartbeat_age_ms + ttl_ms + grant_window_ms + longest
     if record.lease_horizon_ms > 0:
-        return min(worst, record.lease_horizon_ms - offset_ms)
+        return min(worst, horizon)
     return worst
 
 

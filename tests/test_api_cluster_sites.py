@@ -205,7 +205,9 @@ def trio(pg_database: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator
 
 def _assert_capped(grants: list[Grant]) -> None:
     big = _of(BIG, grants)
-    assert _most_live([(start, end) for _, _, start, end in big]) <= CAP
+    assert _most_live([(start, end) for _, _, start, end in big]) <= CAP, sorted(
+        big, key=lambda grant: grant[2]
+    )
     by_key: dict[str, list[tuple[int, int]]] = {}
     for key, _, start, end in big:
         by_key.setdefault(key, []).append((start, end))

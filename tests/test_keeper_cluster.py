@@ -9,7 +9,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from keeper.cluster import HANDED_BLOCK_MARGIN_MS, ClusterView
+from keeper.cluster import HANDED_MARGIN_MS, ClusterView
 from keeper.ownership import placements, winners
 from store.rows import HandedBlock, Handover, MemberList, NodeRecord
 
@@ -131,7 +131,8 @@ def test_a_hand_over_fences_exactly_its_keys_each_until_its_lease_ends() -> None
     mine = KEYS[owned]
     leased = mine[:5]
     offset = 7_000  # the database's clock runs 7 s ahead of this node's
-    ends = [T0 + 3_000 + offset, T0 + 3_000 + offset, T0 + 9_000 + offset, T0 + offset, 1]
+    # Three live, one ended a margin ago (fenced no more), one long over.
+    ends = [T0 + 3_000 + offset, T0 + 3_000 + offset, T0 + 9_000 + offset, T0 - 1_000 + offset, 1]
     handover = Handover(node="a", incarnation=1, key_hashes=leased.tolist(), expires_at_ms=ends)
     acked = everyone_acked(["a", "b", "c"])
     now = T0 + 100
@@ -146,10 +147,13 @@ def test_a_hand_over_fences_exactly_its_keys_each_until_its_lease_ends() -> None
     assert blocked is not None and blocked.sum() == 3 and blocked[:3].all()
     stats = cluster.statistics(now)
     assert [(f.node, f.reason, f.keys) for f in stats.fences] == [("a", "handed over", 3)]
-    later = cluster.blocked_mask(mine, T0 + 3_000)  # in this node's clock
+    # Each until its end in this node's clock and a margin past it, never early.
+    ending = cluster.blocked_mask(mine, T0 + 3_000 + HANDED_MARGIN_MS - 1)
+    assert ending is not None and ending.sum() == 3
+    later = cluster.blocked_mask(mine, T0 + 3_000 + HANDED_MARGIN_MS)
     assert later is not None and later.sum() == 1 and later[2]
     cluster.observe(msgspec.structs.replace(read, db_now_ms=T0 + 8_000 + offset), T0 + 8_000)
-    assert cluster.blocked_mask(mine, T0 + 9_000) is None
+    assert cluster.blocked_mask(mine, T0 + 9_000 + HANDED_MARGIN_MS) is None
 
 
 def test_the_others_fence_nothing_when_a_node_joins() -> None:
@@ -192,13 +196,14 @@ def test_a_dead_nodes_keys_are_fenced_from_its_last_heartbeat_and_only_those() -
 
 def test_a_dead_node_with_a_published_lease_ceiling_is_fenced_until_it() -> None:
     """c published that none of its leases ends after a ceiling short of its worst case:
-    its keys wait only until then (in this view's clock: the database's less the offset),
-    and a ceiling past the worst case changes nothing."""
+    its keys wait only until then (in this view's clock: the database's less the offset,
+    and a margin for the clocks it crossed), and a ceiling past the worst case changes
+    nothing."""
     offset = 250_000  # the database's clock runs this far ahead of this view's
     now = T0 + 1_000
     ceiling = now - 13_000 + TTL + 4_000  # well inside the worst case's LEASE
     for horizon, end in (
-        (ceiling, ceiling),
+        (ceiling, ceiling + HANDED_MARGIN_MS),
         (now + 10 * LEASE, now - 13_000 + TTL + WINDOW + LEASE),
     ):
         cluster = settled("a", ["a", "b", "c"])
@@ -240,7 +245,7 @@ def test_a_node_that_left_cleanly_fences_only_what_it_handed_over() -> None:
     cluster.observe(members(gone, T0 + 10, [handover]), T0 + 10)
     blocked = cluster.blocked_mask(KEYS, T0 + 20)
     assert blocked is not None and blocked.sum() == 10
-    assert cluster.blocked_mask(KEYS, T0 + 4000) is None
+    assert cluster.blocked_mask(KEYS, T0 + 4000 + HANDED_MARGIN_MS) is None
     # One that left with no lease live fences nothing.
     again = settled("a", ["a", "b"])
     quiet = [record("a"), record("b", live=False, left=True, horizon=T0 - 1)]
@@ -344,7 +349,10 @@ def test_the_fenced_count_is_the_blocked_mask_by_fence() -> None:
     by = {(r.node, r.reason): r for r in counted.reasons}
     assert set(by) == {("b", "handed over"), ("c", "dead")}
     assert by["b", "handed over"].due == int(np.isin(due, handed).sum())
-    assert by["b", "handed over"].keys == 10 and by["b", "handed over"].until_ms == T0 + 4000
+    assert (
+        by["b", "handed over"].keys == 10
+        and by["b", "handed over"].until_ms == T0 + 4000 + HANDED_MARGIN_MS
+    )
     assert by["c", "dead"].due == int(np.isin(due, KEYS[before == "c"]).sum())
     assert by["c", "dead"].keys is None
     assert counted.until_ms == max(r.until_ms for r in counted.reasons)
@@ -417,6 +425,7 @@ def test_owned_by_site_a_dead_nodes_sites_are_fenced_whole_and_handed_leases_cou
     gone = [record("a"), record("b", live=False, left=True, horizon=now + 6_000), dead[2]]
     cluster.observe(members(gone, later, [handover]), later)
     [(permit_sites, ends)] = cluster.handed_permits
-    assert permit_sites.tolist() == [site, site] and ends.tolist() == [now + 4_000, now + 6_000]
+    assert permit_sites.tolist() == [site, site]
+    assert ends.tolist() == [now + 4_000 + HANDED_MARGIN_MS, now + 6_000 + HANDED_MARGIN_MS]
     # Its block goes with it, put in force a little past its end (never early).
-    assert cluster.handed_blocks == [(site, now + 7_000 + HANDED_BLOCK_MARGIN_MS, "retry_after")]
+    assert cluster.handed_blocks == [(site, now + 7_000 + HANDED_MARGIN_MS, "retry_after")]

@@ -16,6 +16,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from node_harness import wait_for
 from replica import Replica
 
 from store.postgres import PostgresStore
@@ -318,28 +319,27 @@ def test_commits_announced_moments_after_a_read_gather_for_the_next_one(
 def test_a_saving_consumer_prunes_the_log_on_a_thread_of_its_own(pg_url: str) -> None:
     store = PostgresStore(pg_url, prune_interval_s=0.2)
     sub = store.subscribe("pruned")
+
+    def caught_up() -> bool:
+        if sub.has_delivered(store.feed_head()):
+            return True
+        sub.wait(0.05)
+        sub.poll()
+        return False
+
     try:
         store.write([RowWrite(key=f"/p/{i}", route="page", next_render_at=1) for i in range(300)])
-        deadline = time.monotonic() + 10
-        while not sub.has_delivered(store.feed_head()) and time.monotonic() < deadline:
-            sub.wait(0.05)
-            sub.poll()
+        wait_for(caught_up, 60, "the feed to deliver the writes", 0)
         assert sub.statistics().log_retained is None  # no pruner before the first save
         sub.save()  # starts the pruner; returns at once
-        while sub.statistics().pruned < 300 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert sub.statistics().pruned >= 300
+        wait_for(lambda: sub.statistics().pruned >= 300, 60, "the pruner's first round")
         assert store.statistics().log_rows == 0
         # Unsaved entries stay, and the pruner's count after its next round says how many.
         store.write([RowWrite(key=f"/kept/{i}", route="page", next_render_at=1) for i in range(40)])
-        while sub.statistics().log_retained != 40 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert sub.statistics().log_retained == store.statistics().log_rows == 40
+        wait_for(lambda: sub.statistics().log_retained == 40, 60, "a round counting the kept")
+        assert store.statistics().log_rows == 40
         store.write([RowWrite(key="/after", route="page", next_render_at=1)])
-        while not sub.has_delivered(store.feed_head()) and time.monotonic() < deadline:
-            sub.wait(0.05)
-            sub.poll()
-        assert sub.has_delivered(store.feed_head())
+        wait_for(caught_up, 60, "the feed to deliver the last write", 0)
         assert sub.statistics().prune_failures == 0
         common = sub.statistics().common()  # what the keeper's record carries
         assert common.log_retained is not None and common.prune_failures == 0
