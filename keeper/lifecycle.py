@@ -445,7 +445,7 @@ class Lifecycle:
             case Dropped(left):
                 self.dropping = left
                 if not left and self.walk is None:
-                    return self._rebalanced()
+                    return self._rebalanced(now)
                 return []
             case ChunkFailed():
                 self.walk_errors += 1
@@ -543,10 +543,16 @@ class Lifecycle:
         if self.feed_open and not self.dropping:
             if self.phase != "live":
                 actions.append(SettleAfterLoad())
+                self._republish_exact(now)
             self.phase = "live"
             self.exact_reason = ""
         actions.append(WriteState(full=True))
         return actions
+
+    def _republish_exact(self, now: int) -> None:
+        """Exact again: publish at once. A ring published while not exact vouches for no
+        view (shm.marks), so until the next publish claims read every granted row back."""
+        self.next_publish = now
 
     def _ownership_changed(self, now: int, marked: int, gains: bool) -> list[Action]:
         self.dropping = marked > 0
@@ -563,11 +569,12 @@ class Lifecycle:
             return [WriteState(full=True)]
         return actions + self._begin_walk(now, "membership" if self.loaded else "load")
 
-    def _rebalanced(self) -> list[Action]:
+    def _rebalanced(self, now: int) -> list[Action]:
         """The marked rows are dropped and no walk is left: exact again."""
         if self.loaded and self.feed_open and self.phase == "rebalancing":
             self.phase = "live"
             self.exact_reason = ""
+            self._republish_exact(now)
             return [WriteState(full=True)]
         return []
 

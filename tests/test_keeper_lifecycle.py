@@ -218,6 +218,25 @@ def test_the_first_round_reads_a_chunk_then_publishes_and_the_load_ends_live() -
     assert script.round() > 0, "loaded, published: wait for the next tick"
 
 
+def test_becoming_exact_publishes_at_once_after_a_load_and_after_a_resync() -> None:
+    """A ring published while the keeper was not exact vouches for no view (shm.marks):
+    until the next publish, claims read every granted row back."""
+    script = started()
+    script.round()  # the load's first chunk and the first publish
+    due = script.lc.next_publish  # the interval's next
+    while "FinishWalk" not in script.kinds():
+        script.round(advance_ms=10)
+    kinds = script.kinds()
+    assert script.now < due and "Publish" in kinds[kinds.index("FinishWalk") :]
+    script.round(advance_ms=10)
+    script.tell(FeedFailed("ConnectionError", reopen_at=script.now + 100))
+    script.round(advance_ms=100)  # reopened: the resync walks
+    while "FinishWalk" not in script.kinds():
+        script.round(advance_ms=10)
+    kinds = script.kinds()
+    assert script.lc.exact and "Publish" in kinds[kinds.index("FinishWalk") :]
+
+
 def test_publishes_come_every_interval_and_a_late_one_does_not_bunch_up() -> None:
     script = live()
     lc = script.lc
