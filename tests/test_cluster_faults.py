@@ -47,6 +47,18 @@ def node(tmp_path: Path, name: str, *args: str) -> NodeProcess:
     return NodeProcess(directory, workers=1, extra_args=("--node", name, *args))
 
 
+def why_not(process: NodeProcess) -> str:
+    """What a node that grants nothing says of itself: its readiness and a claim's answer
+    (for a failure's message)."""
+    with process.client() as client:
+        ready = client.get("/readyz")
+        answer = client.post("/v1/claims", json={"max": 1, "worker": "test", "lease_s": 1})
+    return (
+        f"/readyz {ready.status_code} {ready.text[:300]}; "
+        f"claim {answer.status_code} {answer.text[:300]}"
+    )
+
+
 def claim(process: NodeProcess, count: int, lease_s: int | None = None) -> list[dict[str, Any]]:
     body: dict[str, Any] = {"max": count, "worker": "test"}
     if lease_s is not None:
@@ -294,7 +306,10 @@ def test_a_node_whose_clock_is_set_apart_grants_no_key_twice(
         c.start()
         joined = c.wait_event("cluster_joined")
         assert joined["clock_offset_ms"] != 0 or offset == "+0s"
-        wait_for(lambda: take(c, "c"), 60, "c to grant", 0.2)
+        try:
+            wait_for(lambda: take(c, "c"), 120, "c to grant", 0.2)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; {why_not(c)}") from None
         take(c, "c", rounds=5)
         c.stop()  # a clean leave: c hands its live leases over, in the database's clock
         for process, name in ((a, "a"), (b, "b")):
