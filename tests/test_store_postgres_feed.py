@@ -18,6 +18,7 @@ import psycopg
 import pytest
 from node_harness import wait_for
 from replica import Replica
+from store_helpers import settle
 
 from store.postgres import PostgresStore
 from store.postgres import feed as pg_feed
@@ -385,22 +386,6 @@ def test_the_server_drops_a_listener_whose_socket_takes_nothing(pg_url: str) -> 
         store.close()
 
 
-def readable_to(store: PostgresStore, start: Any, head: Any) -> None:
-    """Until a poll from `start` reads every entry up to `head` at once: on a shared
-    server, another test's transaction older than these writes holds the feed back until
-    it ends (a probe consumer reads ahead; the consumers under test do not move)."""
-    probe = store.subscribe(f"probe-{time.monotonic_ns()}", start)
-
-    def caught_up() -> bool:
-        probe.poll()
-        return probe.has_delivered(head)
-
-    try:
-        wait_for(caught_up, 60, "the feed to pass older transactions", 0.05)
-    finally:
-        probe.close()
-
-
 def test_a_poll_for_records_answers_row_entries_as_the_records_of_polls_events(
     pg_url: str,
 ) -> None:
@@ -410,14 +395,13 @@ def test_a_poll_for_records_answers_row_entries_as_the_records_of_polls_events(
     from store.base import FeedBatch, RowRecords
 
     store = PostgresStore(pg_url)
-    start = store.feed_head()
-    records_sub = store.subscribe("records", start)
-    events_sub = store.subscribe("events", start)
+    records_sub = store.subscribe("records", store.feed_head())
+    events_sub = store.subscribe("events", store.feed_head())
     store.write([RowWrite(key="/a", route="product", next_render_at=1_000, sitemap=True)])
     store.write([RowWrite(key="/b", route="product", next_render_at=2_000, cadence_s=60)])
     store.write([RowWrite(key="/c", route="product", next_render_at=3_000)], delete=["/a"])
     head = store.feed_head()
-    readable_to(store, start, head)
+    settle(store)
     got = records_sub.poll_records()
     plain = events_sub.poll()
     assert isinstance(got, RowRecords)
@@ -437,7 +421,7 @@ def test_a_poll_for_records_answers_row_entries_as_the_records_of_polls_events(
     assert records_sub.statistics().coalesced == 1 and records_sub.statistics().events == 3
     store.set_route("product", default_cadence_s=60)
     store.write([RowWrite(key="/d", route="product", next_render_at=4_000)])
-    readable_to(store, head, store.feed_head())
+    settle(store)
     routed = records_sub.poll_records()
     assert isinstance(routed, FeedBatch)
     assert routed.events == events_sub.poll().events and len(routed.events) == 2
