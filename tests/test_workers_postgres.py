@@ -171,8 +171,18 @@ def test_a_server_restart_is_503_meanwhile_and_the_node_recovers(
                 with node.client() as client:
                     row = {"key": "https://shop.example/up", "route": "product"}
                     assert client.post("/v1/schedule", json={"upsert": [row]}).status_code == 200
-                    leases = client.post("/v1/claims", json={"max": 10, "worker": "t"})
-                assert leases.status_code == 200 and leases.json()["leases"]
+
+                    def granted() -> bool:
+                        # A worker that made no store call since the outage finds its
+                        # connection gone at its first: 503 and retry, as the fleet does.
+                        leases = client.post("/v1/claims", json={"max": 10, "worker": "t"})
+                        if leases.status_code == 503:
+                            assert leases.headers.get("retry-after"), leases.text
+                            return False
+                        assert leases.status_code == 200, leases.text
+                        return bool(leases.json()["leases"])
+
+                    wait_for(granted, 60, "a claim granted after the restart", 0.2)
     finally:
         proxy.stop()
     with psycopg.connect(pg_url, autocommit=True) as conn:
