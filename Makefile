@@ -35,11 +35,9 @@ typecheck: build
 	$(VENV)/bin/mypy store shm keeper workers api wire fleet sitemap bench tests
 	$(PY) -m mypy.stubtest --mypy-config-file pyproject.toml shm._atomics keeper._native
 
-# One test process per core (pytest-xdist): most tests wait on node processes, so two
-# halve the suite's wall time on two cores. PYTEST_ARGS="-n0" runs them in one process.
-# Twice as many test processes as cores: the suite waits (on node processes, PostgreSQL,
-# subprocesses, conditions) more than it computes, and at one a core it takes half
-# again as long.
+# Twice as many test processes as cores (pytest-xdist): the suite waits (on node
+# processes, PostgreSQL, subprocesses, conditions) more than it computes, so one a core
+# leaves the cores idle. PYTEST_ARGS="-n0" runs them in one process.
 PYTEST_WORKERS ?= $(shell echo $$(( 2 * $$(nproc) )))
 pytest: build
 	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal $(PYTEST_ARGS)

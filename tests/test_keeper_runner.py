@@ -754,7 +754,6 @@ def test_the_cursor_is_saved_after_a_publish_at_most_once_a_second_and_on_close(
 def test_a_transaction_holding_the_feed_back_shows_in_queue_state_with_its_pid(
     pg_url: str,
 ) -> None:
-    import time
 
     import psycopg
 
@@ -785,20 +784,23 @@ def test_a_transaction_holding_the_feed_back_shows_in_queue_state_with_its_pid(
             },
         )
         store.write([RowWrite(key="/b", route="product", next_render_at=NOW_REAL())])
-        deadline = time.monotonic() + 30
-        trust = keeper.queue_state(NOW_REAL(), full=False).trust
-        while trust.feed_held_by_pid == 0 and time.monotonic() < deadline:
+
+        def held_back() -> bool:
             keeper.step()
-            time.sleep(0.05)
-            trust = keeper.queue_state(NOW_REAL(), full=False).trust
+            return keeper.queue_state(NOW_REAL(), full=False).trust.feed_held_by_pid != 0
+
+        wait_for(held_back, 30, "the open transaction named as holding the feed back")
+        trust = keeper.queue_state(NOW_REAL(), full=False).trust
         assert trust.feed_held_by_pid == holder.info.backend_pid
         assert trust.feed_held_back_ms >= 1000 and trust.feed_lag_ms >= trust.feed_held_back_ms
         assert keeper.core.queue.slot_of(key_hash(b"/b")) < 0  # delayed behind it, not lost
         holder.commit()
-        deadline = time.monotonic() + 30
-        while keeper.core.queue.slot_of(key_hash(b"/b")) < 0 and time.monotonic() < deadline:
+
+        def applied() -> bool:
             keeper.step()
-            time.sleep(0.01)
+            return keeper.core.queue.slot_of(key_hash(b"/b")) >= 0
+
+        wait_for(applied, 30, "the write held back to be applied", 0.01)
         trust = keeper.queue_state(NOW_REAL(), full=False).trust
         assert keeper.core.queue.slot_of(key_hash(b"/open")) >= 0
         assert keeper.core.queue.slot_of(key_hash(b"/b")) >= 0

@@ -128,10 +128,13 @@ def test_a_transaction_left_open_holds_the_feed_back_and_is_named(pg_url: str) -
         store.write([RowWrite(key="/after", route="page", next_render_at=5)])
         # The later commit waits behind the open transaction: delayed, not lost.
         assert feed.poll().events == []
-        deadline = time.monotonic() + 30
-        while feed.statistics().held_by_pid == 0 and time.monotonic() < deadline:
+
+        def named() -> bool:
             assert feed.wait(0.2)  # entries are pending: the wait re-polls soon
             assert feed.poll().events == []
+            return feed.statistics().held_by_pid != 0
+
+        wait_for(named, 30, "the open transaction named", 0)
         stats = feed.statistics()
         assert stats.held_by_pid == holder_pid
         assert stats.held_back_ms >= 1000
@@ -259,9 +262,7 @@ def test_a_feed_is_quiet_only_while_nothing_was_announced_since_its_last_read(
         sub.poll()
         assert sub.quiet()
         store.write([RowWrite(key="/a", route="page", next_render_at=1)])
-        deadline = time.monotonic() + 30
-        while sub.quiet() and time.monotonic() < deadline:  # until its NOTIFY arrives
-            time.sleep(0.001)
+        wait_for(lambda: not sub.quiet(), 30, "its NOTIFY", 0.001)
         assert not sub.quiet()  # announced: the next poll must read
         assert [e.key for e in sub.poll().events if isinstance(e, RowEvent)] == ["/a"]
         assert sub.quiet()

@@ -242,8 +242,8 @@ def serve(spec: WorkerSpec) -> int:
             BodyLimit(create_app(node, services), settings.max_body_bytes),
             http=PROTOCOLS[settings.http],
             proxy_headers=False,
-            # uvloop: a request's fixed cost, the server's share of every claim, is a
-            # quarter to a third lower than on asyncio's own loop (bench stages).
+            # uvloop: a request's fixed cost, the server's share of every claim, is
+            # lower than on asyncio's own loop (bench stages measures both).
             loop="uvloop",
             lifespan="off",
             log_config=None,
