@@ -335,7 +335,8 @@ def test_a_cluster_view_that_does_not_answer_leaves_the_node_shown(
             # The page and this read see the queue at different moments: keys fall due
             # between them, so wait for a refresh that matches a fresh read.
             state = admin_get(node, "/prerender_admin/queue-state").json()
-            return page.get_attribute("#now-due", "data-value") == str(state["now"]["due"])
+            shown: str | None = page.get_attribute("#now-due", "data-value")
+            return shown == str(state["now"]["due"])
 
         wait_for(shows_the_node_counts, 30, "the page to show the node's due count", 0.2)
         assert "did not answer" in page.inner_text("#cluster-note")
