@@ -164,6 +164,25 @@ def wait_for(
     raise AssertionError(f"timed out after {timeout_s} s waiting for {what} (last: {last!r})")
 
 
+def claim_answered(
+    client: httpx.Client, body: dict[str, Any], timeout_s: float = 60
+) -> dict[str, Any]:
+    """A claim asked as the fleet asks it: a 503 with Retry-After (no publish yet, a keeper
+    late to publish on a loaded machine, a store connection being remade) is asked again,
+    until the node answers 200; the answer's body."""
+
+    def answered() -> dict[str, Any] | None:
+        response = client.post("/v1/claims", json=body)
+        if response.status_code == 503 and response.headers.get("retry-after"):
+            return None
+        assert response.status_code == 200, response.text
+        answer: dict[str, Any] = response.json()
+        return answer
+
+    answer: dict[str, Any] = wait_for(answered, timeout_s, "a claim answered 200", 0.1)
+    return answer
+
+
 def free_socket(host: str = "127.0.0.1") -> socket.socket:
     # IPPROTO_TCP, not 0, or asyncio leaves Nagle on for accepted sockets (40 ms a reply).
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
@@ -421,6 +440,11 @@ class NodeProcess:
                 self._changed.notify_all()
         with self._changed:
             self._changed.notify_all()
+
+    def logged(self) -> list[dict[str, Any]]:
+        """Every event logged so far, in order."""
+        with self._changed:
+            return list(self.events)
 
     def find_events(self, name: str, **fields: Any) -> list[dict[str, Any]]:
         with self._changed:

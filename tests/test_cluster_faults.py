@@ -13,6 +13,7 @@ PostgreSQL, on default settings unless a test says otherwise.
 from __future__ import annotations
 
 import glob
+import json
 import os
 import signal
 from collections.abc import Iterator
@@ -48,14 +49,21 @@ def node(tmp_path: Path, name: str, *args: str) -> NodeProcess:
 
 
 def why_not(process: NodeProcess) -> str:
-    """What a node that grants nothing says of itself: its readiness and a claim's answer
-    (for a failure's message)."""
+    """What a node that grants nothing says of itself, for a failure's message: its
+    readiness, a claim's answer, and its log's warnings and membership events."""
     with process.client() as client:
         ready = client.get("/readyz")
-        answer = client.post("/v1/claims", json={"max": 1, "worker": "test", "lease_s": 1})
+        answer = client.post("/v1/claims", json={"max": 1, "worker": "test"})
+    telling = [
+        json.dumps(event)[:300]
+        for event in process.logged()
+        if event.get("level") in ("warning", "error", "critical")
+        or any(word in str(event.get("event")) for word in ("cluster", "heartbeat", "member"))
+    ]
     return (
         f"/readyz {ready.status_code} {ready.text[:300]}; "
-        f"claim {answer.status_code} {answer.text[:300]}"
+        f"claim {answer.status_code} {answer.text[:300]}; "
+        "log:\n" + "\n".join(telling[-30:])
     )
 
 

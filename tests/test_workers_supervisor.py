@@ -23,6 +23,7 @@ import pytest
 from node_harness import (
     REPO,
     NodeProcess,
+    claim_answered,
     due_in_table,
     metric_samples,
     metric_total,
@@ -54,9 +55,8 @@ def segment_files(instance: str) -> list[Path]:
 def claim(node: NodeProcess, n: int, wait_s: float = 0) -> list[dict[str, Any]]:
     """`wait_s`: long-poll for the keeper's next publish when nothing is claimable yet."""
     with node.client() as client:
-        response = client.post("/v1/claims", json={"max": n, "worker": "t", "wait_s": wait_s})
-    assert response.status_code == 200, response.text
-    leases: list[dict[str, Any]] = response.json()["leases"]
+        answer = claim_answered(client, {"max": n, "worker": "t", "wait_s": wait_s})
+    leases: list[dict[str, Any]] = answer["leases"]
     return leases
 
 
