@@ -3,8 +3,9 @@
 A site's own settings are stored (the `site_settings` table, shared by every node of a
 cluster) and reach every node's keeper through the change feed, which puts them in the
 node's site table (shm/sites.py); the worker that handled the PUT puts them in at once
-too, so its own next claim already follows them. The state (permits in flight, block,
-last grant, failure streak) is this node's shared memory.
+too, so its own next claim already follows them, and a keeper that read the site's row
+before this write puts nothing older over them (keeper.runner, `_apply_sites`). The
+state (permits in flight, block, last grant, failure streak) is this node's shared memory.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ import numpy as np
 import numpy.typing as npt
 
 if TYPE_CHECKING:
-    from shm.sites import BlockReason, SiteBlock
+    from shm.sites import BlockReason, Configured, SiteBlock
 
 
 class ReadyRingLike(Protocol):
@@ -88,11 +88,19 @@ class SiteTableLike(Protocol):
         """How many more grants each site can take at `now_ms`: -1 no limit, 0 none."""
         ...
 
-    def configure(
-        self, site_hash: int, max_in_flight: int | None, min_interval_ms: int | None
-    ) -> bool:
-        """Put a site's own settings in force (None: the node's default); False if the
-        table had no room for the site."""
+    def reserve_version(self) -> int:
+        """A settings version older than any configure made after this call."""
+        ...
+
+    def configure_as_of(
+        self,
+        site_hash: int,
+        max_in_flight: int | None,
+        min_interval_ms: int | None,
+        version: int,
+    ) -> Configured:
+        """Put a site's own settings in force (None: the node's default) unless settings
+        of a newer version are (`superseded`), or the table has no room (`no_room`)."""
         ...
 
     def block(self, site_hash: int, until_ms: int, reason: BlockReason) -> int:

@@ -110,7 +110,7 @@ from shm.segment import monotonic_ms
 from shm.segment import now_ms as wall_clock_ms
 from shm.sites import BlockReason
 from store.base import RowsRead, ScheduleStore
-from store.rows import HandedBlock, Handover, MemberList
+from store.rows import HandedBlock, Handover, MemberList, SiteSettings
 from store.scheduling import ask_short_slice
 
 log = logging.getLogger("renderqueue.keeper")
@@ -127,6 +127,9 @@ RaiseLeaseCeiling = Callable[[int, int], bool]
 # What an action came to, as an event for the lifecycle, and when (the keeper's clock).
 Outcome = tuple[Event, int]
 MAX_WAIT_S = 0.25  # an idle keeper still looks at the clock this often
+# A site's settings read again this many times in a row while workers keep putting newer
+# ones in force; then again after the next drain.
+SITE_REREADS = 3
 # A handed-over block's reason, as another node's site table named it.
 _BLOCK_REASONS: dict[str, BlockReason] = {"retry_after": "retry_after", "failures": "failures"}
 
@@ -249,6 +252,9 @@ class Keeper:
         if site_table is not None:  # its allowances keep a capped site's share of the ring
             self._publisher.site_allowances = site_table.allowances
         self._site_settings_unapplied = 0
+        # Sites whose settings a worker put in force while the keeper read them: read
+        # again (_apply_sites).
+        self._sites_to_reread: set[str] = set()
         if self.cluster is not None:
             view = self.cluster
             place = self.core.placements_of if view.by_site else None
@@ -398,6 +404,7 @@ class Keeper:
     def _open_feed(self, resume: bool) -> Outcome:
         """Subscribe (at the cursor reached, or the head) and read the settings."""
         now = self.clock()
+        version = self._reserve_site_version()
         try:
             self.feed.subscribe(now, resume=resume)
             self.core.load_settings(self.store.routes(), self.store.default_cadence_s())
@@ -405,7 +412,7 @@ class Keeper:
                 self.core.load_sites(self.store.sites())
         except Exception as exc:
             return self._feed_failed(exc)
-        self._apply_sites()
+        self._apply_sites(version)
         return FeedOpened(), now
 
     def _feed_failed(self, exc: BaseException) -> tuple[FeedFailed, int]:
@@ -417,24 +424,58 @@ class Keeper:
     def _drain(self, until_ms: int) -> tuple[Drained | FeedFailed, int]:
         """Apply feed batches until the feed is empty or `until_ms`; Drained, or the
         feed's failure, which ends the drain."""
+        version = self._reserve_site_version()
         try:
             emptied = self.feed.drain(self.core.apply_events, until_ms, self.core.apply_records)
         except Exception as exc:
             return self._feed_failed(exc)
         finally:
-            self._apply_sites()
+            self._apply_sites(version)
         return Drained(emptied=emptied), self.clock()
 
-    def _apply_sites(self) -> None:
-        """Put the sites' settings the core took in in force in the node's site table."""
+    def _reserve_site_version(self) -> int:
+        """Taken before the store is read for sites' settings (the feed reads a site's row
+        when it delivers its entry): what is read is then put in force only if no worker
+        put newer settings in force since (api.sites sets them at once after its write)."""
+        return 0 if self.site_table is None else self.site_table.reserve_version()
+
+    def _apply_sites(self, version: int) -> None:
+        """Put the sites' settings the core took in in force in the node's site table,
+        as of `version`. A site a worker configured since is read again, with a new
+        version: its settings may be older than the store's by then (another node's
+        write, delivered in the same read), and no later entry would bring them."""
         changes = self.core.take_site_settings()
         table = self.site_table
-        if table is None or not changes:
+        if table is None:
             return
+        reread = self._sites_to_reread
         for settings in changes:
             hashed = site_hash(settings.site.encode())
-            if not table.configure(hashed, settings.max_in_flight, settings.min_interval_ms):
+            done = table.configure_as_of(
+                hashed, settings.max_in_flight, settings.min_interval_ms, version
+            )
+            if done == "no_room":
                 self._site_settings_unapplied += 1
+            elif done == "superseded":
+                reread.add(settings.site)
+        for site in sorted(reread):
+            for _ in range(SITE_REREADS):
+                fresh = table.reserve_version()
+                try:
+                    current = self.store.get_site(site) or SiteSettings(site=site)
+                except Exception:  # the store is down: read again after the next drain
+                    break
+                done = table.configure_as_of(
+                    site_hash(site.encode()),
+                    current.max_in_flight,
+                    current.min_interval_ms,
+                    fresh,
+                )
+                if done != "superseded":
+                    reread.discard(site)
+                    if done == "no_room":
+                        self._site_settings_unapplied += 1
+                    break
 
     # -- the cluster ---------------------------------------------------------------
 

@@ -79,6 +79,10 @@ _W = _CTRL // 8
 
 SkipReason = Literal["capped", "spacing", "blocked", "table_full"]
 BlockReason = Literal["retry_after", "failures"]
+# What a configure did: put the settings in force, found newer ones in force (they stay),
+# or found no room for the site's entry.
+Configured = Literal["in_force", "superseded", "no_room"]
+_CONFIGURED: dict[int, Configured] = {1: "in_force", -1: "superseded", 0: "no_room"}
 _GRANTED = SITE_LAYOUT["granted"]
 _PERMIT = SITE_LAYOUT["permit"]
 _SKIPS: dict[int, SkipReason] = {
@@ -278,15 +282,33 @@ class SiteTable:
     def configure(
         self, site_hash: int, max_in_flight: int | None, min_interval_ms: int | None
     ) -> bool:
-        """A site's own settings; None for either: the node's default. False if the site
-        needed an entry and its window had no room."""
-        return bool(
-            self._c.configure(
-                site_hash,
-                -1 if max_in_flight is None else max_in_flight,
-                -1 if min_interval_ms is None else min_interval_ms,
-            )
+        """A site's own settings, newer than any in force; None for either: the node's
+        default. False if the site needed an entry and its window had no room."""
+        return self.configure_as_of(site_hash, max_in_flight, min_interval_ms, 0) != "no_room"
+
+    def reserve_version(self) -> int:
+        """A settings version older than any `configure` takes after this call: settings
+        read from the store after it and written with it (`configure_as_of`) never
+        overwrite newer ones another process put in force meanwhile."""
+        version: int = self._c.reserve_version()
+        return version
+
+    def configure_as_of(
+        self,
+        site_hash: int,
+        max_in_flight: int | None,
+        min_interval_ms: int | None,
+        version: int,
+    ) -> Configured:
+        """`configure` with a reserved version (0: a new one): `superseded` when settings
+        of a newer version are in force, which stay."""
+        done = self._c.configure(
+            site_hash,
+            -1 if max_in_flight is None else max_in_flight,
+            -1 if min_interval_ms is None else min_interval_ms,
+            version,
         )
+        return _CONFIGURED[done]
 
     def block(self, site_hash: int, until_ms: int, reason: BlockReason) -> int:
         """Block the site until `until_ms` (a longer block stays); the block's end, 0 if the

@@ -1208,6 +1208,78 @@ def test_sites_settings_are_put_in_force_at_load_and_from_the_feed() -> None:
         table.unlink()
 
 
+def test_a_workers_site_settings_put_in_force_while_the_keeper_applied_older_ones_stay() -> None:
+    """A PUT's worker writes the store, then the site table at once (api.sites); a keeper
+    that read the site's older row before that write puts nothing older in force after
+    it: its configure is superseded and it reads the site again."""
+    tag = f"t{os.getpid()}x{uuid.uuid4().hex[:8]}"
+    table = SiteTable.create(segment_name(tag, "sites"), capacity=64, permits=8)
+    try:
+        rig = Rig(rows=0, site_table=table)
+        rig.keeper.start()
+        rig.steps(10)
+        a = site_hash(b"a.example")
+        rig.store.set_site(SiteSettings(site="a.example", max_in_flight=4))
+        table.configure(a, 4, None)
+        take = rig.keeper.core.take_site_settings
+
+        def the_next_put_lands_as_they_are_applied() -> list[SiteSettings]:
+            taken = take()  # the first PUT's row, as the feed read it
+            if taken:
+                rig.store.set_site(
+                    SiteSettings(site="a.example", max_in_flight=4, min_interval_ms=250)
+                )
+                table.configure(a, 4, 250)
+            return taken
+
+        rig.keeper.core.take_site_settings = the_next_put_lands_as_they_are_applied  # type: ignore[method-assign]
+        rig.steps(1, advance_ms=1000)
+        info = table.info(a, NOW)
+        assert (info.max_in_flight, info.min_interval_ms) == (4, 250)
+        assert rig.keeper.statistics().site_events >= 1
+        rig.keeper.core.take_site_settings = take  # type: ignore[method-assign]
+        rig.steps(3, advance_ms=1000)  # the second PUT's entry: the same settings
+        info = table.info(a, NOW)
+        assert (info.max_in_flight, info.min_interval_ms) == (4, 250)
+    finally:
+        table.close()
+        table.unlink()
+
+
+def test_a_site_a_worker_configured_during_a_read_is_read_again_for_a_newer_write() -> None:
+    """The keeper reserves its version; a worker's PUT lands (store, then the site table),
+    then another node's write to the same site; the feed's read delivers both entries with
+    the newest row. Its configure is superseded by the worker's, and no entry is left to
+    bring the newest row: the keeper reads the site again and puts it in force."""
+    tag = f"t{os.getpid()}x{uuid.uuid4().hex[:8]}"
+    table = SiteTable.create(segment_name(tag, "sites"), capacity=64, permits=8)
+    try:
+        rig = Rig(rows=0, site_table=table)
+        rig.keeper.start()
+        rig.steps(10)
+        a = site_hash(b"a.example")
+        drain = rig.keeper.feed.drain
+        writes = iter([True])
+
+        def writes_land_before_the_read(*args: Any, **kwargs: Any) -> Any:
+            if next(writes, False):
+                rig.store.set_site(SiteSettings(site="a.example", max_in_flight=2))
+                table.configure(a, 2, None)  # the worker's, at once
+                rig.store.set_site(
+                    SiteSettings(site="a.example", max_in_flight=1, min_interval_ms=100)
+                )
+            return drain(*args, **kwargs)
+
+        rig.keeper.feed.drain = writes_land_before_the_read  # type: ignore[method-assign]
+        rig.steps(3, advance_ms=1000)
+        info = table.info(a, NOW)
+        assert (info.max_in_flight, info.min_interval_ms) == (1, 100)
+        assert rig.keeper.statistics().site_settings_unapplied == 0
+    finally:
+        table.close()
+        table.unlink()
+
+
 def test_a_lone_clustered_keeper_whose_membership_lapsed_walks_its_rows_back() -> None:
     """Its heartbeat went past the TTL (a database outage): the first read after shows it
     not live, so it owns nothing and drops every row; when its heartbeat lands it owns

@@ -144,6 +144,30 @@ def test_settings_fall_back_to_the_defaults_and_are_checked(name: str) -> None:
         SiteTable.create(name, capacity=64, permits=8, default_max_in_flight=9)
 
 
+def test_settings_written_as_of_a_reserved_version_never_overwrite_newer_ones(
+    table: SiteTable,
+) -> None:
+    """The keeper reserves a version, then reads the store; a worker's configure made
+    meanwhile (after its own store write) is newer and stays."""
+    kept = table.reserve_version()
+    assert table.configure_as_of(A, 4, None, kept) == "in_force"
+    assert table.configure_as_of(A, 4, 250, kept) == "in_force"  # the same version: later wins
+    assert table.configure(A, 5, 100)  # a worker's, with a new version
+    assert table.configure_as_of(A, 4, None, kept) == "superseded"
+    info = table.info(A, NOW)
+    assert (info.max_in_flight, info.min_interval_ms) == (5, 100)
+    # A version reserved after the worker's configure is newer than it.
+    later = table.reserve_version()
+    assert later != kept
+    assert table.configure_as_of(A, None, None, later) == "in_force"
+    assert not table.info(A, NOW).max_in_flight_set and not table.info(A, NOW).min_interval_set
+    # Clearing a site with no entry holds nothing, so nothing can supersede it.
+    assert table.configure_as_of(B, None, None, kept) == "in_force"
+    assert table.info(B, NOW).entries == 0
+    with pytest.raises(ValueError, match="not one reserve_version"):
+        table.configure_as_of(A, 1, None, 1 << 22)
+
+
 def test_spacing_keeps_grants_apart_and_undo_gives_the_slot_back(table: SiteTable) -> None:
     table.configure(A, None, 200)
     first = _granted(table.acquire(A, NOW, LEASE))

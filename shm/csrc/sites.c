@@ -643,19 +643,43 @@ Sites_extend(SitesObject *self, PyObject *const *args, Py_ssize_t nargs)
 
 /* ----------------------------------------------------------- settings */
 
-/* configure(site_hash, max_in_flight, min_interval_ms) -> bool: a site's own settings;
- * -1 for either: none (the node's default applies). Written to every entry of the site
- * with a new version, so the newest wins however entries race. A site with no entry
- * gets one only to hold a setting. False if its window has no room. */
+static uint64_t
+take_version(SitesObject *self)
+{
+    uint64_t v = (atomic_fetch_add_explicit(&self->ctrl[SC_VERSION], 1, memory_order_seq_cst) +
+                  1) & CFG_VERSION_MASK;
+    return v ? v : take_version(self); /* 0 means "take one" to configure */
+}
+
+/* reserve_version() -> int: a settings version, older than any configure() takes after
+ * this call. A caller that reads settings from the store after reserving, and writes
+ * them with this version, cannot overwrite a configure made since with newer ones. */
+static PyObject *
+Sites_reserve_version(SitesObject *self, PyObject *Py_UNUSED(ignored))
+{
+    if (!self->held) return shm_released_error();
+    return PyLong_FromUnsignedLongLong(take_version(self));
+}
+
+/* configure(site_hash, max_in_flight, min_interval_ms, version) -> int: a site's own
+ * settings; -1 for either: none (the node's default applies); version 0: a new one.
+ * Written to every entry of the site unless the entry holds a newer version, so the
+ * newest wins however entries race. A site with no entry gets one only to hold a
+ * setting. 1: in force; -1: a newer version is in force; 0: its window has no room. */
 static PyObject *
 Sites_configure(SitesObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (check_nargs("configure", nargs, 3) < 0) return NULL;
+    if (check_nargs("configure", nargs, 4) < 0) return NULL;
     if (!self->held) return shm_released_error();
-    uint64_t h;
+    uint64_t h, asked;
     int64_t cap, interval;
     if (parse_u64(args[0], &h) < 0 || parse_i64(args[1], &cap) < 0 ||
-        parse_i64(args[2], &interval) < 0) {
+        parse_i64(args[2], &interval) < 0 || parse_u64(args[3], &asked) < 0) {
+        return NULL;
+    }
+    if (asked > CFG_VERSION_MASK) {
+        PyErr_Format(PyExc_ValueError, "version %llu is not one reserve_version() gives",
+                     (unsigned long long)asked);
         return NULL;
     }
     if (h == 0) {
@@ -672,9 +696,7 @@ Sites_configure(SitesObject *self, PyObject *const *args, Py_ssize_t nargs)
                      (long long)interval, (unsigned long long)SITE_INTERVAL_MAX);
         return NULL;
     }
-    uint64_t version =
-        (atomic_fetch_add_explicit(&self->ctrl[SC_VERSION], 1, memory_order_seq_cst) + 1) &
-        CFG_VERSION_MASK;
+    uint64_t version = asked ? asked : take_version(self);
     uint64_t w = version << 42;
     if (cap >= 0) w |= (1ull << 41) | ((uint64_t)cap << 28);
     if (interval >= 0) w |= (1ull << 27) | (uint64_t)interval;
@@ -682,10 +704,10 @@ Sites_configure(SitesObject *self, PyObject *const *args, Py_ssize_t nargs)
     for (int attempt = 0; attempt < SITE_ATTEMPTS; attempt++) {
         sprobe(self, h, &p, 1);
         if (p.n == 0) {
-            if (cap < 0 && interval < 0) Py_RETURN_TRUE; /* nothing to hold */
-            if (!ensure(self, h, &p)) Py_RETURN_FALSE;
+            if (cap < 0 && interval < 0) return PyLong_FromLong(1); /* nothing to hold */
+            if (!ensure(self, h, &p)) return PyLong_FromLong(0);
         }
-        int lost = 0;
+        int lost = 0, superseded = 0;
         for (int i = 0; i < p.n; i++) {
             aword *cw = body(self, p.slot[i], B_CONFIG);
             uint64_t cur = LOAD_SC(cw);
@@ -694,6 +716,7 @@ Sites_configure(SitesObject *self, PyObject *const *args, Py_ssize_t nargs)
                    !(wrote = atomic_compare_exchange_weak_explicit(
                          cw, &cur, w, memory_order_seq_cst, memory_order_seq_cst))) {
             }
+            if (!wrote && cur != w) superseded = 1;
             if (!still_live(self, p.slot[i], p.state[i])) {
                 /* The entry was emptied under the write: take it back from the slot,
                  * which may hold another site by now. */
@@ -701,9 +724,9 @@ Sites_configure(SitesObject *self, PyObject *const *args, Py_ssize_t nargs)
                 lost = 1;
             }
         }
-        if (!lost) Py_RETURN_TRUE;
+        if (!lost) return PyLong_FromLong(superseded ? -1 : 1);
     }
-    Py_RETURN_FALSE;
+    return PyLong_FromLong(0);
 }
 
 /* ------------------------------------------------------------- blocks */
@@ -1081,7 +1104,9 @@ static PyMethodDef Sites_methods[] = {
     {"extend", (PyCFunction)(void (*)(void))Sites_extend, METH_FASTCALL,
      "extend($self, site_hash, expires, new_expires, /)\n--\n\nextend(site_hash, expires, new_expires) -> bool."},
     {"configure", (PyCFunction)(void (*)(void))Sites_configure, METH_FASTCALL,
-     "configure($self, site_hash, max_in_flight, min_interval_ms, /)\n--\n\nconfigure(site_hash, max_in_flight | -1, min_interval_ms | -1) -> bool."},
+     "configure($self, site_hash, max_in_flight, min_interval_ms, version, /)\n--\n\nconfigure(site_hash, max_in_flight | -1, min_interval_ms | -1, version | 0) -> 1 in force, -1 superseded, 0 no room."},
+    {"reserve_version", (PyCFunction)Sites_reserve_version, METH_NOARGS,
+     "reserve_version($self, /)\n--\n\nreserve_version() -> a settings version older than any taken after it."},
     {"block", (PyCFunction)(void (*)(void))Sites_block, METH_FASTCALL,
      "block($self, site_hash, until, reason, /)\n--\n\nblock(site_hash, until, reason) -> the block's end, 0 if no room."},
     {"outcome", (PyCFunction)(void (*)(void))Sites_outcome, METH_FASTCALL,
