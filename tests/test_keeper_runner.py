@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import msgspec
@@ -1149,13 +1150,31 @@ def test_a_failed_sites_listing_write_is_counted_and_the_keeper_goes_on() -> Non
     assert rig.last().now.status == "ready"
 
 
+@contextlib.contextmanager
+def site_table(permits: int = 8) -> Iterator[SiteTable]:
+    """A real shm SiteTable of this test's own, unlinked after."""
+    tag = f"t{os.getpid()}x{uuid.uuid4().hex[:8]}"
+    table = SiteTable.create(segment_name(tag, "sites"), capacity=64, permits=permits)
+    try:
+        yield table
+    finally:
+        table.close()
+        table.unlink()
+
+
+def live_rig(table: SiteTable) -> Rig:
+    """A rig over `table`, its keeper started and live on no rows."""
+    rig = Rig(rows=0, site_table=table)
+    rig.keeper.start()
+    rig.steps(10)
+    return rig
+
+
 def test_with_a_real_site_table_a_publish_keeps_a_capped_site_to_its_permits() -> None:
     """shm's SiteTable, a.example capped at 2 with one permit taken: a publish holds one
     of its keys (the permit left) and the slack, in rank order, and every key of the
     other site; a permit given back lets one more in at the next publish."""
-    tag = f"t{os.getpid()}x{uuid.uuid4().hex[:8]}"
-    table = SiteTable.create(segment_name(tag, "sites"), capacity=64, permits=4)
-    try:
+    with site_table(permits=4) as table:
         capped = site_hash(b"a.example")
         assert table.configure(capped, 2, None)
         rig = Rig(rows=0, site_table=table)
@@ -1176,17 +1195,12 @@ def test_with_a_real_site_table_a_publish_keeps_a_capped_site_to_its_permits() -
         rig.steps(1, advance_ms=1000)
         a_keys = [k for k in rig.ring.keys if k.startswith(b"https://a.example/")]
         assert len(a_keys) == 3 and len(rig.ring.keys) == 23
-    finally:
-        table.close()
-        table.unlink()
 
 
 def test_sites_settings_are_put_in_force_at_load_and_from_the_feed() -> None:
     """The keeper's core takes the store's site settings in (at the feed's open, then each
     SiteEvent) and the runner puts them in the node's site table, cleared ones too."""
-    tag = f"t{os.getpid()}x{uuid.uuid4().hex[:8]}"
-    table = SiteTable.create(segment_name(tag, "sites"), capacity=64, permits=8)
-    try:
+    with site_table() as table:
         rig = Rig(rows=0, site_table=table)
         rig.store.set_site(SiteSettings(site="a.example", max_in_flight=3))
         rig.store.set_site(SiteSettings(site="b.example", min_interval_ms=500))
@@ -1203,21 +1217,14 @@ def test_sites_settings_are_put_in_force_at_load_and_from_the_feed() -> None:
         assert not table.info(b, NOW).min_interval_set
         stats = rig.keeper.statistics()
         assert stats.site_events == 2 and stats.site_settings_unapplied == 0
-    finally:
-        table.close()
-        table.unlink()
 
 
 def test_a_workers_site_settings_put_in_force_while_the_keeper_applied_older_ones_stay() -> None:
     """A PUT's worker writes the store, then the site table at once (api.sites); a keeper
     that read the site's older row before that write puts nothing older in force after
     it: its configure is superseded and it reads the site again."""
-    tag = f"t{os.getpid()}x{uuid.uuid4().hex[:8]}"
-    table = SiteTable.create(segment_name(tag, "sites"), capacity=64, permits=8)
-    try:
-        rig = Rig(rows=0, site_table=table)
-        rig.keeper.start()
-        rig.steps(10)
+    with site_table() as table:
+        rig = live_rig(table)
         a = site_hash(b"a.example")
         rig.store.set_site(SiteSettings(site="a.example", max_in_flight=4))
         table.configure(a, 4, None)
@@ -1241,9 +1248,6 @@ def test_a_workers_site_settings_put_in_force_while_the_keeper_applied_older_one
         rig.steps(3, advance_ms=1000)  # the second PUT's entry: the same settings
         info = table.info(a, NOW)
         assert (info.max_in_flight, info.min_interval_ms) == (4, 250)
-    finally:
-        table.close()
-        table.unlink()
 
 
 def test_a_site_a_worker_configured_during_a_read_is_read_again_for_a_newer_write() -> None:
@@ -1251,12 +1255,8 @@ def test_a_site_a_worker_configured_during_a_read_is_read_again_for_a_newer_writ
     then another node's write to the same site; the feed's read delivers both entries with
     the newest row. Its configure is superseded by the worker's, and no entry is left to
     bring the newest row: the keeper reads the site again and puts it in force."""
-    tag = f"t{os.getpid()}x{uuid.uuid4().hex[:8]}"
-    table = SiteTable.create(segment_name(tag, "sites"), capacity=64, permits=8)
-    try:
-        rig = Rig(rows=0, site_table=table)
-        rig.keeper.start()
-        rig.steps(10)
+    with site_table() as table:
+        rig = live_rig(table)
         a = site_hash(b"a.example")
         drain = rig.keeper.feed.drain
         writes = iter([True])
@@ -1275,9 +1275,6 @@ def test_a_site_a_worker_configured_during_a_read_is_read_again_for_a_newer_writ
         info = table.info(a, NOW)
         assert (info.max_in_flight, info.min_interval_ms) == (1, 100)
         assert rig.keeper.statistics().site_settings_unapplied == 0
-    finally:
-        table.close()
-        table.unlink()
 
 
 def test_a_lone_clustered_keeper_whose_membership_lapsed_walks_its_rows_back() -> None:
