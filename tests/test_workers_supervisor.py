@@ -24,6 +24,7 @@ from node_harness import (
     REPO,
     NodeProcess,
     claim_answered,
+    claims_waiting,
     due_in_table,
     metric_samples,
     metric_total,
@@ -426,13 +427,14 @@ def test_sigterm_finishes_requests_in_flight_and_unlinks(tmp_path: Path) -> None
 
         def long_poll() -> None:
             with httpx.Client(base_url=node.url, timeout=30) as client:
-                response = client.post("/v1/claims", json={"max": 1, "worker": "t", "wait_s": 3})
+                response = client.post("/v1/claims", json={"max": 1, "worker": "t", "wait_s": 5})
                 outcome["status"] = response.status_code
                 outcome["body"] = response.json()
 
         poller = threading.Thread(target=long_poll)
         poller.start()
-        time.sleep(0.5)  # the long poll is in flight
+        with node.client() as client:
+            wait_for(lambda: claims_waiting(client), 30, "the long poll to be in flight")
         node.signal(signal.SIGTERM)
         poller.join(30)
         # Answered, not cut: "nothing due" (200), or, when worker 0 (the keeper) finished
