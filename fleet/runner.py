@@ -101,6 +101,9 @@ class FleetStatistics(msgspec.Struct, frozen=True, kw_only=True):
     # Renders the origin turned away (Retry-After): handed back, their site blocked.
     pushed_back: int = 0
     refused: int  # completions the node refused (lease_not_held): the lease had gone
+    # Of those, answered after the lease's end as this fleet counts it (from when it
+    # asked): a render or a delivery that took too long, not a lease taken back early.
+    refused_late: int = 0
     completions_lost: int  # completions that could not be delivered after retries
     leases_lost: int  # renewals refused: the render was abandoned
     # Leases that came within their margin of the end with no renewal landed (one failed,
@@ -260,6 +263,7 @@ class FleetRunner:
             aborted=counts["aborted"],
             pushed_back=counts["pushed_back"],
             refused=counts["refused"],
+            refused_late=counts["refused_late"],
             completions_lost=counts["completions_lost"],
             leases_lost=counts["leases_lost"],
             leases_expired=counts["leases_expired"],
@@ -815,8 +819,10 @@ class FleetRunner:
             item.key: "pushed_back" if item.site_retry_after_s else item.outcome for item in batch
         }
         refused: list[ItemResult] = []
+        late = 0
         again: set[str] = set()
-        last_try = _now_ms() + COMPLETION_RETRY_MS + MIN_MARGIN_MS
+        answered_at = _now_ms()
+        last_try = answered_at + COMPLETION_RETRY_MS + MIN_MARGIN_MS
         for result in results:
             retry = not result.ok and result.error == "node_unavailable"
             if retry and ends.get(result.key, 0) > last_try:
@@ -834,11 +840,17 @@ class FleetRunner:
             else:
                 self._counts["refused"] += 1
                 refused.append(result)
+                if ends.get(result.key, 0) <= answered_at:
+                    late += 1
+        self._counts["refused_late"] += late
         if refused:
             # One line a batch: a node that left refuses all it granted at once.
             first = refused[0]
             where = f" (leases of {node}{'' if own else ', sent to another node'})" if node else ""
-            self._log(f"{len(refused)} completion(s) refused{where}: {first.detail or first.error}")
+            after = f", {late} answered after their lease's end" if late else ""
+            self._log(
+                f"{len(refused)} completion(s) refused{where}{after}: {first.detail or first.error}"
+            )
         return again
 
     async def _watch_node(self) -> None:

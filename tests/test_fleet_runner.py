@@ -38,6 +38,7 @@ class ScriptedNode:
         self.leases: dict[str, tuple[str, int]] = {}  # key -> (token, expires_at)
         self.completed: list[tuple[str, str]] = []
         self.refuse_renewal: set[str] = set()
+        self.taken_back: set[str] = set()  # leases it ends before their completion lands
         self.refusal: dict[str, object] = {"error": "lease_not_held"}  # what a refusal says
         self.fail_renewals = False  # every renewal answered 500, as a node in trouble does
         # Completion requests answered node_unavailable before one is taken: a node
@@ -116,7 +117,7 @@ class ScriptedNode:
         results: list[dict[str, object]] = []
         for item in items:
             held = self.leases.get(item["key"])
-            if held is None or held[0] != item["token"]:
+            if held is None or held[0] != item["token"] or item["key"] in self.taken_back:
                 results.append({"key": item["key"], "ok": False, "error": "lease_not_held"})
                 continue
             del self.leases[item["key"]]
@@ -160,6 +161,22 @@ def run_fleet(
 async def quick(lease: Lease) -> RenderResult:
     await asyncio.sleep(0.001)
     return RenderResult(outcome="gone" if lease.key.endswith("-gone") else "rendered")
+
+
+def test_a_completion_refused_while_its_lease_lasts_is_not_counted_late() -> None:
+    """`refused_late` counts only refusals answered after the lease's end as the fleet
+    counts it: a lease the node ended early is a refusal of another kind."""
+    node = ScriptedNode(["k0", "k1", "k2"])
+    node.taken_back.add("k1")
+    stats, log = run_fleet(
+        node,
+        quick,
+        FleetConfig(concurrency=4, wait_s=1, state_every_s=0),
+        stop_when=lambda runner: runner.statistics().rendered + runner.statistics().refused == 3,
+    )
+    assert (stats.rendered, stats.refused, stats.refused_late) == (2, 1, 0)
+    refusals = [line for line in log if "refused" in line]
+    assert refusals and not any("after their lease's end" in line for line in refusals), log
 
 
 def test_renders_every_key_once_and_completes_it() -> None:
