@@ -287,9 +287,10 @@ class SiteTable:
         return self.configure_as_of(site_hash, max_in_flight, min_interval_ms, 0) != "no_room"
 
     def reserve_version(self) -> int:
-        """A settings version older than any `configure` takes after this call: settings
-        read from the store after it and written with it (`configure_as_of`) never
-        overwrite newer ones another process put in force meanwhile."""
+        """The latest settings version; any `configure` after this call takes a newer one.
+        Settings read from the store after it and written with it (`configure_as_of`)
+        never overwrite newer ones another process put in force meanwhile. Reserving
+        moves no version, so it may be done as often as the keeper drains its feed."""
         version: int = self._c.reserve_version()
         return version
 

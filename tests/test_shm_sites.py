@@ -150,6 +150,7 @@ def test_settings_written_as_of_a_reserved_version_never_overwrite_newer_ones(
     """The keeper reserves a version, then reads the store; a worker's configure made
     meanwhile (after its own store write) is newer and stays."""
     kept = table.reserve_version()
+    assert table.reserve_version() == kept  # reserving moves no version
     assert table.configure_as_of(A, 4, None, kept) == "in_force"
     assert table.configure_as_of(A, 4, 250, kept) == "in_force"  # the same version: later wins
     assert table.configure(A, 5, 100)  # a worker's, with a new version

@@ -651,14 +651,18 @@ take_version(SitesObject *self)
     return v ? v : take_version(self); /* 0 means "take one" to configure */
 }
 
-/* reserve_version() -> int: a settings version, older than any configure() takes after
- * this call. A caller that reads settings from the store after reserving, and writes
- * them with this version, cannot overwrite a configure made since with newer ones. */
+/* reserve_version() -> int: the latest settings version; any configure() made after
+ * this call takes a newer one. A caller that reads settings from the store after
+ * reserving, and writes them with this version, cannot overwrite a configure made since
+ * with newer ones. It moves nothing (once the first version is taken): the keeper
+ * reserves one at every feed drain, and versions compare within half their range. */
 static PyObject *
 Sites_reserve_version(SitesObject *self, PyObject *Py_UNUSED(ignored))
 {
     if (!self->held) return shm_released_error();
-    return PyLong_FromUnsignedLongLong(take_version(self));
+    uint64_t v =
+        atomic_load_explicit(&self->ctrl[SC_VERSION], memory_order_seq_cst) & CFG_VERSION_MASK;
+    return PyLong_FromUnsignedLongLong(v ? v : take_version(self));
 }
 
 /* configure(site_hash, max_in_flight, min_interval_ms, version) -> int: a site's own
@@ -1106,7 +1110,7 @@ static PyMethodDef Sites_methods[] = {
     {"configure", (PyCFunction)(void (*)(void))Sites_configure, METH_FASTCALL,
      "configure($self, site_hash, max_in_flight, min_interval_ms, version, /)\n--\n\nconfigure(site_hash, max_in_flight | -1, min_interval_ms | -1, version | 0) -> 1 in force, -1 superseded, 0 no room."},
     {"reserve_version", (PyCFunction)Sites_reserve_version, METH_NOARGS,
-     "reserve_version($self, /)\n--\n\nreserve_version() -> a settings version older than any taken after it."},
+     "reserve_version($self, /)\n--\n\nreserve_version() -> the latest settings version; configure() takes newer ones after it."},
     {"block", (PyCFunction)(void (*)(void))Sites_block, METH_FASTCALL,
      "block($self, site_hash, until, reason, /)\n--\n\nblock(site_hash, until, reason) -> the block's end, 0 if no room."},
     {"outcome", (PyCFunction)(void (*)(void))Sites_outcome, METH_FASTCALL,
