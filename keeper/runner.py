@@ -108,7 +108,7 @@ from keeper.walk import Walk
 from shm.keys import site_hash
 from shm.segment import monotonic_ms
 from shm.segment import now_ms as wall_clock_ms
-from shm.sites import BlockReason
+from shm.sites import BlockReason, Configured
 from store.base import RowsRead, ScheduleStore
 from store.rows import HandedBlock, Handover, MemberList, SiteSettings
 from store.scheduling import ask_short_slice
@@ -450,13 +450,7 @@ class Keeper:
             return
         reread = self._sites_to_reread
         for settings in changes:
-            hashed = site_hash(settings.site.encode())
-            done = table.configure_as_of(
-                hashed, settings.max_in_flight, settings.min_interval_ms, version
-            )
-            if done == "no_room":
-                self._site_settings_unapplied += 1
-            elif done == "superseded":
+            if self._configure_site(table, settings, version) == "superseded":
                 reread.add(settings.site)
         for site in sorted(reread):
             for _ in range(SITE_REREADS):
@@ -465,17 +459,22 @@ class Keeper:
                     current = self.store.get_site(site) or SiteSettings(site=site)
                 except Exception:  # the store is down: read again after the next drain
                     break
-                done = table.configure_as_of(
-                    site_hash(site.encode()),
-                    current.max_in_flight,
-                    current.min_interval_ms,
-                    fresh,
-                )
-                if done != "superseded":
+                if self._configure_site(table, current, fresh) != "superseded":
                     reread.discard(site)
-                    if done == "no_room":
-                        self._site_settings_unapplied += 1
                     break
+
+    def _configure_site(
+        self, table: SiteTableLike, settings: SiteSettings, version: int
+    ) -> Configured:
+        done = table.configure_as_of(
+            site_hash(settings.site.encode()),
+            settings.max_in_flight,
+            settings.min_interval_ms,
+            version,
+        )
+        if done == "no_room":
+            self._site_settings_unapplied += 1
+        return done
 
     # -- the cluster ---------------------------------------------------------------
 

@@ -427,12 +427,13 @@ def test_sigterm_finishes_requests_in_flight_and_unlinks(tmp_path: Path) -> None
 
         def long_poll() -> None:
             with httpx.Client(base_url=node.url, timeout=30) as client:
-                response = client.post("/v1/claims", json={"max": 1, "worker": "t", "wait_s": 5})
+                response = client.post("/v1/claims", json={"max": 1, "worker": "t", "wait_s": 10})
                 outcome["status"] = response.status_code
                 outcome["body"] = response.json()
 
         poller = threading.Thread(target=long_poll)
         poller.start()
+        # The gauge is as of each worker's last report (every second): the poll outlasts it.
         with node.client() as client:
             wait_for(lambda: claims_waiting(client), 30, "the long poll to be in flight")
         node.signal(signal.SIGTERM)

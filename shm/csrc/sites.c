@@ -720,7 +720,7 @@ Sites_configure(SitesObject *self, PyObject *const *args, Py_ssize_t nargs)
                    !(wrote = atomic_compare_exchange_weak_explicit(
                          cw, &cur, w, memory_order_seq_cst, memory_order_seq_cst))) {
             }
-            if (!wrote && cur != w) superseded = 1;
+            if (!wrote) superseded = 1; /* the loop ends unwritten only on a newer version */
             if (!still_live(self, p.slot[i], p.state[i])) {
                 /* The entry was emptied under the write: take it back from the slot,
                  * which may hold another site by now. */
