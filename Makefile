@@ -72,7 +72,8 @@ test-stress: build
 SAN_DIR   := build/sanitize
 SAN_FLAGS := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer
 SAN_TESTS := tests/test_shm_*.py tests/test_keeper_native.py tests/test_keeper_queue.py \
-             tests/test_keeper_select.py tests/test_keeper_slots.py tests/test_keeper_core.py \
+             tests/test_keeper_select.py tests/test_keeper_skips.py tests/test_keeper_slots.py \
+             tests/test_keeper_core.py \
              tests/test_store_sqlite_feed_ring.py
 SAN_ENV    = LD_PRELOAD="$$(gcc -print-file-name=libasan.so)" PYTHONMALLOC=malloc \
              ASAN_OPTIONS=detect_leaks=0:abort_on_error=1 \

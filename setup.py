@@ -13,7 +13,7 @@ CFLAGS += shlex.split(os.environ.get("RENDERQUEUE_CFLAGS", ""))
 LDFLAGS = shlex.split(os.environ.get("RENDERQUEUE_LDFLAGS", ""))
 
 SHM = ["module", "words", "ring", "leases", "hash", "sites"]
-KEEPER = ["module", "index", "select", "moves", "buckets"]
+KEEPER = ["module", "index", "select", "moves", "buckets", "skips"]
 
 setup(
     ext_modules=[
@@ -27,7 +27,7 @@ setup(
         Extension(
             "keeper._native",
             sources=[f"keeper/csrc/{name}.c" for name in KEEPER],
-            depends=["keeper/csrc/native.h"],
+            depends=["keeper/csrc/native.h", "keeper/csrc/skips.h"],
             extra_compile_args=CFLAGS,
             extra_link_args=LDFLAGS,
         ),

@@ -72,8 +72,28 @@ class QueueView:
         stale_slack: int,
     ) -> None: ...
     def best_read(
-        self, cadence: list[float], boost: list[float], paused: list[bool], now: int, out: Picked, /
-    ) -> tuple[int, int, float]: ...
+        self,
+        cadence: list[float],
+        boost: list[float],
+        paused: list[bool],
+        now: int,
+        out: Picked,
+        skip_slot: npt.NDArray[np.int32] | None,
+        skip_until: npt.NDArray[np.int64] | None,
+        skip_tag: npt.NDArray[np.uint64] | None,
+        /,
+    ) -> tuple[int, int, float, int]: ...
+    def skip_rows(
+        self,
+        slots: npt.NDArray[np.int32],
+        until: npt.NDArray[np.int64],
+        skip_slot: npt.NDArray[np.int32],
+        skip_until: npt.NDArray[np.int64],
+        skip_tag: npt.NDArray[np.uint64],
+        now: int,
+        tags: npt.NDArray[np.uint64] | None,
+        /,
+    ) -> tuple[int, int]: ...
     def upsert_moved(
         self, key_hash: int, class_id: int, due: int, version: int, now: int, /
     ) -> int: ...

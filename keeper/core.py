@@ -27,7 +27,7 @@ from keeper.queue import (
     HeldQueue,
 )
 from keeper.retired import RetiredRows
-from keeper.select import Allowances, BlockedMask, Selection
+from keeper.select import Allowances, BlockedMask, BlockEnds, Selection
 from keeper.tallies import MINUTE_MS
 from keeper.walk import RepairTally, Walk, WalkReason
 from shm import key_hash, key_hashes
@@ -849,9 +849,11 @@ class KeeperCore:
         blocked: BlockedMask | None = None,
         expect_blocked: int = 0,
         allowances: Allowances | None = None,
+        block_ends: BlockEnds | None = None,
     ) -> Selection:
         """The best k claimable rows; `allowances`: each site's grants left now (the
-        SiteTable's, read by the caller), which limits each capped site's share."""
+        SiteTable's, read by the caller), which limits each capped site's share;
+        `block_ends`: the lease table's, to pass over leased rows for a while."""
         return self.queue.best(
-            k, now_ms, blocked, expect_blocked, allowances, self.config.site_slack
+            k, now_ms, blocked, expect_blocked, allowances, self.config.site_slack, block_ends
         )

@@ -72,6 +72,12 @@ class LeaseTableLike(Protocol):
         """For each hash, True if the key is leased or held back now."""
         ...
 
+    def blocked_until(
+        self, key_hashes: npt.NDArray[np.uint64], now_ms: int
+    ) -> npt.NDArray[np.int64]:
+        """For each hash, until when (epoch ms) its key is leased or held back; 0: neither."""
+        ...
+
     def statistics(self, now_ms: int | None = None) -> LeaseStatisticsLike: ...
 
     def live_leases(

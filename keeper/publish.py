@@ -118,6 +118,7 @@ class Publisher:
                 self.blocked(now),
                 expect_blocked=self._expect_blocked,
                 allowances=self.allowances(now),
+                block_ends=lambda hashes: self.leases.blocked_until(hashes, now),
             )
             slots = self.core.queue.slots
             starts, lengths = slots.key_slices(selection.slots)

@@ -25,8 +25,9 @@ import numpy.typing as npt
 from keeper._native import QueueView
 from keeper.buckets import MERGE_BELOW, STALE_SLACK, Buckets
 from keeper.classes import ClassTable
-from keeper.select import Allowances, BlockedMask, Selection, select_best
+from keeper.select import Allowances, BlockedMask, BlockEnds, Selection, select_best
 from keeper.sites import HeldSites
+from keeper.skips import RowSkips
 from keeper.slots import DUE, FIELDS, NO_PLACE, PLACE, VERSION, SlotTable
 from keeper.tallies import MINUTE_MS, MinuteTallies
 from shm.keys import key_site_hash, key_site_hashes
@@ -54,6 +55,7 @@ class HeldQueue:
         self.slots = SlotTable(index_capacity)
         self.rec = self.slots.rec  # grows in place, never replaced
         self.sites = HeldSites()
+        self.skips = RowSkips()  # rows found leased, passed over by selections for a while
         # Each slot's site id, parallel to the slot records (a free slot's is stale).
         self.site_ids: array[int] = array("i")
         # The site pattern of each route that has one (shm.keys.site_of): set_site_pattern.
@@ -401,11 +403,12 @@ class HeldQueue:
         expect_blocked: int = 0,
         allowances: Allowances | None = None,
         slack: int = 1,
+        block_ends: BlockEnds | None = None,
     ) -> Selection:
         """The best k claimable rows (due, class not paused, not blocked, within their
         sites' allowances plus `slack`), best first; `expect_blocked` sizes the read's
-        margin only (keeper/select.py)."""
-        return select_best(self, k, now_ms, blocked, expect_blocked, allowances, slack)
+        margin only; `block_ends` marks blocked rows to pass over (keeper/select.py)."""
+        return select_best(self, k, now_ms, blocked, expect_blocked, allowances, slack, block_ends)
 
     def earliest_claimable(self, now_ms: int, blocked: BlockedMask | None = None) -> int | None:
         """The earliest due time among claimable rows (due, not paused, not blocked)."""

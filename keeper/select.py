@@ -14,6 +14,10 @@ the margin the read runs again with a larger N. Every row outside the N read
 ranks at or below the N-th, so the K best left are exactly those of a full sort
 of every claimable row by rank.
 
+Rows found leased or held are marked with their block's end (`block_ends`, the lease
+table's), and later reads pass over them in C (keeper/skips.py): the fleet's work in
+flight is probed about once a second, not at every publish.
+
 Under a claiming fleet the leased keys are the fleet's working set, which is the
 top of the last few publishes: with a quarter of the top leased, a fixed small
 margin would mean a second, larger read every publish. So the caller may say how
@@ -50,8 +54,11 @@ import numpy.typing as npt
 from keeper._native import Picked, QueueView
 from keeper.classes import ClassTable
 from keeper.sites import NO_SITE_ID, HeldSites
+from keeper.skips import RowSkips
 
 BlockedMask = Callable[[npt.NDArray[np.uint64]], npt.NDArray[np.bool_]]
+# For each hash, until when (epoch ms) the lease table blocks its key; 0: it does not.
+BlockEnds = Callable[[npt.NDArray[np.uint64]], npt.NDArray[np.int64]]
 # For each site hash (distinct, never NO_SITE), how many more grants its site can take
 # now: -1 no limit, 0 none (full, blocked, or inside its spacing).
 Allowances = Callable[[npt.NDArray[np.uint64]], npt.NDArray[np.int64]]
@@ -68,6 +75,8 @@ class HeldRows(Protocol):
     def sites(self) -> HeldSites: ...
     @property
     def site_ids(self) -> array[int]: ...
+    @property
+    def skips(self) -> RowSkips: ...
 
 
 class Selection(msgspec.Struct, frozen=True, kw_only=True):
@@ -130,12 +139,15 @@ def select_best(
     expect_blocked: int = 0,
     allowances: Allowances | None = None,
     slack: int = 1,
+    block_ends: BlockEnds | None = None,
 ) -> Selection:
     """The best k claimable rows (due, route not paused, not blocked, within their sites'
     allowances plus `slack`), best first.
 
     `expect_blocked`: how many blocked rows the caller expects ahead of the k-th
-    claimable one; only the read's margin depends on it, never the result."""
+    claimable one; only the read's margin depends on it, never the result.
+    `block_ends`: where given, the rows `blocked` stops are marked to be passed over
+    until their block ends (keeper/skips.py)."""
     if k <= 0:
         return _empty(0, 0)
     table = queue.classes
@@ -148,6 +160,7 @@ def select_best(
     need = k if not limits else k + max((k >> 4), expect + (expect >> 2)) + 16
     reads = 0
     skipped = limited = 0
+    skips = queue.skips
     while True:
         reads += 1
         slots = np.empty(need, dtype=np.int32)
@@ -156,13 +169,21 @@ def select_best(
         hashes = np.empty(need, dtype=np.uint64)
         classes = np.empty(need, dtype=np.int32)
         picked = Picked(slots, rank, due, hashes, classes)
-        count, considered, _ = view.best_read(cadence, boost, paused, now_ms, picked)
+        # The marks stand for the lease table's answer: a selection without one reads all.
+        skip_table = skips.columns() if blocked is not None else (None, None, None)
+        count, considered, _, passed = view.best_read(
+            cadence, boost, paused, now_ms, picked, *skip_table
+        )
         if not limits:
             kept = count
-            n_blocked = ahead = 0
+            n_blocked, ahead = passed, 0
             break
         if blocked is not None:
             stopped = blocked(hashes[:count])
+            if block_ends is not None and stopped.any():
+                found = np.flatnonzero(stopped)
+                ends = block_ends(hashes[found])
+                skips.mark(view, slots[found], ends, now_ms)
         else:
             stopped = np.zeros(count, dtype=np.bool_)
         if allowances is not None:
@@ -171,7 +192,7 @@ def select_best(
         else:
             kept, scanned = picked.keep_unblocked(stopped, k)
         if kept == k or count < need:  # enough, or every due row was read
-            n_blocked = int(np.count_nonzero(stopped)) + skipped
+            n_blocked = int(np.count_nonzero(stopped)) + skipped + passed
             ahead = scanned - kept
             break
         # The rows still wanted, at the share of rows this read found free, and an

@@ -434,6 +434,15 @@ class LeaseTable:
         self._c.blocked_mask(hashes, out, now_ms)
         return out
 
+    def blocked_until(self, key_hashes: np.ndarray, now_ms: int) -> np.ndarray:
+        """For each hash, until when (epoch ms) its key is leased or held: a lease's end,
+        or a hold's; 0 if neither now. A lease that ends unanswered may earn a hold, which
+        a later call reads (one C call)."""
+        hashes = np.ascontiguousarray(key_hashes, dtype=np.uint64)
+        out = np.zeros(hashes.shape[0], dtype=np.int64)
+        self._c.blocked_until(hashes, out, now_ms)
+        return out
+
     def sweep(self, now_ms: int, keep_misses_ms: int = KEEP_MISSES_MS) -> int:
         """Reclaim dead slots; never breaks a live lease. 0 if another process is sweeping."""
         reclaimed: int = self._c.sweep(now_ms, keep_misses_ms)

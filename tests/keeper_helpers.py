@@ -422,16 +422,28 @@ class LeaseStats(msgspec.Struct, frozen=True):
 
 
 class MemoryLeases:
-    """Blocked hashes (leased or held), as the lease table's blocked_mask reports them."""
+    """Blocked hashes (leased or held), as the lease table's blocked_mask reports them.
+    `ends`: a blocked hash's end, where a test gives one (blocked_until); a hash without
+    reads as blocked with no end known, so a selection never passes over it."""
 
     def __init__(self) -> None:
         self.blocked: set[int] = set()
+        self.ends: dict[int, int] = {}
 
     def blocked_mask(
         self, key_hashes: npt.NDArray[np.uint64], now_ms: int
     ) -> npt.NDArray[np.bool_]:
         return np.fromiter(
             (int(h) in self.blocked for h in key_hashes), dtype=np.bool_, count=len(key_hashes)
+        )
+
+    def blocked_until(
+        self, key_hashes: npt.NDArray[np.uint64], now_ms: int
+    ) -> npt.NDArray[np.int64]:
+        return np.fromiter(
+            (self.ends.get(int(h), 0) if int(h) in self.blocked else 0 for h in key_hashes),
+            dtype=np.int64,
+            count=len(key_hashes),
         )
 
     def statistics(self, now_ms: int | None = None) -> LeaseStats:

@@ -96,6 +96,23 @@ def test_unanswered_leases_hold_the_key_back_2_4_8_leases_capped_at_cadence(
     assert stats.expiries == 6 and stats.hold_events == 6 and stats.refusals_held == 11
 
 
+def test_blocked_until_is_the_end_of_a_lease_then_of_the_hold_it_earned(
+    table: LeaseTable,
+) -> None:
+    other = key_hash(b"/other")
+    grant = table.grant(H, 0, 100, 10_000)
+    assert isinstance(grant, Grant)
+    hashes = np.array([H, other, 0], dtype=np.uint64)
+    assert table.blocked_until(hashes, 50).tolist() == [100, 0, 0]
+    assert table.blocked_until(hashes, 150).tolist() == [300, 0, 0]  # its hold, read
+    assert table.blocked_until(hashes, 300).tolist() == [0, 0, 0]
+    for now in (0, 50, 99, 100, 150, 299, 300):
+        until = table.blocked_until(hashes, now)
+        assert (until > 0).tolist() == table.blocked_mask(hashes, now).tolist()
+    with pytest.raises(ValueError, match="8-byte output"):
+        table._c.blocked_until(hashes, np.zeros(3, dtype=np.int32), 0)
+
+
 def test_state_and_blocked_mask_read_an_expired_lease_as_its_hold(table: LeaseTable) -> None:
     other = key_hash(b"/other")
     grant = table.grant(H, 0, 100, 10_000)

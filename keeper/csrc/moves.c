@@ -676,11 +676,24 @@ QueueView_best_read(QueueViewObject *self, PyObject *const *args, Py_ssize_t nar
     return keeper_best_read(self, args, nargs);
 }
 
+static PyObject *
+QueueView_skip_rows(QueueViewObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (view_bound(self) < 0) return NULL;
+    return keeper_skip_rows(self, args, nargs);
+}
+
 static PyMethodDef QueueView_methods[] = {
     {"best_read", (PyCFunction)(void (*)(void))QueueView_best_read, METH_FASTCALL,
-     "best_read($self, cadence, boost, paused, now, out, /)\n--\n\n"
-     "The best out.size due rows of unpaused classes into out, best first: "
-     "(count, considered, next_upper)."},
+     "best_read($self, cadence, boost, paused, now, out, skip_slot, skip_until, skip_tag, "
+     "/)\n--\n\n"
+     "The best out.size due rows of unpaused classes into out, best first, passing over "
+     "rows the skip table holds (all three None: none): "
+     "(count, considered, next_upper, skipped)."},
+    {"skip_rows", (PyCFunction)(void (*)(void))QueueView_skip_rows, METH_FASTCALL,
+     "skip_rows($self, slots, until, skip_slot, skip_until, skip_tag, now, tags, /)\n--\n\n"
+     "Pass over each slot's row in best_read until its end (epoch ms), while the row "
+     "keeps its hash and version (tags None: the rows' now): (written, taken)."},
     {"upsert_moved", (PyCFunction)(void (*)(void))QueueView_upsert_moved, METH_FASTCALL,
      "upsert_moved($self, key_hash, class_id, due, version, now, /)\n--\n\n"
      "HeldQueue.upsert's common case: TRIGGERED, RESCHEDULED, UNCHANGED, or -1 having "

@@ -82,6 +82,8 @@ KEEPER_INTERNAL extern PyTypeObject BucketOpsType;
 /* QueueView's methods that live in select.c (the rest are moves.c's). */
 KEEPER_INTERNAL PyObject *keeper_best_read(QueueViewObject *self, PyObject *const *args,
                                            Py_ssize_t nargs);
+KEEPER_INTERNAL PyObject *keeper_skip_rows(QueueViewObject *self, PyObject *const *args,
+                                           Py_ssize_t nargs);
 
 /* "append", interned at import (module.c). */
 KEEPER_INTERNAL extern PyObject *keeper_append_name;

@@ -7,8 +7,8 @@
  * ids, each bucket an array('i') of slots, and the records array('Q') of (hash, due,
  * version, place) per slot. Nothing is written to them.
  *
- *   QueueView.best_read(cadence, boost, paused, now, out: Picked)
- *     -> (count, considered, next_upper)
+ *   QueueView.best_read(cadence, boost, paused, now, out: Picked, skip_slot, skip_until,
+ *                       skip_tag) -> (count, considered, next_upper, skipped)
  *
  * Buckets are taken in order of their upper bound (the rank at their start) from a
  * heap of class heads; a bucket's live, due entries are ranked. Reading stops once
@@ -18,12 +18,12 @@
  * outside the result ranks at or below the last one written.
  */
 #include "native.h"
+#include "skips.h"
 
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include <string.h>
 
 typedef struct {
     double upper;
@@ -189,7 +189,8 @@ radix_sort(uint64_t *keys, uint32_t *index, Py_ssize_t n)
 static int
 read_bucket(heap_t *heap, rows_t *rows, Py_ssize_t *considered, PyObject *starts_of,
             PyObject *ids_of, PyObject *members, const uint64_t *records, Py_ssize_t n_slots,
-            const double *cadence, const double *boost, long long now)
+            const double *cadence, const double *boost, long long now, const skips_t *skips,
+            Py_ssize_t *skipped)
 {
     head_t top = heap_pop(heap);
     PyObject *starts = PyList_GET_ITEM(starts_of, top.class_id);
@@ -240,6 +241,10 @@ read_bucket(heap_t *heap, rows_t *rows, Py_ssize_t *considered, PyObject *starts
         if (r[3] != (first_place | (uint64_t)j)) continue;
         long long due = (long long)r[1];
         if (due > now) continue;
+        if (skip_holds(skips, slot, skip_tag_of(r), now)) {
+            (*skipped)++;
+            continue;
+        }
         rows->slot[n] = slot;
         rows->rank[n] = (double)(now - due) / cad + bst;
         rows->class_id[n] = (int32_t)top.class_id;
@@ -267,11 +272,10 @@ nth_rank(const rows_t *rows, Py_ssize_t need, double *out)
     return 0;
 }
 
-
 PyObject *
 keeper_best_read(QueueViewObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (keeper_check_nargs("best_read", nargs, 5) < 0) return NULL;
+    if (keeper_check_nargs("best_read", nargs, 8) < 0) return NULL;
     PyObject *starts_of = self->starts, *ids_of = self->ids, *members = self->members;
     PyObject *cadence_list = args[0], *boost_list = args[1], *paused_list = args[2];
     if (!PyList_Check(cadence_list) || !PyList_Check(boost_list) || !PyList_Check(paused_list)) {
@@ -288,8 +292,9 @@ keeper_best_read(QueueViewObject *self, PyObject *const *args, Py_ssize_t nargs)
     Py_ssize_t need = out->n;
 
     PyObject *result = NULL;
-    Py_buffer rec;
+    Py_buffer rec, skip_views[3];
     int have_rec = 0;
+    skips_t skips = {NULL, NULL, NULL, 0};
     heap_t heap = {NULL, 0};
     rows_t rows = {NULL, NULL, NULL, 0, 0};
     uint64_t *keys = NULL;
@@ -305,6 +310,7 @@ keeper_best_read(QueueViewObject *self, PyObject *const *args, Py_ssize_t nargs)
 
     const uint64_t *records = rec.buf;
     Py_ssize_t n_slots = rec.len / 32;
+    if (keeper_skips_acquire(args + 5, 0, skip_views, &skips) < 0) goto done;
     Py_ssize_t n_classes = PyList_GET_SIZE(starts_of);
     if (PyList_GET_SIZE(ids_of) != n_classes || PyList_GET_SIZE(cadence_list) < n_classes ||
         PyList_GET_SIZE(boost_list) < n_classes || PyList_GET_SIZE(paused_list) < n_classes) {
@@ -348,14 +354,14 @@ keeper_best_read(QueueViewObject *self, PyObject *const *args, Py_ssize_t nargs)
         heap_push(&heap, head);
     }
 
-    Py_ssize_t considered = 0;
+    Py_ssize_t considered = 0, skipped = 0;
     double kth = -INFINITY;
     int have_kth = 0;
     for (;;) {
         /* Read until `need` rows are in hand, or past every bucket that can beat kth. */
         while (heap.n > 0 && (rows.n < need || (have_kth && heap.items[0].upper > kth))) {
             if (read_bucket(&heap, &rows, &considered, starts_of, ids_of, members, records,
-                            n_slots, cadence, boost, now) < 0) {
+                            n_slots, cadence, boost, now, &skips, &skipped) < 0) {
                 goto done;
             }
         }
@@ -420,10 +426,11 @@ keeper_best_read(QueueViewObject *self, PyObject *const *args, Py_ssize_t nargs)
         out_due[i] = (int64_t)records[(size_t)slot * 4 + 1];
         out_hash[i] = records[(size_t)slot * 4];
     }
-    result = Py_BuildValue("(nnd)", m, considered, next_upper);
+    result = Py_BuildValue("(nndn)", m, considered, next_upper, skipped);
 
 done:
     if (have_rec) PyBuffer_Release(&rec);
+    keeper_skips_release(&skips, skip_views);
     PyMem_Free(heap.items);
     PyMem_Free(cadence);
     PyMem_Free(boost);

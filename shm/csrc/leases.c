@@ -951,14 +951,16 @@ prefetch_window(LeasesObject *self, uint64_t h)
     }
 }
 
-/* blocked_mask(hashes, out, now): out[i] = 1 if hashes[i] is leased or held now.
- * hashes: contiguous uint64 buffer; out: writable contiguous uint8/bool buffer.
+/* blocked_mask(hashes, out_u8, now): out[i] = 1 if hashes[i] is leased or held now.
+ * blocked_until(hashes, out_i64, now): out[i] = until when: a lease's end (the hold it
+ * may earn is read once it has ended) or a hold's, 0 for a key neither.
  * First the tag lanes (a compact array, mostly cached) rule out the keys no slot
  * can hold; only the rest are probed, their windows fetched a few keys ahead. */
 static PyObject *
-Leases_blocked_mask(LeasesObject *self, PyObject *const *args, Py_ssize_t nargs)
+blocked_common(LeasesObject *self, PyObject *const *args, Py_ssize_t nargs, const char *name,
+               Py_ssize_t out_size)
 {
-    if (check_nargs("blocked_mask", nargs, 3) < 0) return NULL;
+    if (check_nargs(name, nargs, 3) < 0) return NULL;
     if (!self->held) return shm_released_error();
     uint64_t now;
     if (parse_time(args[2], &now, "now") < 0) return NULL;
@@ -969,15 +971,17 @@ Leases_blocked_mask(LeasesObject *self, PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     }
     Py_ssize_t n = in.len / 8;
-    if ((in.len & 7) || out.len != n || ((uintptr_t)in.buf & 7u)) {
+    if ((in.len & 7) || out.len != n * out_size || ((uintptr_t)in.buf & 7u) ||
+        ((uintptr_t)out.buf % (uintptr_t)out_size)) {
         PyBuffer_Release(&in);
         PyBuffer_Release(&out);
-        PyErr_SetString(PyExc_ValueError, "blocked_mask wants aligned uint64 hashes and one "
-                                          "byte of output per hash");
+        PyErr_Format(PyExc_ValueError, "%s wants aligned uint64 hashes and one %zd-byte output "
+                     "per hash", name, out_size);
         return NULL;
     }
     const uint64_t *hs = in.buf;
-    unsigned char *o = out.buf;
+    unsigned char *mask = out_size == 1 ? out.buf : NULL;
+    int64_t *until = out_size == 8 ? out.buf : NULL;
     Py_ssize_t *probe_at = PyMem_Malloc((size_t)(n ? n : 1) * sizeof(Py_ssize_t));
     if (probe_at == NULL) {
         PyBuffer_Release(&in);
@@ -986,7 +990,8 @@ Leases_blocked_mask(LeasesObject *self, PyObject *const *args, Py_ssize_t nargs)
     }
     Py_ssize_t candidates = 0, blocked = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
-        o[i] = 0;
+        if (mask) mask[i] = 0;
+        if (until) until[i] = 0;
         if (hs[i] != 0 && window_may_hold(self, hs[i])) probe_at[candidates++] = i;
     }
     for (Py_ssize_t c = 0; c < candidates; c++) {
@@ -994,8 +999,14 @@ Leases_blocked_mask(LeasesObject *self, PyObject *const *args, Py_ssize_t nargs)
         if (c + BLOCKED_AHEAD < candidates) prefetch_window(self, hs[probe_at[c + BLOCKED_AHEAD]]);
         Py_ssize_t i = probe_at[c];
         key_state(self, hs[i], now, &ks);
-        if ((ks.leased && ks.lease_expires_at > now) || ks.held) {
-            o[i] = 1;
+        int leased = ks.leased && ks.lease_expires_at > now;
+        if (leased || ks.held) {
+            if (mask) mask[i] = 1;
+            if (until) {
+                uint64_t end = leased ? ks.lease_expires_at : 0;
+                if (ks.held && ks.held_until > end) end = ks.held_until;
+                until[i] = (int64_t)end;
+            }
             blocked++;
         }
     }
@@ -1003,6 +1014,18 @@ Leases_blocked_mask(LeasesObject *self, PyObject *const *args, Py_ssize_t nargs)
     PyBuffer_Release(&in);
     PyBuffer_Release(&out);
     return PyLong_FromSsize_t(blocked);
+}
+
+static PyObject *
+Leases_blocked_mask(LeasesObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    return blocked_common(self, args, nargs, "blocked_mask", 1);
+}
+
+static PyObject *
+Leases_blocked_until(LeasesObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    return blocked_common(self, args, nargs, "blocked_until", 8);
 }
 
 /* sweep(now, keep_misses_ms) -> reclaimed slots, or -1 if another live process is
@@ -1197,6 +1220,8 @@ static PyMethodDef Leases_methods[] = {
      "state($self, key_hash, now, /)\n--\n\nstate(key_hash, now) -> (leased, lease_expires_at, held, held_until, misses)."},
     {"blocked_mask", (PyCFunction)(void (*)(void))Leases_blocked_mask, METH_FASTCALL,
      "blocked_mask($self, hashes, out, now, /)\n--\n\nblocked_mask(hashes_u64, out_u8, now) -> number blocked."},
+    {"blocked_until", (PyCFunction)(void (*)(void))Leases_blocked_until, METH_FASTCALL,
+     "blocked_until($self, hashes, out, now, /)\n--\n\nblocked_until(hashes_u64, out_i64, now) -> number blocked; each blocked key's end."},
     {"sweep", (PyCFunction)(void (*)(void))Leases_sweep, METH_FASTCALL,
      "sweep($self, now, keep_misses_ms, /)\n--\n\nsweep(now, keep_misses_ms) -> reclaimed, or -1 if another process is sweeping."},
     {"census", (PyCFunction)(void (*)(void))Leases_census, METH_FASTCALL,
