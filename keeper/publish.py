@@ -155,6 +155,7 @@ class Publisher:
             last_duration_us=(time.perf_counter_ns() - started) // 1000,
             last_considered=selection.considered,
             last_blocked=selection.blocked,
+            last_passed=selection.passed,
             last_site_skipped=selection.site_skipped,
             last_sites_limited=selection.sites_limited,
             generation=generation,

@@ -93,6 +93,7 @@ class Selection(msgspec.Struct, frozen=True, kw_only=True):
     blocked_ahead: int = 0
     reads: int = 0  # passes over the buckets: 1 unless the margin was too small
     site_skipped: int = 0  # of `blocked`, the rows left out over their site's allowance
+    passed: int = 0  # of `blocked`, rows passed over unprobed on an earlier mark (skips)
     sites_limited: int = 0  # sites among the candidates whose allowance limited them
 
 
@@ -212,4 +213,5 @@ def select_best(
         reads=reads,
         site_skipped=skipped,
         sites_limited=limited,
+        passed=passed,
     )

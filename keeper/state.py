@@ -140,6 +140,7 @@ class PublishStats(msgspec.Struct, frozen=True, kw_only=True):
     last_duration_us: int = 0
     last_considered: int = 0  # candidate rows read to choose them
     last_blocked: int = 0  # due candidates left out as leased or held, or over a site's cap
+    last_passed: int = 0  # of them, leased rows passed over unprobed (keeper.skips)
     # Of them, those left out because their site could take no more grants (its
     # allowance and the slack), and how many sites that was.
     last_site_skipped: int = 0

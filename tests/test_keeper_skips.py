@@ -148,7 +148,7 @@ def test_a_leased_row_is_probed_once_then_passed_over_until_it_is_written() -> N
         leases.probed.clear()
         for at in (NOW + 2, NOW + 3):
             assert _publish(publisher, ring, at) == _free(core, table, at, 10)
-            assert publisher.stats.last_blocked == 10
+            assert publisher.stats.last_blocked == publisher.stats.last_passed == 10
         assert leases.probed and not {key_hash(key) for key in top} & set(leases.probed)
         # A completion of the best row: its write (due long ago, a new version), then
         # its lease's end. It is the best again at once.
