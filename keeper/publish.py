@@ -73,28 +73,40 @@ class Publisher:
         self.site_allowances: SiteAllowances | None = None
 
     def blocked(self, now: int) -> BlockedMask:
-        """The lease table's answer at `now`: which of the hashes are leased or held, or
-        (in a cluster) fenced, or still held though another node owns them now (the
-        keeper drops those in chunks after an ownership change)."""
-        leases, fenced = self.leases, self.fenced
-        core = self.core
+        """Which of the hashes may not be granted at `now`: leased or held (the lease
+        table), or what `beyond_leases` says."""
+        leases, beyond = self.leases, self.beyond_leases(now)
+
+        def blocked(hashes: npt.NDArray[np.uint64]) -> npt.NDArray[np.bool_]:
+            mask = leases.blocked_mask(hashes, now)
+            return mask if beyond is None else mask | beyond(hashes)
+
+        return blocked
+
+    def beyond_leases(self, now: int) -> BlockedMask | None:
+        """What stops a key beside the lease table: (in a cluster) a fence, or a row still
+        held though another node owns it now (the keeper drops those in chunks after an
+        ownership change); None when nothing does."""
+        fenced, core = self.fenced, self.core
         unowned = (
             (lambda hashes: core.ownership.owns_many(core.placements_of(hashes)))
             if core.dropping
             else None
         )
+        if fenced is None and unowned is None:
+            return None
 
-        def blocked(hashes: npt.NDArray[np.uint64]) -> npt.NDArray[np.bool_]:
-            mask = leases.blocked_mask(hashes, now)
+        def beyond(hashes: npt.NDArray[np.uint64]) -> npt.NDArray[np.bool_]:
+            mask = np.zeros(len(hashes), dtype=np.bool_)
             if fenced is not None:
                 more = fenced(hashes, now)
                 if more is not None:
-                    mask = mask | more
+                    mask |= more
             if unowned is not None:
-                mask = mask | ~unowned(hashes)
+                mask |= ~unowned(hashes)
             return mask
 
-        return blocked
+        return beyond
 
     def allowances(self, now: int) -> Allowances | None:
         """The SiteTable's allowances at `now`, as the selection asks them."""
@@ -115,9 +127,10 @@ class Publisher:
             selection = self.core.select(
                 self.config.best_k,
                 now,
-                self.blocked(now),
+                self.beyond_leases(now),
                 expect_blocked=self._expect_blocked,
                 allowances=self.allowances(now),
+                # One probe a row answers both whether and until when it is blocked.
                 block_ends=lambda hashes: self.leases.blocked_until(hashes, now),
             )
             slots = self.core.queue.slots

@@ -147,8 +147,9 @@ def select_best(
 
     `expect_blocked`: how many blocked rows the caller expects ahead of the k-th
     claimable one; only the read's margin depends on it, never the result.
-    `block_ends`: where given, the rows `blocked` stops are marked to be passed over
-    until their block ends (keeper/skips.py)."""
+    `block_ends`: the lease table's answer, where given: a row it blocks is left out as
+    one `blocked` stops (which then says what else stops a row), and is marked to be
+    passed over until its block ends (keeper/skips.py)."""
     if k <= 0:
         return _empty(0, 0)
     table = queue.classes
@@ -157,7 +158,9 @@ def select_best(
     paused = table.paused_mask().tolist()
     view = queue.view
     expect = max(0, expect_blocked)
-    limits = blocked is not None or allowances is not None
+    limits = blocked is not None or allowances is not None or block_ends is not None
+    # The marks stand for the lease table's answer: a selection without one reads all.
+    leases_asked = blocked is not None or block_ends is not None
     need = k if not limits else k + max((k >> 4), expect + (expect >> 2)) + 16
     reads = 0
     skipped = limited = 0
@@ -170,8 +173,7 @@ def select_best(
         hashes = np.empty(need, dtype=np.uint64)
         classes = np.empty(need, dtype=np.int32)
         picked = Picked(slots, rank, due, hashes, classes)
-        # The marks stand for the lease table's answer: a selection without one reads all.
-        skip_table = skips.columns() if blocked is not None else (None, None, None)
+        skip_table = skips.columns() if leases_asked else (None, None, None)
         count, considered, _, passed = view.best_read(
             cadence, boost, paused, now_ms, picked, *skip_table
         )
@@ -179,12 +181,15 @@ def select_best(
             kept = count
             n_blocked, ahead = passed, 0
             break
-        if blocked is not None:
+        if block_ends is not None:
+            ends = block_ends(hashes[:count])
+            stopped = ends > 0
+            if stopped.any():
+                skips.mark(view, slots[:count][stopped], ends[stopped], now_ms)
+            if blocked is not None:
+                stopped |= blocked(hashes[:count])
+        elif blocked is not None:
             stopped = blocked(hashes[:count])
-            if block_ends is not None and stopped.any():
-                found = np.flatnonzero(stopped)
-                ends = block_ends(hashes[found])
-                skips.mark(view, slots[found], ends, now_ms)
         else:
             stopped = np.zeros(count, dtype=np.bool_)
         if allowances is not None:

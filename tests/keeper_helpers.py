@@ -424,7 +424,7 @@ class LeaseStats(msgspec.Struct, frozen=True):
 class MemoryLeases:
     """Blocked hashes (leased or held), as the lease table's blocked_mask reports them.
     `ends`: a blocked hash's end, where a test gives one (blocked_until); a hash without
-    reads as blocked with no end known, so a selection never passes over it."""
+    reads as blocked for the next millisecond, so every publish asks again."""
 
     def __init__(self) -> None:
         self.blocked: set[int] = set()
@@ -441,7 +441,10 @@ class MemoryLeases:
         self, key_hashes: npt.NDArray[np.uint64], now_ms: int
     ) -> npt.NDArray[np.int64]:
         return np.fromiter(
-            (self.ends.get(int(h), 0) if int(h) in self.blocked else 0 for h in key_hashes),
+            (
+                self.ends.get(int(h), now_ms + 1) if int(h) in self.blocked else 0
+                for h in key_hashes
+            ),
             dtype=np.int64,
             count=len(key_hashes),
         )

@@ -124,6 +124,12 @@ class CountingLeases:
         self.probed.extend(key_hashes.tolist())
         return self.table.blocked_mask(key_hashes, now_ms)
 
+    def blocked_until(
+        self, key_hashes: npt.NDArray[np.uint64], now_ms: int
+    ) -> npt.NDArray[np.int64]:
+        self.probed.extend(key_hashes.tolist())
+        return self.table.blocked_until(key_hashes, now_ms)
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self.table, name)
 
