@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any, cast
 
 import numpy as np
@@ -33,6 +35,22 @@ def _table() -> LeaseTable:
     return LeaseTable.create(
         segment_name(f"t{os.getpid()}x{uuid.uuid4().hex[:8]}", "skips"), capacity=1 << 12
     )
+
+
+@contextmanager
+def _rig(
+    dues: list[int], best_k: int
+) -> Iterator[tuple[KeeperCore, LeaseTable, MemoryRing, Publisher]]:
+    """A keeper holding /p/0, /p/1, ... due at NOW + each due, a real lease table, and a
+    publisher into a ring in memory."""
+    core = core_with_dues(dues, KeeperConfig(best_k=best_k))
+    table = _table()
+    ring = MemoryRing()
+    try:
+        yield core, table, ring, Publisher(core, ring, table, core.config)
+    finally:
+        table.close()
+        table.unlink()
 
 
 def _free(core: KeeperCore, table: LeaseTable, now: int, k: int) -> list[bytes]:
@@ -170,11 +188,7 @@ def test_a_leased_row_is_probed_once_then_passed_over_until_it_is_written() -> N
 def test_a_lease_released_with_no_write_is_published_again_within_the_recheck() -> None:
     """The write of a completion may be read before its lease ends: the mark taken
     between the two holds no longer than RECHECK_MS."""
-    core = core_with_dues([-1_000, -2_000, -3_000], KeeperConfig(best_k=3))
-    table = _table()
-    ring = MemoryRing()
-    publisher = Publisher(core, ring, table, core.config)
-    try:
+    with _rig([-1_000, -2_000, -3_000], 3) as (_, table, ring, publisher):
         key = _publish(publisher, ring, NOW)[0]
         got = table.grant(key_hash(key), NOW, LEASE_MS, 3_600_000)
         assert isinstance(got, Grant)
@@ -182,17 +196,10 @@ def test_a_lease_released_with_no_write_is_published_again_within_the_recheck() 
         table.complete(got.key_hash, got.token, NOW + 1)
         assert key not in _publish(publisher, ring, NOW + RECHECK_MS - 1)  # still marked
         assert key in _publish(publisher, ring, NOW + RECHECK_MS)
-    finally:
-        table.close()
-        table.unlink()
 
 
 def test_a_slot_given_to_another_key_is_not_passed_over() -> None:
-    core = core_with_dues([-1_000, -2_000], KeeperConfig(best_k=2))
-    table = _table()
-    ring = MemoryRing()
-    publisher = Publisher(core, ring, table, core.config)
-    try:
+    with _rig([-1_000, -2_000], 2) as (core, table, ring, publisher):
         key = _publish(publisher, ring, NOW)[0]
         got = table.grant(key_hash(key), NOW, LEASE_MS, 3_600_000)
         assert isinstance(got, Grant)
@@ -204,26 +211,16 @@ def test_a_slot_given_to_another_key_is_not_passed_over() -> None:
         _write(core, 7, NOW - 9_000, 99, NOW)  # a new row, which may take the freed slot
         assert core.queue.slot_of(key_hash(b"/p/7")) == slot
         assert _publish(publisher, ring, NOW + 1)[0] == b"/p/7"
-    finally:
-        table.close()
-        table.unlink()
 
 
 def test_a_selection_without_the_lease_tables_answer_reads_every_row() -> None:
-    core = core_with_dues([-1_000, -2_000, -3_000], KeeperConfig(best_k=3))
-    table = _table()
-    ring = MemoryRing()
-    publisher = Publisher(core, ring, table, core.config)
-    try:
+    with _rig([-1_000, -2_000, -3_000], 3) as (core, table, ring, publisher):
         key = _publish(publisher, ring, NOW)[0]
         assert isinstance(table.grant(key_hash(key), NOW, LEASE_MS, 3_600_000), Grant)
         assert key not in _publish(publisher, ring, NOW)
         everything = core.select(3, NOW, None)
         assert key in core.queue.slots.keys(everything.slots)
         assert core.queue.skips.statistics().marked == 1
-    finally:
-        table.close()
-        table.unlink()
 
 
 def test_the_skip_table_is_checked_at_the_c_boundary() -> None:
