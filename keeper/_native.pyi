@@ -9,6 +9,9 @@ from typing import Any, final
 import numpy as np
 import numpy.typing as npt
 
+# The skip table's columns (keeper.skips.SkipTable): slot, until, tag.
+_SkipTable = tuple[npt.NDArray[np.int32], npt.NDArray[np.int64], npt.NDArray[np.uint64]]
+
 @final
 class SlotIndex:
     """The slot table's index (int32 slot numbers, -1 empty, a power-of-two length)
@@ -78,18 +81,14 @@ class QueueView:
         paused: list[bool],
         now: int,
         out: Picked,
-        skip_slot: npt.NDArray[np.int32] | None,
-        skip_until: npt.NDArray[np.int64] | None,
-        skip_tag: npt.NDArray[np.uint64] | None,
+        skips: _SkipTable | None,
         /,
     ) -> tuple[int, int, float, int]: ...
     def skip_rows(
         self,
         slots: npt.NDArray[np.int32],
         until: npt.NDArray[np.int64],
-        skip_slot: npt.NDArray[np.int32],
-        skip_until: npt.NDArray[np.int64],
-        skip_tag: npt.NDArray[np.uint64],
+        skips: _SkipTable,
         now: int,
         tags: npt.NDArray[np.uint64] | None,
         /,

@@ -173,9 +173,9 @@ def select_best(
         hashes = np.empty(need, dtype=np.uint64)
         classes = np.empty(need, dtype=np.int32)
         picked = Picked(slots, rank, due, hashes, classes)
-        skip_table = skips.columns() if leases_asked else (None, None, None)
+        skip_table = skips.columns() if leases_asked else None
         count, considered, _, passed = view.best_read(
-            cadence, boost, paused, now_ms, picked, *skip_table
+            cadence, boost, paused, now_ms, picked, skip_table
         )
         if not limits:
             kept = count

@@ -22,13 +22,14 @@ import numpy.typing as npt
 
 from keeper._native import QueueView
 
+# The table's columns: slot (-1: empty), until (epoch ms), tag (keeper/csrc/skips.h).
+SkipTable = tuple[npt.NDArray[np.int32], npt.NDArray[np.int64], npt.NDArray[np.uint64]]
+
 # The longest a row is passed over on one probe's word: a few publish periods, so the
 # probes of the work in flight fall from one a publish to one a second.
 RECHECK_MS = 1000
 # The table's first size; it doubles past a quarter live (keeps chains short).
 FIRST_CAPACITY = 1024
-
-SkipColumns = tuple[npt.NDArray[np.int32], npt.NDArray[np.int64], npt.NDArray[np.uint64]]
 
 
 class SkipStatistics(msgspec.Struct, frozen=True, kw_only=True):
@@ -42,14 +43,14 @@ class RowSkips:
     sized by the work in flight, never by the queue (keeper/csrc/skips.h)."""
 
     def __init__(self) -> None:
-        self._columns: SkipColumns | None = None
+        self._columns: SkipTable | None = None
         self._taken = 0  # entries ever filled, live or dead, since the last rebuild
         self._marked = 0
         self._rebuilds = 0
 
-    def columns(self) -> SkipColumns | tuple[None, None, None]:
-        """What `best_read` takes: the table, or None thrice before any mark."""
-        return self._columns if self._columns is not None else (None, None, None)
+    def columns(self) -> SkipTable | None:
+        """What `best_read` takes: the table, or None before any mark."""
+        return self._columns
 
     def mark(
         self,
@@ -71,13 +72,13 @@ class RowSkips:
             columns = self._rebuild(view, count, now_ms)
         until = np.minimum(ends[keep], now_ms + RECHECK_MS).astype(np.int64)
         written, taken = view.skip_rows(
-            np.ascontiguousarray(slots[keep], dtype=np.int32), until, *columns, now_ms, None
+            np.ascontiguousarray(slots[keep], dtype=np.int32), until, columns, now_ms, None
         )
         self._taken += taken
         self._marked += written
         return int(written)
 
-    def _rebuild(self, view: QueueView, more: int, now_ms: int) -> SkipColumns:
+    def _rebuild(self, view: QueueView, more: int, now_ms: int) -> SkipTable:
         """A fresh table holding the live entries, room for `more`, at most a quarter
         full after them."""
         old = self._columns
@@ -85,7 +86,7 @@ class RowSkips:
         capacity = FIRST_CAPACITY
         while capacity < 4 * (len(live) + more):
             capacity *= 2
-        columns: SkipColumns = (
+        columns: SkipTable = (
             np.full(capacity, -1, dtype=np.int32),
             np.zeros(capacity, dtype=np.int64),
             np.zeros(capacity, dtype=np.uint64),
@@ -93,7 +94,7 @@ class RowSkips:
         taken = 0
         if old is not None and len(live):
             _, taken = view.skip_rows(
-                old[0][live], old[1][live], *columns, now_ms, np.ascontiguousarray(old[2][live])
+                old[0][live], old[1][live], columns, now_ms, np.ascontiguousarray(old[2][live])
             )
         self._columns, self._taken = columns, int(taken)
         self._rebuilds += 1

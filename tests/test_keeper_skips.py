@@ -206,7 +206,7 @@ def test_a_slot_given_to_another_key_is_not_passed_over() -> None:
         _publish(publisher, ring, NOW)
         slot = core.queue.slot_of(key_hash(key))
         marks = core.queue.skips.columns()
-        assert marks[0] is not None and marks[1][marks[0] == slot].tolist() == [NOW + RECHECK_MS]
+        assert marks is not None and marks[1][marks[0] == slot].tolist() == [NOW + RECHECK_MS]
         core.queue.remove(key_hash(key))
         _write(core, 7, NOW - 9_000, 99, NOW)  # a new row, which may take the freed slot
         assert core.queue.slot_of(key_hash(b"/p/7")) == slot
@@ -229,19 +229,21 @@ def test_the_skip_table_is_checked_at_the_c_boundary() -> None:
     slots = np.zeros(1, dtype=np.int32)
     assert skips.mark(view, slots, np.array([NOW + 5], dtype=np.int64), NOW) == 1
     table = skips.columns()
-    assert table[0] is not None
+    assert table is not None
     ends = np.zeros(1, dtype=np.int64)
     with pytest.raises(ValueError, match="one int64 end"):
-        view.skip_rows(slots, np.zeros(2, dtype=np.int64), *table, NOW, None)
+        view.skip_rows(slots, np.zeros(2, dtype=np.int64), table, NOW, None)
     with pytest.raises(ValueError, match="power-of-two"):
-        odd = (table[0][:3], table[1][:3], table[2][:3])
-        view.skip_rows(slots, ends, *odd, NOW, None)
+        view.skip_rows(slots, ends, (table[0][:3], table[1][:3], table[2][:3]), NOW, None)
     with pytest.raises(ValueError, match="power-of-two"):
-        view.skip_rows(slots, ends, table[0], table[1][:8], table[2], NOW, None)
+        view.skip_rows(slots, ends, (table[0], table[1][:8], table[2]), NOW, None)
     with pytest.raises(TypeError, match="skip table"):
-        view.skip_rows(slots, ends, None, None, None, NOW, None)  # type: ignore[arg-type]
+        view.skip_rows(slots, ends, None, NOW, None)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="skip table"):
+        view.skip_rows(slots, ends, table[:2], NOW, None)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="power-of-two"):
-        view.best_read([1.0], [0.0], [False], NOW, _picked(1), table[0][:3], table[1], table[2])
+        bad = (table[0][:3], table[1], table[2])
+        view.best_read([1.0], [0.0], [False], NOW, _picked(1), bad)
 
 
 def _picked(n: int) -> Picked:
@@ -280,13 +282,13 @@ def test_the_skip_table_answers_as_a_dict_of_its_latest_marks(
     table = skips.columns()
     for slot in range(0, 5_001, 7):
         expected = latest.get(slot, 0) > now
-        if table[0] is None:
+        if table is None:
             assert not expected
             continue
         at = np.flatnonzero(table[0] == slot)
         assert len(at) <= 1
         assert bool(len(at) and table[1][at[0]] > now) == expected
-    if table[0] is not None:
+    if table is not None:
         # Every chain ends at an empty entry: at most half the table is ever filled.
         capacity = skips.statistics().capacity
         assert capacity >= 1024 and capacity & (capacity - 1) == 0

@@ -685,13 +685,12 @@ QueueView_skip_rows(QueueViewObject *self, PyObject *const *args, Py_ssize_t nar
 
 static PyMethodDef QueueView_methods[] = {
     {"best_read", (PyCFunction)(void (*)(void))QueueView_best_read, METH_FASTCALL,
-     "best_read($self, cadence, boost, paused, now, out, skip_slot, skip_until, skip_tag, "
-     "/)\n--\n\n"
+     "best_read($self, cadence, boost, paused, now, out, skips, /)\n--\n\n"
      "The best out.size due rows of unpaused classes into out, best first, passing over "
-     "rows the skip table holds (all three None: none): "
+     "rows the skip table (slot, until, tag) holds (None: none): "
      "(count, considered, next_upper, skipped)."},
     {"skip_rows", (PyCFunction)(void (*)(void))QueueView_skip_rows, METH_FASTCALL,
-     "skip_rows($self, slots, until, skip_slot, skip_until, skip_tag, now, tags, /)\n--\n\n"
+     "skip_rows($self, slots, until, skips, now, tags, /)\n--\n\n"
      "Pass over each slot's row in best_read until its end (epoch ms), while the row "
      "keeps its hash and version (tags None: the rows' now): (written, taken)."},
     {"upsert_moved", (PyCFunction)(void (*)(void))QueueView_upsert_moved, METH_FASTCALL,

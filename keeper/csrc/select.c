@@ -7,8 +7,8 @@
  * ids, each bucket an array('i') of slots, and the records array('Q') of (hash, due,
  * version, place) per slot. Nothing is written to them.
  *
- *   QueueView.best_read(cadence, boost, paused, now, out: Picked, skip_slot, skip_until,
- *                       skip_tag) -> (count, considered, next_upper, skipped)
+ *   QueueView.best_read(cadence, boost, paused, now, out: Picked, skips)
+ *     -> (count, considered, next_upper, skipped)
  *
  * Buckets are taken in order of their upper bound (the rank at their start) from a
  * heap of class heads; a bucket's live, due entries are ranked. Reading stops once
@@ -275,7 +275,7 @@ nth_rank(const rows_t *rows, Py_ssize_t need, double *out)
 PyObject *
 keeper_best_read(QueueViewObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (keeper_check_nargs("best_read", nargs, 8) < 0) return NULL;
+    if (keeper_check_nargs("best_read", nargs, 6) < 0) return NULL;
     PyObject *starts_of = self->starts, *ids_of = self->ids, *members = self->members;
     PyObject *cadence_list = args[0], *boost_list = args[1], *paused_list = args[2];
     if (!PyList_Check(cadence_list) || !PyList_Check(boost_list) || !PyList_Check(paused_list)) {
@@ -310,7 +310,7 @@ keeper_best_read(QueueViewObject *self, PyObject *const *args, Py_ssize_t nargs)
 
     const uint64_t *records = rec.buf;
     Py_ssize_t n_slots = rec.len / 32;
-    if (keeper_skips_acquire(args + 5, 0, skip_views, &skips) < 0) goto done;
+    if (keeper_skips_acquire(args[5], 0, skip_views, &skips) < 0) goto done;
     Py_ssize_t n_classes = PyList_GET_SIZE(starts_of);
     if (PyList_GET_SIZE(ids_of) != n_classes || PyList_GET_SIZE(cadence_list) < n_classes ||
         PyList_GET_SIZE(boost_list) < n_classes || PyList_GET_SIZE(paused_list) < n_classes) {

@@ -1,7 +1,6 @@
 /* The skip table's writes (skips.h): QueueView.skip_rows.
  *
- *   QueueView.skip_rows(slots, until, table_slot, table_until, table_tag, now, tags)
- *     -> (written, taken)
+ *   QueueView.skip_rows(slots, until, table, now, tags) -> (written, taken)
  *
  * Each slot's row is passed over until its end; `tags` None takes each row's tag from
  * its record now, else the tags given (a rebuild copies the entries it keeps).
@@ -10,14 +9,19 @@
 #include "skips.h"
 
 int
-keeper_skips_acquire(PyObject *const *objs, int flags, Py_buffer *views, skips_t *out)
+keeper_skips_acquire(PyObject *table, int flags, Py_buffer *views, skips_t *out)
 {
     static const Py_ssize_t sizes[3] = {4, 8, 8};
     out->slot = NULL;
     out->until = NULL;
     out->tag = NULL;
     out->cap = 0;
-    if (objs[0] == Py_None && objs[1] == Py_None && objs[2] == Py_None) return 0;
+    if (table == Py_None) return 0;
+    if (!PyTuple_Check(table) || PyTuple_GET_SIZE(table) != 3) {
+        PyErr_SetString(PyExc_TypeError, "a skip table is a tuple (slot, until, tag) or None");
+        return -1;
+    }
+    PyObject *const *objs = &PyTuple_GET_ITEM(table, 0);
     int got = 0;
     for (; got < 3; got++) {
         if (PyObject_GetBuffer(objs[got], &views[got], flags | PyBUF_C_CONTIGUOUS) < 0) break;
@@ -85,20 +89,20 @@ skip_put(skips_t *s, int32_t slot, int64_t until, uint64_t tag, long long now)
 PyObject *
 keeper_skip_rows(QueueViewObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (keeper_check_nargs("skip_rows", nargs, 7) < 0) return NULL;
-    long long now = PyLong_AsLongLong(args[5]);
+    if (keeper_check_nargs("skip_rows", nargs, 5) < 0) return NULL;
+    long long now = PyLong_AsLongLong(args[3]);
     if (now == -1 && PyErr_Occurred()) return NULL;
     Py_buffer rec, in[3], table[3];
     int held_in = 0;
     skips_t skips = {NULL, NULL, NULL, 0};
     PyObject *result = NULL;
     if (PyObject_GetBuffer(self->index->records, &rec, PyBUF_C_CONTIGUOUS) < 0) return NULL;
-    PyObject *inputs[3] = {args[0], args[1], args[6]};
-    int n_in = args[6] == Py_None ? 2 : 3;
+    PyObject *inputs[3] = {args[0], args[1], args[4]};
+    int n_in = args[4] == Py_None ? 2 : 3;
     for (; held_in < n_in; held_in++) {
         if (PyObject_GetBuffer(inputs[held_in], &in[held_in], PyBUF_C_CONTIGUOUS) < 0) goto done;
     }
-    if (keeper_skips_acquire(args + 2, PyBUF_WRITABLE, table, &skips) < 0) goto done;
+    if (keeper_skips_acquire(args[2], PyBUF_WRITABLE, table, &skips) < 0) goto done;
     if (skips.cap == 0) {
         PyErr_SetString(PyExc_TypeError, "skip_rows writes into a skip table");
         goto done;

@@ -47,10 +47,10 @@ skip_holds(const skips_t *s, int32_t slot, uint64_t tag, long long now)
     return 0;
 }
 
-/* The table from three buffers (int32 slot, int64 until, uint64 tag, of one power-of-two
- * length), or none when all three are None; `flags`: PyBUF_WRITABLE to write. On
- * success with a table, the three views are held: skips_release gives them back. */
-KEEPER_INTERNAL int keeper_skips_acquire(PyObject *const *objs, int flags, Py_buffer *views,
+/* The table from a tuple of three buffers (int32 slot, int64 until, uint64 tag, of one
+ * power-of-two length), or none for None; `flags`: PyBUF_WRITABLE to write. On success
+ * with a table, the three views are held: keeper_skips_release gives them back. */
+KEEPER_INTERNAL int keeper_skips_acquire(PyObject *table, int flags, Py_buffer *views,
                                          skips_t *out);
 KEEPER_INTERNAL void keeper_skips_release(const skips_t *s, Py_buffer *views);
 
