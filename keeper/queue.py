@@ -465,4 +465,5 @@ class HeldQueue:
             + self.sites.nbytes()
             + self.buckets.nbytes()
             + self.tallies.nbytes()
+            + self.skips.nbytes()
         )

@@ -34,7 +34,7 @@ FIRST_CAPACITY = 1024
 
 class SkipStatistics(msgspec.Struct, frozen=True, kw_only=True):
     marked: int  # rows marked, over the queue's life
-    capacity: int  # entries the table holds (16 bytes each), live or dead
+    capacity: int  # entries the table holds (20 bytes each), live or dead
     rebuilds: int
 
 
@@ -99,6 +99,10 @@ class RowSkips:
         self._columns, self._taken = columns, int(taken)
         self._rebuilds += 1
         return columns
+
+    def nbytes(self) -> int:
+        """Bytes in the table's columns."""
+        return 0 if self._columns is None else sum(column.nbytes for column in self._columns)
 
     def statistics(self) -> SkipStatistics:
         capacity = 0 if self._columns is None else len(self._columns[0])

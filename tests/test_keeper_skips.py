@@ -292,4 +292,5 @@ def test_the_skip_table_answers_as_a_dict_of_its_latest_marks(
         # Every chain ends at an empty entry: at most half the table is ever filled.
         capacity = skips.statistics().capacity
         assert capacity >= 1024 and capacity & (capacity - 1) == 0
+        assert skips.nbytes() == 20 * capacity  # slot 4, until 8, tag 8
         assert 2 * np.count_nonzero(table[0] >= 0) <= capacity
