@@ -419,7 +419,9 @@ def test_a_poll_for_records_answers_row_entries_as_the_records_of_polls_events(
             RowEvent(key="/a", row=None),
         ]
     )
-    assert got.cursor == plain.cursor and records_sub.has_delivered(head)
+    # Both delivered through the head. Their cursors may differ: a poll that drained the
+    # log moves to the server's xmin at its read, which other transactions move meanwhile.
+    assert records_sub.has_delivered(head) and events_sub.has_delivered(head)
     assert records_sub.statistics().coalesced == 1 and records_sub.statistics().events == 3
     store.set_route("product", default_cadence_s=60)
     store.write([RowWrite(key="/d", route="product", next_render_at=4_000)])
