@@ -30,9 +30,12 @@ from shm.keys import keyed_hash
 from shm.lease_journal import read_journals
 from store.postgres import PostgresStore
 
+# Heartbeats and a TTL short enough that a test can outlast the TTL cheaply.
+FAST_TTL_S = 4
+FAST_BEATS = ("--heartbeat-s", "0.5", "--node-ttl-s", str(FAST_TTL_S))
 # Fast membership, for the tests that wait a dead incarnation out: dead after 4 s, leases
 # of at most 5 s.
-FAST = ("--heartbeat-s", "0.5", "--node-ttl-s", "4", "--max-lease-s", "5")
+FAST = (*FAST_BEATS, "--max-lease-s", "5")
 
 
 @pytest.fixture
@@ -283,12 +286,11 @@ def test_a_node_whose_clock_is_set_apart_grants_no_key_twice(
     import psycopg
 
     seed_rows(on_pg, 2000, due_share=1.0)
-    fast = ("--heartbeat-s", "0.5", "--node-ttl-s", "4")
-    a, b = node(tmp_path, "a", *fast), node(tmp_path, "b", *fast)
+    a, b = node(tmp_path, "a", *FAST_BEATS), node(tmp_path, "b", *FAST_BEATS)
     c = NodeProcess(
         tmp_path / "c",
         workers=1,
-        extra_args=("--node", "c", *fast),
+        extra_args=("--node", "c", *FAST_BEATS),
         # Only its wall clock is set apart, as on a machine whose clock is set wrong: with
         # the monotonic clock faked too, every timed wait in c hangs (its heartbeats stop
         # after the join, and c rightly grants nothing once its row has aged out).
@@ -311,8 +313,9 @@ def test_a_node_whose_clock_is_set_apart_grants_no_key_twice(
 
     def c_heartbeat_past_ttl(conn: psycopg.Connection[Any]) -> bool:
         row = conn.execute(
-            "SELECT heartbeat_at - started_at > interval '4 seconds' FROM nodes"
-            " WHERE node = 'c' AND left_at IS NULL"
+            "SELECT heartbeat_at - started_at > make_interval(secs => %s) FROM nodes"
+            " WHERE node = 'c' AND left_at IS NULL",
+            (FAST_TTL_S,),
         ).fetchone()
         return bool(row and row[0])
 
@@ -357,8 +360,7 @@ def test_a_node_killed_silent_is_waited_out_by_its_lease_ceiling_not_max_lease(
     import psycopg
 
     seed_rows(on_pg, 600, due_share=1.0)
-    fast = ("--heartbeat-s", "0.5", "--node-ttl-s", "4")
-    a, b = node(tmp_path, "a", *fast), node(tmp_path, "b", *fast)
+    a, b = node(tmp_path, "a", *FAST_BEATS), node(tmp_path, "b", *FAST_BEATS)
     b_leases: list[dict[str, Any]] = []
     try:
         for process in (a, b):
@@ -472,7 +474,7 @@ def test_a_node_whose_keeper_stops_gives_its_share_up_and_takes_it_back(
     leased twice at once, and hold every lease the test was granted."""
     seed_rows(on_pg, 600, due_share=1.0)
     journal = tmp_path / "journal"
-    fast = ("--heartbeat-s", "0.5", "--node-ttl-s", "4", "--lease-journal-dir", str(journal))
+    fast = (*FAST_BEATS, "--lease-journal-dir", str(journal))
     a, b = node(tmp_path, "a", *fast), node(tmp_path, "b", *fast)
     try:
         for process in (a, b):

@@ -24,7 +24,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-
 typedef struct {
     double upper;
     Py_ssize_t class_id;
