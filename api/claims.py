@@ -252,7 +252,7 @@ def _granting(node: Node, want: int, lease_ms: int) -> Generator[StoreCall, Any,
     key's mark is below the view its generation was selected from, and the entry is what
     the keeper published from a view that already held every write this node made to
     it: answered unread, its lease built from the arrays. A row read after the grant is
-    the one trusted: a key that is gone, no longer due or on a paused route is handed
+    the one trusted: a key that is gone, retired, no longer due or on a paused route is handed
     back instead of granted twice. Entries published without a cadence (0) are read
     once before their grant too, to learn it. A key not granted gets no Python object.
 
@@ -298,11 +298,9 @@ def _granting(node: Node, want: int, lease_ms: int) -> Generator[StoreCall, Any,
                 before: dict[str, Row] = yield functools.partial(store.get_many, unknown_keys)
                 for index, key in zip(unknown, unknown_keys, strict=True):
                     row = before.get(key)
-                    # Gone, or rendered since the keeper published it: not claimable now.
+                    # Gone, retired or rendered since the keeper published it: not claimable now.
                     learned = (
-                        None
-                        if row is None or row.next_render_at > now
-                        else routes.grant_cadence_s(row)
+                        None if row is None or not row.due_by(now) else routes.grant_cadence_s(row)
                     )
                     if learned is None:
                         skipped.append(index)
@@ -386,7 +384,7 @@ def _granting(node: Node, want: int, lease_ms: int) -> Generator[StoreCall, Any,
             for key, hashed, token, expires_at in reading:
                 row = rows.get(key)
                 learned = None if row is None else routes.grant_cadence_s(row)
-                if row is None or row.next_render_at > now or learned is None:
+                if row is None or not row.due_by(now) or learned is None:
                     # Hand it back: ending the lease is not a missed render.
                     leases.complete(hashed, token, now)
                     continue

@@ -50,6 +50,10 @@ class Row(msgspec.Struct, frozen=True, kw_only=True):
     retired_at: int | None = None
     retired_reason: RetiredReason | None = None
 
+    def due_by(self, now: int) -> bool:
+        """Whether the row may be granted at `now`: live and its render time come."""
+        return self.retired_at is None and self.next_render_at <= now
+
 
 # The columns of render_schedule in Row's order, for both backends' statements.
 ROW_COLUMNS = (

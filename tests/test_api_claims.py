@@ -454,6 +454,32 @@ def test_an_entry_rendered_since_its_publish_is_handed_back(tmp_path: Path) -> N
         assert not segments.leases.state(key_hash(keys[1].encode()), now_ms()).leased
 
 
+@pytest.mark.parametrize("published_cadence_s", [3600, 0])
+def test_an_entry_retired_since_its_publish_is_handed_back(
+    tmp_path: Path, published_cadence_s: int
+) -> None:
+    """A row retired after the publish by a `not_found` that also set it due at once is
+    handed back: retired is never due, whatever its render time says. Both reads count:
+    after the grant (an entry with its cadence) and before it (an entry without)."""
+    from api.claims import grant_from_ring
+    from shm import key_hash
+    from store.rows import Completion
+
+    db = node_db(tmp_path)
+    keys = seed_rows(db, 2)
+    with local_node(db) as (node, store, segments):
+        store.set_route("product", retire_after=1)
+        publish_with_cadence(node, keys, published_cadence_s)
+        now = now_ms()
+        (row,) = store.complete(
+            [Completion(key=keys[1], outcome="not_found", now=now, next_render_at=now)]
+        )
+        assert row is not None and row.retired_at is not None and row.next_render_at <= now
+        leases = grant_from_ring(node, 10, 60_000)
+        assert [lease.key for lease in leases] == [keys[0]]
+        assert not segments.leases.state(key_hash(keys[1].encode()), now_ms()).leased
+
+
 def test_a_grant_takes_its_hold_cap_from_the_ring_entry(tmp_path: Path) -> None:
     """The hold after a lease expires unanswered is min(2 lease lengths, cadence): with a
     1 s lease, the entry's 1 s cadence caps it at 1 s where the row's 3,600 s would not."""
