@@ -1,12 +1,12 @@
 """The top check: after a publish, re-read the top published rows and repair what differs.
 
-Each publish offers its keys; the first `top_check` of them not read in the last
-`top_check_every_s` are read from the table together with the feed's head, in one
-snapshot, with a touch window opened before the read (an event from then on marks
-its key, and a marked key is left to its event). The read is judged only once the
-feed has delivered that head, at this publish or a later one: until then a
-difference may be a write the feed has yet to deliver, not one it missed. No new
-read is taken while one waits.
+Each publish offers its keys; at most once every `top_check_read_every_s`, the first
+`top_check` of them not read in the last `top_check_every_s` are read from the table
+together with the feed's head, in one snapshot, with a touch window opened before the
+read (an event from then on marks its key, and a marked key is left to its event). The
+read is judged only once the feed has delivered that head, at this publish or a later
+one: until then a difference may be a write the feed has yet to deliver, not one it
+missed. No new read is taken while one waits.
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ class TopCheck:
         self.clock = clock
         self.pending: TopRead | None = None
         self.checked_at: dict[bytes, int] = {}  # key -> when last re-read
+        self.next_read_at = 0  # no new read before then (top_check_read_every_s)
         self.waited = 0  # reads judged only once the feed caught up with them
 
     def after_publish(
@@ -103,6 +104,8 @@ class TopCheck:
         return TopChecked(checked=len(check.keys), repaired=tally.missed)
 
     def _read(self, keys: list[bytes], now: int) -> TopRead | None:
+        if now < self.next_read_at:
+            return None
         due_again = now - int(self.config.top_check_every_s * 1000)
         checked = self.checked_at
         if len(checked) > 16 * self.config.top_check:
@@ -111,6 +114,7 @@ class TopCheck:
         picked = [k for k in keys[: self.config.top_check] if checked.get(k, -1) <= due_again]
         if not picked:
             return None
+        self.next_read_at = now + int(self.config.top_check_read_every_s * 1000)
         token = self.core.open_window()
         try:
             read = self.store.get_many_at([k.decode() for k in picked])

@@ -1,5 +1,6 @@
 """keeper/topcheck.py: the re-read of the top published rows, judged only once the feed
-has delivered what the read saw; and, through the keeper, at most once a minute a key."""
+has delivered what the read saw, at most once a second a read; and, through the keeper, at
+most once a minute a key."""
 
 from __future__ import annotations
 
@@ -70,6 +71,21 @@ def test_a_write_the_feed_never_delivers_is_repaired() -> None:
     assert s.top.after_publish(KEYS, s.clock(), s.drain) == TopChecked(checked=3, repaired=0)
 
 
+def test_refills_between_the_interval_publishes_take_no_read_of_their_own() -> None:
+    """Claims draining the ring make a publish every few ms: the top check reads at the
+    interval publishes' pace (top_check_read_every_s), not at each of those."""
+    s = Setup()
+    assert s.top.after_publish(KEYS, s.clock(), s.drain) == TopChecked(checked=3, repaired=0)
+    refilled = [b"/k6", b"/k5", b"/k4"]  # what claims left for the next publish's top
+    s.store.silent(None, key="/k6")  # would be a repair, if read
+    s.clock.advance(999)
+    assert s.top.after_publish(refilled, s.clock(), s.drain) is None and s.top.pending is None
+    assert _due(s, b"/k6") is not None
+    s.clock.advance(1)
+    assert s.top.after_publish(refilled, s.clock(), s.drain) == TopChecked(checked=3, repaired=1)
+    assert _due(s, b"/k6") is None
+
+
 def test_a_feed_that_fails_during_the_drain_drops_the_read_unjudged() -> None:
     s = Setup()
     s.store.silent(None, key="/k9")  # would be a repair, if judged
@@ -80,6 +96,7 @@ def test_a_feed_that_fails_during_the_drain_drops_the_read_unjudged() -> None:
     assert s.top.after_publish(KEYS, s.clock(), failing_drain) is None
     assert s.top.pending is not None and _due(s, b"/k9") is not None
     s.top.drop()  # what the keeper does first when the feed fails
+    s.clock.advance(1_000)  # the next read comes at the reads' pace
     assert s.top.after_publish(KEYS, s.clock(), s.drain) == TopChecked(checked=3, repaired=1)
     assert _due(s, b"/k9") is None
 
