@@ -185,7 +185,7 @@ def render(node: Node, completions: CompletionQueueStatistics) -> str:
         )
     _site_metrics(out, node)
     supervisor = supervisor_statistics(node)
-    _supervisor_metrics(out, supervisor)
+    _supervisor_metrics(out, supervisor, now)
     _worker_metrics(out, worker_reports(node, completions, supervisor), now)
     _keeper_metrics(out, node, now)
     snapshot = node.state.read()
@@ -281,9 +281,10 @@ def _site_metrics(out: Exposition, node: Node) -> None:
     out.gauge("renderqueue_site_table_capacity", "Entries the site table holds.", sites.capacity)
 
 
-def _supervisor_metrics(out: Exposition, stats: dict[str, Any] | None) -> None:
+def _supervisor_metrics(out: Exposition, stats: dict[str, Any] | None, now: int) -> None:
     if stats is None:
         return
+    membership_metrics(out, stats.get("membership"), now)
     workers = stats.get("workers") or []
     out.gauge(
         "renderqueue_workers_ready",
@@ -297,6 +298,26 @@ def _supervisor_metrics(out: Exposition, stats: dict[str, Any] | None) -> None:
         [({"worker": str(worker["index"])}, worker.get("restarts", 0)) for worker in workers],
     )
     _wal_metrics(out, stats.get("wal"))
+
+
+def membership_metrics(out: Exposition, membership: dict[str, Any] | None, now: int) -> None:
+    """A cluster node's heartbeat, from the supervisor's record (workers.membership): the
+    age says a heartbeat that stopped landing before the node's row ages out of the view."""
+    if not membership:
+        return
+    last = membership.get("last_heartbeat_at") or 0
+    out.gauge(
+        "renderqueue_cluster_heartbeat_age_seconds",
+        "Seconds since this node's last heartbeat landed in the store (absent before the "
+        "first). Past the node TTL, the others count this node gone.",
+        max(0, now - last) / 1000 if last else None,
+    )
+    out.metric(
+        "renderqueue_cluster_heartbeat_failures_total",
+        "counter",
+        "Heartbeats that failed (the store unreachable), since the node started.",
+        [({}, membership.get("failures", 0))],
+    )
 
 
 def worker_reports(
@@ -575,6 +596,21 @@ def _keeper_metrics(out: Exposition, node: Node, now: int) -> None:
         "Bytes of the keeper's queue buffers, as of its last full report.",
         stats.memory_bytes,
     )
+    publish = stats.publish
+    out.gauge(
+        "renderqueue_keeper_leased_rows_passed",
+        "Leased rows the keeper's last publish passed over without probing the lease "
+        "table (marked leased by an earlier publish): about the fleet's work in flight "
+        "among the best due rows.",
+        publish.last_passed,
+    )
+    if stats.skips is not None:
+        out.gauge(
+            "renderqueue_keeper_skip_table_entries",
+            "Entries the keeper's table of leased rows holds, live or dead (20 bytes "
+            "each; sized by the work in flight, not by the queue).",
+            stats.skips.capacity,
+        )
     out.gauge(
         "renderqueue_keeper_short_slice",
         "1 if the keeper's thread got the shortest scheduler slice (Linux 6.12+).",

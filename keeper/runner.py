@@ -986,6 +986,7 @@ class Keeper:
             cluster=self._cluster_statistics(),
             unowned_events=counters.unowned,
             dropped_unowned=counters.dropped_unowned,
+            skips=core.queue.skips.statistics(),
             sites=len(core.queue.sites),
             site_list_write_failures=self._site_list_write_failures,
         )

@@ -16,11 +16,11 @@ renewed lease or a hold that follows an unanswered one is read by the next probe
 
 from __future__ import annotations
 
-import msgspec
 import numpy as np
 import numpy.typing as npt
 
 from keeper._native import QueueView
+from keeper.state import SkipStatistics
 
 # The table's columns: slot (-1: empty), until (epoch ms), tag (keeper/csrc/skips.h).
 SkipTable = tuple[npt.NDArray[np.int32], npt.NDArray[np.int64], npt.NDArray[np.uint64]]
@@ -30,12 +30,6 @@ SkipTable = tuple[npt.NDArray[np.int32], npt.NDArray[np.int64], npt.NDArray[np.u
 RECHECK_MS = 1000
 # The table's first size; it doubles past a quarter live (keeps chains short).
 FIRST_CAPACITY = 1024
-
-
-class SkipStatistics(msgspec.Struct, frozen=True, kw_only=True):
-    marked: int  # rows marked, over the queue's life
-    capacity: int  # entries the table holds (20 bytes each), live or dead
-    rebuilds: int
 
 
 class RowSkips:

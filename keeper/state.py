@@ -346,6 +346,14 @@ class ClusterStatistics(msgspec.Struct, frozen=True, kw_only=True):
 
 # The keeper's statistics record, written beside queue-state into its own buffer
 # (workers.segments.Segments.keeper) for every worker's /metrics and overview.
+class SkipStatistics(msgspec.Struct, frozen=True, kw_only=True):
+    """`RowSkips.statistics()`: the table of leased rows publishes pass over."""
+
+    marked: int  # rows marked, over the queue's life
+    capacity: int  # entries the table holds (20 bytes each), live or dead
+    rebuilds: int
+
+
 class KeeperStatistics(msgspec.Struct, frozen=True, kw_only=True):
     """`Keeper.statistics()`: counters and sizes, safe to read from any thread."""
 
@@ -387,6 +395,7 @@ class KeeperStatistics(msgspec.Struct, frozen=True, kw_only=True):
     feed: FeedStatistics | None
     cluster: ClusterStatistics | None = None  # in a cluster: the view and its fences
     unowned_events: int = 0  # feed events for rows another node owns: dropped
+    skips: SkipStatistics | None = None  # the table of leased rows publishes pass over
     dropped_unowned: int = 0  # held rows dropped because their key moved to another node
     sites: int = 0  # sites with a row held here (keeper.sites)
     site_list_write_failures: int = 0  # sites listings that could not be written

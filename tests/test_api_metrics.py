@@ -35,6 +35,11 @@ CLUSTER_SERIES = (
     "renderqueue_cluster_members",
     "renderqueue_cluster_confirmed",
 )
+# From the supervisor's record of a cluster node's heartbeat (workers.membership).
+MEMBERSHIP_SERIES = (
+    "renderqueue_cluster_heartbeat_age_seconds",
+    "renderqueue_cluster_heartbeat_failures_total",
+)
 
 
 def test_before_the_keeper_no_counts(tmp_path: Path) -> None:
@@ -92,6 +97,14 @@ def test_counts_and_leases(tmp_path: Path) -> None:
             cadences = samples[f"renderqueue_class_oldest_lateness_cadences{labels}"]
             cadence_s = float(labels.split('cadence_s="')[1].split('"')[0])
             assert age > 0 and age == pytest.approx(cadences * cadence_s, rel=1e-6)
+
+        # The ten leases are the best due rows: once a publish has found them leased,
+        # the next passes over them unprobed (keeper.skips).
+        def passed() -> bool:
+            text = client.get("/metrics").text
+            return metric_samples(text).get("renderqueue_keeper_leased_rows_passed") == 10
+
+        wait_for(passed, 30, "a publish passing over the ten leased rows", 0.1)
         # Completed work leaves the due count once the keeper has seen it.
         items = [
             {"key": lease["key"], "token": lease["token"], "outcome": "rendered"}
@@ -116,6 +129,8 @@ KEEPER_SERIES = (
     "renderqueue_keeper_state_write_failures_",
     "renderqueue_keeper_memory_",
     "renderqueue_keeper_short_slice",
+    "renderqueue_keeper_leased_rows_passed",
+    "renderqueue_keeper_skip_table_",
 )
 
 
@@ -313,8 +328,9 @@ def test_prometheus_clients_own_parser_reads_every_series_the_readme_names(
     # Served only by a feed that prunes (PostgreSQL), after its first round: the test of
     # the feed's pruning series checks them.
     exact -= set(PRUNING_SERIES)
-    # Served only by a cluster's node: the test of the fence series checks them.
-    exact -= set(CLUSTER_SERIES)
+    # Served only by a cluster's node: the test of the fence series checks them, and
+    # tests/test_ops_prometheus.py scrapes the heartbeat's from real nodes.
+    exact -= set(CLUSTER_SERIES) | set(MEMBERSHIP_SERIES)
     # Served only while a row is retired: tests/test_api_retire.py checks it.
     exact.discard("renderqueue_rows_retired_by_route")
     # A worker's counts of the other backend's store are not served.
@@ -324,3 +340,22 @@ def test_prometheus_clients_own_parser_reads_every_series_the_readme_names(
     for prefix in prefixes:
         assert any(name.startswith(prefix) for name in samples), prefix
     assert {family.type for family in families} <= {"gauge", "counter"}
+
+
+def test_a_cluster_nodes_heartbeat_series_come_from_the_supervisors_record() -> None:
+    """The heartbeat's age and failures, from the supervisor's membership record; no age
+    before the first heartbeat lands, and no series at all off a cluster."""
+    from api.metrics import Exposition, membership_metrics
+
+    now = now_ms()
+    for membership, age, failures in (
+        ({"last_heartbeat_at": now - 2500, "failures": 3}, 2.5, 3),
+        ({"last_heartbeat_at": 0, "failures": 1}, None, 1),
+        (None, None, None),
+    ):
+        out = Exposition()
+        membership_metrics(out, membership, now)
+        samples = metric_samples(out.text()) if out.lines else {}
+        assert samples.get("renderqueue_cluster_heartbeat_age_seconds") == age
+        assert samples.get("renderqueue_cluster_heartbeat_failures_total") == failures
+    assert set(MEMBERSHIP_SERIES) <= readme_series()[0]  # the operator's reference names them

@@ -35,6 +35,7 @@ WITH_DATA = (
     "renderqueue_keeper_live",
     "renderqueue_cluster_members",
     "renderqueue_cluster_lease_ceiling_seconds",
+    "renderqueue_cluster_heartbeat_age_seconds",
     "renderqueue_feed_lag_seconds",
     "renderqueue_store_writable",
     "renderqueue_sqlite_wal_uncheckpointed_frames",
