@@ -170,7 +170,7 @@ def test_5xx_fail_unless_an_unready_503_inside_a_fault_window() -> None:
         ("fleet 0", 2_000, 2_010, "POST", "/v1/claims", 503, "1"),  # inside: accepted
         ("fleet 0", 9_000, 9_010, "POST", "/v1/claims", 503, "1"),  # outside
         ("fleet 0", 2_000, 2_010, "POST", "/v1/claims", 503, ""),  # no Retry-After
-        ("writer", 2_500, 2_510, "POST", "/v1/schedule", 500, ""),
+        ("writer", 2_500, 2_510, "POST", "/v1/schedule", 500, "", '{"title":"Store error"}'),
         ("fleet 1", 3_000, 3_010, "POST", "/v1/completions", 0, "ReadError"),
     ]
     verdict = soak_check.judge_http(answers, [(1_500, 5_000)])
@@ -180,6 +180,8 @@ def test_5xx_fail_unless_an_unready_503_inside_a_fault_window() -> None:
         (503, 2_010),
         (500, 2_510),
     ]
+    assert verdict.failures[-1].detail == '{"title":"Store error"}'  # kept when the book has it
+    assert verdict.failures[0].detail == ""
     assert verdict.transport_errors == 1 and verdict.transport_by_kind == {"ReadError": 1}
     assert soak_check.judge_http(answers[:2] + answers[5:], [(1_500, 5_000)]).failures == []
 

@@ -150,6 +150,7 @@ _ATTEMPTS: contextvars.ContextVar[Attempts | None] = contextvars.ContextVar(
 
 LISTS = ("http", "grants", "renewals", "completions", "claims", "writes", "pauses")
 FLUSH_EVERY = 50_000
+DETAIL_BYTES = 300  # of a 5xx body kept with its answer: the problem's title and detail
 
 
 class Book:
@@ -161,7 +162,7 @@ class Book:
         self.who = who
         self.path = path
         self.path.write_bytes(b"")
-        self.http: list[tuple[str, int, int, str, str, int, str]] = []
+        self.http: list[tuple[str, int, int, str, str, int, str, str]] = []
         self.grants: list[tuple[Any, ...]] = []
         self.renewals: list[tuple[Any, ...]] = []
         self.completions: list[tuple[Any, ...]] = []
@@ -171,8 +172,12 @@ class Book:
         self.abandoned = 0
         self.note: dict[str, Any] = {}
 
-    def answer(self, sent: int, method: str, path: str, status: int, extra: str) -> None:
-        self.http.append((self.who, sent, now_ms(), method, path, status, extra))
+    def answer(
+        self, sent: int, method: str, path: str, status: int, extra: str, body: bytes = b""
+    ) -> None:
+        """One attempt's answer; a 5xx keeps the start of its body, which says why."""
+        detail = body[:DETAIL_BYTES].decode(errors="replace") if status >= 500 else ""
+        self.http.append((self.who, sent, now_ms(), method, path, status, extra, detail))
 
     def flush(self, final: bool = False) -> None:
         if not final and sum(len(getattr(self, name)) for name in LISTS) < FLUSH_EVERY:
@@ -227,12 +232,14 @@ class LoggingTransport(httpx.AsyncBaseTransport):
                 if attempts.first_reached == sent:
                     attempts.first_reached = 0
             raise
+        body = await response.aread() if response.status_code >= 500 else b""
         self.book.answer(
             sent,
             request.method,
             request.url.path,
             response.status_code,
             response.headers.get("retry-after") or "",
+            body,
         )
         return response
 
@@ -459,7 +466,7 @@ class Http:
             return 0, type(exc).__name__.encode()
         if self.book is not None:
             self.book.answer(
-                sent, method, path, response.status, response.getheader("Retry-After") or ""
+                sent, method, path, response.status, response.getheader("Retry-After") or "", data
             )
         if response.getheader("Connection", "").lower() == "close":
             self.close()

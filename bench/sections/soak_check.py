@@ -39,7 +39,7 @@ import bisect
 import collections
 import itertools
 from collections.abc import Iterable, Sequence
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import msgspec
 
@@ -329,6 +329,7 @@ class ServerError(msgspec.Struct, frozen=True, kw_only=True):
     path: str
     status: int
     retry_after: str
+    detail: str = ""  # the start of the answer's body: what the node said went wrong
 
 
 class HttpVerdict(msgspec.Struct, kw_only=True):
@@ -340,17 +341,17 @@ class HttpVerdict(msgspec.Struct, kw_only=True):
 
 
 def judge_http(
-    answers: Iterable[tuple[str, int, int, str, str, int, str]],
+    answers: Iterable[tuple[Any, ...]],
     windows: Sequence[tuple[int, int]],
 ) -> HttpVerdict:
     """Answers are (who, sent, answered, method, path, status, retry-after or the transport
-    error's name); status 0 is a transport error. A 503 with Retry-After is accepted inside
-    one of `windows` (a fault that leaves the node legitimately unready, and its grace);
-    any other 5xx fails."""
+    error's name[, the start of a 5xx's body]); status 0 is a transport error. A 503 with
+    Retry-After is accepted inside one of `windows` (a fault that leaves the node
+    legitimately unready, and its grace); any other 5xx fails."""
     starts = sorted(windows)
     verdict = HttpVerdict()
     kinds: collections.Counter[str] = collections.Counter()
-    for who, sent, answered, method, path, status, extra in answers:
+    for who, sent, answered, method, path, status, extra, *body in answers:
         verdict.requests += 1
         if status == 0:
             verdict.transport_errors += 1
@@ -363,7 +364,13 @@ def judge_http(
             continue
         verdict.failures.append(
             ServerError(
-                at=answered, who=who, method=method, path=path, status=status, retry_after=extra
+                at=answered,
+                who=who,
+                method=method,
+                path=path,
+                status=status,
+                retry_after=extra,
+                detail=body[0] if body else "",
             )
         )
     verdict.transport_by_kind = dict(kinds)
