@@ -7,7 +7,8 @@
   rendered, at batch 10 and 100 on 1M rows (quick 20k), 20% due: the calling thread's CPU
   per key in each stage and its parts (the post-grant read of the keys written since
   the keeper's view, the store's completion, its UPDATE statements, the handoff into the
-  keeper's feed ring), and the keeper thread's CPU per completed key.
+  keeper's feed ring), and the keeper thread's CPU per completed key with its parts
+  (waiting on the feed, reading it, applying the events, publishing, the top check).
 - Through HTTP, a node with one worker: a request's fixed cost, the worker's CPU per
   `GET /healthz` and per one-key claim, less what the idle worker spends meanwhile.
 - The app alone: the same requests, and claims of 100 keys, called on the worker's ASGI
@@ -88,9 +89,14 @@ class Stopwatch:
 def in_process(config: Config, rows: Any, app: dict[str, float]) -> dict[int, dict[str, float]]:
     """Per batch size: stage label -> CPU µs per key. `app` takes `app_costs`, measured on
     the same node after the arms."""
+    import store.sqlite.feed
     import store.sqlite.feed_ring
     import store.sqlite.store
     from bench.peers.renderqueue import InProcessClaimant, RenderqueuePeer
+    from keeper.core import KeeperCore
+    from keeper.feed import Feed
+    from keeper.runner import Keeper
+    from keeper.topcheck import TopCheck
 
     peer = RenderqueuePeer()
     out: dict[int, dict[str, float]] = {}
@@ -107,6 +113,12 @@ def in_process(config: Config, rows: Any, app: dict[str, float]) -> dict[int, di
                 watch.wrap(store.sqlite.store.SqliteStore, "complete", "store.complete")
                 watch.wrap(store.sqlite.store, "_apply_round", "UPDATE statements")
                 watch.wrap(store.sqlite.feed_ring.FeedHandoff, "hand_over", "feed handoff")
+                # The keeper thread's parts: only it calls these.
+                watch.wrap(Feed, "wait", "feed waits")
+                watch.wrap(store.sqlite.feed.SqliteSubscription, "poll_records", "feed reads")
+                watch.wrap(KeeperCore, "apply_records", "event apply")
+                watch.wrap(Keeper, "_publish", "publishes")
+                watch.wrap(TopCheck, "_read", "top-check reads")
                 claim_s = complete_s = 0.0
                 keys = 0
                 keeper_before = report.thread_cpu_s(keeper)
@@ -319,6 +331,11 @@ STAGE_ROWS = (
     ("UPDATE statements", "of store.complete: its UPDATE statements"),
     ("feed handoff", "of store.complete: the handoff into the keeper's feed ring"),
     ("keeper", "keeper thread, per completed key"),
+    ("feed waits", "of the keeper: waiting on the feed (its wake-ups)"),
+    ("feed reads", "of the keeper: reading the feed (poll_records)"),
+    ("event apply", "of the keeper: applying the events (KeeperCore.apply_records)"),
+    ("publishes", "of the keeper: publishing"),
+    ("top-check reads", "of the keeper: the top check's reads"),
 )
 
 
@@ -435,18 +452,30 @@ def stages_chart(result: report.SectionResult, stages: dict[int, dict[str, float
             ("UPDATE statements", "feed handoff"),
         ),
         ("completion", "completion: the API's part", ("store.complete",)),
-        ("keeper", "keeper thread", ()),
+        ("feed waits", "keeper: feed waits", ()),
+        ("feed reads", "keeper: feed reads", ()),
+        ("event apply", "keeper: event apply", ()),
+        ("publishes", "keeper: publishes", ()),
+        ("top-check reads", "keeper: top-check reads", ()),
+        (
+            "keeper",
+            "keeper: the rest",
+            ("feed waits", "feed reads", "event apply", "publishes", "top-check reads"),
+        ),
     )
     batches = sorted(stages)
     figure, axis = plt.subplots(figsize=(11, 2.4 + 1.1 * len(batches)))
     left = [0.0] * len(batches)
-    for label, name, inside in parts:
+    colours = plt.get_cmap("tab20")  # twelve parts: the default cycle repeats after ten
+    for index, (label, name, inside) in enumerate(parts):
         values = []
         for batch in batches:
             spent = stages[batch]
             value = spent.get(label, 0.0)
             values.append(max(0.0, value - sum(spent.get(m, 0.0) for m in inside)))
-        axis.barh([f"batch {b}" for b in batches], values, left=left, label=name)
+        axis.barh(
+            [f"batch {b}" for b in batches], values, left=left, label=name, color=colours(index)
+        )
         left = [a + b for a, b in zip(left, values, strict=True)]
     axis.set_xlabel("CPU µs per claimed and completed key (lower is better)")
     axis.grid(axis="x", alpha=0.3)
