@@ -15,11 +15,13 @@ from typing import Any
 
 import psycopg
 import pytest
+from node_harness import wait_for
 from store_helpers import close_all, keys_of, put, settle
 
 from store.base import Cursor, CursorAhead, CursorBelowFloor
 from store.errors import SchemaTooNew, StoreBusy, StoreError, StoreUnavailable
 from store.postgres import PostgresStore
+from store.postgres.feed import parse_cursor
 from store.postgres.schema import LATEST, MIGRATIONS
 from store.postgres.store import redacted
 from store.rows import Completion
@@ -182,6 +184,12 @@ def test_a_log_restored_from_another_database_is_started_anew_and_its_cursors_re
     ours = sub.cursor
     sub.close()
     store.close()
+    # The new log's floor is the server's horizon (xmin) when it is started: a cursor is
+    # refused as below it once no transaction open on the shared server (another test's)
+    # holds the horizon at or under the cursor's transaction.
+    ours_xid = parse_cursor(ours, store.origin).xid
+    horizon = "SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint"
+    wait_for(lambda: run_sql(pg_url, horizon)[0][0] > ours_xid, 60, "the horizon past /a, /b")
     # What a dump restored here carries: the log and cursors of the database it came from.
     run_sql(pg_url, "UPDATE feed_state SET origin = 'elsewhere.1'")
     theirs = Cursor(token=ours.token.replace(f":{store.origin}:", ":elsewhere.1:"))
