@@ -596,13 +596,12 @@ def _keeper_metrics(out: Exposition, node: Node, now: int) -> None:
         "Bytes of the keeper's queue buffers, as of its last full report.",
         stats.memory_bytes,
     )
-    publish = stats.publish
     out.gauge(
         "renderqueue_keeper_leased_rows_passed",
         "Leased rows the keeper's last publish passed over without probing the lease "
         "table (marked leased by an earlier publish): about the fleet's work in flight "
         "among the best due rows.",
-        publish.last_passed,
+        stats.publish.last_passed,
     )
     if stats.skips is not None:
         out.gauge(

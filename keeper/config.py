@@ -25,8 +25,8 @@ class KeeperConfig(msgspec.Struct, frozen=True, kw_only=True):
     top_check: int = 64  # published rows re-read after each publish
     top_check_every_s: float = 60.0  # a key is re-read by the top check at most this often
     # A new top-check read at most this often: the interval publishes' pace. Refills come
-    # as fast as claims drain the ring, and a read on each would re-read every key the
-    # fleet takes (about half the keeper's work under a claiming fleet) for no more safety.
+    # as fast as claims drain the ring, and a read on each would read nearly every key the
+    # fleet takes once more before its grant, for no more safety.
     top_check_read_every_s: float = 1.0
     sitemap_boost: float = 1.0  # added to a sitemap row's rank, in cadences
     stall_after_s: float = 2.0  # no publish for this long: readers see keeper_live false

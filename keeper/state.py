@@ -344,8 +344,6 @@ class ClusterStatistics(msgspec.Struct, frozen=True, kw_only=True):
     counted_at: int = 0
 
 
-# The keeper's statistics record, written beside queue-state into its own buffer
-# (workers.segments.Segments.keeper) for every worker's /metrics and overview.
 class SkipStatistics(msgspec.Struct, frozen=True, kw_only=True):
     """`RowSkips.statistics()`: the table of leased rows publishes pass over."""
 
@@ -354,6 +352,8 @@ class SkipStatistics(msgspec.Struct, frozen=True, kw_only=True):
     rebuilds: int
 
 
+# The keeper's statistics record, written beside queue-state into its own buffer
+# (workers.segments.Segments.keeper) for every worker's /metrics and overview.
 class KeeperStatistics(msgspec.Struct, frozen=True, kw_only=True):
     """`Keeper.statistics()`: counters and sizes, safe to read from any thread."""
 
