@@ -98,13 +98,13 @@ def test_counts_and_leases(tmp_path: Path) -> None:
             cadence_s = float(labels.split('cadence_s="')[1].split('"')[0])
             assert age > 0 and age == pytest.approx(cadences * cadence_s, rel=1e-6)
 
-        # The ten leases are the best due rows: once a publish has found them leased,
-        # the next passes over them unprobed (keeper.skips).
-        def passed() -> bool:
+        # The ten leases are the best due rows: the first publish that finds them leased
+        # marks them in the keeper's skip table (keeper.skips), which then exists.
+        def skip_table() -> bool:
             text = client.get("/metrics").text
-            return metric_samples(text).get("renderqueue_keeper_leased_rows_passed") == 10
+            return bool(metric_samples(text).get("renderqueue_keeper_skip_table_entries"))
 
-        wait_for(passed, 30, "a publish passing over the ten leased rows", 0.1)
+        wait_for(skip_table, 30, "the keeper's skip table, after marking the leased rows", 0.1)
         # Completed work leaves the due count once the keeper has seen it.
         items = [
             {"key": lease["key"], "token": lease["token"], "outcome": "rendered"}
@@ -199,6 +199,26 @@ def test_the_feeds_pruning_is_served_where_the_feed_prunes(tmp_path: Path) -> No
             samples = metric_samples(client.get("/metrics").text)
             assert samples.get(retained) == counted
             assert samples.get(failures) == (failed if counted is not None else None)
+
+
+def test_the_skip_series_come_from_the_keepers_record(tmp_path: Path) -> None:
+    """The leased rows the last publish passed over, and the skip table's size, are the
+    record's; a record without a skip table leaves its size out."""
+    from keeper.state import SkipStatistics
+
+    seed_rows(node_db(tmp_path), 10)
+    with thread_node(tmp_path) as node, node.client() as client:
+        record = wait_for(lambda: keeper_record(node), 30, "the keeper's record", 0.05)
+        node.stop_keeper()  # nothing overwrites the records written below
+        for passed, skips in ((7, SkipStatistics(marked=9, capacity=2048, rebuilds=1)), (0, None)):
+            publish = msgspec.structs.replace(record.publish, last_passed=passed)
+            written = msgspec.structs.replace(record, publish=publish, skips=skips)
+            node.segments.keeper.write(encode_keeper_statistics(written), now_ms())
+            samples = metric_samples(client.get("/metrics").text)
+            assert samples["renderqueue_keeper_leased_rows_passed"] == passed
+            assert samples.get("renderqueue_keeper_skip_table_entries") == (
+                None if skips is None else 2048
+            )
 
 
 def test_the_cluster_fence_series_come_from_the_keepers_record_in_a_cluster(
