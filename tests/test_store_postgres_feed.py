@@ -84,6 +84,17 @@ def test_out_of_order_commits_lose_rows_to_seq_cursors_and_none_to_the_keyset(
         xid_early = early.execute("SELECT pg_current_xact_id()::text::bigint").fetchone()
         xid_late = late.execute("SELECT pg_current_xact_id()::text::bigint").fetchone()
         assert xid_early is not None and xid_late is not None and xid_early[0] < xid_late[0]
+        # The seq + xmin cursor reads below the server's horizon: a transaction another test
+        # left open from before ours would hold '/early' back from it too.
+        first = xid_early[0]
+
+        def older_ended() -> bool:
+            found = reader.execute(
+                "SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint"
+            ).fetchone()
+            return found is not None and found[0] >= first
+
+        wait_for(older_ended, 60, "the transactions older than this test's to end")
         late.execute(pg_sql.UPSERT, upsert_params("/late", 1))
         early.execute(pg_sql.UPSERT, upsert_params("/early", 2))
         seqs: dict[str, int] = dict(reader.execute("SELECT key, seq FROM change_log").fetchall())
@@ -93,6 +104,14 @@ def test_out_of_order_commits_lose_rows_to_seq_cursors_and_none_to_the_keyset(
         late.commit()
         poll_all()
         poll_all()
+
+        # The keyset delivers '/late' once the horizon passes it: a transaction another test
+        # began between our two may hold it back a while.
+        def late_delivered() -> bool:
+            delivered.extend(e.key for e in keyset.poll().events if isinstance(e, RowEvent))
+            return "/late" in delivered
+
+        wait_for(late_delivered, 60, "the keyset feed to deliver '/late'")
     finally:
         early.close()
         late.close()
