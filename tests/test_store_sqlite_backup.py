@@ -62,7 +62,11 @@ def test_a_backup_under_a_writer_is_one_consistent_checked_copy(
     assert before <= done.rows <= after
     assert done.rows == count(tmp_path / "copy.sqlite") and done.bytes > 0
     assert not list(tmp_path.glob(".*partial"))
-    assert reports and max(w for w, _ in reports) > 0 and all(e > 0 for _, e in reports)
+    assert reports and all(e > 0 for _, e in reports)
+    # Sizes only grow, and the last report is the whole copy's (made once it is written,
+    # however few the reports while it was).
+    assert [w for w, _ in reports] == sorted(w for w, _ in reports)
+    assert reports[-1][0] == done.bytes
     # The copy is a store: it opens, reads, and its change log and cursors came along.
     copy = SqliteStore(tmp_path / "copy.sqlite")
     try:
@@ -70,6 +74,18 @@ def test_a_backup_under_a_writer_is_one_consistent_checked_copy(
         assert copy.statistics().rows == done.rows
     finally:
         copy.close()
+
+
+def test_a_copy_quicker_than_a_report_period_still_reports_its_whole_size(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(backup_module, "PROGRESS_EVERY_S", 3600.0)  # no report while copying
+    db = tmp_path / "node.sqlite"
+    seed_rows(db, 1_000)
+    reports: list[tuple[int, int]] = []
+    done = backup(db, tmp_path / "copy.sqlite", lambda w, e: reports.append((w, e)))
+    assert len(reports) == 1
+    assert reports[0][0] == done.bytes > 0 and reports[0][1] > 0
 
 
 def test_what_is_not_fit_is_refused_and_nothing_is_left(tmp_path: Path) -> None:

@@ -40,7 +40,9 @@ def backup(
     progress: Callable[[int, int], object] | None = None,
 ) -> Backup:
     """Copy the store at `source` to the new file `destination`; `progress(written,
-    expected)` in bytes about once a second while the copy is written. Raises StoreError,
+    expected)` in bytes about once a second while the copy is written, and once more when
+    it is whole (a copy that fits SQLite's page cache is written only at its end). Raises
+    StoreError,
     with nothing left at `destination`, when the source is not a renderqueue store or the
     destination exists or cannot be written."""
     started = time.monotonic()
@@ -151,16 +153,20 @@ class _Progress:
             self._thread.start()
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, failed: type[BaseException] | None, *exc: object) -> None:
         self._done.set()
         if self._thread.is_alive():
             self._thread.join()
+        if self._report is not None and failed is None:
+            self._report(self._written(), self._expected)  # the whole copy's size
 
     def _run(self) -> None:
         assert self._report is not None
         while not self._done.wait(PROGRESS_EVERY_S):
-            try:
-                written = self._path.stat().st_size
-            except FileNotFoundError:
-                written = 0
-            self._report(written, self._expected)
+            self._report(self._written(), self._expected)
+
+    def _written(self) -> int:
+        try:
+            return self._path.stat().st_size
+        except FileNotFoundError:
+            return 0
