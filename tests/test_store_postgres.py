@@ -21,7 +21,8 @@ from store_helpers import close_all, keys_of, put, settle
 from store.base import Cursor, CursorAhead, CursorBelowFloor
 from store.errors import SchemaTooNew, StoreBusy, StoreError, StoreUnavailable
 from store.postgres import PostgresStore
-from store.postgres.feed import parse_cursor
+from store.postgres.conn import connect
+from store.postgres.feed import head, parse_cursor
 from store.postgres.schema import LATEST, MIGRATIONS
 from store.postgres.store import redacted
 from store.rows import Completion
@@ -41,8 +42,6 @@ def test_every_connection_runs_without_jit_and_keeps_the_urls_options(pg_url: st
     """The planner's JIT would compile a feed poll for tens of milliseconds wherever it
     misjudged a table's size; the URL's own `options` still apply."""
     from urllib.parse import quote
-
-    from store.postgres.conn import connect
 
     sep = "&" if "?" in pg_url else "?"
     url = f"{pg_url}{sep}options={quote('-c work_mem=7MB', safe='')}"
@@ -188,8 +187,12 @@ def test_a_log_restored_from_another_database_is_started_anew_and_its_cursors_re
     # refused as below it once no transaction open on the shared server (another test's)
     # holds the horizon at or under the cursor's transaction.
     ours_xid = parse_cursor(ours, store.origin).xid
-    horizon = "SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint"
-    wait_for(lambda: run_sql(pg_url, horizon)[0][0] > ours_xid, 60, "the horizon past /a, /b")
+
+    def horizon() -> int:
+        with connect(pg_url) as conn:
+            return head(conn)[0]  # the snapshot's xmin
+
+    wait_for(lambda: horizon() > ours_xid, 60, "the horizon past /a, /b")
     # What a dump restored here carries: the log and cursors of the database it came from.
     run_sql(pg_url, "UPDATE feed_state SET origin = 'elsewhere.1'")
     theirs = Cursor(token=ours.token.replace(f":{store.origin}:", ":elsewhere.1:"))

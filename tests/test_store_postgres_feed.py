@@ -66,7 +66,7 @@ def test_out_of_order_commits_lose_rows_to_seq_cursors_and_none_to_the_keyset(
 ) -> None:
     store = PostgresStore(pg_url)
     keyset = store.subscribe("keyset")
-    reader = psycopg.connect(pg_url, autocommit=True)
+    reader = connect(pg_url)  # autocommit, as the store's own: head() reads its horizon
     seq_only = SeqCursor(reader, xmin_filter=False)
     seq_xmin = SeqCursor(reader, xmin_filter=True)
     delivered: list[str] = []
@@ -88,13 +88,9 @@ def test_out_of_order_commits_lose_rows_to_seq_cursors_and_none_to_the_keyset(
         # left open from before ours would hold '/early' back from it too.
         first = xid_early[0]
 
-        def older_ended() -> bool:
-            found = reader.execute(
-                "SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint"
-            ).fetchone()
-            return found is not None and found[0] >= first
-
-        wait_for(older_ended, 60, "the transactions older than this test's to end")
+        wait_for(
+            lambda: pg_feed.head(reader)[0] >= first, 60, "the transactions older than ours to end"
+        )
         late.execute(pg_sql.UPSERT, upsert_params("/late", 1))
         early.execute(pg_sql.UPSERT, upsert_params("/early", 2))
         seqs: dict[str, int] = dict(reader.execute("SELECT key, seq FROM change_log").fetchall())

@@ -42,9 +42,8 @@ def backup(
     """Copy the store at `source` to the new file `destination`; `progress(written,
     expected)` in bytes about once a second while the copy is written, and once more when
     it is whole (a copy that fits SQLite's page cache is written only at its end). Raises
-    StoreError,
-    with nothing left at `destination`, when the source is not a renderqueue store or the
-    destination exists or cannot be written."""
+    StoreError, with nothing left at `destination`, when the source is not a renderqueue
+    store or the destination exists or cannot be written."""
     started = time.monotonic()
     src, dest = Path(source), Path(destination)
     if not src.is_file():

@@ -55,7 +55,7 @@ INTERVAL_S = 0.05
 WRITER_CHECKPOINT_PAGES = 40_000
 # Well under the writers' own threshold, so the restart comes first. Each restart's sync
 # holds the write lock: the rarer they are, the more the writers commit, at the price of
-# a longer WAL (about 80 MB here at 4 KiB pages)
+# a longer WAL (20,000 frames of 4 KiB pages are about 80 MB)
 # (docs/decisions/0007-the-wal-restarted-off-the-event-loop.md).
 RESTART_FRAMES = 20_000
 RESTART_WAIT_MS = 20
