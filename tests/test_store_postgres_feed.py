@@ -447,3 +447,55 @@ def test_a_poll_for_records_answers_row_entries_as_the_records_of_polls_events(
     for sub in (records_sub, events_sub):
         sub.close()
     store.close()
+
+
+def change_log_reads(plan: dict[str, Any]) -> list[int]:
+    """Rows each scan of change_log in an EXPLAIN ANALYZE plan read, filtered out or not."""
+    reads = []
+    if plan.get("Relation Name") == "change_log":
+        kept = plan["Actual Rows"] * plan["Actual Loops"]
+        reads.append(kept + plan.get("Rows Removed by Filter", 0))
+    for child in plan.get("Plans", []):
+        reads += change_log_reads(child)
+    return reads
+
+
+def test_a_poll_planned_while_the_log_looked_empty_reads_only_its_page(pg_url: str) -> None:
+    """The feed plans its poll once (pg_feed.PLANNING), from the statistics of that moment.
+    Planned while they say the log is empty, it must still read the log by its index once
+    the log has grown: a page after the cursor and the newest entry, not every entry."""
+    store = PostgresStore(pg_url)
+    try:
+        with connect(pg_url) as admin:
+            # No analyze may replan it meanwhile: the plan must be the one made from "empty".
+            admin.execute("ALTER TABLE change_log SET (autovacuum_enabled = false)")
+            admin.execute("ANALYZE change_log")
+        sub = store.subscribe("planned")
+        try:
+            for _ in range(8):  # psycopg prepares a statement at its sixth run
+                sub.poll(limit=10)
+            for start in range(0, 4000, 1000):
+                store.write(
+                    [
+                        RowWrite(key=f"/p/{i}", route="page", next_render_at=i)
+                        for i in range(start, start + 1000)
+                    ]
+                )
+            assert len(sub.poll(limit=10).events) == 10
+            ((name, generic, custom),) = sub._conn.execute(
+                "SELECT name, generic_plans, custom_plans FROM pg_prepared_statements"
+                " WHERE statement LIKE '%FROM change_log%ORDER BY xid, seq LIMIT%'"
+            ).fetchall()
+            assert generic > 0 and custom == 0
+            xid, seq = sub._xid, sub._seq
+            ((explained,),) = sub._conn.execute(
+                f"EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE {name}('{int(xid)}', {int(seq)}, 11)"
+            ).fetchall()
+            reads = change_log_reads(explained[0]["Plan"])
+            # The page (limit + 1, to see whether more follow), and `pending`'s newest entry.
+            assert reads and max(reads) <= 11, reads
+            assert sum(reads) >= 11  # the page was there to read: the plan did read it
+        finally:
+            sub.close()
+    finally:
+        store.close()

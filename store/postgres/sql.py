@@ -240,7 +240,8 @@ POLL_SITE = slice(31, 34)
 POLL = """
 WITH h AS MATERIALIZED (
     SELECT pg_snapshot_xmin(s) AS xmin, pg_snapshot_xmax(s) AS xmax,
-           coalesce((SELECT max(xid) FROM change_log) >= pg_snapshot_xmin(s), false)
+           coalesce((SELECT xid FROM change_log ORDER BY xid DESC LIMIT 1)
+                    >= pg_snapshot_xmin(s), false)
                AS pending
     FROM pg_current_snapshot() AS s
 )
