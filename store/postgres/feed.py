@@ -102,11 +102,11 @@ SELECT EXISTS (
 LISTENER_TCP_USER_TIMEOUT_MS = 10_000
 
 # How the feed's session plans. By default the server plans each poll anew (it prices the
-# generic plan dearer), and that planning is a third of a hundred-entry poll's cost. A
-# generic plan is made once, from the statistics of that moment: one made while the log
-# looked empty scans the whole log, or reads all of it for a max(), at every poll after.
-# Every statement of the feed is an index range or point read whatever the log's size,
-# so the session is given no other way to read a table.
+# generic plan dearer), and that planning is about a fifth of a poll's cost on the
+# server. A generic plan is made once, from the statistics of that moment: one made while
+# the log looked empty scans the whole log, or reads all of it for a max(), at every poll
+# after. Every statement of the feed is an index range or point read whatever the log's
+# size, so the session is given no other way to read a table.
 PLANNING = (
     "SET plan_cache_mode = force_generic_plan",
     "SET enable_seqscan = off",
