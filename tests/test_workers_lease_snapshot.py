@@ -198,7 +198,7 @@ def test_a_snapshot_under_another_databases_secret_is_set_aside(tmp_path: Path) 
 
 def test_where_the_snapshot_goes(tmp_path: Path) -> None:
     from workers.config import load_settings
-    from workers.supervisor import lease_snapshot_path
+    from workers.lease_carryover import lease_snapshot_path
 
     db = tmp_path / "q.sqlite"
     assert lease_snapshot_path(load_settings(environ={}, flags={"db": str(db)}), "rqx") == Path(

@@ -145,7 +145,8 @@ def run_demo(
 ) -> int:
     from store import open_store
     from workers import logs
-    from workers.supervisor import Supervisor, default_instance, lease_snapshot_path
+    from workers.lease_carryover import lease_snapshot_path
+    from workers.supervisor import Supervisor, default_instance
 
     count = int(getattr(args, "cluster", 0) or 0)
     if getattr(args, "db", None) is None:
@@ -431,7 +432,8 @@ def redact(url: str) -> str:
 
 def run_cluster_demo(args: argparse.Namespace, settings: Settings, count: int) -> int:
     from store import open_store
-    from workers.supervisor import default_instance, lease_snapshot_path
+    from workers.lease_carryover import lease_snapshot_path
+    from workers.supervisor import default_instance
 
     url = settings.store_url()
     if not settings.clustered:

@@ -11,8 +11,9 @@ N workers by index (worker 0 also hosts the keeper) and keeps them running.
   stops quickly and writes no snapshot. A crash (the node SIGKILLed whole) writes none
   but leaves the lease table in shared memory, and the next start adopts its slots
   before any worker spawns (shm/lease_survivor.py says what it checks first, and why
-  such a table wins over a snapshot file). A second signal while stopping kills what
-  is left (a second SIGINT also drops the snapshot).
+  such a table wins over a snapshot file; workers/lease_carryover.py takes either). A
+  second signal while stopping kills what is left (a second SIGINT also drops the
+  snapshot).
 - The segments are unlinked on every exit path the process survives.
 
 Each event is one log line (workers.logs), and `statistics()` is also published into a small
@@ -35,7 +36,6 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import msgspec
 
@@ -43,7 +43,6 @@ from api import site_history
 from api.report import MAX_REPORT_BYTES, REPORT_PREFIX, WorkerReport, decode_report_line
 from api.status import SegmentView, claim_status
 from keeper.state import decode_site_list
-from shm import lease_snapshot, lease_survivor
 from shm.keys import fingerprint
 from shm.leases import LeaseCensus
 from shm.segment import monotonic_ms, now_ms
@@ -51,6 +50,7 @@ from store.rows import NodeRecord
 from store.sqlite.wal import WalState, read_wal_state
 from workers import logs, sd_notify
 from workers.config import Settings, api_settings
+from workers.lease_carryover import LeaseCarryover, LeaseRecovery
 from workers.listeners import Listeners, ListenFailed
 from workers.membership import MembershipHeartbeat, MembershipStatistics
 from workers.segments import SegmentNames, Segments, SiteTableSettings
@@ -84,19 +84,6 @@ class WorkerStatistics(msgspec.Struct, frozen=True, kw_only=True):
     # and from each restart, since a new process counts from zero.
     report: WorkerReport | None = None
     bad_reports: int = 0  # status lines from the worker that were not a valid report
-
-
-class LeaseRecovery(msgspec.Struct, frozen=True, kw_only=True):
-    """What this run's lease table started from, counted when it was taken."""
-
-    # "segment": the table a killed run left in shared memory, adopted;
-    # "snapshot": the file a graceful stop wrote; "none": an empty table.
-    source: str
-    occupied: int = 0
-    live_leases: int = 0
-    held_keys: int = 0
-    segment_rejected: str | None = None  # why a surviving table was not adopted
-    snapshot_rejected: str | None = None  # why a snapshot file was set aside
 
 
 class SupervisorStatistics(msgspec.Struct, frozen=True, kw_only=True):
@@ -165,15 +152,6 @@ def describe_exit(returncode: int) -> str:
     return f"exit {returncode}"
 
 
-def lease_snapshot_path(settings: Settings, instance: str) -> Path:
-    if settings.lease_snapshot:
-        return Path(settings.lease_snapshot).expanduser()
-    sqlite_path = settings.sqlite_path()
-    if sqlite_path is not None:
-        return Path(f"{sqlite_path}.leases")
-    return Path("var") / f"{instance}.leases"
-
-
 @dataclass(eq=False)
 class Supervisor:
     settings: Settings
@@ -201,11 +179,10 @@ class Supervisor:
     _census: LeaseCensus | None = None
     _in_flight: site_history.InFlightHistory | None = None  # per site, the last hour
     _snapshot_on_exit: bool = False  # the stop was graceful (SIGTERM) and not overridden
-    _lease_recovery: LeaseRecovery | None = None
+    _carryover: LeaseCarryover | None = None  # the lease table across restarts
     _membership: MembershipHeartbeat | None = None
     _incarnation: int = 0
     _predecessor_until_ms: int = 0
-    _inherited_leases: bool = False  # the previous run's leases were restored or adopted
     _loop_ended: bool = False
     _hash_secret: bytes = b""  # the store's, read by _prepare_store
     _sqlite_path: str | None = None  # a SQLite store's file, whose WAL the census reads
@@ -247,8 +224,14 @@ class Supervisor:
         self.port = self._bind()
         self.instance = settings.instance or default_instance(settings, self.port)
         names = SegmentNames.for_instance(self.instance)
+        carryover = LeaseCarryover(settings, self.instance, self._hash_secret)
+        self._carryover = carryover
         # Read before the create, which replaces a killed run's segments with empty ones.
-        survivor = self._find_surviving_leases(names.leases)
+        # The wait is the longest a killed supervisor's workers take to stop, as told by
+        # their parent's death (workers/worker.py): then the slots are their last.
+        survivor = carryover.find_survivor(
+            names.leases, wait_s=settings.graceful_timeout_s + QUICK_STOP_S
+        )
         self._segments = Segments.create(
             names,
             ring_entries=settings.ring_entries,
@@ -256,7 +239,7 @@ class Supervisor:
             hash_secret=self._hash_secret,
             sites=SiteTableSettings.of(settings),
         )
-        self._restore_leases(survivor)
+        carryover.restore(self._segments.leases, survivor)
         if self._notifier is not None:  # only the notices read it
             self._view = SegmentView(
                 settings=api_settings(
@@ -274,7 +257,7 @@ class Supervisor:
             if settings.clustered:
                 self._join_cluster()
         except BaseException:
-            self._keep_recovered_leases()
+            carryover.keep_if_inherited(self._segments.leases)
             raise
         logs.event(
             log,
@@ -349,7 +332,7 @@ class Supervisor:
         joined = self._membership.join()
         self._incarnation = joined.incarnation
         self._predecessor_until_ms = self._predecessor_fence(joined.predecessor)
-        if self._inherited_leases:
+        if self._inherited_leases():
             self._take_back_leases()
 
     def _take_back_leases(self) -> None:
@@ -372,6 +355,10 @@ class Supervisor:
             completed_elsewhere=len(done),
         )
 
+    def _inherited_leases(self) -> bool:
+        """The previous run's leases were restored or adopted into this run's table."""
+        return self._carryover is not None and self._carryover.inherited
+
     def _keeper_heard_at(self) -> int:
         """When the keeper was last heard going round (monotonic ms), for the heartbeat
         thread. A worker 0 not spawned yet, or still booting (its keeper not heard since
@@ -390,7 +377,7 @@ class Supervisor:
     def _predecessor_fence(self, predecessor: NodeRecord | None) -> int:
         """Until when the leases of the incarnation this start replaced may live (this
         node's clock), when its lease table was not taken over; 0 when none may."""
-        if predecessor is None or self._inherited_leases:
+        if predecessor is None or self._inherited_leases():
             return 0
         now = now_ms()
         if predecessor.left:
@@ -458,8 +445,8 @@ class Supervisor:
         self.state = "stopped"
         self._leave_cluster()
         if self._segments is not None:
-            if self._snapshot_on_exit and self._loop_ended:
-                self._save_leases()
+            if self._snapshot_on_exit and self._loop_ended and self._carryover is not None:
+                self._carryover.save(self._segments.leases)
             with contextlib.suppress(Exception):
                 self._publish()
             self._segments.close()
@@ -657,205 +644,6 @@ class Supervisor:
                 )
                 with contextlib.suppress(ProcessLookupError):
                     slot.process.kill()
-
-    # --- the lease snapshot, and the table a crash left --------------------------------
-
-    def _find_surviving_leases(self, name: str) -> lease_survivor.Survivor | None:
-        """The lease table a run killed whole left under this instance's name, if this node
-        can take it (shm/lease_survivor.py); a table it cannot take is logged with why,
-        and the create that follows replaces it."""
-        settings = self.settings
-
-        def waiting(pids: list[int]) -> None:
-            logs.event(
-                log,
-                "lease_table_adoption_waiting",
-                segment=name,
-                pids=pids,
-                detail="a previous run's processes still map the lease table; waiting for "
-                "them to exit before taking it over",
-            )
-
-        try:
-            found = lease_survivor.find(
-                name,
-                capacity=settings.lease_slots,
-                secret=self._hash_secret,
-                # The longest a killed supervisor's workers take to stop, as told by their
-                # parent's death (workers/worker.py): then the slots are their last.
-                wait_s=settings.graceful_timeout_s + QUICK_STOP_S,
-                on_wait=waiting,
-            )
-        except Exception as exc:  # find reports a table it refuses; this is the unforeseen
-            found = lease_survivor.Refused(name=name, reason=f"{type(exc).__name__}: {exc}")
-        if isinstance(found, lease_survivor.Refused):
-            self._lease_recovery = LeaseRecovery(source="none", segment_rejected=found.reason)
-            logs.event(
-                log,
-                "lease_table_not_adopted",
-                logging.WARNING,
-                segment=found.name,
-                reason=found.reason,
-                detail="replacing it with an empty lease table",
-            )
-            return None
-        return found
-
-    def _restore_leases(self, survivor: lease_survivor.Survivor | None = None) -> None:
-        """Before any worker spawns: the slots of the table a killed run left (`survivor`),
-        or else the leases a graceful stop's snapshot holds. The surviving table wins when
-        both exist (shm/lease_survivor.py says why), and the snapshot is set aside. A bad
-        file is logged and set aside; the node starts with an empty table then."""
-        assert self._segments is not None
-        path = lease_snapshot_path(self.settings, self.instance)
-        if survivor is not None and self._adopt_leases(survivor, path):
-            return
-        # What _find_surviving_leases or _adopt_leases said of a table it could not take.
-        recovery = self._lease_recovery or LeaseRecovery(source="none")
-        self._lease_recovery = recovery
-        try:
-            outcome = lease_snapshot.restore(
-                path,
-                self._segments.leases,
-                instance=self.instance,
-                secret=self._hash_secret,
-                now_ms=now_ms(),
-            )
-        except Exception as exc:  # restore reports a bad file itself; this is the unforeseen
-            self._lease_recovery = msgspec.structs.replace(recovery, snapshot_rejected=repr(exc))
-            logs.event(
-                log, "lease_snapshot_rejected", logging.ERROR, path=str(path), reason=repr(exc)
-            )
-            return
-        if isinstance(outcome, lease_snapshot.Rejected):
-            self._lease_recovery = msgspec.structs.replace(
-                recovery, snapshot_rejected=outcome.reason
-            )
-            logs.event(
-                log,
-                "lease_snapshot_rejected",
-                logging.WARNING,
-                path=outcome.path,
-                reason=outcome.reason,
-                moved_to=outcome.moved_to,
-                detail="starting with an empty lease table",
-            )
-        elif isinstance(outcome, lease_snapshot.Restored):
-            self._inherited_leases = True
-            self._lease_recovery = msgspec.structs.replace(
-                recovery,
-                source="snapshot",
-                occupied=outcome.occupied,
-                live_leases=outcome.live_leases,
-                held_keys=outcome.held_keys,
-            )
-            logs.event(
-                log,
-                "lease_snapshot_restored",
-                path=outcome.path,
-                age_ms=outcome.age_ms,
-                occupied=outcome.occupied,
-                live_leases=outcome.live_leases,
-                held_keys=outcome.held_keys,
-            )
-            if not outcome.removed:
-                logs.event(
-                    log,
-                    "lease_snapshot_not_removed",
-                    logging.WARNING,
-                    path=outcome.path,
-                    detail="remove it by hand: a start that finds no lease table left by a "
-                    "crash would load it again",
-                )
-
-    def _adopt_leases(self, survivor: lease_survivor.Survivor, path: Path) -> bool:
-        """Take the surviving table's slots into the fresh one and set the snapshot file
-        aside; False (logged, the table left empty) if the import fails."""
-        assert self._segments is not None
-        try:
-            adopted = lease_survivor.adopt(survivor, self._segments.leases, now_ms())
-        except Exception as exc:
-            reason = f"{type(exc).__name__}: {exc}"
-            self._lease_recovery = LeaseRecovery(source="none", segment_rejected=reason)
-            logs.event(
-                log,
-                "lease_table_not_adopted",
-                logging.WARNING,
-                segment=survivor.name,
-                reason=reason,
-                detail="its slots could not be imported; starting with an empty lease table",
-            )
-            return False
-        self._inherited_leases = True
-        # A snapshot beside it is the same table or an older one: loaded by a later start
-        # (after a reboot), it would bring back leases that have since ended.
-        had_snapshot = path.exists()
-        superseded = lease_snapshot.set_aside(path, lease_snapshot.SUPERSEDED_SUFFIX)
-        logs.event(
-            log,
-            "lease_table_adopted",
-            segment=adopted.name,
-            previous_pid=adopted.owner_pid,
-            previous_created_at=adopted.created_at,
-            occupied=adopted.occupied,
-            live_leases=adopted.live_leases,
-            held_keys=adopted.held_keys,
-            waited_ms=adopted.waited_ms,
-            snapshot_superseded=superseded,
-        )
-        if had_snapshot and superseded is None:
-            logs.event(
-                log,
-                "lease_snapshot_not_removed",
-                logging.WARNING,
-                path=str(path),
-                detail="the adopted lease table supersedes it, but it could not be set aside: "
-                "remove it by hand, or a later start could load it again",
-            )
-        self._lease_recovery = LeaseRecovery(
-            source="segment",
-            occupied=adopted.occupied,
-            live_leases=adopted.live_leases,
-            held_keys=adopted.held_keys,
-        )
-        return True
-
-    def _keep_recovered_leases(self) -> None:
-        """The start failed after the lease table took a previous run's leases, and no
-        worker ever ran: on the way out the table is unlinked, so its slots go to the
-        snapshot file, which the next start restores, rather than being lost."""
-        recovery = self._lease_recovery
-        if self._segments is not None and recovery is not None and recovery.source != "none":
-            self._save_leases()
-
-    def _save_leases(self) -> None:
-        assert self._segments is not None
-        path = lease_snapshot_path(self.settings, self.instance)
-        started = time.monotonic()
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            saved = lease_snapshot.save(
-                path,
-                self._segments.leases,
-                instance=self.instance,
-                secret=self._hash_secret,
-                now_ms=now_ms(),
-            )
-        except Exception as exc:
-            logs.event(
-                log, "lease_snapshot_write_failed", logging.ERROR, path=str(path), error=str(exc)
-            )
-            return
-        logs.event(
-            log,
-            "lease_snapshot_written",
-            path=saved.path,
-            bytes=saved.bytes,
-            occupied=saved.occupied,
-            live_leases=saved.live_leases,
-            held_keys=saved.held_keys,
-            ms=round((time.monotonic() - started) * 1000, 1),
-        )
 
     # --- workers -----------------------------------------------------------------------
 
@@ -1065,7 +853,7 @@ class Supervisor:
             lease_sweeps=self.lease_sweeps,
             lease_slots_reclaimed=self.lease_slots_reclaimed,
             lease_census=self._census,
-            lease_recovery=self._lease_recovery,
+            lease_recovery=self._carryover.recovery if self._carryover else None,
             membership=None if self._membership is None else self._membership.statistics(),
             wal=self._wal,
             workers=[
