@@ -197,8 +197,8 @@ def test_numbers_equal_queue_state(browser: Any, node: NodeProcess, shots: Path)
     with console(browser, node, ADMIN_TOKEN) as page:
         wait_ticks(page, 2)
         # The page shows the queue-state of its last refresh; the keeper's first full
-        # report can land between that refresh and this test's read (seen under load:
-        # due_60m drawn 0 of 138), so the numbers are compared until one read matches.
+        # report can land between that refresh and this test's read, so the numbers are
+        # compared until one read matches.
         fields = [f"now-{f}" for f in NOW_FIELDS] + [f"coming-{f}" for f in COMING_FIELDS]
         matched: list[dict[str, Any]] = []
 

@@ -321,9 +321,15 @@ def test_commits_announced_moments_after_a_read_gather_for_the_next_one(
             if not sub.quiet():
                 delivered += row_keys(sub.poll().events)
         head = store.feed_head()
-        while not sub.has_delivered(head) and time.monotonic() - started < 60:
+
+        def caught_up() -> bool:
+            if sub.has_delivered(head):
+                return True
             sub.wait(0.05)
-            delivered += row_keys(sub.poll().events)
+            delivered.extend(row_keys(sub.poll().events))
+            return sub.has_delivered(head)
+
+        wait_for(caught_up, 60, "the feed to deliver through the head", 0)
         assert delivered == [f"/g/{i}" for i in range(writes)]
         elapsed = time.monotonic() - started
         # At most one read a GATHER_S (plus the reads that waited on the head at the end).

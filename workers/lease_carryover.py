@@ -27,6 +27,8 @@ from shm.segment import now_ms
 from workers import logs
 from workers.config import Settings
 
+# The supervisor's logger: these events are the supervisor's start and stop, and an
+# operator's log queries name them so.
 log = logs.get_logger("supervisor")
 
 
@@ -61,7 +63,11 @@ class LeaseCarryover:
     instance: str
     secret: bytes
     recovery: LeaseRecovery | None = None  # None until `restore`
-    inherited: bool = False  # the previous run's leases were restored or adopted
+
+    @property
+    def inherited(self) -> bool:
+        """The previous run's leases were restored or adopted into this run's table."""
+        return self.recovery is not None and self.recovery.source != "none"
 
     @property
     def path(self) -> Path:
@@ -135,7 +141,6 @@ class LeaseCarryover:
                 detail="starting with an empty lease table",
             )
         elif isinstance(outcome, lease_snapshot.Restored):
-            self.inherited = True
             self.recovery = msgspec.structs.replace(
                 recovery,
                 source="snapshot",
@@ -179,7 +184,6 @@ class LeaseCarryover:
                 detail="its slots could not be imported; starting with an empty lease table",
             )
             return False
-        self.inherited = True
         path = self.path
         had_snapshot = path.exists()
         superseded = lease_snapshot.set_aside(path, lease_snapshot.SUPERSEDED_SUFFIX)
@@ -216,7 +220,7 @@ class LeaseCarryover:
         """The start failed after `table` took a previous run's leases, and no worker ever
         ran: on the way out the table is unlinked, so its slots go to the snapshot file,
         which the next start restores, rather than being lost."""
-        if self.recovery is not None and self.recovery.source != "none":
+        if self.inherited:
             self.save(table)
 
     def save(self, table: LeaseTable) -> None:
