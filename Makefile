@@ -89,13 +89,15 @@ sanitize: $(STAMP)
 	  'import shm._atomics as a, keeper._native as n; \
 	   assert all("/$(SAN_DIR)/lib/" in m.__file__ for m in (a, n)), (a.__file__, n.__file__)'
 	cd $(SAN_DIR)/lib && $(SAN_ENV) $(CURDIR)/$(PY) -m pytest -q --capture=sys \
-	  -p no:cacheprovider $(addprefix $(CURDIR)/,$(SAN_TESTS))
+	  -n $(PYTEST_WORKERS) -p no:cacheprovider $(addprefix $(CURDIR)/,$(SAN_TESTS))
 
 bench: build
 	$(PY) -m bench all
 
+# Quick sections check rows, not figures, and mostly wait: two run side by side.
+BENCH_QUICK_JOBS ?= 2
 bench-quick: build
-	$(PY) -m bench all --quick
+	$(PY) -m bench all --quick --jobs $(BENCH_QUICK_JOBS)
 
 # The node under a fleet, writers and faults for SOAK_MINUTES (10), then every invariant
 # checked from the clients' own logs (bench/sections/soak.py); soak-quick is CI's 2-minute one.

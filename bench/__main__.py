@@ -15,8 +15,10 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import msgspec
@@ -54,6 +56,9 @@ PUBLISHED_DIR = BENCH_DIR / "results"
 # half again when other jobs share the machine's two cores).
 QUICK_TIMEOUT_S = 1200
 FULL_TIMEOUT_S = 4 * 3600
+# The quick run's longest sections, which mostly wait (on real leases and TTLs, on the
+# peers' loads): with `--jobs` above 1 they start first and the rest fill in beside them.
+LONGEST_FIRST = ("faults", "peers", "cluster", "postgres")
 
 
 class SectionRun(msgspec.Struct, kw_only=True):
@@ -112,6 +117,8 @@ def run_section(
     child = subprocess.Popen(
         command, cwd=cwd, stdout=subprocess.PIPE, text=True, env=os.environ.copy()
     )
+    with _running_lock:
+        _running.add(child)
     try:
         stdout_text, _ = child.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -122,6 +129,9 @@ def run_section(
     except BaseException:
         stop_section(child)
         raise
+    finally:
+        with _running_lock:
+            _running.discard(child)
     done = subprocess.CompletedProcess(command, child.returncode, stdout_text)
     elapsed = round(time.monotonic() - started, 1)
     record = SectionRun(
@@ -147,6 +157,51 @@ def run_section(
         )
     report.progress(f"{section}: {record.status} in {elapsed} s {record.detail}".rstrip())
     return record, stdout
+
+
+# Sections running now: a run stopped while sections run side by side stops each of them
+# (`run_sections`), not only the one its main thread waits on.
+_running: set[subprocess.Popen[str]] = set()
+_running_lock = threading.Lock()
+
+
+def run_sections(
+    sections: Sequence[str],
+    quick: bool,
+    timeout_s: float,
+    *,
+    jobs: int = 1,
+    extra: Sequence[str] = (),
+    package: str = "bench.sections",
+    cwd: Path | None = None,
+) -> list[tuple[SectionRun, str]]:
+    """Each section's record and markdown, in `sections`' order; up to `jobs` at once."""
+
+    def one(section: str) -> tuple[SectionRun, str]:
+        return run_section(section, quick, timeout_s, package=package, cwd=cwd, extra=extra)
+
+    if jobs <= 1 or len(sections) <= 1:
+        out = []
+        for position, section in enumerate(sections, 1):
+            report.progress(f"section {position}/{len(sections)}: {section}")
+            out.append(one(section))
+        return out
+    first = [section for section in LONGEST_FIRST if section in sections]
+    order = first + [section for section in sections if section not in first]
+    report.progress(f"{len(sections)} sections, {jobs} at a time: {', '.join(order)}")
+    pool = ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="section")
+    try:
+        futures = {section: pool.submit(one, section) for section in order}
+        return [futures[section].result() for section in sections]
+    except BaseException:
+        pool.shutdown(wait=False, cancel_futures=True)
+        with _running_lock:
+            running = list(_running)
+        for child in running:
+            stop_section(child)
+        raise
+    finally:
+        pool.shutdown(wait=True)
 
 
 def stop_section(child: subprocess.Popen[str]) -> None:
@@ -311,6 +366,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="scaled down; checks rows only")
     parser.add_argument("--timeout", type=float, default=None, help="per section, seconds")
     parser.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="sections run at once; a quick run's only (a full run's figures need the "
+        "machine to themselves)",
+    )
+    parser.add_argument(
         "--resummarize",
         action="store_true",
         help="run nothing: rewrite the summary from the last run's results files",
@@ -333,6 +395,8 @@ def main(argv: list[str] | None = None) -> int:
         resummarize(args.quick)
         return 0
     quick: bool = args.quick
+    if args.jobs < 1 or (args.jobs > 1 and not quick):
+        parser.error("--jobs takes 1, or more with --quick: a full run's sections run alone")
     timeout_s = args.timeout or (QUICK_TIMEOUT_S if quick else FULL_TIMEOUT_S)
     if args.section == "all":
         sections: tuple[str, ...] = SECTIONS
@@ -342,13 +406,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"no section {args.section!r}; known: {', '.join(SECTIONS)}")
     started_ms = report.now_ms()
     machine = report.machine_info()
-    runs: list[SectionRun] = []
-    tables: list[tuple[str, str]] = []
-    for position, section in enumerate(sections, 1):
-        report.progress(f"section {position}/{len(sections)}: {section}")
-        record, markdown = run_section(section, quick, timeout_s, extra=extra)
-        runs.append(record)
-        tables.append((section, markdown))
+    done = run_sections(sections, quick, timeout_s, jobs=args.jobs, extra=extra)
+    runs = [record for record, _ in done]
+    tables = [(record.section, markdown) for record, markdown in done]
     failed = [r for r in runs if r.status != "ok"]
     command = "make bench-quick" if quick and args.section == "all" else "make bench"
     if args.section != "all":

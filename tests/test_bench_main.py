@@ -3,12 +3,16 @@ results, or leaves a promised row unmeasured; a missing section fails."""
 
 from __future__ import annotations
 
+import os
+import signal
 import textwrap
+import threading
 import uuid
 from pathlib import Path
 
 import msgspec
 import pytest
+from node_harness import wait_for
 
 from bench import __main__ as runner
 from bench.harness import report
@@ -118,6 +122,71 @@ def test_a_missing_section_fails(sandbox: Path) -> None:
     record = run(sandbox, "nothing_here")
     assert record.status == "failed"
     assert "no fakebench/nothing_here.py" in record.detail
+
+
+def test_sections_run_side_by_side_answer_in_the_order_asked(sandbox: Path) -> None:
+    good = [write_section(sandbox), write_section(sandbox, OURS=5.0)]
+    crashing = write_section(sandbox, EXIT=3)
+    asked = [good[0], crashing, good[1]]
+    done = runner.run_sections(asked, True, 60, jobs=2, package="fakebench", cwd=sandbox)
+    assert [record.section for record, _ in done] == asked
+    assert [record.status for record, _ in done] == ["ok", "failed", "ok"]
+    assert "| 5" in done[2][1] and "| 1" in done[0][1]
+
+
+def test_a_run_stopped_while_sections_run_side_by_side_stops_every_one(sandbox: Path) -> None:
+    pids = sandbox / "pids"
+    pids.mkdir()
+    release = sandbox / "release"
+    # Each section runs until it is stopped or released; a released one leaves a mark.
+    sleeper = textwrap.dedent(
+        f"""
+        import os, pathlib, time
+        pathlib.Path({str(pids)!r}, str(os.getpid())).write_text("")
+        while not pathlib.Path({str(release)!r}).exists():
+            time.sleep(0.05)
+        pathlib.Path({str(sandbox)!r}, f"released_{{os.getpid()}}").write_text("")
+        """
+    )
+    names = [f"sleeper_{n}" for n in range(2)]
+    for name in names:
+        (sandbox / "fakebench" / f"{name}.py").write_text(sleeper)
+    returned = threading.Event()
+
+    def interrupt_once_both_run() -> None:
+        wait_for(lambda: len(list(pids.iterdir())) == 2, 60, "both sections to start")
+        os.kill(os.getpid(), signal.SIGUSR1)
+        # A runner that left its sections running would wait on them for ever: release
+        # them, and the marks they leave fail the test.
+        if not returned.wait(60):
+            release.write_text("")
+
+    def stop(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGUSR1, stop)
+    trigger = threading.Thread(target=interrupt_once_both_run, daemon=True)
+    try:
+        trigger.start()
+        with pytest.raises(KeyboardInterrupt):
+            runner.run_sections(names, True, 600, jobs=2, package="fakebench", cwd=sandbox)
+        returned.set()
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+        trigger.join(120)
+    started = [int(path.name) for path in pids.iterdir()]
+    assert len(started) == 2
+    assert not list(sandbox.glob("released_*")), "a section ran on after the run was stopped"
+
+    def gone(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        return False
+
+    # The runner waits for each child it stops: none is left, not even a zombie.
+    assert all(gone(pid) for pid in started)
 
 
 def test_markdown_puts_the_seed_and_each_peer_beside_ours() -> None:
