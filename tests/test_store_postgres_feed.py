@@ -383,6 +383,85 @@ def test_the_log_is_counted_up_to_a_cap(pg_url: str) -> None:
         store.close()
 
 
+def log_entries(pg_url: str) -> list[tuple[int, int]]:
+    with connect(pg_url) as conn:
+        found = conn.execute(
+            "SELECT xid::text::bigint, seq FROM change_log ORDER BY xid, seq"
+        ).fetchall()
+    return [(int(xid), int(seq)) for xid, seq in found]
+
+
+def floor_of(pg_url: str) -> tuple[int, int]:
+    with connect(pg_url) as conn:
+        found = conn.execute(pg_sql.FLOOR).fetchone()
+    assert found is not None
+    return int(found[0]), int(found[1])
+
+
+def test_pruning_in_chunks_removes_exactly_the_entries_below_the_floor(pg_url: str) -> None:
+    """Chunks end inside a transaction's entries and on the log's last one alike."""
+    store = PostgresStore(pg_url, prune_interval_s=None)
+    sub = store.subscribe("reader")
+    try:
+        for start, count in ((0, 10), (10, 10), (20, 5)):  # 25 entries of three xids
+            store.write(
+                [
+                    RowWrite(key=f"/k/{i}", route="page", next_render_at=i)
+                    for i in range(start, start + count)
+                ]
+            )
+        settle(store)
+        for read, chunk in ((12, 5), (13, 4)):  # a floor inside the second write, then past all
+            assert len(sub.poll(limit=read).events) == read
+            sub.save()
+            before = log_entries(pg_url)
+            removed = store.prune(chunk=chunk)
+            floor = floor_of(pg_url)
+            below = [entry for entry in before if entry < floor]
+            assert removed == len(below) > 0
+            assert log_entries(pg_url) == [entry for entry in before if entry >= floor]
+        assert log_entries(pg_url) == []
+    finally:
+        sub.close()
+        store.close()
+
+
+def test_pruning_reads_and_deletes_the_log_by_its_index(pg_url: str) -> None:
+    """A chunk planned as a scan of the whole log would make each round of pruning cost
+    the square of the log's length: every statement of a round goes by the log's index."""
+    store = PostgresStore(pg_url, prune_interval_s=None)
+    try:
+        for start in range(0, 20_000, 5_000):
+            store.write(
+                [
+                    RowWrite(key=f"/i/{i}", route="page", next_render_at=i)
+                    for i in range(start, start + 5_000)
+                ]
+            )
+        settle(store)
+        entries = log_entries(pg_url)
+        with connect(pg_url) as conn:
+            conn.execute("ANALYZE change_log")
+            xmin, _ = pg_feed.head(conn)
+            first, middle, tail = entries[0], entries[10_000], entries[-500]
+            floor = (str(xmin), 0)
+            statements = (
+                (pg_sql.PRUNE_CHUNK_END, (str(first[0]), first[1], *floor, 999)),
+                (pg_sql.PRUNE_CHUNK_END, (str(middle[0]), middle[1], *floor, 999)),
+                (
+                    pg_sql.PRUNE_THROUGH,
+                    (str(middle[0]), middle[1], str(entries[11_000][0]), entries[11_000][1]),
+                ),
+                (pg_sql.PRUNE_BELOW, (str(tail[0]), tail[1], *floor)),
+            )
+            for statement, params in statements:
+                plan = "\n".join(row[0] for row in conn.execute("EXPLAIN " + statement, params))
+                assert "change_log_pkey" in plan and "Seq Scan" not in plan, plan
+                assert "Sort" not in plan, plan
+    finally:
+        store.close()
+
+
 def test_a_pruner_that_cannot_reach_the_server_counts_its_failures() -> None:
     pruner = pg_feed.Pruner("postgresql://127.0.0.1:1/none?connect_timeout=1", 0.05, 60.0)
     try:

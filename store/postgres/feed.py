@@ -550,17 +550,24 @@ def prune(
         assert found is not None
         floor = (int(found[0]), int(found[1]))
     removed = 0
+    # The last entry removed: each chunk starts past it, not over the dead index entries
+    # of the chunks before it (they stay until the VACUUM below). No entry has xid 0.
+    after = (0, 0)
     while True:
         with translated("prune"):
-            done = conn.execute(
-                """DELETE FROM change_log WHERE (xid, seq) IN (
-                    SELECT xid, seq FROM change_log WHERE (xid, seq) < (%s::text::xid8, %s)
-                    ORDER BY xid, seq LIMIT %s)""",
-                (str(floor[0]), floor[1], chunk),
+            end = conn.execute(
+                sql.PRUNE_CHUNK_END, (str(after[0]), after[1], str(floor[0]), floor[1], chunk - 1)
+            ).fetchone()
+            if end is None:  # fewer than a chunk left below the floor
+                removed += conn.execute(
+                    sql.PRUNE_BELOW, (str(after[0]), after[1], str(floor[0]), floor[1])
+                ).rowcount
+                break
+            through = (int(end[0]), int(end[1]))
+            removed += conn.execute(
+                sql.PRUNE_THROUGH, (str(after[0]), after[1], str(through[0]), through[1])
             ).rowcount
-        removed += done
-        if done < chunk:
-            break
+        after = through
         if pause_s:
             time.sleep(pause_s)
     if removed:

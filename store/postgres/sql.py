@@ -282,6 +282,29 @@ ORDER BY l.xid, l.seq
 
 FLOOR = "SELECT floor_xid::text::bigint, floor_seq, origin, resyncs FROM feed_state WHERE id = 1"
 
+# Pruning, a chunk at a time: the chunk's last entry read from the log's index, then the
+# range up to it deleted by the same index. Not `DELETE ... WHERE (xid, seq) IN (SELECT
+# ... LIMIT n)`: PostgreSQL plans that as a hash join over a scan of the whole log, so
+# each chunk read every entry and a round cost the square of the log's length.
+# Parameters: after (xid, seq), floor (xid, seq), and the chunk's size less one (OFFSET).
+# (The output's names are not the columns': `ORDER BY xid` must name the indexed column,
+# not the converted output, or the log is sorted whole.)
+PRUNE_CHUNK_END = """
+SELECT xid::text::bigint AS end_xid, seq AS end_seq FROM change_log
+WHERE (xid, seq) > (%s::text::xid8, %s) AND (xid, seq) < (%s::text::xid8, %s)
+ORDER BY xid, seq OFFSET %s LIMIT 1
+"""
+# after (xid, seq), the chunk's last entry (xid, seq): both ends' entries known to exist.
+PRUNE_THROUGH = """
+DELETE FROM change_log
+WHERE (xid, seq) > (%s::text::xid8, %s) AND (xid, seq) <= (%s::text::xid8, %s)
+"""
+# after (xid, seq), floor (xid, seq): the last chunk, shorter than the rest.
+PRUNE_BELOW = """
+DELETE FROM change_log
+WHERE (xid, seq) > (%s::text::xid8, %s) AND (xid, seq) < (%s::text::xid8, %s)
+"""
+
 CONSUMER = "SELECT xid::text::bigint, seq FROM feed_consumers WHERE consumer = %s"
 SAVE_CONSUMER = """
 INSERT INTO feed_consumers (consumer, xid, seq, saved_at)
