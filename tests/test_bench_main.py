@@ -11,6 +11,7 @@ import uuid
 from pathlib import Path
 
 import msgspec
+import psutil
 import pytest
 from node_harness import wait_for
 
@@ -178,15 +179,8 @@ def test_a_run_stopped_while_sections_run_side_by_side_stops_every_one(sandbox: 
     assert len(started) == 2
     assert not list(sandbox.glob("released_*")), "a section ran on after the run was stopped"
 
-    def gone(pid: int) -> bool:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        return False
-
     # The runner waits for each child it stops: none is left, not even a zombie.
-    assert all(gone(pid) for pid in started)
+    assert not any(psutil.pid_exists(pid) for pid in started)
 
 
 def test_markdown_puts_the_seed_and_each_peer_beside_ours() -> None:
