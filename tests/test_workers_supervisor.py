@@ -183,13 +183,23 @@ def test_the_wal_series_show_a_reader_holding_checkpoints_back(tmp_path: Path) -
             reader.execute("COMMIT")
             reader.close()
 
-        def caught_up() -> bool:
-            with node.client() as client:
-                client.post("/v1/schedule", json={"upsert": [{"key": "after", "route": "r"}]})
-            time.sleep(0.2)
-            return metric(node, uncheckpointed) == 0
+        # A write after the reader let go starts a checkpoint round. Another write only once
+        # a round has run since the last one: the checkpoints run at idle priority, and a
+        # write every turn could add frames faster than a saturated machine copies them.
+        written_at = [-1.0]
 
-        wait_for(caught_up, 30, "the checkpoints to catch up once the reader let go", 0.5)
+        def caught_up() -> bool:
+            if metric(node, uncheckpointed) == 0:
+                return True
+            rounds = checkpoints()
+            if rounds > written_at[0]:
+                with node.client() as client:
+                    after = {"upsert": [{"key": "after", "route": "r"}]}
+                    assert client.post("/v1/schedule", json=after).status_code == 200
+                written_at[0] = rounds
+            return False
+
+        wait_for(caught_up, 60, "the checkpoints to catch up once the reader let go", 0.5)
         named = {n for n in readme_series()[0] if n.startswith("renderqueue_sqlite_wal_")}
         assert named == {n for n in named if metric(node, n) is not None} != set()
 
