@@ -566,6 +566,7 @@ def test_a_poll_planned_while_the_log_looked_empty_reads_only_its_page(pg_url: s
                         for i in range(start, start + 1000)
                     ]
                 )
+            settle(store)  # another test's transaction on the server may hold the entries back
             assert len(sub.poll(limit=10).events) == 10
             ((name, generic, custom),) = sub._conn.execute(
                 "SELECT name, generic_plans, custom_plans FROM pg_prepared_statements"
