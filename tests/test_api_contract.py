@@ -54,10 +54,13 @@ def schemathesis(url: str, workdir: Path) -> subprocess.CompletedProcess[str]:
     ]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(REPO)])}
     return subprocess.run(
-        command, cwd=workdir, env=env, capture_output=True, text=True, timeout=600, check=False
+        command, cwd=workdir, env=env, capture_output=True, text=True, timeout=840, check=False
     )
 
 
+# The suite's hang guard (300 s) is too short for this one on a loaded machine: it takes a
+# few minutes alone and twice that beside a CPU hog. Its subprocess has a guard of its own.
+@pytest.mark.timeout(900)
 def test_schemathesis_finds_no_disagreement(tmp_path: Path) -> None:
     seed_rows(node_db(tmp_path), 20)
     with thread_node(tmp_path, tokens=True, max_body_bytes=BODY_LIMIT) as node:
