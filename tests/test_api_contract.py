@@ -58,8 +58,8 @@ def schemathesis(url: str, workdir: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
-# The suite's hang guard (300 s) is too short for this one on a loaded machine: it takes a
-# few minutes alone and twice that beside a CPU hog. Its subprocess has a guard of its own.
+# A hang guard above the suite's (pyproject): the fuzzer's run is the longest single test,
+# and a loaded machine stretches it. Its subprocess has a guard of its own, just inside.
 @pytest.mark.timeout(900)
 def test_schemathesis_finds_no_disagreement(tmp_path: Path) -> None:
     seed_rows(node_db(tmp_path), 20)

@@ -186,17 +186,18 @@ def test_the_wal_series_show_a_reader_holding_checkpoints_back(tmp_path: Path) -
         # A write after the reader let go starts a checkpoint round. Another write only once
         # a round has run since the last one: the checkpoints run at idle priority, and a
         # write every turn could add frames faster than a saturated machine copies them.
-        written_at = [-1.0]
+        written_at = -1.0
 
         def caught_up() -> bool:
+            nonlocal written_at
             if metric(node, uncheckpointed) == 0:
                 return True
             rounds = checkpoints()
-            if rounds > written_at[0]:
+            if rounds > written_at:
                 with node.client() as client:
                     after = {"upsert": [{"key": "after", "route": "r"}]}
                     assert client.post("/v1/schedule", json=after).status_code == 200
-                written_at[0] = rounds
+                written_at = rounds
             return False
 
         wait_for(caught_up, 60, "the checkpoints to catch up once the reader let go", 0.5)
