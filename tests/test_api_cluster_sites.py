@@ -236,14 +236,18 @@ def _first_of(site: str, nodes: dict[str, NodeProcess], taken: list[Grant]) -> d
     return first
 
 
-def _retry_after(node: NodeProcess, lease: dict[str, Any], seconds: int) -> int:
-    """Complete `lease` at `node` as the origin refusing it for `seconds`; the block's end."""
+def _retry_after(node: NodeProcess, lease: dict[str, Any], seconds: int) -> int | None:
+    """Complete `lease` at `node` as the origin refusing it for `seconds`; the block's end,
+    or None when the lease had already ended (a loaded host can take longer than its term
+    between the grant and this completion): take another grant then."""
     item = {"key": lease["key"], "token": lease["token"], "outcome": "failed"}
     item["site_retry_after_s"] = seconds
     with _client(node, FLEET_TOKEN) as client:
         response = client.post("/v1/completions", json={"items": [item]})
     assert response.status_code == 200, response.text
     (done,) = response.json()["results"]
+    if not done["ok"] and done["error"] == "lease_not_held":
+        return None
     assert done["ok"], done
     until: int = done["site_blocked_until"]
     return until
@@ -258,9 +262,13 @@ def test_a_retry_after_sent_to_any_node_blocks_its_site_at_every_node(trio: Trio
         # Granted once the claimants have started, so the lease is held when its completion
         # arrives however slow their start was; sent to another node than the owner:
         # forwarded there.
-        first = _first_of(SLOW, nodes, taken)
-        elsewhere = next(node for name, node in nodes.items() if name != first["node"])
-        block.append((first["node"], _retry_after(elsewhere, first, 4)))
+        def blocked_once() -> tuple[str, int] | None:
+            first = _first_of(SLOW, nodes, taken)
+            elsewhere = next(node for name, node in nodes.items() if name != first["node"])
+            until = _retry_after(elsewhere, first, 4)
+            return None if until is None else (first["node"], until)
+
+        block.append(wait_for(blocked_once, 60, f"a lease of {SLOW} refused by its origin"))
 
     seen = _race(nodes, lambda s: len({g[0] for g in _of(SLOW, s)}) >= 3, prepare=blocked)
     ((owner, until),) = block
@@ -285,8 +293,13 @@ def test_a_block_moves_with_its_site_when_the_owner_leaves(trio: Trio) -> None:
     def blocked_and_left() -> None:
         # A lease of the site taken anew once the claimants have started: the first may
         # have ended during their start.
-        held = _first_of(MOVING, {owner: leaver}, taken)
-        block.append(_retry_after(leaver, held, 10))
+        block.append(
+            wait_for(
+                lambda: _retry_after(leaver, _first_of(MOVING, {owner: leaver}, taken), 10),
+                60,
+                f"a lease of {MOVING} refused by its origin",
+            )
+        )
         leaver.stop()  # a clean leave: its leases and its blocks handed over
         block.append(now_ms())
 
