@@ -13,18 +13,20 @@ import threading
 import time
 from typing import Any
 
+import msgspec
 import psycopg
 import pytest
 from node_harness import wait_for
 from store_helpers import close_all, keys_of, put, settle
 
 from store.base import Cursor, CursorAhead, CursorBelowFloor
+from store.cadence import Adaptation
 from store.errors import SchemaTooNew, StoreBusy, StoreError, StoreUnavailable
-from store.postgres import PostgresStore
+from store.postgres import PostgresStore, sql
 from store.postgres.conn import connect
 from store.postgres.feed import head, parse_cursor
 from store.postgres.schema import LATEST, MIGRATIONS
-from store.postgres.store import redacted
+from store.postgres.store import _round_statement, redacted
 from store.rows import Completion
 
 SPAWN = multiprocessing.get_context("spawn")
@@ -329,6 +331,77 @@ def test_a_locked_row_makes_complete_busy_at_once_without_wait_and_waited_for_wi
     assert [row.last_outcome for row in rows] == ["rendered", "rendered"]
     assert rows == [store.get("/free"), store.get("/locked")]
     store.close()
+
+
+def test_a_round_of_renders_alone_writes_what_the_whole_statement_writes(pg_url: str) -> None:
+    """The usual round (every item rendered at one time toward one next render, nothing
+    observed) takes the statement with one array; twin rows completed by it and by the
+    statement for every outcome (the same round with a failure in it) come out alike:
+    each cadence's source, a learned cadence, a retired row revived, a next render given."""
+    store = PostgresStore(pg_url, prune_interval_s=None)
+    try:
+        store.set_route("adapting", adapt=Adaptation(min_s=3600, max_s=7 * 86400))
+        store.set_route("routed", default_cadence_s=900, retire_after=1)
+        twins = ("/plain", "/whole")
+        for twin in twins:
+            store.write(
+                [
+                    put(f"{twin}/own", cadence_s=60),
+                    put(f"{twin}/route", route="routed"),
+                    put(f"{twin}/global", route="unset"),
+                    put(f"{twin}/learned", route="adapting"),
+                    put(f"{twin}/retired", route="routed"),
+                    put(f"{twin}/failing"),
+                ]
+            )
+            store.complete(
+                [
+                    Completion(key=f"{twin}/learned", outcome="rendered", now=10, changed=False),
+                    Completion(key=f"{twin}/retired", outcome="not_found", now=10),
+                ]
+            )
+        retired = store.get("/plain/retired")
+        assert retired is not None and retired.retired_at is not None
+        names = ("own", "route", "global", "learned", "retired")
+        for now, next_at in ((50_000, None), (90_000, 7_000_000)):
+
+            def round_of(
+                twin: str, now: int = now, next_at: int | None = next_at
+            ) -> list[Completion]:
+                return [
+                    Completion(
+                        key=f"{twin}/{n}", outcome="rendered", now=now, next_render_at=next_at
+                    )
+                    for n in names
+                ]
+
+            plain = round_of("/plain")
+            whole = [
+                *round_of("/whole"),
+                Completion(key="/whole/failing", outcome="failed", now=now),
+            ]
+            assert (
+                _round_statement(plain, [False] * 5, [None] * 5, [None] * 5)[0]
+                == sql.COMPLETE_RENDERED
+            )
+            assert _round_statement(whole, [False] * 6, [None] * 6, [None] * 6)[0] == sql.COMPLETE
+            by_plain = store.complete(plain)
+            by_whole = store.complete(whole)[:5]
+            assert all(row is not None for row in by_plain + by_whole)
+            for a, b in zip(by_plain, by_whole, strict=True):
+                assert a is not None and b is not None
+                same = {"key": a.key.replace("/plain", "/whole"), "version": b.version}
+                assert msgspec.structs.replace(a, **same) == b
+            learned = by_plain[3]
+            assert learned is not None and learned.learned_cadence_s is not None
+            if next_at is None:
+                assert learned.next_render_at == now + 1000 * learned.learned_cadence_s
+            assert by_plain[4] is not None and by_plain[4].retired_at is None
+            if next_at is not None:
+                assert {row.next_render_at for row in by_plain if row} == {next_at}
+        assert store.complete([Completion(key="/none", outcome="rendered", now=1)]) == [None]
+    finally:
+        store.close()
 
 
 def test_statistics_count_what_the_store_holds_and_did(pg_url: str) -> None:

@@ -101,17 +101,26 @@ _RETIRES = f"""r.not_found_streak + 1 >= coalesce(
     (SELECT retire_after FROM routes WHERE routes.route = r.route), {DEFAULT_RETIRE_AFTER})"""
 
 # One round of completions (no key twice) in one statement: each outcome's change is a
-# data-modifying CTE over the same arrays. A failure keeps the row due; a not_found
-# reschedules it a cadence on, with no render's time, and retires it at the end of its
-# streak. The last row, keyed NULL, carries the transaction's xid in the version column.
-COMPLETE = f"""
-WITH c AS (
+# data-modifying CTE over the round's items (`c`, in key order, so two rounds sharing
+# keys lock them in one order). A failure keeps the row due; a not_found reschedules it a
+# cadence on, with no render's time, and retires it at the end of its streak. The last
+# row, keyed NULL, carries the transaction's xid in the version column.
+_COMPLETE_ITEMS = """
     SELECT * FROM unnest(%(keys)b::text[], %(outcomes)b::text[], %(nows)b::bigint[],
                          %(nexts)b::bigint[], %(observed)b::boolean[], %(learned)b::integer[],
                          %(histories)b::integer[])
         AS c(key, outcome, now, next_at, observed, learned, history)
-    ORDER BY key
-),
+"""
+# The usual round, every item rendered at one time with nothing observed: the keys travel
+# as the only array (psycopg builds each array element by element in Python), and no CTE
+# runs for an outcome the round does not have.
+_COMPLETE_RENDERED_ITEMS = """
+    SELECT key, 'rendered'::text AS outcome, %(now)s::bigint AS now,
+           %(next_at)s::bigint AS next_at, false AS observed, NULL::integer AS learned,
+           NULL::integer AS history
+    FROM unnest(%(keys)b::text[]) AS c(key)
+"""
+_RENDERED = f"""
 rendered AS (
     UPDATE render_schedule AS r SET
         last_rendered_at = c.now,
@@ -127,7 +136,8 @@ rendered AS (
         version = nextval('render_schedule_version')
     FROM c WHERE c.key = r.key AND c.outcome = 'rendered'
     RETURNING {_R_COLUMNS}
-),
+)"""
+_OTHER_OUTCOMES = f"""
 failed AS (
     UPDATE render_schedule AS r SET
         last_outcome = 'failed',
@@ -150,12 +160,18 @@ not_found AS (
 gone AS (
     DELETE FROM render_schedule AS r USING c WHERE c.key = r.key AND c.outcome = 'gone'
     RETURNING r.key
-)
-SELECT * FROM rendered UNION ALL SELECT * FROM failed UNION ALL SELECT * FROM not_found
-UNION ALL SELECT NULL::text, NULL::text, NULL::integer, NULL::boolean, NULL::bigint,
-    NULL::bigint, NULL::text, {XID}, NULL::integer, NULL::integer, NULL::integer, NULL::bigint,
-    NULL::text
+)"""
+_XID_ROW = f"""
+SELECT NULL::text, NULL::text, NULL::integer, NULL::boolean, NULL::bigint, NULL::bigint,
+    NULL::text, {XID}, NULL::integer, NULL::integer, NULL::integer, NULL::bigint, NULL::text
 """
+COMPLETE = f"""
+WITH c AS ({_COMPLETE_ITEMS} ORDER BY key), {_RENDERED}, {_OTHER_OUTCOMES}
+SELECT * FROM rendered UNION ALL SELECT * FROM failed UNION ALL SELECT * FROM not_found
+UNION ALL {_XID_ROW}"""
+COMPLETE_RENDERED = f"""
+WITH c AS ({_COMPLETE_RENDERED_ITEMS} ORDER BY key), {_RENDERED}
+SELECT * FROM rendered UNION ALL {_XID_ROW}"""
 
 # What store.cadence needs of each observed key's row and route, the rows locked in key
 # order (as COMPLETE locks them) until the round's COMPLETE writes what it decided.

@@ -76,7 +76,8 @@ from store.rows import (
 )
 from store.validate import check_completions, check_consumer
 
-# COMPLETE's last row carries the transaction's xid in the version column.
+# COMPLETE's (and COMPLETE_RENDERED's) last row carries the transaction's xid in the
+# version column.
 _VERSION_AT = ROW_COLUMNS.split(", ").index("version")
 T = TypeVar("T")
 log = logging.getLogger("renderqueue.store")
@@ -390,18 +391,10 @@ class PostgresStore(SqlStore[Conn, _ThreadState]):
                         continue
                     decided = learned_from(values, int(default[0]), item.changed)
                     learned[n], histories[n] = decided.cadence_s, decided.history
-            params = {
-                "keys": [c.key for c in staged],
-                "outcomes": [c.outcome for c in staged],
-                "nows": [c.now for c in staged],
-                "nexts": [c.next_render_at for c in staged],
-                "observed": observed,
-                "learned": learned,
-                "histories": histories,
-            }
+            statement, params = _round_statement(staged, observed, learned, histories)
             found: dict[str, Row] = {}
             xid = 0
-            for values in conn.execute(sql.COMPLETE, params).fetchall():
+            for values in conn.execute(statement, params).fetchall():
                 if values[0] is None:
                     xid = values[_VERSION_AT]  # the version column carries it
                 else:
@@ -590,6 +583,37 @@ class PostgresStore(SqlStore[Conn, _ThreadState]):
     def last_commit_ns(self) -> int:
         """time.monotonic_ns() now: a write returns only once its commit is acknowledged."""
         return time.monotonic_ns()
+
+
+def _round_statement(
+    staged: list[Completion],
+    observed: list[bool],
+    learned: list[int | None],
+    histories: list[int | None],
+) -> tuple[str, dict[str, object]]:
+    """A round's statement and its parameters: COMPLETE_RENDERED for the usual round
+    (every item rendered at one time, toward one next render, nothing observed), else
+    COMPLETE with every item's fields in arrays."""
+    first = staged[0]
+    if not any(observed) and all(
+        c.outcome == "rendered" and c.now == first.now and c.next_render_at == first.next_render_at
+        for c in staged
+    ):
+        keys = [c.key for c in staged]
+        return sql.COMPLETE_RENDERED, {
+            "keys": keys,
+            "now": first.now,
+            "next_at": first.next_render_at,
+        }
+    return sql.COMPLETE, {
+        "keys": [c.key for c in staged],
+        "outcomes": [c.outcome for c in staged],
+        "nows": [c.now for c in staged],
+        "nexts": [c.next_render_at for c in staged],
+        "observed": observed,
+        "learned": learned,
+        "histories": histories,
+    }
 
 
 def _counted(conn: Conn, statement: str) -> tuple[Any, ...] | None:
