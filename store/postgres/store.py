@@ -594,19 +594,18 @@ def _round_statement(
     """A round's statement and its parameters: COMPLETE_RENDERED for the usual round
     (every item rendered at one time, toward one next render, nothing observed), else
     COMPLETE with every item's fields in arrays."""
-    first = staged[0]
+    first, keys = staged[0], [c.key for c in staged]
     if not any(observed) and all(
         c.outcome == "rendered" and c.now == first.now and c.next_render_at == first.next_render_at
         for c in staged
     ):
-        keys = [c.key for c in staged]
         return sql.COMPLETE_RENDERED, {
             "keys": keys,
             "now": first.now,
             "next_at": first.next_render_at,
         }
     return sql.COMPLETE, {
-        "keys": [c.key for c in staged],
+        "keys": keys,
         "outcomes": [c.outcome for c in staged],
         "nows": [c.now for c in staged],
         "nexts": [c.next_render_at for c in staged],
