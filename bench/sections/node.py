@@ -92,6 +92,7 @@ class ArmResult(msgspec.Struct, kw_only=True):
     batch: int
     claimants: int
     complete: bool = True  # claim then complete; False: claims alone
+    carried: bool = False  # the completions rode on the next claim (no complete p50 then)
     keys: int
     seconds: float
     keys_per_s: float
@@ -125,12 +126,13 @@ class _Lease(msgspec.Struct):
     token: str
 
 
-class _Claimed(msgspec.Struct):
-    leases: list[_Lease]
-
-
 class _Result(msgspec.Struct):
     ok: bool
+
+
+class _Claimed(msgspec.Struct):
+    leases: list[_Lease]
+    completed: list[_Result] | None = None  # the completions the claim carried
 
 
 class _Results(msgspec.Struct):
@@ -147,6 +149,13 @@ class _Completions(msgspec.Struct):
     items: list[_Done]
 
 
+class _ClaimCarrying(msgspec.Struct, omit_defaults=True):
+    max: int
+    worker: str
+    lease_s: int
+    complete: list[_Done] | None = None
+
+
 def claimant(
     port: int,
     index: int,
@@ -155,12 +164,15 @@ def claimant(
     max_s: float,
     workers: int,
     complete: bool,
+    carry: bool,
     ready: Any,
     start: Any,
     results: Any,
 ) -> None:
     """Claims `batch` at a time until `max_keys` or `max_s`; each batch completed (all
-    rendered) when `complete`, else its leases left to run."""
+    rendered) when `complete`, else its leases left to run. `carry`: each batch's
+    completions ride on the next claim (`complete` on POST /v1/claims, as the fleet
+    client sends them), and the last batch's go to /v1/completions once the arm is over."""
     claim_ns: list[int] = []
     complete_ns: list[int] = []
     keys: list[str] = []
@@ -178,7 +190,7 @@ def claimant(
         cpu0 = time.process_time()
         deadline = started + max_s
         empty_since: float | None = None
-        request = {"max": batch, "worker": f"bench-{index}", "lease_s": LEASE_S}
+        request = _ClaimCarrying(max=batch, worker=f"bench-{index}", lease_s=LEASE_S)
         while len(keys) < max_keys and time.perf_counter() < deadline:
             client = clients[turn % len(clients)]
             pid = pids[turn % len(clients)]
@@ -188,6 +200,8 @@ def claimant(
             t1 = time.perf_counter_ns()
             if status != 200:
                 raise RuntimeError(f"claim: HTTP {status}: {body}")
+            not_ok += sum(1 for result in body.completed or () if not result.ok)
+            request = msgspec.structs.replace(request, complete=None)  # applied, if any
             leases = body.leases
             if not leases:
                 empty_since = empty_since or time.perf_counter()
@@ -201,6 +215,10 @@ def claimant(
             keys.extend(lease.key for lease in leases)
             if not complete:
                 continue
+            if carry:
+                items = [_Done(key=lease.key, token=lease.token) for lease in leases]
+                request = msgspec.structs.replace(request, complete=items)
+                continue
             done = _Completions(items=[_Done(key=lease.key, token=lease.token) for lease in leases])
             t2 = time.perf_counter_ns()
             status, body = client.call("POST", "/v1/completions", done, _Results)
@@ -210,6 +228,12 @@ def claimant(
             not_ok += sum(1 for result in body.results if not result.ok)
         finished = time.perf_counter()
         cpu_s = time.process_time() - cpu0
+        if request.complete:  # the last batch's, outside the arm's figures
+            last = _Completions(items=request.complete)
+            status, body = clients[0].call("POST", "/v1/completions", last, _Results)
+            if status != 200:
+                raise RuntimeError(f"completions: HTTP {status}: {body}")
+            not_ok += sum(1 for result in body.results if not result.ok)
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}"
         ready.put(index)
@@ -242,10 +266,12 @@ def run_our_arm(
     worker_of: dict[int, int] | None = None,
     *,
     complete: bool = True,
+    carry: bool = False,
     keys_out: list[str] | None = None,
     node_processes: dict[str, Any] | None = None,
 ) -> ArmResult:
-    """One arm of `claimants` racing processes; `keys_out` gets every key granted;
+    """One arm of `claimants` racing processes (`carry`: completions ride on the next
+    claim, see `claimant`); `keys_out` gets every key granted;
     `node_processes` (label -> psutil.Process): the node's, whose CPU over the arm the
     result carries."""
     workers = len(set((worker_of or {}).values()))
@@ -253,7 +279,7 @@ def run_our_arm(
     raw = race(
         claimant,
         [
-            (port, i, batch, max_keys // claimants, max_s, workers, complete)
+            (port, i, batch, max_keys // claimants, max_s, workers, complete, carry)
             for i in range(claimants)
         ],
         max_s + 120,
@@ -284,6 +310,7 @@ def run_our_arm(
         batch=batch,
         claimants=claimants,
         complete=complete,
+        carried=carry,
         keys=len(keys),
         seconds=round(seconds, 3),
         keys_per_s=round(len(keys) / seconds, 1) if seconds > 0 else 0.0,
