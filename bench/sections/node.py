@@ -149,7 +149,9 @@ class _Completions(msgspec.Struct):
     items: list[_Done]
 
 
-class _ClaimCarrying(msgspec.Struct, omit_defaults=True):
+class _Claim(msgspec.Struct, omit_defaults=True):
+    """POST /v1/claims, with the last batch's completions when they are carried."""
+
     max: int
     worker: str
     lease_s: int
@@ -190,7 +192,7 @@ def claimant(
         cpu0 = time.process_time()
         deadline = started + max_s
         empty_since: float | None = None
-        request = _ClaimCarrying(max=batch, worker=f"bench-{index}", lease_s=LEASE_S)
+        request = _Claim(max=batch, worker=f"bench-{index}", lease_s=LEASE_S)
         while len(keys) < max_keys and time.perf_counter() < deadline:
             client = clients[turn % len(clients)]
             pid = pids[turn % len(clients)]
@@ -200,8 +202,9 @@ def claimant(
             t1 = time.perf_counter_ns()
             if status != 200:
                 raise RuntimeError(f"claim: HTTP {status}: {body}")
-            not_ok += sum(1 for result in body.completed or () if not result.ok)
-            request = msgspec.structs.replace(request, complete=None)  # applied, if any
+            if request.complete is not None:  # applied: answered in `completed`
+                not_ok += sum(1 for result in body.completed or () if not result.ok)
+                request = msgspec.structs.replace(request, complete=None)
             leases = body.leases
             if not leases:
                 empty_since = empty_since or time.perf_counter()

@@ -472,6 +472,8 @@ def node_arm(
             node_processes=processes,
         )
     server = used[0]
+    if arm.not_ok:  # leases outlast the arm (LEASE_S): a refusal is the bench's own fault
+        raise RuntimeError(f"postgres: {arm.not_ok} completions refused in one of our arms")
     if not complete:
         granted += keys_out
     # A worker's pool may open connections during the arm: learn their ports now, while
