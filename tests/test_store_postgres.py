@@ -387,17 +387,16 @@ def test_a_round_of_renders_alone_writes_what_the_whole_statement_writes(pg_url:
             assert _round_statement(whole, [False] * 6, [None] * 6, [None] * 6)[0] == sql.COMPLETE
             by_plain = store.complete(plain)
             by_whole = store.complete(whole)[:5]
-            assert all(row is not None for row in by_plain + by_whole)
             for a, b in zip(by_plain, by_whole, strict=True):
                 assert a is not None and b is not None
                 same = {"key": a.key.replace("/plain", "/whole"), "version": b.version}
                 assert msgspec.structs.replace(a, **same) == b
             learned = by_plain[3]
             assert learned is not None and learned.learned_cadence_s is not None
+            assert by_plain[4] is not None and by_plain[4].retired_at is None
             if next_at is None:
                 assert learned.next_render_at == now + 1000 * learned.learned_cadence_s
-            assert by_plain[4] is not None and by_plain[4].retired_at is None
-            if next_at is not None:
+            else:
                 assert {row.next_render_at for row in by_plain if row} == {next_at}
         assert store.complete([Completion(key="/none", outcome="rendered", now=1)]) == [None]
     finally:

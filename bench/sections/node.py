@@ -218,11 +218,11 @@ def claimant(
             keys.extend(lease.key for lease in leases)
             if not complete:
                 continue
+            items = [_Done(key=lease.key, token=lease.token) for lease in leases]
             if carry:
-                items = [_Done(key=lease.key, token=lease.token) for lease in leases]
                 request = msgspec.structs.replace(request, complete=items)
                 continue
-            done = _Completions(items=[_Done(key=lease.key, token=lease.token) for lease in leases])
+            done = _Completions(items=items)
             t2 = time.perf_counter_ns()
             status, body = client.call("POST", "/v1/completions", done, _Results)
             complete_ns.append(time.perf_counter_ns() - t2)

@@ -118,7 +118,7 @@ FULL = Config(
 QUICK = Config(
     put_rows=10_000,
     # Claimants stop on whole batches, so an arm takes up to a batch a claimant more than
-    # its share: at 20k rows (4,000 due) the last arm ran dry.
+    # its share: the due rows leave room for that in every arm, the last included.
     node_rows=30_000,
     rounds=1,
     writes=400,
