@@ -87,6 +87,8 @@ SHAPES = (
     (True, 100, 4, False),
 )
 TARGETS = {False: 1.5, True: 1.0}  # ours ÷ SKIP LOCKED keys/s at batch 100, by `complete`
+# The node's backends with a role of their own, by application name, on rows of their own.
+_BACKEND_ROLES = {"renderqueue-feed": " (keeper's feed)", "renderqueue-prune": " (log pruning)"}
 
 
 class Config(msgspec.Struct, frozen=True, kw_only=True):
@@ -376,6 +378,7 @@ def run_claims(
         node.start()
         raw["node_start_to_live_s"] = round(time.perf_counter() - started, 2)
         report.progress(f"postgres: node live and exact in {raw['node_start_to_live_s']} s")
+        raw["load_log_pruned"] = prune_log(datname)
         worker_of = node.worker_of()
         processes = {f"node {label}": process for label, process in node.processes().items()}
         ports = client_ports({p.pid: label for label, p in processes.items()})
@@ -404,6 +407,21 @@ def run_claims(
             report.progress(f"postgres: the node's log is in {node.dir}")
         peer.drop()
     return out
+
+
+def prune_log(datname: str) -> int:
+    """The change log's entries of the load, removed before the arms (the keeper has read
+    them): the node prunes every few seconds, and a round over a million loaded entries
+    would be charged to whichever arm it fell in."""
+    from store.postgres.store import PostgresStore
+
+    store = PostgresStore(db_url(datname), prune_interval_s=None)
+    try:
+        removed = store.prune()
+    finally:
+        store.close()
+    report.progress(f"postgres: pruned the load's {removed:,} change log entries")
+    return removed
 
 
 def vacuum(datname: str, peer_table: str) -> None:
@@ -484,9 +502,7 @@ def node_arm(
     cpu["PostgreSQL backends"] = server.backends_s
     for backend in server.backends:
         owner = ports.get(backend.client_port, "other")
-        group = f"backends of {owner}" + (
-            " (keeper's feed)" if backend.app == "renderqueue-feed" else ""
-        )
+        group = f"backends of {owner}" + _BACKEND_ROLES.get(backend.app, "")
         cpu[group] = cpu.get(group, 0.0) + backend.cpu_s
     cpu_s = {k: round(v, 4) for k, v in cpu.items()}
     result = claim_arm(OURS, arm, claimants, cpu_s, server.all_s, carried)
