@@ -24,7 +24,7 @@ from store.postgres import PostgresStore
 from store.postgres import feed as pg_feed
 from store.postgres import sql as pg_sql
 from store.postgres.conn import connect
-from store.rows import FeedEvent, RowEvent, RowWrite
+from store.rows import FeedEvent, Route, RouteEvent, RowEvent, RowWrite, SiteEvent, SiteSettings
 
 
 def row_keys(events: Sequence[FeedEvent]) -> list[str]:
@@ -584,4 +584,35 @@ def test_a_poll_planned_while_the_log_looked_empty_reads_only_its_page(pg_url: s
         finally:
             sub.close()
     finally:
+        store.close()
+
+
+def test_a_route_entry_whose_route_cannot_be_read_is_delivered_by_the_next_poll(
+    pg_url: str,
+) -> None:
+    """What a route, settings or site entry names is read after the poll's own statement
+    (sql.POLL_DETAILS): when that read fails the cursor stays put, so the next poll
+    delivers the same entries, none lost."""
+    store = PostgresStore(pg_url)
+    sub = store.subscribe("keeper", store.feed_head())
+    try:
+        store.write([RowWrite(key="/a", route="product", next_render_at=1_000)])
+        store.set_route("product", default_cadence_s=60)
+        store.set_site(SiteSettings(site="example.com", max_in_flight=2))
+        settle(store)
+        before = sub.cursor
+        with connect(pg_url) as admin:
+            admin.execute("ALTER TABLE routes RENAME TO routes_away")
+        with pytest.raises(psycopg.errors.UndefinedTable):
+            sub.poll()
+        assert sub.cursor == before
+        with connect(pg_url) as admin:
+            admin.execute("ALTER TABLE routes_away RENAME TO routes")
+        assert sub.poll().events == [
+            RowEvent(key="/a", row=store.get("/a")),
+            RouteEvent(route=Route(route="product", default_cadence_s=60)),
+            SiteEvent(settings=SiteSettings(site="example.com", max_in_flight=2)),
+        ]
+    finally:
+        sub.close()
         store.close()

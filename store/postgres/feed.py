@@ -45,6 +45,7 @@ from store.postgres import sql
 from store.postgres.conn import Conn, connect, long_statements, translated
 from store.postgres.schema import NOTIFY_CHANNEL
 from store.postgres.sql import (
+    POLL_KEY,
     POLL_KIND,
     POLL_RECORD,
     POLL_ROUTE,
@@ -260,6 +261,9 @@ class PostgresSubscription:
         entries = rows if rows[0][POLL_XID] is not None else []
         following = entries[limit] if len(entries) > limit else None
         del entries[limit:]
+        if any(entry[POLL_KIND] != KIND_ROW for entry in entries):
+            with translated("poll"):  # before the cursor moves: a failure re-reads them
+                entries = self._with_details(entries)
         self._polls += 1
         with translated("poll"):
             self._held(xmin, xmax)
@@ -277,6 +281,34 @@ class PostgresSubscription:
         elif (xmin, 0) > (self._xid, self._seq):
             self._xid, self._seq = xmin, 0  # everything below the horizon is delivered
         return entries
+
+    def _with_details(self, entries: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
+        """Each route, settings or site entry with what it names appended
+        (sql.POLL_DETAILS); row entries as they are."""
+        named: dict[int, list[str]] = {KIND_ROUTE: [], KIND_SETTINGS: [], KIND_SITE: []}
+        for entry in entries:
+            if entry[POLL_KIND] in named:
+                named[entry[POLL_KIND]].append(entry[POLL_KEY])
+        found = {
+            (detail[0], detail[1]): detail[2:]
+            for detail in self._conn.execute(
+                sql.POLL_DETAILS,
+                {
+                    "routes": named[KIND_ROUTE],
+                    "settings": named[KIND_SETTINGS],
+                    "sites": named[KIND_SITE],
+                },
+            ).fetchall()
+        }
+        # Not found: a route or setting that is gone (paused, NOT NULL, reads None), a
+        # site with no settings of its own (found False).
+        missing = (None,) * 9 + (False, None, None)
+        return [
+            entry
+            if entry[POLL_KIND] == KIND_ROW
+            else (*entry, *found.get((entry[POLL_KIND], entry[POLL_KEY]), missing))
+            for entry in entries
+        ]
 
     def _events_of(self, entries: Sequence[tuple[Any, ...]]) -> list[FeedEvent]:
         events: dict[tuple[int, str], FeedEvent] = {}
