@@ -682,10 +682,16 @@ class Lifecycle:
         if self._busy:
             return 0.0
         wait_s = max(0.0, (self.next_publish - now) / 1000)
-        published = self.published.last_count
-        if published > 0 and remaining < published:
-            # Claims take entries without a feed event to wake the keeper: look again soon.
-            wait_s = min(wait_s, self.config.refill_min_gap_s)
+        stats = self.published
+        if stats.last_count > 0 and stats.last_at is not None:
+            # Claims take entries without a feed event to wake the keeper, and can drain
+            # a whole publish long before the next one is due. While they take entries,
+            # look again soon; while the ring lies untouched, look again after as long
+            # again as it has lain so, so that an idle node wakes a few times an interval.
+            look_s = self.config.refill_min_gap_s
+            if remaining >= stats.last_count:
+                look_s = max(look_s, (now - stats.last_at) / 1000)
+            wait_s = min(wait_s, look_s)
         return wait_s
 
 

@@ -241,9 +241,11 @@ def test_publishes_come_every_interval_and_a_late_one_does_not_bunch_up() -> Non
     script = live()
     lc = script.lc
     assert lc.next_publish == NOW + 1000
-    assert script.round(advance_ms=400) == 0.6
+    # The ring untouched 400 ms: looked at again after as long, not past the publish.
+    assert script.round(advance_ms=400) == 0.4
+    assert script.round(advance_ms=400) == 0.2
     assert "Publish" not in script.kinds()
-    script.round(advance_ms=600)
+    script.round(advance_ms=200)
     assert Publish(refill=False) in script.done and lc.next_publish == NOW + 2000
     script.round(advance_ms=2500)  # a stall: one publish, not the ticks it missed
     assert script.kinds().count("Publish") == 1 and lc.next_publish == NOW + 3501
@@ -266,7 +268,6 @@ def test_a_ring_drained_by_claims_is_refilled_at_most_once_per_gap() -> None:
     config = msgspec.structs.replace(CONFIG, refill_below=0.25, refill_min_gap_s=0.02)
     script = live(config)
     script.round(advance_ms=1000)  # a publish of 35 keys at NOW + 1000
-    assert script.round(remaining=35) > config.refill_min_gap_s, "nothing taken"
     assert script.round(remaining=20) == config.refill_min_gap_s, "claims: look again soon"
     script.round(remaining=8)  # below a quarter, but within the gap of the last publish
     assert "Publish" not in script.kinds()
@@ -274,6 +275,29 @@ def test_a_ring_drained_by_claims_is_refilled_at_most_once_per_gap() -> None:
     assert script.done[script.kinds().index("Publish")] == Publish(refill=True)
     script.round(remaining=35, advance_ms=20)
     assert "Publish" not in script.kinds()
+
+
+def test_an_untouched_ring_is_looked_at_less_and_less_often_until_the_next_publish() -> None:
+    """Claims take entries without waking the keeper, and may drain a whole publish well
+    before the next: the keeper looks at the ring soon after a publish, then after as long
+    again as it has lain untouched, never past the next publish."""
+    config = msgspec.structs.replace(CONFIG, refill_min_gap_s=0.02, publish_interval_s=1.0)
+    script = live(config)
+    script.round(advance_ms=1000)  # a publish of 35 keys at NOW + 1000
+    published_at, next_publish = script.now, script.lc.next_publish
+    assert next_publish - published_at == 1000
+    looks = []
+    while script.now < next_publish:
+        wait_s = script.round(remaining=35, advance_ms=round(looks[-1] * 1000) if looks else 0)
+        if "Publish" in script.kinds():
+            break
+        looks.append(wait_s)
+    assert looks[:5] == [0.02, 0.02, 0.04, 0.08, 0.16], looks
+    assert max(looks) <= (next_publish - published_at) / 1000
+    assert len(looks) <= 8, "an idle node wakes a few times an interval, not every gap"
+    assert script.round(remaining=35) == 0.02, "a new publish: the looks start over"
+    script.round(remaining=35, advance_ms=20)
+    assert script.round(remaining=30, advance_ms=20) == 0.02, "claims took some: look soon"
 
 
 def test_a_slow_publish_spaces_the_refills_out() -> None:
