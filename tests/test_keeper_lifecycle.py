@@ -286,7 +286,7 @@ def test_an_untouched_ring_is_looked_at_less_and_less_often_until_the_next_publi
     script.round(advance_ms=1000)  # a publish of 35 keys at NOW + 1000
     published_at, next_publish = script.now, script.lc.next_publish
     assert next_publish - published_at == 1000
-    looks = []
+    looks: list[float] = []
     while script.now < next_publish:
         wait_s = script.round(remaining=35, advance_ms=round(looks[-1] * 1000) if looks else 0)
         if "Publish" in script.kinds():
