@@ -259,10 +259,10 @@ POLL_RECORD = slice(6, 22)
 # What a route, settings or site entry names is read by POLL_DETAILS, after the poll and
 # only when it delivered such an entry (rare: an operator's change), and appended to the
 # entry: the route's columns after its name, the setting's value, and the site's (found,
-# max_in_flight, min_interval_ms). A lateral join for each of them in POLL cost every row
-# entry a fifth of the poll's time though it never matched. A later read is as exact as
-# one in the poll's snapshot: each entry is delivered with its target's state when read,
-# and any change after that has an entry still to come.
+# max_in_flight, min_interval_ms). A lateral join for each of them in POLL would be
+# rescanned for every row entry, which it never matches. A later read is as exact as one
+# in the poll's snapshot: each entry is delivered with its target's state when read, and
+# any change after that has an entry still to come.
 POLL_ROUTE = slice(22, 30)
 POLL_SETTING = 30
 POLL_SITE = slice(31, 34)
