@@ -596,6 +596,16 @@ def _keeper_metrics(out: Exposition, node: Node, now: int) -> None:
         "Bytes of the keeper's queue buffers, as of its last full report.",
         stats.memory_bytes,
     )
+    out.metric(
+        "renderqueue_keeper_publishes_total",
+        "counter",
+        "Publishes into the ready ring: on the publish interval, or early because claims "
+        "took the ring below its refill mark (a refill).",
+        [
+            ({"reason": "interval"}, stats.publish.publishes - stats.publish.refills),
+            ({"reason": "refill"}, stats.publish.refills),
+        ],
+    )
     out.gauge(
         "renderqueue_keeper_leased_rows_passed",
         "Leased rows the keeper's last publish passed over without probing the lease "
@@ -627,6 +637,19 @@ def _keeper_metrics(out: Exposition, node: Node, now: int) -> None:
                 ({"ended_by": "data_version"}, feed.noticed),
                 ({"ended_by": "timeout"}, feed.timeouts),
             ],
+        )
+        out.metric(
+            "renderqueue_keeper_feed_polls_total",
+            "counter",
+            "Reads of the change feed by the keeper (since the feed last opened).",
+            [({}, feed.polls)],
+        )
+        out.metric(
+            "renderqueue_keeper_feed_log_entries_total",
+            "counter",
+            "Change log entries those reads delivered (since the feed last opened), "
+            "counted before a key's entries in one read fold into one event.",
+            [({}, feed.log_entries)],
         )
         if feed.log_retained is not None:  # the feed prunes the log itself (PostgreSQL)
             out.gauge(

@@ -175,6 +175,13 @@ def test_the_keepers_statistics_record_is_served_as_keeper_series(tmp_path: Path
     assert samples[f'{waits}{{ended_by="post"}}'] == feed.woken
     assert samples[f'{waits}{{ended_by="data_version"}}'] == feed.noticed
     assert samples[f'{waits}{{ended_by="timeout"}}'] == feed.timeouts
+    assert samples["renderqueue_keeper_feed_polls_total"] == feed.polls >= 1
+    assert samples["renderqueue_keeper_feed_log_entries_total"] == feed.log_entries >= 1
+    publishes = "renderqueue_keeper_publishes_total"
+    publish = record.publish
+    assert samples[f'{publishes}{{reason="refill"}}'] == publish.refills
+    assert samples[f'{publishes}{{reason="interval"}}'] == publish.publishes - publish.refills
+    assert publish.publishes >= 1
 
 
 def test_the_feeds_pruning_is_served_where_the_feed_prunes(tmp_path: Path) -> None:
