@@ -45,6 +45,7 @@ from store.postgres import sql
 from store.postgres.conn import Conn, connect, long_statements, translated
 from store.postgres.schema import NOTIFY_CHANNEL
 from store.postgres.sql import (
+    POLL_DETAILS_MISSING,
     POLL_KEY,
     POLL_KIND,
     POLL_RECORD,
@@ -300,13 +301,10 @@ class PostgresSubscription:
                 },
             ).fetchall()
         }
-        # Not found: a route or setting that is gone (paused, NOT NULL, reads None), a
-        # site with no settings of its own (found False).
-        missing = (None,) * 9 + (False, None, None)
         return [
             entry
             if entry[POLL_KIND] == KIND_ROW
-            else (*entry, *found.get((entry[POLL_KIND], entry[POLL_KEY]), missing))
+            else (*entry, *found.get((entry[POLL_KIND], entry[POLL_KEY]), POLL_DETAILS_MISSING))
             for entry in entries
         ]
 

@@ -263,23 +263,22 @@ POLL_RECORD = slice(6, 22)
 # rescanned for every row entry, which it never matches. A later read is as exact as one
 # in the poll's snapshot: each entry is delivered with its target's state when read, and
 # any change after that has an entry still to come.
-POLL_ROUTE = slice(22, 30)
-POLL_SETTING = 30
-POLL_SITE = slice(31, 34)
+_ROUTE_AFTER_NAME = ROUTE_COLUMNS.split(", ")[1:]
+_NO_ROUTE = ", ".join("NULL" for _ in _ROUTE_AFTER_NAME)  # typed by the routes branch
+POLL_ROUTE = slice(POLL_RECORD.stop, POLL_RECORD.stop + len(_ROUTE_AFTER_NAME))
+POLL_SETTING = POLL_ROUTE.stop
+POLL_SITE = slice(POLL_SETTING + 1, POLL_SETTING + 4)
+# What is appended for a target not found: a route or setting that is gone (paused, NOT
+# NULL, reads None), a site with no settings of its own (found False).
+POLL_DETAILS_MISSING = (None,) * (POLL_SITE.start - POLL_ROUTE.start) + (False, None, None)
 POLL_DETAILS = f"""
-SELECT {KIND_ROUTE}, route, default_cadence_s, paused, adapt_min_s, adapt_max_s, adapt_inc,
-       adapt_dec, site_pattern, retire_after,
-       NULL::bigint, NULL::boolean, NULL::integer, NULL::integer
+SELECT {KIND_ROUTE}, {ROUTE_COLUMNS}, NULL::bigint, NULL::boolean, NULL::integer, NULL::integer
 FROM routes WHERE route = ANY(%(routes)s::text[])
 UNION ALL
-SELECT {KIND_SETTINGS}, name, NULL::integer, NULL::boolean, NULL::integer, NULL::integer,
-       NULL::double precision, NULL::double precision, NULL::text, NULL::integer,
-       value, NULL::boolean, NULL::integer, NULL::integer
+SELECT {KIND_SETTINGS}, name, {_NO_ROUTE}, value, NULL, NULL, NULL
 FROM settings WHERE name = ANY(%(settings)s::text[])
 UNION ALL
-SELECT {KIND_SITE}, site, NULL::integer, NULL::boolean, NULL::integer, NULL::integer,
-       NULL::double precision, NULL::double precision, NULL::text, NULL::integer,
-       NULL::bigint, true, max_in_flight, min_interval_ms
+SELECT {KIND_SITE}, site, {_NO_ROUTE}, NULL, true, max_in_flight, min_interval_ms
 FROM site_settings WHERE site = ANY(%(sites)s::text[])
 """
 POLL = """
