@@ -664,12 +664,15 @@ class Lifecycle:
         The gap grows with what a publish costs (it reads past every leased row ranked
         above the last one kept, so a fleet with many keys in flight makes it slower):
         refills take at most 1 / REFILL_COST_SHARE of the keeper's time, and of the GIL it
-        shares with worker 0's claims.
+        shares with worker 0's claims. The cost is the publish's CPU, not its wall time:
+        while worker 0's event loop serves claims, a publish waits for the GIL several
+        times its own CPU, and a gap taken from that would hold back the very claims
+        that waited.
         """
         stats = self.published
         gap_ms = max(
             self.config.refill_min_gap_s * 1000,
-            REFILL_COST_SHARE * stats.last_duration_us / 1000,
+            REFILL_COST_SHARE * stats.last_cpu_us / 1000,
         )
         return (
             stats.last_at is not None

@@ -122,7 +122,7 @@ class Publisher:
         reads), best first. Never raises: a failure is counted, logged and returned.
         `refill`: early, because claims drained the ring. `delivered_below`: the feed
         position the view holds every write below (shm.marks; 0 vouches for nothing)."""
-        started = time.perf_counter_ns()
+        started, cpu_started = time.perf_counter_ns(), time.thread_time_ns()
         try:
             selection = self.core.select(
                 self.config.best_k,
@@ -166,6 +166,7 @@ class Publisher:
             last_at=now,
             last_count=self.ring.published_count(),  # the selection, unless the ring cut it
             last_duration_us=(time.perf_counter_ns() - started) // 1000,
+            last_cpu_us=(time.thread_time_ns() - cpu_started) // 1000,
             last_considered=selection.considered,
             last_blocked=selection.blocked,
             last_passed=selection.passed,

@@ -137,7 +137,8 @@ class PublishStats(msgspec.Struct, frozen=True, kw_only=True):
     failures: int = 0
     last_at: int | None = None
     last_count: int = 0
-    last_duration_us: int = 0
+    last_duration_us: int = 0  # wall time, stretched by whatever held the GIL meanwhile
+    last_cpu_us: int = 0  # the keeper thread's CPU in it: what the GIL and the core paid
     last_considered: int = 0  # candidate rows read to choose them
     last_blocked: int = 0  # due candidates left out as leased or held, or over a site's cap
     last_passed: int = 0  # of them, leased rows passed over unprobed (keeper.skips)

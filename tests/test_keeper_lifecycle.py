@@ -303,11 +303,25 @@ def test_an_untouched_ring_is_looked_at_less_and_less_often_until_the_next_publi
 def test_a_slow_publish_spaces_the_refills_out() -> None:
     script = live()
     script.round(advance_ms=1000)
-    script.lc.published = msgspec.structs.replace(script.lc.published, last_duration_us=10_000)
+    script.lc.published = msgspec.structs.replace(
+        script.lc.published, last_duration_us=10_000, last_cpu_us=10_000
+    )
     script.round(remaining=2, advance_ms=20)
     assert "Publish" not in script.kinds(), "10 ms publishes: not before 50 ms"
     script.round(remaining=2, advance_ms=10 * REFILL_COST_SHARE - 20)
     assert Publish(refill=True) in script.done
+
+
+def test_a_publish_that_waited_for_the_gil_does_not_space_the_refills_out() -> None:
+    """A publish's wall time under claims is mostly its waits for worker 0's GIL: the
+    refills are spaced by its CPU."""
+    script = live()
+    script.round(advance_ms=1000)
+    script.lc.published = msgspec.structs.replace(
+        script.lc.published, last_duration_us=40_000, last_cpu_us=1_000
+    )
+    script.round(remaining=2, advance_ms=20)
+    assert Publish(refill=True) in script.done, "1 ms of CPU: refilled after refill_min_gap_s"
 
 
 def test_a_failed_publish_stalls_the_status_and_the_next_one_restores_it() -> None:

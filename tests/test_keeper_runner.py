@@ -697,10 +697,10 @@ def test_a_ring_drained_by_claims_is_refilled_before_the_next_tick() -> None:
     rig.ring.take(6)  # 4 of 20 left: below a quarter
     rig.keeper.step()
     assert rig.ring.generation == generation, "within refill_min_gap_s of the last publish"
-    # The last publish's real duration spaces refills too (the next test): a loaded machine
-    # must not make this one slow enough to count.
+    # The last publish's CPU spaces refills too (the next test): a loaded machine must not
+    # make this one costly enough to count.
     lifecycle = rig.keeper.lifecycle
-    lifecycle.published = msgspec.structs.replace(lifecycle.published, last_duration_us=100)
+    lifecycle.published = msgspec.structs.replace(lifecycle.published, last_cpu_us=100)
     rig.steps(1, advance_ms=20)
     assert rig.ring.generation == generation + 1 and rig.ring.remaining() == 20
     stats = rig.keeper.statistics().publish
@@ -715,7 +715,7 @@ def test_a_ring_drained_by_claims_is_refilled_before_the_next_tick() -> None:
 def test_a_slow_publish_spaces_the_refills_out() -> None:
     """A publish reads past every leased row ranked above its last kept one, so a fleet
     with many keys in flight makes it slow; refills then wait REFILL_COST_SHARE times
-    the last publish's duration, not just refill_min_gap_s."""
+    the last publish's CPU, not just refill_min_gap_s."""
     from keeper.lifecycle import REFILL_COST_SHARE
 
     config = msgspec.structs.replace(RIG_CONFIG, best_k=20, refill_min_gap_s=0.02)
@@ -723,7 +723,7 @@ def test_a_slow_publish_spaces_the_refills_out() -> None:
     rig.keeper.start()
     rig.steps(8)
     lifecycle = rig.keeper.lifecycle
-    lifecycle.published = msgspec.structs.replace(lifecycle.published, last_duration_us=10_000)
+    lifecycle.published = msgspec.structs.replace(lifecycle.published, last_cpu_us=10_000)
     generation = rig.ring.generation
     rig.ring.take(18)
     rig.steps(1, advance_ms=20)
