@@ -114,6 +114,40 @@ def test_many_processes_opening_a_new_database_at_once_all_open_it(pg_url: str) 
     store.close()
 
 
+def test_a_row_is_looked_up_by_key_through_the_hash_index(pg_url: str) -> None:
+    """The feed's poll reads each entry's row, and a completion's UPDATE each of its keys,
+    through render_schedule_key_lookup: long URL keys make the primary key's B-tree too
+    large to stay cached (schema._V12)."""
+    from store.postgres.feed import PLANNING
+
+    store = PostgresStore(pg_url, prune_interval_s=None)
+    try:
+        store.write([put(f"https://example.com/p/{i}") for i in range(2000)])
+    finally:
+        store.close()
+    keys = [f"https://example.com/p/{i}" for i in range(100)]
+    with connect(pg_url) as conn:
+        conn.execute("ANALYZE render_schedule")
+        for setting in PLANNING:  # the feed's session (store.postgres.feed)
+            conn.execute(setting)
+        poll = "\n".join(
+            row[0]
+            for row in conn.execute("EXPLAIN " + sql.POLL, {"xid": "0", "seq": 0, "limit": 101})
+        )
+        assert "render_schedule_key_lookup" in poll, poll
+        # A table this small is read whole for a join; at a node's size (here, with the
+        # other joins off) the completion looks each of its keys up.
+        for join in ("hashjoin", "mergejoin"):
+            conn.execute(f"SET enable_{join} = off")
+        complete = "\n".join(
+            row[0]
+            for row in conn.execute(
+                "EXPLAIN " + sql.COMPLETE_RENDERED, {"keys": keys, "now": 1, "next_at": 2}
+            )
+        )
+        assert "render_schedule_key_lookup on render_schedule" in complete, complete
+
+
 def test_a_version_2_database_is_migrated_and_gets_its_hash_secret(pg_url: str) -> None:
     with psycopg.connect(pg_url, autocommit=True) as conn:
         conn.execute("CREATE TABLE schema_version (version integer NOT NULL)")
