@@ -148,6 +148,24 @@ def test_a_row_is_looked_up_by_key_through_the_hash_index(pg_url: str) -> None:
         assert "render_schedule_key_lookup on render_schedule" in complete, complete
 
 
+def test_a_key_index_built_beforehand_is_taken_by_the_migration(pg_url: str) -> None:
+    """An operator builds migration 12's index concurrently before upgrading a large
+    table (docs/operations.md), so that no write waits for it: the migration finds it."""
+    PostgresStore(pg_url, prune_interval_s=None).close()
+    run_sql(pg_url, "DROP INDEX render_schedule_key_lookup")
+    run_sql(pg_url, "DELETE FROM schema_version WHERE version = 12")
+    run_sql(
+        pg_url,
+        "CREATE INDEX CONCURRENTLY render_schedule_key_lookup ON render_schedule USING hash (key)",
+    )
+    store = PostgresStore(pg_url, prune_interval_s=None)
+    try:
+        assert store.statistics().schema_version == LATEST == 12
+    finally:
+        store.close()
+    assert run_sql(pg_url, VERSIONS) == [(LATEST, LATEST)]
+
+
 def test_a_version_2_database_is_migrated_and_gets_its_hash_secret(pg_url: str) -> None:
     with psycopg.connect(pg_url, autocommit=True) as conn:
         conn.execute("CREATE TABLE schema_version (version integer NOT NULL)")

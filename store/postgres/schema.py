@@ -256,8 +256,9 @@ _V11 = [
 # key's B-tree is several times the size of a hash index of them, and once the table is
 # larger than the server's buffers each lookup through it reads pages the hash index
 # keeps cached. The primary key stays for uniqueness, an upsert's conflict and the walks'
-# key order. (Built in the migration's transaction: writes wait for it, once.)
-_V12 = ["CREATE INDEX render_schedule_key_lookup ON render_schedule USING hash (key)"]
+# key order. Built in the migration's transaction, where writes wait for it; an operator
+# may build it beforehand, concurrently, and the migration then finds it.
+_V12 = ["CREATE INDEX IF NOT EXISTS render_schedule_key_lookup ON render_schedule USING hash (key)"]
 
 # Index i holds the statements that take a database from version i to i + 1.
 MIGRATIONS: list[list[str]] = [_V1, _V2, _V3, _V4, _V5, _V6, _V7, _V8, _V9, _V10, _V11, _V12]
