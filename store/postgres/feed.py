@@ -225,14 +225,14 @@ class PostgresSubscription:
         return cursor_token(self._origin, self._xid, self._seq)
 
     def poll(self, limit: int = 1000) -> FeedBatch:
-        entries = self._read(limit)
+        entries, _ = self._read(limit)
         return FeedBatch(events=self._events_of(entries), cursor=self.cursor, more=self._more)
 
     def poll_records(self, limit: int = 1000) -> FeedBatch | RowRecords:
         """`poll`, but a batch of row entries only comes as their records (RowRecords),
         coalesced as `poll` coalesces them: no Row or event is made of them here."""
-        entries = self._read(limit)
-        if any(entry[POLL_KIND] != KIND_ROW for entry in entries):
+        entries, rows_only = self._read(limit)
+        if not rows_only:
             return FeedBatch(events=self._events_of(entries), cursor=self.cursor, more=self._more)
         kept, folded = last_of_each_key([cast(LogRecord, e[POLL_RECORD]) for e in entries])
         self._coalesced += folded
@@ -240,9 +240,10 @@ class PostgresSubscription:
         self._events += len(kept)
         return RowRecords(records=kept, cursor=self.cursor, more=self._more)
 
-    def _read(self, limit: int) -> list[tuple[Any, ...]]:
-        """The next entries after the cursor, up to `limit`, each a POLL row; the cursor
-        moves past them."""
+    def _read(self, limit: int) -> tuple[list[tuple[Any, ...]], bool]:
+        """The next entries after the cursor, up to `limit`, each a POLL row (a route,
+        settings or site entry with its details appended), and whether all are row
+        entries; the cursor moves past them."""
         if limit < 1:
             raise ValueError(f"limit must be at least 1, got {limit}")
         if self._closed:
@@ -262,7 +263,8 @@ class PostgresSubscription:
         entries = rows if rows[0][POLL_XID] is not None else []
         following = entries[limit] if len(entries) > limit else None
         del entries[limit:]
-        if any(entry[POLL_KIND] != KIND_ROW for entry in entries):
+        rows_only = all(entry[POLL_KIND] == KIND_ROW for entry in entries)
+        if not rows_only:
             with translated("poll"):  # before the cursor moves: a failure re-reads them
                 entries = self._with_details(entries)
         self._polls += 1
@@ -281,7 +283,7 @@ class PostgresSubscription:
                 self._xid, self._seq = int(following[POLL_XID]), 0
         elif (xmin, 0) > (self._xid, self._seq):
             self._xid, self._seq = xmin, 0  # everything below the horizon is delivered
-        return entries
+        return entries, rows_only
 
     def _with_details(self, entries: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
         """Each route, settings or site entry with what it names appended

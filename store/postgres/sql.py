@@ -244,10 +244,11 @@ HEAD = HORIZON
 
 # One statement is one snapshot: the entries below its xmin after the cursor, each row
 # entry with its row's current state, the floor, and whether committed entries wait at
-# or past xmin (held back by a transaction still running). Each entry's row is a primary
-# key lookup of its own (LATERAL, LIMIT 1 so the planner cannot turn it into a join that
-# reads the whole table), and `pending` is read once, from the log index's last entry,
-# in the materialized horizon: the cost of a poll follows its entries, not the table.
+# or past xmin (held back by a transaction still running). Each entry's row is a lookup
+# by key of its own (LATERAL, LIMIT 1 so the planner cannot turn it into a join that
+# reads the whole table; through the keys' hash index, schema._V12), and `pending` is
+# read once, from the log index's last entry, in the materialized horizon: the cost of a
+# poll follows its entries, not the table.
 # POLL's columns: the poll's own (horizon, floor, pending), then per entry its xid and a
 # store.rows.LogRecord (seq, kind, key, a stamp the SQLite ring has and this log has not,
 # the row's columns after its key, the sitemap flag as the integer SQLite stores), so a
